@@ -1,0 +1,90 @@
+"""The durable host store: one ``(num_blocks * block_size, width)`` tensor per key.
+
+Owns: the pool tensors and the pool data lock. Rows are addressed by the engine's
+KV slots (``slot = block_id * block_size + offset``); rows never written read as
+zeros, which is why readers consult ``omni_cache.tenancy`` before trusting them
+(I6). Only the committer writes here (``write``); keys are never dropped.
+
+The data lock is a leaf lock: it covers one ``index_copy_`` or ``index_select``
+and nothing is waited for or acquired while holding it (I11).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from omni_cache.errors import OmniPrefixCacheUnmatchError
+from omni_cache.interface import TensorName
+
+
+class PrefixBlockPool:
+    """Per tensor name, a zero-initialised host tensor of ``num_slots`` rows."""
+
+    def __init__(self, num_slots: int, *, pin_memory: bool = False) -> None:
+        self.num_slots = num_slots
+        self.pin_memory = pin_memory
+        # Leaf lock over the tensors below (and their dict).
+        self.lock = threading.Lock()
+        # key -> [num_slots, *row_shape]; allocated on first write, never dropped.
+        self._tensors: dict[TensorName, torch.Tensor] = {}
+
+    def keys(self) -> list[TensorName]:
+        with self.lock:
+            return list(self._tensors)
+
+    def has_key(self, key: TensorName) -> bool:
+        with self.lock:
+            return key in self._tensors
+
+    def _tensor_for(self, key: TensorName, rows: torch.Tensor) -> torch.Tensor:
+        row_shape = tuple(rows.shape[1:])
+        with self.lock:
+            tensor = self._tensors.get(key)
+        if tensor is None:
+            fresh = torch.zeros(
+                (self.num_slots, *row_shape), dtype=rows.dtype, pin_memory=self.pin_memory
+            )
+            with self.lock:
+                tensor = self._tensors.setdefault(key, fresh)
+        if tuple(tensor.shape[1:]) != row_shape or tensor.dtype != rows.dtype:
+            raise OmniPrefixCacheUnmatchError(
+                f"block pool key {key!r} holds rows of shape {tuple(tensor.shape[1:])} "
+                f"{tensor.dtype}; a write brought rows of shape {row_shape} {rows.dtype}: "
+                "a key's width and dtype never change"
+            )
+        return tensor
+
+    def check_slots(self, slots: torch.Tensor) -> None:
+        if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= self.num_slots):
+            raise OmniPrefixCacheUnmatchError(
+                f"KV slots out of range [0, {self.num_slots}): min {int(slots.min())}, "
+                f"max {int(slots.max())}"
+            )
+
+    def write(self, key: TensorName, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """Scatter ``rows`` into ``key`` at ``slots`` (int64, CPU)."""
+        if rows.shape[0] != slots.shape[0]:
+            raise OmniPrefixCacheUnmatchError(
+                f"block pool write of {key!r}: {rows.shape[0]} rows for {slots.shape[0]} slots"
+            )
+        self.check_slots(slots)
+        tensor = self._tensor_for(key, rows)
+        with self.lock:
+            tensor.index_copy_(0, slots, rows)
+
+    def rows(self, key: TensorName, slots: torch.Tensor) -> torch.Tensor:
+        """A copy of ``key``'s rows at ``slots``; unknown key raises."""
+        self.check_slots(slots)
+        with self.lock:
+            tensor = self._tensors.get(key)
+            if tensor is None:
+                raise OmniPrefixCacheUnmatchError(
+                    f"block pool has no key {key!r} (keys: {sorted(self._tensors)})"
+                )
+            return tensor.index_select(0, slots)
+
+    def nbytes(self) -> dict[TensorName, int]:
+        with self.lock:
+            return {k: t.numel() * t.element_size() for k, t in self._tensors.items()}

@@ -1,0 +1,284 @@
+"""The staging pool: ``staging_depth`` reusable host pages per tensor name.
+
+Owns: the page storage (``_pages``; no other module may touch it -- a test scans
+the package for that), the staging slots, the map of unconsumed step ids, and
+the pool lock with its condition variable.
+
+The staging-slot machine (``states.STAGING_TABLE``) is the only door: a page is
+written only through a ``claimed`` slot, read only through a ``saved`` or
+``materialized`` one, and claimed only from ``free``.
+
+Upholds:
+  I1  a step id is consumed once; a second consume or an unknown id raises
+      "already consumed or never saved" and changes nothing.
+  I2  at most ``staging_depth`` unconsumed step ids; a claim that finds no free
+      slot waits ``staging_claim_timeout_s`` on the condition variable, then
+      raises ``OmniPrefixCacheStagingTimeoutError`` naming every unconsumed step
+      id with where it was saved, and the in-flight writes.
+  I3  a page is not freed while its consumer or a pool write still reads it.
+  I10 a step larger than a page raises "staging capacity is".
+  I11 the pool lock covers only bookkeeping: the wait releases it, and page
+      allocation and row copies run outside it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from omni_cache.errors import (
+    PHRASE_CAPACITY,
+    PHRASE_NOT_SAVED,
+    PHRASE_UNCONSUMED,
+    OmniPrefixCacheStagingTimeoutError,
+    OmniPrefixCacheUnmatchError,
+)
+from omni_cache.interface import StepId, TensorName
+from omni_cache.states import STAGING_TABLE, TableMachine
+from omni_cache.trace import TraceRecorder
+
+
+class StagingSlot:
+    """One page index of the pool and its lifecycle state.
+
+    Mutated only by ``StagingPool`` under its lock (``state`` via the machine).
+    """
+
+    __slots__ = ("index", "state", "step_id", "saved_at", "num_rows", "num_write_holds", "reading")
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.state = STAGING_TABLE.initial
+        self.step_id: StepId | None = None
+        self.saved_at: str | None = None
+        self.num_rows = 0
+        # Pool writes that still read this page (I3).
+        self.num_write_holds = 0
+        # True between consume and done_reading: the consumer reads the page.
+        self.reading = False
+
+    def describe(self) -> str:
+        return f"staging slot {self.index} (state {self.state!r}, step id {self.step_id})"
+
+
+class StagingPool:
+    """``depth`` pages of ``capacity`` rows per key, behind the slot machine."""
+
+    def __init__(
+        self,
+        depth: int,
+        capacity_tokens: int,
+        claim_timeout_s: float,
+        *,
+        pin_memory: bool = False,
+        recorder: TraceRecorder | None = None,
+        describe_in_flight: Callable[[], str] | None = None,
+    ) -> None:
+        self.depth = depth
+        self.capacity_tokens = capacity_tokens
+        self.claim_timeout_s = claim_timeout_s
+        self.pin_memory = pin_memory
+        self.machine = TableMachine(STAGING_TABLE, recorder)
+        self._describe_in_flight = describe_in_flight or (lambda: "none")
+        # Protects every field below and every slot's fields.
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._slots = [StagingSlot(i) for i in range(depth)]
+        # Saved, unconsumed step ids -> their slot (I1, I2).
+        self._by_step: dict[StepId, StagingSlot] = {}
+        # key -> tensor [depth, capacity, *row_shape]; the page storage itself.
+        self._pages: dict[TensorName, torch.Tensor] = {}
+        # Set once when the manager fails (I8): claims and waiters raise it.
+        self._failure: str | None = None
+        self.num_claims = 0
+        self.num_claim_waits = 0
+        self.claim_wait_s: list[float] = []
+
+    # ---- lifecycle (the machine's triggers) ---------------------------------
+    def claim(self, num_rows: int, *, timeout_s: float | None = None) -> StagingSlot:
+        """Find a free slot and claim it, atomically; wait for one if none is free."""
+        if num_rows > self.capacity_tokens:
+            raise OmniPrefixCacheUnmatchError(
+                f"a step of {num_rows} tokens does not fit a staging page: {PHRASE_CAPACITY} "
+                f"{self.capacity_tokens} tokens (staging_capacity_tokens); the cache never "
+                "clamps -- raise max_num_batched_tokens or staging_capacity_tokens (I10)"
+            )
+        timeout_s = self.claim_timeout_s if timeout_s is None else timeout_s
+        start = time.perf_counter()
+        waited = False
+        with self._cond:
+            while True:
+                if self._failure is not None:
+                    raise OmniPrefixCacheUnmatchError(self._failure)
+                slot = next((s for s in self._slots if s.state == "free"), None)
+                if slot is not None:
+                    self.machine.fire(slot, "claim", what=f"staging slot {slot.index}")
+                    slot.num_rows = num_rows
+                    self.num_claims += 1
+                    if waited:
+                        self.num_claim_waits += 1
+                        self.claim_wait_s.append(time.perf_counter() - start)
+                    return slot
+                waited = True
+                remaining = timeout_s - (time.perf_counter() - start)
+                if remaining <= 0 or not self._cond.wait(remaining):
+                    if any(s.state == "free" for s in self._slots):
+                        continue
+                    unconsumed = self._describe_unconsumed_locked()
+                    break
+        raise OmniPrefixCacheStagingTimeoutError(
+            f"save waited {timeout_s:.3f}s for a free staging slot and timed out "
+            f"(staging_depth={self.depth}, I2); {PHRASE_UNCONSUMED}: {unconsumed}; "
+            f"in-flight writes: {self._describe_in_flight()}. Every step id must be "
+            "materialized or discarded exactly once."
+        )
+
+    def abort(self, slot: StagingSlot) -> None:
+        """The save failed after claiming: give the page back unused."""
+        with self._cond:
+            self.machine.fire(slot, "abort", what=f"staging slot {slot.index}")
+            slot.num_rows = 0
+            self._cond.notify_all()
+
+    def save(self, slot: StagingSlot, step_id: StepId, saved_at: str) -> None:
+        """Issue ``step_id`` for the claimed slot."""
+        with self._cond:
+            if step_id in self._by_step:
+                raise AssertionError(f"step id {step_id} issued twice: a bug in the manager's counter")
+            self.machine.fire(slot, "save", what=f"staging slot {slot.index}", step_id=step_id)
+            slot.step_id = step_id
+            slot.saved_at = saved_at
+            self._by_step[step_id] = slot
+
+    def consume(self, step_id: StepId, *, caller: str) -> StagingSlot:
+        """Take ``step_id`` exactly once (I1); the caller then reads the page."""
+        with self._cond:
+            slot = self._by_step.get(step_id)
+            if slot is None:
+                raise OmniPrefixCacheUnmatchError(
+                    f"{caller}: step id {step_id} was {PHRASE_NOT_SAVED} (I1); "
+                    f"unconsumed step ids: {sorted(self._by_step)}"
+                )
+            self.machine.fire(slot, "consume", what=f"staging slot {slot.index}", step_id=step_id)
+            del self._by_step[step_id]
+            slot.reading = True
+            return slot
+
+    def done_reading(self, slot: StagingSlot) -> None:
+        """The consumer is done with the page; release it if no write reads it."""
+        with self._cond:
+            assert slot.reading, f"done_reading on {slot.describe()} without a consume: manager bug"
+            slot.reading = False
+            self._release_if_idle_locked(slot)
+
+    def hold(self, slot: StagingSlot) -> None:
+        """A pool write will read this page (I3)."""
+        with self._cond:
+            slot.num_write_holds += 1
+
+    def unhold(self, slot: StagingSlot) -> None:
+        """A pool write no longer reads this page."""
+        with self._cond:
+            assert slot.num_write_holds > 0, f"unhold without hold on {slot.describe()}: manager bug"
+            slot.num_write_holds -= 1
+            self._release_if_idle_locked(slot)
+
+    def _release_if_idle_locked(self, slot: StagingSlot) -> None:
+        if slot.state == "materialized" and not slot.reading and slot.num_write_holds == 0:
+            step_id = slot.step_id
+            self.machine.fire(slot, "release", what=f"staging slot {slot.index}", step_id=step_id)
+            slot.step_id = None
+            slot.saved_at = None
+            slot.num_rows = 0
+            self._cond.notify_all()
+
+    # ---- page access: only through a slot in the right state ----------------
+    def stage_rows(self, slot: StagingSlot, key: TensorName, rows: torch.Tensor, *, non_blocking: bool = False) -> torch.Tensor:
+        """Copy ``rows`` into ``slot``'s page of ``key``; the slot must be claimed."""
+        with self._lock:
+            self._require(slot, ("claimed",), f"stage rows of {key!r}")
+        n = rows.shape[0]
+        if n > slot.num_rows:
+            raise AssertionError(f"staging {n} rows into {slot.describe()} claimed for {slot.num_rows}: manager bug")
+        page = self._page(key, rows)[slot.index, :n]
+        page.copy_(rows, non_blocking=non_blocking)
+        return page
+
+    def page_rows(self, slot: StagingSlot, key: TensorName, start: int, end: int) -> torch.Tensor:
+        """A view of rows [start, end) of ``slot``'s page; slot saved or materialized."""
+        with self._lock:
+            self._require(slot, ("saved", "materialized"), f"read rows of {key!r}")
+            page = self._pages[key]
+        return page[slot.index, start:end]
+
+    def _require(self, slot: StagingSlot, states: tuple[str, ...], action: str) -> None:
+        if slot.state not in states:
+            raise OmniPrefixCacheUnmatchError(
+                f"cannot {action} through {slot.describe()}: the staging-slot machine allows it "
+                f"only in states {states} (I3)"
+            )
+
+    def _page(self, key: TensorName, like: torch.Tensor) -> torch.Tensor:
+        row_shape = tuple(like.shape[1:])
+        page = self._pages.get(key)
+        if page is None:
+            fresh = torch.empty(
+                (self.depth, self.capacity_tokens, *row_shape),
+                dtype=like.dtype,
+                pin_memory=self.pin_memory,
+            )
+            with self._lock:
+                page = self._pages.setdefault(key, fresh)
+        if tuple(page.shape[2:]) != row_shape or page.dtype != like.dtype:
+            raise OmniPrefixCacheUnmatchError(
+                f"staging page of {key!r} holds rows of shape {tuple(page.shape[2:])} {page.dtype}; "
+                f"this step's rows are {row_shape} {like.dtype}"
+            )
+        return page
+
+    # ---- introspection ------------------------------------------------------
+    def _describe_unconsumed_locked(self) -> str:
+        if not self._by_step:
+            return "none (every slot is held by a consumer or a pool write)"
+        return ", ".join(
+            f"step {sid} saved at {slot.saved_at} in staging slot {slot.index}"
+            for sid, slot in sorted(self._by_step.items())
+        )
+
+    def unconsumed(self) -> dict[StepId, str]:
+        """Unconsumed step ids -> where they were saved."""
+        with self._lock:
+            return {sid: slot.saved_at or "?" for sid, slot in sorted(self._by_step.items())}
+
+    def slot_states(self) -> list[str]:
+        with self._lock:
+            return [s.state for s in self._slots]
+
+    def page_bytes(self) -> dict[TensorName, int]:
+        with self._lock:
+            return {k: p.numel() * p.element_size() for k, p in self._pages.items()}
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            waits = sorted(self.claim_wait_s)
+            states = [s.state for s in self._slots]
+        return {
+            "depth": self.depth,
+            "capacity_tokens": self.capacity_tokens,
+            "slots": {st: states.count(st) for st in STAGING_TABLE.states},
+            "claims": self.num_claims,
+            "claim_waits": self.num_claim_waits,
+            "claim_wait_s_max": waits[-1] if waits else 0.0,
+            "page_bytes": self.page_bytes(),
+        }
+
+    def set_failed(self, message: str) -> None:
+        """The manager failed (I8): every claim, waiting or not, raises ``message``."""
+        with self._cond:
+            if self._failure is None:
+                self._failure = message
+            self._cond.notify_all()

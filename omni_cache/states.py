@@ -1,0 +1,165 @@
+"""The two state tables, as data, and the one way to fire them.
+
+Owns: ``STAGING_TABLE`` (staging-slot lifecycle) and ``WRITE_TABLE`` (pool-write
+lifecycle). These tables exist here and nowhere else: the runtime builds its
+``transitions`` machines from them, ``spec/`` renders its tables and Mermaid
+diagrams from them, and the TLA+ conformance test compares them with the
+spec's action graph.
+
+Upholds: the "illegal trigger is a contract error" half of I1/I3 -- an illegal
+trigger raises ``OmniPrefixCacheUnmatchError`` naming the object, its state, the
+trigger and the step id, and changes nothing.
+
+Cost: one ``Machine(model=None)`` per table; a trigger is
+``machine.events[name].trigger(obj)`` on a plain object with a ``state``
+attribute (~10-13 us here; no ``add_model``, which is quadratic, and no
+``LockedMachine``, which is 5x slower: callers hold their own lock).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from transitions import Machine, MachineError
+
+from omni_cache.errors import OmniPrefixCacheUnmatchError
+from omni_cache.trace import TraceRecorder
+
+
+@dataclass(frozen=True)
+class TransitionSpec:
+    """One row of a state table: ``trigger`` moves ``sources`` -> ``dest``."""
+
+    trigger: str
+    sources: tuple[str, ...]
+    dest: str
+
+
+@dataclass(frozen=True)
+class StateTable:
+    """A named state machine as plain data."""
+
+    name: str
+    states: tuple[str, ...]
+    initial: str
+    terminal: tuple[str, ...]
+    transitions: tuple[TransitionSpec, ...]
+    descriptions: dict[str, str]
+
+    @property
+    def triggers(self) -> tuple[str, ...]:
+        return tuple(t.trigger for t in self.transitions)
+
+    def edges(self) -> set[tuple[str, str, str]]:
+        """Every (source, trigger, dest) edge of the table."""
+        return {(s, t.trigger, t.dest) for t in self.transitions for s in t.sources}
+
+    def next_state(self, state: str, trigger: str) -> str | None:
+        """The destination of ``trigger`` from ``state``, or None if illegal."""
+        for t in self.transitions:
+            if t.trigger == trigger and state in t.sources:
+                return t.dest
+        return None
+
+
+STAGING_TABLE = StateTable(
+    name="staging_slot",
+    states=("free", "claimed", "saved", "materialized"),
+    initial="free",
+    terminal=(),
+    transitions=(
+        TransitionSpec("claim", ("free",), "claimed"),
+        TransitionSpec("abort", ("claimed",), "free"),
+        TransitionSpec("save", ("claimed",), "saved"),
+        TransitionSpec("consume", ("saved",), "materialized"),
+        TransitionSpec("release", ("materialized",), "free"),
+    ),
+    descriptions={
+        "free": "no holder; the page may be claimed",
+        "claimed": "a save took the page; the device->host copy may be in flight; no step id yet",
+        "saved": "the step id is issued; its context waits for exactly one consume",
+        "materialized": "the step was consumed (materialize or discard); pool writes may still read the page",
+        "claim": "a save found this free page (atomic with the search, under the pool lock)",
+        "abort": "the save failed after claiming; the page returns unused",
+        "save": "the step id is issued and the step context snapshotted",
+        "consume": "materialize or discard_step took the step id (exactly once, I1)",
+        "release": "no pool write still reads the page (I3)",
+    },
+)
+
+_WRITE_LIVE = ("pending", "queued", "copying", "host_ready")
+
+WRITE_TABLE = StateTable(
+    name="pool_write",
+    states=("pending", "queued", "copying", "host_ready", "written", "failed"),
+    initial="pending",
+    terminal=("written", "failed"),
+    transitions=(
+        TransitionSpec("enqueue", ("pending",), "queued"),
+        TransitionSpec("start_copy", ("queued",), "copying"),
+        TransitionSpec("finish_copy", ("copying",), "host_ready"),
+        TransitionSpec("commit", ("host_ready",), "written"),
+        TransitionSpec("fail", _WRITE_LIVE, "failed"),
+    ),
+    descriptions={
+        "pending": "registered at save; deferred rows wait on a device clone",
+        "queued": "in the copy queue (finished/aborted requests go to the front)",
+        "copying": "the device->host copy is in flight",
+        "host_ready": "the rows are in host memory; the committer may scatter them",
+        "written": "the rows are in the block pool at their KV slots",
+        "failed": "the write failed; the manager is failed for good (I8)",
+        "enqueue": "pushed to the copy queue (save, finish/abort, budget, or a hit that needs it)",
+        "start_copy": "the device->host copy started",
+        "finish_copy": "the copy event completed",
+        "commit": "the committer scattered the rows into the block pool",
+        "fail": "any error before the write landed",
+    },
+)
+
+ALL_TABLES: tuple[StateTable, ...] = (STAGING_TABLE, WRITE_TABLE)
+
+
+class Stateful(Protocol):
+    """An object a table's machine drives: it carries ``state``."""
+
+    state: str
+
+
+class TableMachine:
+    """One ``transitions.Machine(model=None)`` built from a ``StateTable``.
+
+    ``fire`` is the only way the runtime changes a slot's or a write's state.
+    It is not locked: the caller holds the lock that protects the object.
+    """
+
+    def __init__(self, table: StateTable, recorder: TraceRecorder | None = None) -> None:
+        self.table = table
+        # Set once by the owner (tests and trace validation); read on every fire.
+        self.recorder = recorder
+        self._machine = Machine(
+            model=None,
+            states=list(table.states),
+            transitions=[
+                {"trigger": t.trigger, "source": list(t.sources), "dest": t.dest}
+                for t in table.transitions
+            ],
+            initial=table.initial,
+            auto_transitions=False,
+            send_event=False,
+        )
+        self._events = self._machine.events
+
+    def fire(self, obj: Any, trigger: str, *, what: str, step_id: int | None = None) -> None:
+        """Fire ``trigger`` on ``obj``; an illegal trigger raises and changes nothing."""
+        source = obj.state
+        try:
+            self._events[trigger].trigger(obj)
+        except (MachineError, KeyError) as exc:
+            raise OmniPrefixCacheUnmatchError(
+                f"illegal {self.table.name} trigger {trigger!r} on {what} in state {source!r} "
+                f"(step id {step_id}); legal triggers from {source!r}: "
+                f"{sorted(t.trigger for t in self.table.transitions if source in t.sources)}"
+            ) from exc
+        if self.recorder is not None:
+            self.recorder.record(self.table.name, what, trigger, source, obj.state, step_id)

@@ -1,0 +1,48 @@
+"""Transition traces: what the runtime's machines did, in order.
+
+Owns: ``TraceRecorder`` and ``TraceEvent``. Off by default: a machine with no
+recorder pays one ``is None`` check per trigger. Traces feed trace validation
+(the pure-Python replay in ``omni_cache.verify`` and TLC in ``tla/``), which
+checks that the runtime only took transitions that the state tables (and so
+the TLA+ model) allow.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TraceEvent:
+    """One fired trigger: ``obj`` went ``source`` -> ``dest`` by ``trigger``."""
+
+    machine: str
+    obj: str
+    trigger: str
+    source: str
+    dest: str
+    step_id: int | None
+
+
+class TraceRecorder:
+    """Append-only, thread-safe list of ``TraceEvent``."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        # Appended by TableMachine.fire (any thread); read by tests after the run.
+        self._events: list[TraceEvent] = []
+
+    def record(
+        self, machine: str, obj: str, trigger: str, source: str, dest: str, step_id: int | None
+    ) -> None:
+        with self._lock:
+            self._events.append(TraceEvent(machine, obj, trigger, source, dest, step_id))
+
+    def events(self, machine: str | None = None) -> list[TraceEvent]:
+        with self._lock:
+            return [e for e in self._events if machine is None or e.machine == machine]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._events.clear()
