@@ -48,7 +48,7 @@ class StagingSlot:
     Mutated only by ``StagingPool`` under its lock (``state`` via the machine).
     """
 
-    __slots__ = ("index", "state", "step_id", "saved_at", "num_rows", "num_write_holds", "reading")
+    __slots__ = ("index", "num_rows", "num_write_holds", "reading", "saved_at", "state", "step_id")
 
     def __init__(self, index: int) -> None:
         self.index = index

@@ -43,18 +43,18 @@ class PoolWrite:
     """
 
     __slots__ = (
-        "tid",
-        "state",
-        "schedule",
-        "step_id",
-        "slots",
-        "source",
-        "host",
-        "staging_slot",
-        "req_ids",
-        "nbytes",
         "copy_event",
         "error",
+        "host",
+        "nbytes",
+        "req_ids",
+        "schedule",
+        "slots",
+        "source",
+        "staging_slot",
+        "state",
+        "step_id",
+        "tid",
     )
 
     def __init__(
