@@ -38,6 +38,17 @@ class PrefixBlockPool:
         with self.lock:
             return key in self._tensors
 
+    def ensure_key(self, key: TensorName, rows: torch.Tensor) -> torch.Tensor:
+        """The tensor of ``key``, allocated (zeros) on first use; shape/dtype checked.
+
+        Call without holding ``lock``; it allocates outside the lock.
+        """
+        return self._tensor_for(key, rows)
+
+    def tensor_locked(self, key: TensorName) -> torch.Tensor | None:
+        """The tensor of ``key`` or None; the caller holds ``lock``."""
+        return self._tensors.get(key)
+
     def _tensor_for(self, key: TensorName, rows: torch.Tensor) -> torch.Tensor:
         row_shape = tuple(rows.shape[1:])
         with self.lock:

@@ -101,12 +101,7 @@ class StagingPool:
     # ---- lifecycle (the machine's triggers) ---------------------------------
     def claim(self, num_rows: int, *, timeout_s: float | None = None) -> StagingSlot:
         """Find a free slot and claim it, atomically; wait for one if none is free."""
-        if num_rows > self.capacity_tokens:
-            raise OmniPrefixCacheUnmatchError(
-                f"a step of {num_rows} tokens does not fit a staging page: {PHRASE_CAPACITY} "
-                f"{self.capacity_tokens} tokens (staging_capacity_tokens); the cache never "
-                "clamps -- raise max_num_batched_tokens or staging_capacity_tokens (I10)"
-            )
+        self.check_capacity(num_rows)
         timeout_s = self.claim_timeout_s if timeout_s is None else timeout_s
         start = time.perf_counter()
         waited = False
@@ -136,6 +131,15 @@ class StagingPool:
             f"in-flight writes: {self._describe_in_flight()}. Every step id must be "
             "materialized or discarded exactly once."
         )
+
+    def check_capacity(self, num_rows: int) -> None:
+        """A step larger than a page raises; the cache never clamps (I10)."""
+        if num_rows > self.capacity_tokens:
+            raise OmniPrefixCacheUnmatchError(
+                f"a step of {num_rows} tokens does not fit a staging page: {PHRASE_CAPACITY} "
+                f"{self.capacity_tokens} tokens (staging_capacity_tokens); the cache never "
+                "clamps -- raise max_num_batched_tokens or staging_capacity_tokens (I10)"
+            )
 
     def abort(self, slot: StagingSlot) -> None:
         """The save failed after claiming: give the page back unused."""
@@ -197,16 +201,18 @@ class StagingPool:
             self._cond.notify_all()
 
     # ---- page access: only through a slot in the right state ----------------
-    def stage_rows(self, slot: StagingSlot, key: TensorName, rows: torch.Tensor, *, non_blocking: bool = False) -> torch.Tensor:
-        """Copy ``rows`` into ``slot``'s page of ``key``; the slot must be claimed."""
+    def claimed_page(self, slot: StagingSlot, key: TensorName, like: torch.Tensor) -> torch.Tensor:
+        """The writable page rows ``[0, len(like))`` of ``key`` for a ``claimed`` slot.
+
+        The page of ``key`` is allocated on first use (outside the lock) with
+        ``like``'s row shape and dtype; the caller copies the step's rows in.
+        """
         with self._lock:
             self._require(slot, ("claimed",), f"stage rows of {key!r}")
-        n = rows.shape[0]
+        n = like.shape[0]
         if n > slot.num_rows:
             raise AssertionError(f"staging {n} rows into {slot.describe()} claimed for {slot.num_rows}: manager bug")
-        page = self._page(key, rows)[slot.index, :n]
-        page.copy_(rows, non_blocking=non_blocking)
-        return page
+        return self._page(key, like)[slot.index, :n]
 
     def page_rows(self, slot: StagingSlot, key: TensorName, start: int, end: int) -> torch.Tensor:
         """A view of rows [start, end) of ``slot``'s page; slot saved or materialized."""

@@ -1,0 +1,565 @@
+"""OmniPrefixCacheManager: the per-step protocol of the omni prefix cache.
+
+Owns: the live requests and their pending hits, the unconsumed step contexts,
+the step-id counter, the open deferred writes and their GPU-byte budget, and
+the state lock over all of those. It composes the staging pool (pages), the
+write book (write lifecycle and queue), the committer (copies and landing),
+the block pool and the slot tenancy (versions and preserved rows).
+
+Per real scheduler step (DESIGN section 2): ``new_step_starts`` ->
+forward -> ``save_outputs`` -> exactly one of ``materialize`` / ``discard_step``
+(possibly on another thread while the engine saves the next steps).
+
+Upholds: I1 (through ``StagingPool.consume``), I2/I3/I10 (staging), I4 (the step
+context), I5 (``new_step_starts`` validates hits), I6/I7 (tenancy reads), I8
+(every entry checks the sticky failure), I9 (finish/abort push open writes to
+the queue's front), I11 (the state lock is held only for dictionary
+bookkeeping: never across a wait, a copy or a budget flush; the ``on_blocking``
+fault hook lets tests assert it).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from omni_cache.adapter import (
+    PrefixCacheEventKind,
+    PrefixCacheRequestEvent,
+    PrefixCacheStep,
+    PrefixCacheWriteLayout,
+)
+from omni_cache.block_pool import PrefixBlockPool
+from omni_cache.copier import Committer, CopyEngine
+from omni_cache.errors import (
+    PHRASE_NO_BLOCK_IDS,
+    PHRASE_NOT_ALIGNED,
+    PHRASE_OUTSIDE_SNAPSHOT,
+    PHRASE_SLOT_MAPPING,
+    OmniPrefixCacheUnmatchError,
+)
+from omni_cache.faults import FaultHooks
+from omni_cache.interface import (
+    HIDDEN_KEY,
+    ModelCachePolicy,
+    PrefixCacheConfig,
+    ReqId,
+    StageCacheOutputs,
+    StepId,
+    WriteSchedule,
+)
+from omni_cache.staging import StagingPool
+from omni_cache.step_outputs import RequestSpan, StepContext, classify_outputs, host_copy
+from omni_cache.tenancy import NotLandedYet, PlannedRead, SlotTenancy
+from omni_cache.trace import TraceRecorder
+from omni_cache.writes import PoolWrite, WriteBook
+
+log = logging.getLogger(__name__)
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_TERMINAL = (PrefixCacheEventKind.FINISHED, PrefixCacheEventKind.ABORTED)
+_HIT_KINDS = (PrefixCacheEventKind.STARTED, PrefixCacheEventKind.RESUMED)
+
+
+def _caller_location() -> str:
+    """file:line of the first frame outside this package (where a step was saved)."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame = frame.f_back  # type: ignore[assignment]
+    return f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else "?"
+
+
+class _StateLock:
+    """A plain lock that knows its owner, so I11 tests can ask "do I hold it?"."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._owner: int | None = None
+
+    def __enter__(self) -> _StateLock:
+        self._lock.acquire()
+        self._owner = threading.get_ident()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._owner = None
+        self._lock.release()
+
+    def held_by_current_thread(self) -> bool:
+        return self._owner == threading.get_ident()
+
+
+@dataclass
+class _Request:
+    """A live request. Mutated only under the manager's state lock."""
+
+    req_id: ReqId
+    # (hit_end, group-0 block ids) registered by STARTED/RESUMED, served by the next save.
+    pending_hit: tuple[int, tuple[int, ...]] | None = None
+    # Deferred writes holding this request's rows (pushed to the front at finish/abort, I9).
+    open_deferred: list[PoolWrite] = field(default_factory=list)
+
+
+class OmniPrefixCacheManager:
+    """Keeps per-token stage outputs in host memory, addressed by KV slots.
+
+    Thread model: the engine thread calls ``new_step_starts`` and
+    ``save_outputs``; any thread may call ``materialize`` / ``discard_step``;
+    in async mode (``eager=False``) a committer thread lands pool writes.
+    """
+
+    def __init__(
+        self,
+        config: PrefixCacheConfig,
+        *,
+        eager: bool | None = None,
+        recorder: TraceRecorder | None = None,
+        faults: FaultHooks | None = None,
+    ) -> None:
+        if not isinstance(config, PrefixCacheConfig):
+            raise TypeError(f"config must be a PrefixCacheConfig, got {type(config).__name__}")
+        cuda = torch.cuda.is_available()
+        self.config = config
+        self.eager = (not cuda) if eager is None else bool(eager)
+        self.use_cuda = cuda and not self.eager
+        self.faults = faults or FaultHooks()
+        self.recorder = recorder
+        self.pool = PrefixBlockPool(config.num_slots, pin_memory=self.use_cuda)
+        self.tenancy = SlotTenancy(self.pool)
+        self.book = WriteBook(config.staging_claim_timeout_s, recorder)
+        self.staging = StagingPool(
+            config.staging_depth,
+            config.staging_capacity_tokens,
+            config.staging_claim_timeout_s,
+            pin_memory=self.use_cuda,
+            recorder=recorder,
+            describe_in_flight=self.book.describe_in_flight,
+        )
+        self.copies = CopyEngine(use_cuda=self.use_cuda, chunk_bytes=config.copy_chunk_bytes)
+        self.committer = Committer(
+            self.book, self.tenancy, self.staging, self.copies, self.faults, threaded=not self.eager
+        )
+        # ---- guarded by _lock (the state lock; I11: bookkeeping only) ----
+        self._lock = _StateLock()
+        self.policy = ModelCachePolicy()
+        self._num_saved = 0
+        self._requests: dict[ReqId, _Request] = {}
+        self._contexts: dict[StepId, StepContext] = {}
+        self._scheduled: dict[ReqId, int] = {}
+        self._next_step_id: StepId = 1
+        self._last_immediate: PoolWrite | None = None
+        self._deferred_open: dict[int, PoolWrite] = {}
+        self._deferred_bytes = 0
+        self._shut_down = False
+        self.counters = {"hits": 0, "hit_tokens": 0, "misses": 0, "saved": 0,
+                         "materialized": 0, "discarded": 0, "budget_flushes": 0}
+
+    # ------------------------------------------------------------------ API --
+    def register_policy(self, policy: ModelCachePolicy) -> None:
+        """Freeze the model's cache policy; only before the first save."""
+        if not isinstance(policy, ModelCachePolicy):
+            raise TypeError(f"policy must be a ModelCachePolicy, got {type(policy).__name__}")
+        with self._lock:
+            if self._num_saved and policy != self.policy:
+                raise OmniPrefixCacheUnmatchError(
+                    f"register_policy after {self._num_saved} saved steps would change which keys "
+                    f"are cached ({self.policy} -> {policy}); register it before the first save"
+                )
+            self.policy = policy
+
+    def new_step_starts(
+        self,
+        events: PrefixCacheStep | Iterable[PrefixCacheRequestEvent],
+        *,
+        num_scheduled_tokens: dict[ReqId, int] | None = None,
+    ) -> None:
+        """Register hits of started/resumed requests; push finished requests' writes."""
+        self._check_usable("new_step_starts")
+        step = events if isinstance(events, PrefixCacheStep) else PrefixCacheStep(tuple(events))
+        scheduled = {**step.scheduled_tokens, **(num_scheduled_tokens or {})}
+        terminal = [e for e in step if e.kind in _TERMINAL]
+        others = [e for e in step if e.kind not in _TERMINAL]
+        ending = {e.req_id for e in terminal}
+        with self._lock:
+            live = set(self._requests) - ending
+        for event in others:  # validate everything first: an error changes nothing
+            if event.kind == PrefixCacheEventKind.STARTED and event.req_id in live:
+                raise OmniPrefixCacheUnmatchError(
+                    f"new_step_starts: STARTED for request {event.req_id!r}, which is still live "
+                    "(no FINISHED/ABORTED since it started); the adapter must send EXTENDED or RESUMED"
+                )
+            if event.kind in _HIT_KINDS and event.hit_end > 0:
+                self._validate_hit(event)
+        to_flush: list[PoolWrite] = []
+        with self._lock:
+            for event in terminal:
+                request = self._requests.pop(event.req_id, None)
+                if request is not None:
+                    to_flush.extend(request.open_deferred)
+            for event in others:
+                request = self._requests.setdefault(event.req_id, _Request(event.req_id))
+                if event.kind in _HIT_KINDS:
+                    if event.hit_end > 0:
+                        blocks = event.group0_block_ids[: event.hit_end // self.config.block_size]
+                        request.pending_hit = (event.hit_end, blocks)
+                        self.counters["hits"] += 1
+                        self.counters["hit_tokens"] += event.hit_end
+                    else:
+                        request.pending_hit = None
+                        self.counters["misses"] += 1
+            self._scheduled = scheduled
+        if to_flush:
+            self._flush(to_flush, front=True, why="finished/aborted requests' open writes (I9)")
+
+    def save_outputs(
+        self,
+        hidden_states: torch.Tensor | None,
+        mm_outputs: dict[str, Any] | None,
+        *,
+        num_tokens_unpadded: int,
+        num_tokens_padded: int,
+        write_layout: PrefixCacheWriteLayout,
+    ) -> StepId:
+        """Claim a staging slot, copy this step's rows, register writes; return the step id."""
+        self._check_usable("save_outputs")
+        n = num_tokens_unpadded
+        slots = self._validate_save(hidden_states, mm_outputs, n, num_tokens_padded, write_layout)
+        with self._lock:
+            policy = self.policy
+            scheduled, self._scheduled = self._scheduled, {}
+            step_id = self._next_step_id
+            self._next_step_id += 1
+            prev = self._last_immediate
+        for w in write_layout.writes:
+            if w.req_id in scheduled and scheduled[w.req_id] != w.num_rows:
+                raise OmniPrefixCacheUnmatchError(
+                    f"save_outputs step {step_id}: request {w.req_id!r} was scheduled "
+                    f"{scheduled[w.req_id]} tokens but the {PHRASE_SLOT_MAPPING} {w.num_rows} rows for it"
+                )
+        split = classify_outputs(policy, hidden_states, mm_outputs or {}, n, num_tokens_padded)
+        if prev is not None and prev.state != "written":
+            self.faults.on_blocking("save waits for the previous step's pool writes")
+            self.book.wait(prev, ("written",), why=f"save of step {step_id} waits for {prev.describe()}")
+        compute_event = self.copies.record_compute_event()
+        saved_at = _caller_location()
+        self.faults.on_blocking("save claims a staging slot")
+        slot = self.staging.claim(n)
+        hits = self._take_hits(step_id, write_layout)
+        plans: list[PlannedRead] = []
+        try:
+            views, copy_event = {}, None
+            for key, rows in split.immediate.items():
+                views[key] = self.staging.claimed_page(slot, key, rows)
+                copy_event = self.copies.copy_into(views[key], rows, compute_event) or copy_event
+            deferred_dev = {k: self.copies.device_clone(v) for k, v in split.deferred.items()}
+            deferred_host, host_events = {}, []
+            for key, rows in split.deferred.items():
+                deferred_host[key], event = self.copies.to_host(rows, compute_event)
+                host_events.append(event)
+            leftover = {k: host_copy(v) for k, v in split.leftover.items()}
+            hit_keys = tuple(policy.get_hit_keys([*split.immediate, *split.deferred])) if (
+                split.immediate or split.deferred) else ()
+            spans: dict[ReqId, RequestSpan] = {}
+            for w in write_layout.writes:
+                span = RequestSpan(w.req_id, w.row_start, w.row_end, w.token_start, w.token_end)
+                if w.req_id in hits and hit_keys:
+                    span.hit = self.tenancy.plan(list(hit_keys), self._hit_slots(hits[w.req_id][1]))
+                    plans.append(span.hit)
+                spans[w.req_id] = span
+            req_ids = tuple(spans)
+            imm, older = self._register(WriteSchedule.JOIN_NEXT_STEP, step_id, slots, views, slot, req_ids)
+            if imm is not None:
+                imm.copy_event = copy_event
+            deferred, older_deferred = self._register(
+                WriteSchedule.JOIN_ON_FINISH, step_id, slots, deferred_dev, None, req_ids)
+            ctx = StepContext(step_id, slot, saved_at, spans, tuple(split.immediate), imm,
+                              deferred_host, leftover, hit_keys, policy.hidden_key is not None, host_events)
+            self.staging.save(slot, step_id, saved_at)
+        except BaseException:
+            for plan in plans:
+                self.tenancy.unplan(plan)
+            with self._lock:
+                for req_id, hit in hits.items():
+                    if req_id in self._requests:
+                        self._requests[req_id].pending_hit = hit
+            if slot.state == "claimed":
+                self.staging.abort(slot)
+            raise
+        with self._lock:
+            self._contexts[step_id] = ctx
+            self._num_saved += 1
+            self.counters["saved"] += 1
+            if imm is not None:
+                self._last_immediate = imm
+            if deferred is not None:
+                self._deferred_open[deferred.tid] = deferred
+                self._deferred_bytes += deferred.nbytes
+                for req_id in req_ids:
+                    request = self._requests.get(req_id)
+                    if request is not None:
+                        request.open_deferred.append(deferred)
+                        if len(request.open_deferred) > 64:
+                            request.open_deferred = [w for w in request.open_deferred if w.state == "pending"]
+        self._after_save(imm, older | older_deferred, plans)
+        return step_id
+
+    def materialize(self, step_id: StepId, req_ids: Sequence[ReqId]) -> StageCacheOutputs:
+        """Per request: cached prefix rows then this step's rows (consumes the step id once)."""
+        self._check_usable("materialize")
+        req_ids = list(req_ids)
+        with self._lock:
+            ctx = self._contexts.get(step_id)
+        if ctx is not None:
+            outside = [r for r in req_ids if r not in ctx.spans]
+            if outside:
+                raise OmniPrefixCacheUnmatchError(
+                    f"materialize step {step_id}: requests {outside} are {PHRASE_OUTSIDE_SNAPSHOT} "
+                    f"(saved at {ctx.saved_at} with requests {sorted(ctx.spans)}); nothing was consumed (I4)"
+                )
+        slot = self.staging.consume(step_id, caller="materialize")
+        assert ctx is not None, f"step {step_id} consumed without a context: manager bug"
+        with self._lock:
+            self._contexts.pop(step_id, None)
+        try:
+            return self._build_outputs(ctx, req_ids)
+        finally:
+            self._finish_consume(ctx, slot, "materialized")
+
+    def discard_step(self, step_id: StepId) -> None:
+        """Consume ``step_id`` without building outputs (payload built from live outputs, or error)."""
+        self._check_usable("discard_step")
+        slot = self.staging.consume(step_id, caller="discard_step")
+        with self._lock:
+            ctx = self._contexts.pop(step_id)
+        self._finish_consume(ctx, slot, "discarded")
+
+    def shutdown(self) -> dict[StepId, str]:
+        """Stop the committer; report (log and return) every unconsumed step id and where it was saved."""
+        with self._lock:
+            already, self._shut_down = self._shut_down, True
+        if not already:
+            self.committer.stop()
+        unconsumed = self.staging.unconsumed()
+        if unconsumed and not already:
+            log.warning("omni-cache shutdown with %d unconsumed step ids: %s", len(unconsumed),
+                        "; ".join(f"step {s} saved at {w}" for s, w in unconsumed.items()))
+        return unconsumed
+
+    def stats(self) -> dict[str, Any]:
+        """Staging occupancy and waits, unconsumed ids, writes in flight, pool bytes, hits and misses."""
+        with self._lock:
+            counters = dict(self.counters)
+            deferred_open, deferred_bytes = len(self._deferred_open), self._deferred_bytes
+            live = len(self._requests)
+        waits = sorted(self.staging.claim_wait_s)
+        return {
+            "staging": self.staging.stats(),
+            "staging_wait_s_p50": waits[len(waits) // 2] if waits else 0.0,
+            "staging_wait_s_p99": waits[min(len(waits) - 1, int(len(waits) * 0.99))] if waits else 0.0,
+            "unconsumed_step_ids": self.staging.unconsumed(),
+            "writes_in_flight": len(self.book.live()),
+            "write_queue": self.book.queue_length(),
+            "writes_written": self.book.num_written,
+            "deferred_open": deferred_open,
+            "deferred_bytes_on_device": deferred_bytes,
+            "pool_bytes": self.pool.nbytes(),
+            "preserved_rows": self.tenancy.num_preserved(),
+            "live_requests": live,
+            "failed": self.book.failure,
+            **counters,
+        }
+
+    def state_lock_held_by_current_thread(self) -> bool:
+        """For I11 tests: does the calling thread hold the state lock?"""
+        return self._lock.held_by_current_thread()
+
+    # ------------------------------------------------------------- helpers --
+    def _check_usable(self, what: str) -> None:
+        self.book.check_failed(what)  # I8
+        if self._shut_down:
+            raise OmniPrefixCacheUnmatchError(f"cannot {what}: the manager was shut down")
+        if not self.committer.alive:
+            raise OmniPrefixCacheUnmatchError(f"cannot {what}: the committer thread is not running")
+
+    def _validate_hit(self, event: PrefixCacheRequestEvent) -> None:
+        bs = self.config.block_size
+        where = f"new_step_starts: {event.kind.name} request {event.req_id!r} hit [{event.hit_start}, {event.hit_end})"
+        if event.hit_start % bs or event.hit_end % bs:
+            raise OmniPrefixCacheUnmatchError(f"{where} is {PHRASE_NOT_ALIGNED} (block_size {bs}) (I5)")
+        if event.hit_start != 0 or event.hit_end < 0:
+            raise OmniPrefixCacheUnmatchError(f"{where}: a prefix hit must start at position 0 (I5)")
+        blocks = event.group0_block_ids
+        if not blocks:
+            raise OmniPrefixCacheUnmatchError(f"{where} {PHRASE_NO_BLOCK_IDS} (I5)")
+        need = event.hit_end // bs
+        if len(blocks) < need:
+            raise OmniPrefixCacheUnmatchError(
+                f"{where} carries {len(blocks)} block ids for a hit of {need} blocks (I5)")
+        bad = [b for b in blocks[:need] if not 0 <= b < self.config.num_blocks]
+        if bad:
+            raise OmniPrefixCacheUnmatchError(
+                f"{where}: block ids {bad[:8]} are outside [0, {self.config.num_blocks}) (I5)")
+
+    def _validate_save(self, hidden: torch.Tensor | None, mm: dict[str, Any] | None, n: int,
+                       padded: int, layout: PrefixCacheWriteLayout) -> torch.Tensor:
+        if isinstance(n, bool) or not isinstance(n, int) or n <= 0 or not isinstance(padded, int) or padded < n:
+            raise OmniPrefixCacheUnmatchError(
+                f"save_outputs: num_tokens_unpadded={n!r} must be a positive int <= num_tokens_padded={padded!r}")
+        self.staging.check_capacity(n)  # I10
+        if not isinstance(layout, PrefixCacheWriteLayout):
+            raise TypeError(f"write_layout must be a PrefixCacheWriteLayout, got {type(layout).__name__}")
+        slots = layout.slots_cpu
+        if slots is None or layout.total_rows != n or slots.numel() < n:
+            raise OmniPrefixCacheUnmatchError(
+                f"save_outputs: the {PHRASE_SLOT_MAPPING} {0 if slots is None else slots.numel()} rows "
+                f"(layout total_rows {layout.total_rows}); the step has {n} unpadded tokens")
+        rows_seen = 0
+        seen: set[ReqId] = set()
+        for w in sorted(layout.writes, key=lambda w: w.row_start):
+            if w.row_start < rows_seen or w.row_end > n or w.req_id in seen:
+                raise OmniPrefixCacheUnmatchError(
+                    f"save_outputs: write {w} overlaps another, repeats a request, or exceeds the "
+                    f"{n} rows the {PHRASE_SLOT_MAPPING}")
+            rows_seen = w.row_end
+            seen.add(w.req_id)
+        if mm and HIDDEN_KEY in mm:
+            raise OmniPrefixCacheUnmatchError(f"save_outputs: mm_outputs uses the reserved key {HIDDEN_KEY!r}")
+        if self.policy.hidden_key is not None:
+            if hidden is None or not isinstance(hidden, torch.Tensor) or hidden.dim() < 2:
+                raise OmniPrefixCacheUnmatchError(
+                    "save_outputs: the policy caches hidden states but hidden_states is not a 2-D+ tensor")
+            if hidden.shape[0] < n:
+                raise OmniPrefixCacheUnmatchError(
+                    f"save_outputs: hidden_states has {hidden.shape[0]} rows; the step has {n} unpadded tokens")
+        out = slots[:n]
+        self.pool.check_slots(out)
+        return out
+
+    def _take_hits(self, step_id: StepId, layout: PrefixCacheWriteLayout) -> dict[ReqId, tuple[int, tuple[int, ...]]]:
+        """Pop the pending hits this step serves (restored by the caller if the save fails)."""
+        hits: dict[ReqId, tuple[int, tuple[int, ...]]] = {}
+        with self._lock:
+            for w in layout.writes:
+                request = self._requests.setdefault(w.req_id, _Request(w.req_id))
+                if request.pending_hit is not None and request.pending_hit[0] != w.token_start:
+                    bad = request.pending_hit[0]
+                    for rid, hit in hits.items():
+                        self._requests[rid].pending_hit = hit
+                    raise OmniPrefixCacheUnmatchError(
+                        f"save_outputs step {step_id}: request {w.req_id!r} has a hit of {bad} tokens "
+                        f"but this step's rows start at position {w.token_start}; they must continue the hit")
+                if request.pending_hit is not None:
+                    hits[w.req_id] = request.pending_hit
+                    request.pending_hit = None
+        return hits
+
+    def _hit_slots(self, blocks: tuple[int, ...]) -> torch.Tensor:
+        bs = self.config.block_size
+        ids = torch.tensor(blocks, dtype=torch.int64)
+        return (ids[:, None] * bs + torch.arange(bs, dtype=torch.int64)).flatten()
+
+    def _register(self, schedule: WriteSchedule, step_id: StepId, slots: torch.Tensor,
+                  source: dict[str, torch.Tensor], staging_slot: Any,
+                  req_ids: tuple[ReqId, ...]) -> tuple[PoolWrite | None, set[int]]:
+        """Register one write for ``source``'s keys; also return older unlanded tids on its slots."""
+        if not source:
+            return None, set()
+        write = self.book.register(schedule, step_id, slots, source, staging_slot=staging_slot, req_ids=req_ids)
+        if staging_slot is not None:
+            self.staging.hold(staging_slot)
+        older: set[int] = set()
+        for key in source:
+            older.update(self.tenancy.register(key, slots, write.tid))
+        return write, older
+
+    def _after_save(self, imm: PoolWrite | None, older: set[int], plans: list[PlannedRead]) -> None:
+        """Queue what must land: older tenants first, writes a planned read needs, this step, budget."""
+        needed = set(older)
+        for plan in plans:
+            for versions in plan.expected.values():
+                needed.update(torch.unique(versions).tolist())
+        front = [w for t in sorted(needed) if (w := self.book.get(t)) is not None and w.state == "pending"]
+        if front:
+            self._flush(front, front=True, why="writes a planned read or a new tenant needs first")
+        if imm is not None:
+            self.book.enqueue([imm])
+            self.committer.kick()
+        with self._lock:
+            over = self._deferred_bytes - self.config.gpu_staging_bytes
+            oldest: list[PoolWrite] = []
+            for write in self._deferred_open.values():
+                if over <= 0:
+                    break
+                oldest.append(write)
+                over -= write.nbytes
+        if oldest:
+            with self._lock:
+                self.counters["budget_flushes"] += 1
+            self._flush(oldest, front=False, why="gpu_staging_bytes budget")
+
+    def _flush(self, writes: list[PoolWrite], *, front: bool, why: str) -> None:
+        """Queue pending writes (no state lock held: I11) and make progress."""
+        self.faults.on_blocking(f"flush: {why}")
+        moved = self.book.enqueue(writes, front=front)
+        with self._lock:
+            for write in moved:
+                if self._deferred_open.pop(write.tid, None) is not None:
+                    self._deferred_bytes -= write.nbytes
+        self.committer.kick()
+
+    def _build_outputs(self, ctx: StepContext, req_ids: list[ReqId]) -> StageCacheOutputs:
+        imm = ctx.immediate_write
+        if imm is not None and imm.state not in ("host_ready", "written"):
+            self.faults.on_blocking("materialize waits for the step's device->host copy")
+            self.book.wait(imm, ("host_ready", "written"), why=f"materialize step {ctx.step_id}")
+        for event in ctx.host_events:
+            self.copies.wait(event)
+        hidden: dict[ReqId, torch.Tensor] | None = {} if ctx.caches_hidden else None
+        mm: dict[ReqId, dict[str, Any]] = {}
+        for req_id in req_ids:
+            span = ctx.spans[req_id]
+            rows = {k: self.staging.page_rows(ctx.staging_slot, k, span.row_start, span.row_end).clone()
+                    for k in ctx.immediate_keys}
+            rows.update({k: v[span.row_start:span.row_end] for k, v in ctx.deferred_rows.items()})
+            if span.hit is not None:
+                for key in ctx.hit_keys:
+                    prefix = self._read_hit(ctx, span, key)
+                    rows[key] = torch.cat([prefix, rows[key]])
+            per_req = {k: v for k, v in rows.items() if k != HIDDEN_KEY}
+            per_req.update(ctx.leftover)
+            mm[req_id] = per_req
+            if hidden is not None and HIDDEN_KEY in rows:
+                hidden[req_id] = rows[HIDDEN_KEY]
+        return StageCacheOutputs(hidden, mm)
+
+    def _read_hit(self, ctx: StepContext, span: RequestSpan, key: str) -> torch.Tensor:
+        assert span.hit is not None
+        what = f"materialize step {ctx.step_id} (saved at {ctx.saved_at}) request {span.req_id!r}"
+        for _ in range(10_000):
+            try:
+                return self.tenancy.read(key, span.hit, what=what)
+            except NotLandedYet as late:
+                for tid in late.tids:
+                    write = self.book.get(tid)
+                    if write is None:
+                        continue
+                    if write.state == "pending":
+                        self._flush([write], front=True, why=f"{what} needs write tid {tid}")
+                    self.faults.on_blocking(f"{what} waits for write tid {tid}")
+                    self.book.wait(write, ("written",), why=f"{what} waits for its hit rows")
+                self.book.check_failed(what)
+        raise AssertionError(f"{what}: hit rows of {key!r} never landed: tenancy bug")
+
+    def _finish_consume(self, ctx: StepContext, slot: Any, counter: str) -> None:
+        for plan in ctx.planned_reads():
+            self.tenancy.unplan(plan)
+        self.staging.done_reading(slot)
+        with self._lock:
+            self.counters[counter] += 1
