@@ -39,8 +39,6 @@ from omni_cache.adapter import (
 from omni_cache.block_pool import PrefixBlockPool
 from omni_cache.copier import Committer, CopyEngine
 from omni_cache.errors import (
-    PHRASE_NO_BLOCK_IDS,
-    PHRASE_NOT_ALIGNED,
     PHRASE_OUTSIDE_SNAPSHOT,
     PHRASE_SLOT_MAPPING,
     OmniPrefixCacheUnmatchError,
@@ -59,6 +57,7 @@ from omni_cache.staging import StagingPool
 from omni_cache.step_outputs import RequestSpan, StepContext, classify_outputs, host_copy
 from omni_cache.tenancy import NotLandedYet, PlannedRead, SlotTenancy
 from omni_cache.trace import TraceRecorder
+from omni_cache.validation import validate_hit, validate_save
 from omni_cache.writes import PoolWrite, WriteBook
 
 log = logging.getLogger(__name__)
@@ -196,7 +195,7 @@ class OmniPrefixCacheManager:
                     "(no FINISHED/ABORTED since it started); the adapter must send EXTENDED or RESUMED"
                 )
             if event.kind in _HIT_KINDS and event.hit_end > 0:
-                self._validate_hit(event)
+                validate_hit(event, self.config)
         to_flush: list[PoolWrite] = []
         with self._lock:
             for event in terminal:
@@ -230,7 +229,9 @@ class OmniPrefixCacheManager:
         """Claim a staging slot, copy this step's rows, register writes; return the step id."""
         self._check_usable("save_outputs")
         n = num_tokens_unpadded
-        slots = self._validate_save(hidden_states, mm_outputs, n, num_tokens_padded, write_layout)
+        slots = validate_save(self.config, self.policy, hidden_states, mm_outputs, n,
+                              num_tokens_padded, write_layout)
+        self.pool.check_slots(slots)
         with self._lock:
             policy = self.policy
             scheduled, self._scheduled = self._scheduled, {}
@@ -387,60 +388,6 @@ class OmniPrefixCacheManager:
             raise OmniPrefixCacheUnmatchError(f"cannot {what}: the manager was shut down")
         if not self.committer.alive:
             raise OmniPrefixCacheUnmatchError(f"cannot {what}: the committer thread is not running")
-
-    def _validate_hit(self, event: PrefixCacheRequestEvent) -> None:
-        bs = self.config.block_size
-        where = f"new_step_starts: {event.kind.name} request {event.req_id!r} hit [{event.hit_start}, {event.hit_end})"
-        if event.hit_start % bs or event.hit_end % bs:
-            raise OmniPrefixCacheUnmatchError(f"{where} is {PHRASE_NOT_ALIGNED} (block_size {bs}) (I5)")
-        if event.hit_start != 0 or event.hit_end < 0:
-            raise OmniPrefixCacheUnmatchError(f"{where}: a prefix hit must start at position 0 (I5)")
-        blocks = event.group0_block_ids
-        if not blocks:
-            raise OmniPrefixCacheUnmatchError(f"{where} {PHRASE_NO_BLOCK_IDS} (I5)")
-        need = event.hit_end // bs
-        if len(blocks) < need:
-            raise OmniPrefixCacheUnmatchError(
-                f"{where} carries {len(blocks)} block ids for a hit of {need} blocks (I5)")
-        bad = [b for b in blocks[:need] if not 0 <= b < self.config.num_blocks]
-        if bad:
-            raise OmniPrefixCacheUnmatchError(
-                f"{where}: block ids {bad[:8]} are outside [0, {self.config.num_blocks}) (I5)")
-
-    def _validate_save(self, hidden: torch.Tensor | None, mm: dict[str, Any] | None, n: int,
-                       padded: int, layout: PrefixCacheWriteLayout) -> torch.Tensor:
-        if isinstance(n, bool) or not isinstance(n, int) or n <= 0 or not isinstance(padded, int) or padded < n:
-            raise OmniPrefixCacheUnmatchError(
-                f"save_outputs: num_tokens_unpadded={n!r} must be a positive int <= num_tokens_padded={padded!r}")
-        self.staging.check_capacity(n)  # I10
-        if not isinstance(layout, PrefixCacheWriteLayout):
-            raise TypeError(f"write_layout must be a PrefixCacheWriteLayout, got {type(layout).__name__}")
-        slots = layout.slots_cpu
-        if slots is None or layout.total_rows != n or slots.numel() < n:
-            raise OmniPrefixCacheUnmatchError(
-                f"save_outputs: the {PHRASE_SLOT_MAPPING} {0 if slots is None else slots.numel()} rows "
-                f"(layout total_rows {layout.total_rows}); the step has {n} unpadded tokens")
-        rows_seen = 0
-        seen: set[ReqId] = set()
-        for w in sorted(layout.writes, key=lambda w: w.row_start):
-            if w.row_start < rows_seen or w.row_end > n or w.req_id in seen:
-                raise OmniPrefixCacheUnmatchError(
-                    f"save_outputs: write {w} overlaps another, repeats a request, or exceeds the "
-                    f"{n} rows the {PHRASE_SLOT_MAPPING}")
-            rows_seen = w.row_end
-            seen.add(w.req_id)
-        if mm and HIDDEN_KEY in mm:
-            raise OmniPrefixCacheUnmatchError(f"save_outputs: mm_outputs uses the reserved key {HIDDEN_KEY!r}")
-        if self.policy.hidden_key is not None:
-            if hidden is None or not isinstance(hidden, torch.Tensor) or hidden.dim() < 2:
-                raise OmniPrefixCacheUnmatchError(
-                    "save_outputs: the policy caches hidden states but hidden_states is not a 2-D+ tensor")
-            if hidden.shape[0] < n:
-                raise OmniPrefixCacheUnmatchError(
-                    f"save_outputs: hidden_states has {hidden.shape[0]} rows; the step has {n} unpadded tokens")
-        out = slots[:n]
-        self.pool.check_slots(out)
-        return out
 
     def _take_hits(self, step_id: StepId, layout: PrefixCacheWriteLayout) -> dict[ReqId, tuple[int, tuple[int, ...]]]:
         """Pop the pending hits this step serves (restored by the caller if the save fails)."""

@@ -31,7 +31,6 @@ from typing import Any
 import torch
 
 from omni_cache.errors import (
-    PHRASE_CAPACITY,
     PHRASE_NOT_SAVED,
     PHRASE_UNCONSUMED,
     OmniPrefixCacheStagingTimeoutError,
@@ -40,6 +39,7 @@ from omni_cache.errors import (
 from omni_cache.interface import StepId, TensorName
 from omni_cache.states import STAGING_TABLE, TableMachine
 from omni_cache.trace import TraceRecorder
+from omni_cache.validation import check_capacity
 
 
 class StagingSlot:
@@ -134,12 +134,7 @@ class StagingPool:
 
     def check_capacity(self, num_rows: int) -> None:
         """A step larger than a page raises; the cache never clamps (I10)."""
-        if num_rows > self.capacity_tokens:
-            raise OmniPrefixCacheUnmatchError(
-                f"a step of {num_rows} tokens does not fit a staging page: {PHRASE_CAPACITY} "
-                f"{self.capacity_tokens} tokens (staging_capacity_tokens); the cache never "
-                "clamps -- raise max_num_batched_tokens or staging_capacity_tokens (I10)"
-            )
+        check_capacity(num_rows, self.capacity_tokens)
 
     def abort(self, slot: StagingSlot) -> None:
         """The save failed after claiming: give the page back unused."""

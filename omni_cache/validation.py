@@ -1,0 +1,115 @@
+"""Input validation of the manager's entry points: errors before any state changes.
+
+Owns: ``validate_hit`` (I5), ``check_capacity`` (I10) and ``validate_save`` (the
+step's layout covers its rows: "slot mapping covers"; hidden has enough rows).
+Pure functions of their arguments: an input that fails here has changed nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from omni_cache.adapter import PrefixCacheRequestEvent, PrefixCacheWriteLayout
+from omni_cache.errors import (
+    PHRASE_CAPACITY,
+    PHRASE_NO_BLOCK_IDS,
+    PHRASE_NOT_ALIGNED,
+    PHRASE_SLOT_MAPPING,
+    OmniPrefixCacheUnmatchError,
+)
+from omni_cache.interface import HIDDEN_KEY, ModelCachePolicy, PrefixCacheConfig, ReqId
+
+
+def validate_hit(event: PrefixCacheRequestEvent, config: PrefixCacheConfig) -> None:
+    """A hit is block aligned, starts at 0 and carries enough in-range block ids (I5)."""
+    bs = config.block_size
+    where = (
+        f"new_step_starts: {event.kind.name} request {event.req_id!r} "
+        f"hit [{event.hit_start}, {event.hit_end})"
+    )
+    if event.hit_start % bs or event.hit_end % bs:
+        raise OmniPrefixCacheUnmatchError(f"{where} is {PHRASE_NOT_ALIGNED} (block_size {bs}) (I5)")
+    if event.hit_start != 0 or event.hit_end < 0:
+        raise OmniPrefixCacheUnmatchError(f"{where}: a prefix hit must start at position 0 (I5)")
+    blocks = event.group0_block_ids
+    if not blocks:
+        raise OmniPrefixCacheUnmatchError(f"{where} {PHRASE_NO_BLOCK_IDS} (I5)")
+    need = event.hit_end // bs
+    if len(blocks) < need:
+        raise OmniPrefixCacheUnmatchError(
+            f"{where} carries {len(blocks)} block ids for a hit of {need} blocks (I5)"
+        )
+    bad = [b for b in blocks[:need] if not 0 <= b < config.num_blocks]
+    if bad:
+        raise OmniPrefixCacheUnmatchError(
+            f"{where}: block ids {bad[:8]} are outside [0, {config.num_blocks}) (I5)"
+        )
+
+
+def check_capacity(num_rows: int, capacity_tokens: int) -> None:
+    """A step larger than a staging page raises; the cache never clamps (I10)."""
+    if num_rows > capacity_tokens:
+        raise OmniPrefixCacheUnmatchError(
+            f"a step of {num_rows} tokens does not fit a staging page: {PHRASE_CAPACITY} "
+            f"{capacity_tokens} tokens (staging_capacity_tokens); the cache never clamps -- "
+            "raise max_num_batched_tokens or staging_capacity_tokens (I10)"
+        )
+
+
+def validate_save(
+    config: PrefixCacheConfig,
+    policy: ModelCachePolicy,
+    hidden: torch.Tensor | None,
+    mm: dict[str, Any] | None,
+    n: int,
+    padded: int,
+    layout: PrefixCacheWriteLayout,
+) -> torch.Tensor:
+    """Check a save's inputs; return the KV slots of its ``n`` rows."""
+    if (
+        isinstance(n, bool)
+        or not isinstance(n, int)
+        or n <= 0
+        or isinstance(padded, bool)
+        or not isinstance(padded, int)
+        or padded < n
+    ):
+        raise OmniPrefixCacheUnmatchError(
+            f"save_outputs: num_tokens_unpadded={n!r} must be a positive int <= "
+            f"num_tokens_padded={padded!r}"
+        )
+    check_capacity(n, config.staging_capacity_tokens)
+    if not isinstance(layout, PrefixCacheWriteLayout):
+        raise TypeError(f"write_layout must be a PrefixCacheWriteLayout, got {type(layout).__name__}")
+    slots = layout.slots_cpu
+    if slots is None or layout.total_rows != n or slots.numel() < n:
+        raise OmniPrefixCacheUnmatchError(
+            f"save_outputs: the {PHRASE_SLOT_MAPPING} {0 if slots is None else slots.numel()} rows "
+            f"(layout total_rows {layout.total_rows}); the step has {n} unpadded tokens"
+        )
+    rows_seen = 0
+    seen: set[ReqId] = set()
+    for w in sorted(layout.writes, key=lambda w: w.row_start):
+        if w.row_start < rows_seen or w.row_end > n or w.req_id in seen:
+            raise OmniPrefixCacheUnmatchError(
+                f"save_outputs: write {w} overlaps another, repeats a request, or exceeds the "
+                f"{n} rows the {PHRASE_SLOT_MAPPING}"
+            )
+        rows_seen = w.row_end
+        seen.add(w.req_id)
+    if mm and HIDDEN_KEY in mm:
+        raise OmniPrefixCacheUnmatchError(
+            f"save_outputs: mm_outputs uses the reserved key {HIDDEN_KEY!r}; pass hidden as hidden_states"
+        )
+    if policy.hidden_key is not None:
+        if not isinstance(hidden, torch.Tensor) or hidden.dim() < 2:
+            raise OmniPrefixCacheUnmatchError(
+                "save_outputs: the policy caches hidden states but hidden_states is not a 2-D+ tensor"
+            )
+        if hidden.shape[0] < n:
+            raise OmniPrefixCacheUnmatchError(
+                f"save_outputs: hidden_states has {hidden.shape[0]} rows; the step has {n} unpadded tokens"
+            )
+    return slots[:n]
