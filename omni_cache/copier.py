@@ -122,9 +122,14 @@ class Committer:
             self._thread.start()
 
     def kick(self) -> None:
-        """Make progress on the queue: drain it inline in eager mode."""
+        """Make progress on the queue: drain it inline in eager mode.
+
+        In eager mode a write that fails here raises to the caller that queued
+        it (after recording the sticky failure), so the failure is never silent.
+        """
         if not self.threaded:
             self.drain()
+            self.book.check_failed("land the queued pool writes")
 
     def drain(self) -> None:
         while (write := self.book.pop(block=False)) is not None:

@@ -1,0 +1,87 @@
+"""Small builders shared by the lead's manager tests: ground-truth rows, slots, steps."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from omni_cache import (
+    PrefixCacheConfig,
+    PrefixCacheEventKind,
+    PrefixCacheRequestEvent,
+    PrefixCacheWriteLayout,
+)
+from omni_cache.manager import OmniPrefixCacheManager
+
+E = PrefixCacheEventKind
+WIDTH = 8
+BS = 4
+
+
+def truth(tag: str, positions: Sequence[int] | range, width: int = WIDTH) -> torch.Tensor:
+    """Deterministic rows: row p of ``tag`` is unique per (tag, p) and never zero."""
+    base = (sum(ord(c) * 31**i for i, c in enumerate(tag)) % 9973) + 1
+    pos = torch.tensor(list(positions), dtype=torch.float32)
+    cols = torch.arange(width, dtype=torch.float32)
+    return base * 1000.0 + pos[:, None] * 10.0 + cols[None, :] + 1.0
+
+
+def slots(blocks: Sequence[int], start: int, end: int, bs: int = BS) -> torch.Tensor:
+    """KV slots of positions [start, end) of a request whose block table is ``blocks``."""
+    return torch.tensor([blocks[p // bs] * bs + p % bs for p in range(start, end)], dtype=torch.int64)
+
+
+def config(**overrides: object) -> PrefixCacheConfig:
+    base: dict[str, object] = dict(
+        num_blocks=32, block_size=BS, staging_depth=3, staging_capacity_tokens=64, staging_claim_timeout_s=2.0
+    )
+    base.update(overrides)
+    return PrefixCacheConfig(**base)  # type: ignore[arg-type]
+
+
+def manager(eager: bool = True, **overrides: object) -> OmniPrefixCacheManager:
+    return OmniPrefixCacheManager(config(**overrides), eager=eager)
+
+
+def started(req: str, hit_end: int = 0, blocks: Sequence[int] = (), scheduled: int = 0) -> PrefixCacheRequestEvent:
+    return PrefixCacheRequestEvent(req, E.STARTED, 0, hit_end, (tuple(blocks),) if blocks else (), scheduled)
+
+
+def save(
+    m: OmniPrefixCacheManager,
+    spans: Sequence[tuple[str, Sequence[int], int, int]],
+    *,
+    mm: dict[str, object] | None = None,
+    padded: int = 0,
+    tag_of: dict[str, str] | None = None,
+    mm_key: str | None = None,
+) -> tuple[int, torch.Tensor]:
+    """Save one step of ``(req, blocks, token_start, token_end)`` spans; rows are ``truth(tag)``.
+
+    Returns (step id, the packed hidden rows). ``mm_key`` adds a per-token mm key
+    whose rows are the hidden rows' first two columns times -1.
+    """
+    tag_of = tag_of or {}
+    rows = torch.cat([truth(tag_of.get(r, r), range(s, e)) for r, _, s, e in spans])
+    slot_ids = torch.cat([slots(b, s, e) for _, b, s, e in spans])
+    n = rows.shape[0]
+    hidden = rows
+    if padded > n:
+        hidden = torch.cat([rows, torch.full((padded - n, WIDTH), -7.0)])
+    mm = dict(mm or {})
+    if mm_key is not None:
+        mm[mm_key] = -hidden[:, :2].clone()
+    layout = PrefixCacheWriteLayout.packed([(r, s, e) for r, _, s, e in spans], slot_ids)
+    step = m.save_outputs(hidden, mm, num_tokens_unpadded=n, num_tokens_padded=max(padded, n), write_layout=layout)
+    return step, rows
+
+
+def settle(m: OmniPrefixCacheManager, timeout_s: float = 5.0) -> None:
+    """Wait until no queued write is left (async mode); deferred pending writes stay pending."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while [w for w in m.book.live() if w.state != "pending"]:
+        assert time.monotonic() < deadline, f"writes never landed: {m.book.describe_in_flight()}"
+        time.sleep(0.005)
