@@ -6,6 +6,7 @@ Everything public is importable from here. No module imports vLLM at module scop
 from omni_cache.adapter import (
     PrefixCacheEventKind,
     PrefixCacheRequestEvent,
+    PrefixCacheSchedulerAdapter,
     PrefixCacheStep,
     PrefixCacheWrite,
     PrefixCacheWriteLayout,
@@ -41,6 +42,7 @@ __all__ = [
     "PrefixCacheConfig",
     "PrefixCacheEventKind",
     "PrefixCacheRequestEvent",
+    "PrefixCacheSchedulerAdapter",
     "PrefixCacheStep",
     "PrefixCacheWrite",
     "PrefixCacheWriteLayout",

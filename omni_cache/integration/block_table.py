@@ -1,0 +1,178 @@
+"""A CPU block-table view over a vLLM-style engine input batch.
+
+Owns: ``BlockTableView`` -- a snapshot of the batch order of request ids, each
+row's ``num_computed_tokens`` and the rows of the CPU block table of one KV
+cache group -- and the step-slot computation
+``slot = table[i, p // block_size] * block_size + p % block_size``.
+
+Everything is read from CPU tensors or numpy arrays (vLLM keeps CPU mirrors of
+the block table and of ``num_computed_tokens``), so computing a step's slots
+never synchronizes with the device.
+
+Upholds the input side of I5 and of the "slot mapping covers" check: a view
+refuses a block size that does not match its table (vLLM's kernel-block
+splitting makes ``BlockTable.block_size`` differ from the KV manager's block
+size, and slots computed at the wrong granularity would address other
+requests' rows), and a position past the row's allocated blocks raises instead
+of reading block 0. The view copies what it reads, so later changes to the
+engine's persistent batch cannot change a layout built from it (I4's input).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from omni_cache.interface import ReqId
+
+__all__ = ["BlockTableView"]
+
+
+def _cpu_int64(values: Any, what: str) -> torch.Tensor:
+    if isinstance(values, torch.Tensor):
+        if values.device.type != "cpu":
+            raise ValueError(
+                f"BlockTableView: {what} must be a CPU tensor (reading a {values.device} tensor "
+                "would synchronize with the device); pass the engine's CPU mirror"
+            )
+        return values.detach().to(torch.int64).clone()
+    return torch.as_tensor(np.asarray(values), dtype=torch.int64).clone()
+
+
+class BlockTableView:
+    """Batch order, computed tokens and block-table rows of one KV group.
+
+    ``req_ids[i]`` is row ``i`` of ``block_table_cpu`` and of
+    ``num_computed_tokens``. ``block_size`` is the table's block size; when
+    ``expected_block_size`` (the cache's block size) differs, construction
+    raises. ``num_blocks_per_row`` (optional) bounds each row's valid blocks.
+    """
+
+    def __init__(
+        self,
+        req_ids: Sequence[ReqId],
+        num_computed_tokens: Any,
+        block_table_cpu: Any,
+        *,
+        block_size: int,
+        expected_block_size: int | None = None,
+        num_blocks_per_row: Any = None,
+    ) -> None:
+        if expected_block_size is not None and int(block_size) != int(expected_block_size):
+            raise ValueError(
+                f"BlockTableView: block size mismatch: the prefix cache addresses KV slots with "
+                f"{expected_block_size}-token blocks but this block table uses {block_size}-token "
+                "blocks (vLLM's kernel block size differs from the KV cache block size?); slots "
+                "computed from it would address the wrong rows. Use a table whose block size is "
+                f"{expected_block_size}."
+            )
+        if int(block_size) <= 0:
+            raise ValueError(f"BlockTableView: block_size must be positive, got {block_size!r}")
+        self.block_size = int(block_size)
+        self.req_ids: tuple[ReqId, ...] = tuple(req_ids)
+        n = len(self.req_ids)
+        if len(set(self.req_ids)) != n:
+            raise ValueError(f"BlockTableView: duplicate request ids in the batch {list(self.req_ids)}")
+        computed = _cpu_int64(num_computed_tokens, "num_computed_tokens").reshape(-1)
+        if computed.numel() < n:
+            raise ValueError(
+                f"BlockTableView: {computed.numel()} num_computed_tokens for a batch of {n} requests"
+            )
+        self._computed = computed[:n].clone()
+        self.num_computed_tokens: tuple[int, ...] = tuple(int(c) for c in self._computed.tolist())
+        table = block_table_cpu
+        if isinstance(table, torch.Tensor) and table.device.type != "cpu":
+            raise ValueError(
+                f"BlockTableView: the block table must be the CPU mirror, got a {table.device} tensor "
+                "(reading it would synchronize with the device)"
+            )
+        table_t = _cpu_int64(table, "block_table_cpu")
+        if table_t.dim() != 2 or table_t.shape[0] < n:
+            raise ValueError(
+                f"BlockTableView: block table of shape {tuple(table_t.shape)} cannot hold {n} rows"
+            )
+        self._table = table_t[:n].clone()
+        if num_blocks_per_row is not None:
+            per_row = _cpu_int64(num_blocks_per_row, "num_blocks_per_row").reshape(-1)[:n].clone()
+        else:
+            per_row = torch.full((n,), self._table.shape[1], dtype=torch.int64)
+        self._blocks_per_row = per_row
+        self._row_of = {rid: i for i, rid in enumerate(self.req_ids)}
+
+    @classmethod
+    def from_input_batch(
+        cls,
+        input_batch: Any,
+        *,
+        block_size: int,
+        kv_cache_group_id: int = 0,
+    ) -> BlockTableView:
+        """Read vLLM's ``InputBatch``: ``req_ids``, ``num_reqs``,
+        ``num_computed_tokens_cpu`` and ``block_table[group]`` (a ``BlockTable``
+        with ``block_size``, ``get_cpu_tensor()`` and ``num_blocks_per_row``).
+        ``block_size`` is the prefix cache's (the KV cache group's) block size.
+        """
+        all_ids = list(input_batch.req_ids)
+        num_reqs = int(getattr(input_batch, "num_reqs", len(all_ids)))
+        req_ids = all_ids[:num_reqs]
+        if any(rid is None for rid in req_ids):
+            raise ValueError(
+                "BlockTableView.from_input_batch: the input batch has empty rows among its first "
+                f"{num_reqs}; build the view after the batch is condensed"
+            )
+        block_table = input_batch.block_table[kv_cache_group_id]
+        if hasattr(block_table, "get_cpu_tensor"):
+            table = block_table.get_cpu_tensor()
+        else:
+            table = block_table.block_table.cpu
+        return cls(
+            req_ids,
+            input_batch.num_computed_tokens_cpu,
+            table,
+            block_size=int(block_table.block_size),
+            expected_block_size=block_size,
+            num_blocks_per_row=getattr(block_table, "num_blocks_per_row", None),
+        )
+
+    def row_of(self, req_id: ReqId) -> int:
+        try:
+            return self._row_of[req_id]
+        except KeyError:
+            raise ValueError(
+                f"BlockTableView: request {req_id!r} is not in the batch {list(self.req_ids)}"
+            ) from None
+
+    def slots_for_spans(self, spans: Sequence[tuple[ReqId, int, int]]) -> torch.Tensor:
+        """KV slots of positions ``[start, end)`` of each request, concatenated
+        in the order given (int64, CPU)."""
+        rows: list[torch.Tensor] = []
+        positions: list[torch.Tensor] = []
+        for req_id, start, end in spans:
+            start, end = operator.index(start), operator.index(end)
+            if not 0 <= start <= end:
+                raise ValueError(f"BlockTableView: bad span [{start}, {end}) for {req_id!r}")
+            row = self.row_of(req_id)
+            pos = torch.arange(start, end, dtype=torch.int64)
+            rows.append(torch.full_like(pos, row))
+            positions.append(pos)
+        if not positions:
+            return torch.empty(0, dtype=torch.int64)
+        row_t = torch.cat(rows)
+        pos_t = torch.cat(positions)
+        block_idx = pos_t // self.block_size
+        limit = self._blocks_per_row[row_t]
+        bad = block_idx >= limit
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0, 0])
+            rid = self.req_ids[int(row_t[i])]
+            raise ValueError(
+                f"BlockTableView: position {int(pos_t[i])} of request {rid!r} needs block index "
+                f"{int(block_idx[i])} but its row holds {int(limit[i])} blocks; the view is stale or "
+                "the step's blocks were not appended yet"
+            )
+        block_ids = self._table[row_t, block_idx]
+        return block_ids * self.block_size + pos_t % self.block_size

@@ -1,0 +1,126 @@
+"""The configuration gate: may this engine stage run the omni prefix cache?
+
+Owns: ``stage_prefix_cache_config(vllm_config, kv_cache_config)``, which reads
+vLLM's config objects by their field names (never importing vLLM) and returns
+the ``PrefixCacheConfig`` for the stage, ``None`` when the cache has nothing to
+do, or raises ``OmniPrefixCacheUnmatchError`` naming the one setting that makes
+the cache unsound.
+
+Upholds I5 and I6 at their root: the cache is keyed by the KV cache's slots and
+trusts the engine's ``num_computed_tokens`` to be a block-aligned *local*
+prefix hit. Every configuration under which that is false is refused here:
+tokens received through a KV connector (consumer stages), speculative decoding
+(rejected draft rows would be written), sub-block prefix matching (unaligned
+hits), several KV-cache groups or a group that is not full attention (there is
+no single slot space, or slots do not cover the whole prefix).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omni_cache.errors import OmniPrefixCacheUnmatchError
+from omni_cache.interface import PrefixCacheConfig
+
+__all__ = ["stage_prefix_cache_config"]
+
+_CONSUMER_ROLES = frozenset({"kv_consumer", "kv_both"})
+
+
+def _refuse(reason: str) -> OmniPrefixCacheUnmatchError:
+    return OmniPrefixCacheUnmatchError(f"omni prefix cache cannot run on this stage: {reason}")
+
+
+def _is_pooling(model_config: Any) -> bool:
+    if model_config is None:
+        return False
+    if getattr(model_config, "runner_type", None) == "pooling":
+        return True
+    return getattr(model_config, "pooler_config", None) is not None
+
+
+def _is_kv_consumer(kv_transfer_config: Any) -> bool:
+    if kv_transfer_config is None:
+        return False
+    flag = getattr(kv_transfer_config, "is_kv_consumer", None)
+    if isinstance(flag, bool):
+        return flag
+    return (
+        getattr(kv_transfer_config, "kv_connector", None) is not None
+        and getattr(kv_transfer_config, "kv_role", None) in _CONSUMER_ROLES
+    )
+
+
+def _is_full_attention(spec: Any) -> bool:
+    """True for vLLM's ``FullAttentionSpec`` and its subclasses (e.g. MLA)."""
+    return any(cls.__name__ == "FullAttentionSpec" for cls in type(spec).__mro__)
+
+
+def stage_prefix_cache_config(vllm_config: Any, kv_cache_config: Any) -> PrefixCacheConfig | None:
+    """The stage's ``PrefixCacheConfig``, ``None``, or a refusal.
+
+    Reads ``vllm_config.cache_config.enable_prefix_caching`` /
+    ``hash_block_size``, ``vllm_config.model_config.runner_type`` /
+    ``pooler_config`` / ``max_model_len``, ``vllm_config.scheduler_config``,
+    ``vllm_config.speculative_config``, ``vllm_config.kv_transfer_config``
+    (``kv_connector``, ``kv_role``) and ``kv_cache_config.num_blocks`` /
+    ``kv_cache_groups[i].kv_cache_spec`` (``block_size``).
+
+    Returns ``None`` when prefix caching is off or the stage is a pooling
+    model. Raises ``OmniPrefixCacheUnmatchError`` for a KV-consumer stage,
+    speculative decoding, sub-block prefix matching, more than one KV-cache
+    group or a group that is not full attention, and ``ValueError`` when
+    ``kv_cache_config`` lacks what sizing needs.
+    """
+    cache_config = getattr(vllm_config, "cache_config", None)
+    model_config = getattr(vllm_config, "model_config", None)
+    if cache_config is None or not bool(getattr(cache_config, "enable_prefix_caching", False)):
+        return None
+    if _is_pooling(model_config):
+        return None
+
+    kv_transfer_config = getattr(vllm_config, "kv_transfer_config", None)
+    if _is_kv_consumer(kv_transfer_config):
+        raise _refuse(
+            f"it is a KV-consumer stage (kv_transfer_config.kv_role="
+            f"{getattr(kv_transfer_config, 'kv_role', None)!r}): tokens received through the KV "
+            "connector cannot be told apart from locally cached ones, so a hit could name rows this "
+            "cache never saw. Disable prefix caching on this stage or make it a kv_producer"
+        )
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        raise _refuse(
+            "speculative decoding is enabled (speculative_config is set): draft tokens that the "
+            "verifier rejects would be written to the cache as if they were the request's tokens"
+        )
+
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
+    if len(groups) != 1:
+        raise _refuse(
+            f"the KV cache has {len(groups)} KV-cache groups (kv_cache_config.kv_cache_groups); the "
+            "cache needs exactly one full-attention group so that one slot space covers the prefix"
+        )
+    spec = getattr(groups[0], "kv_cache_spec", None)
+    if spec is None or not _is_full_attention(spec):
+        raise _refuse(
+            f"KV-cache group 0 is {type(spec).__name__}, not full attention: its blocks do not hold "
+            "the whole prefix, so a hit's rows cannot be addressed by its slots"
+        )
+    block_size = getattr(spec, "block_size", None)
+    if block_size is None:
+        raise ValueError("stage_prefix_cache_config: kv_cache_groups[0].kv_cache_spec has no block_size")
+    hash_block_size = getattr(cache_config, "hash_block_size", None)
+    if hash_block_size is not None and int(hash_block_size) != int(block_size):
+        raise _refuse(
+            f"sub-block prefix matching is enabled (cache_config.hash_block_size={hash_block_size} "
+            f"but the KV block size is {block_size}): hits are only served block aligned. Leave "
+            "hash_block_size unset or equal to the block size"
+        )
+    num_blocks = getattr(kv_cache_config, "num_blocks", None)
+    if num_blocks is None:
+        raise ValueError("stage_prefix_cache_config: kv_cache_config has no num_blocks")
+    return PrefixCacheConfig.from_vllm_config(
+        num_blocks=int(num_blocks),
+        block_size=int(block_size),
+        scheduler_config=getattr(vllm_config, "scheduler_config", None),
+        model_config=model_config,
+    )

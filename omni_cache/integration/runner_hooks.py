@@ -1,0 +1,275 @@
+"""Hooks a vLLM-style model runner calls to feed the omni prefix cache.
+
+Owns: ``PrefixCacheRunnerHooks`` -- the frozen ``ModelCachePolicy``, the
+lazily built ``OmniPrefixCacheManager`` (last pipeline-parallel rank only), the
+scheduler adapter, this step's scheduled-token counts between ``begin_step``
+and ``after_forward``, and the save-time request ids of every unconsumed step.
+
+Call order (DESIGN section 2), all on the engine thread except the output path:
+
+1. ``on_model_loaded(model)`` -- freeze ``ModelCachePolicy.from_model(model)``.
+2. ``on_kv_cache_initialized(vllm_config, kv_cache_config)`` -- the config gate
+   (or ``configure(PrefixCacheConfig | None)``).
+3. ``begin_step(scheduler_output)`` -- at the top of ``execute_model``, before
+   ``_update_states`` drops finished requests: build the manager if needed,
+   translate, ``new_step_starts``.
+4. ``after_forward(hidden, mm, view=..., num_tokens_unpadded=...,
+   num_tokens_padded=...)`` -- build the write layout, ``save_outputs``;
+   returns the step id to attach to the step's output.
+5. ``materialize(step_id)`` (uses the save-time request ids) or
+   ``discard(step_id)`` when the payload is built from live outputs or on error;
+   ``build_payload`` does either and discards on a failed materialize.
+
+Warmup and dummy runs are never fed: pass ``is_dummy=True`` (both calls then
+do nothing and return ``None``). Upholds I1 (one consume per step id: the
+save-time ids are popped once) and I4 (materialize asks for exactly the
+save-time requests); the rest is the manager's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from omni_cache.adapter import PrefixCacheSchedulerAdapter, PrefixCacheStep, PrefixCacheWriteLayout
+from omni_cache.errors import OmniPrefixCacheUnmatchError
+from omni_cache.integration.config_gate import stage_prefix_cache_config
+from omni_cache.interface import ModelCachePolicy, PrefixCacheConfig, ReqId, StageCacheOutputs, StepId
+
+if TYPE_CHECKING:
+    from omni_cache.manager import OmniPrefixCacheManager
+
+__all__ = ["PrefixCacheRunnerHooks", "vllm_is_last_pp_rank"]
+
+T = TypeVar("T")
+
+
+def vllm_is_last_pp_rank() -> bool:
+    """vLLM's ``get_pp_group().is_last_rank``; True when vLLM is not installed
+    or its distributed state is not initialized (single process)."""
+    try:
+        from vllm.distributed.parallel_state import get_pp_group
+    except ImportError:
+        return True
+    try:
+        return bool(get_pp_group().is_last_rank)
+    except AssertionError:  # pipeline-parallel group not initialized
+        return True
+
+
+def _default_manager_factory(config: PrefixCacheConfig, **kwargs: Any) -> OmniPrefixCacheManager:
+    from omni_cache.manager import OmniPrefixCacheManager
+
+    return OmniPrefixCacheManager(config, **kwargs)
+
+
+class PrefixCacheRunnerHooks:
+    """The per-step calls of one engine stage (see the module docstring).
+
+    ``is_last_pp_rank``: a bool, a callable evaluated once at the first real
+    step, or ``None`` for ``vllm_is_last_pp_rank``. ``manager_kwargs`` go to
+    the manager (``eager``, ``recorder``, ``faults``).
+    """
+
+    def __init__(
+        self,
+        config: PrefixCacheConfig | None = None,
+        *,
+        is_last_pp_rank: bool | Callable[[], bool] | None = None,
+        manager_factory: Callable[..., Any] | None = None,
+        **manager_kwargs: Any,
+    ) -> None:
+        self._config = config
+        self._configured = config is not None
+        self._is_last_pp_rank = is_last_pp_rank
+        self._last_rank: bool | None = None
+        self._factory = manager_factory or _default_manager_factory
+        self._manager_kwargs = manager_kwargs
+        self._policy: ModelCachePolicy | None = None
+        self._manager: Any = None
+        self.adapter = PrefixCacheSchedulerAdapter()
+        self._step_scheduled: dict[ReqId, int] | None = None
+        self._lock = threading.Lock()  # guards _save_req_ids (output path may be another thread)
+        self._save_req_ids: dict[StepId, tuple[ReqId, ...]] = {}
+
+    # ------------------------------------------------------------- set-up
+    def on_model_loaded(self, model: Any) -> ModelCachePolicy:
+        """Freeze the model's cache policy; a second, different policy raises."""
+        policy = ModelCachePolicy.from_model(model)
+        if self._policy is not None and policy != self._policy:
+            raise OmniPrefixCacheUnmatchError(
+                f"PrefixCacheRunnerHooks: the cache policy is frozen at model load ({self._policy}); "
+                f"a second model load produced {policy}"
+            )
+        self._policy = policy
+        return policy
+
+    def on_kv_cache_initialized(self, vllm_config: Any, kv_cache_config: Any) -> PrefixCacheConfig | None:
+        """Run the configuration gate; ``None`` turns the hooks into no-ops."""
+        self.configure(stage_prefix_cache_config(vllm_config, kv_cache_config))
+        return self._config
+
+    def configure(self, config: PrefixCacheConfig | None) -> None:
+        if self._manager is not None:
+            raise OmniPrefixCacheUnmatchError(
+                "PrefixCacheRunnerHooks.configure: the manager is already running; the KV cache "
+                "cannot be re-sized under it"
+            )
+        self._config = config
+        self._configured = True
+
+    @property
+    def policy(self) -> ModelCachePolicy | None:
+        return self._policy
+
+    @property
+    def config(self) -> PrefixCacheConfig | None:
+        return self._config
+
+    @property
+    def manager(self) -> Any:
+        """The manager, or ``None`` before the first real step / when disabled."""
+        return self._manager
+
+    def _active(self) -> bool:
+        """Whether real steps feed the cache; builds the manager on first use."""
+        if self._manager is not None:
+            return True
+        if not self._configured:
+            raise OmniPrefixCacheUnmatchError(
+                "PrefixCacheRunnerHooks: a real step started before the KV cache was initialized; "
+                "call on_kv_cache_initialized(...) (or configure(...)) first"
+            )
+        if self._config is None:
+            return False
+        if self._last_rank is None:
+            flag = self._is_last_pp_rank
+            if flag is None:
+                flag = vllm_is_last_pp_rank
+            self._last_rank = bool(flag() if callable(flag) else flag)
+        if not self._last_rank:
+            return False
+        if self._policy is None:
+            raise OmniPrefixCacheUnmatchError(
+                "PrefixCacheRunnerHooks: a real step started before the model was loaded; call "
+                "on_model_loaded(model) first so the cache policy is frozen"
+            )
+        manager = self._factory(self._config, **self._manager_kwargs)
+        manager.register_policy(self._policy)
+        self._manager = manager
+        return True
+
+    # ------------------------------------------------------------- per step
+    def begin_step(self, scheduler_output: Any, *, is_dummy: bool = False) -> PrefixCacheStep | None:
+        """Top of ``execute_model``, before finished requests are dropped."""
+        if is_dummy or not self._active():
+            return None
+        step = self.adapter.translate_step(scheduler_output)
+        self._step_scheduled = None
+        self._manager.new_step_starts(step)
+        self._step_scheduled = dict(step.scheduled_tokens)
+        return step
+
+    def after_forward(
+        self,
+        hidden_states: Any,
+        mm_outputs: dict[str, Any] | None,
+        *,
+        num_tokens_unpadded: int,
+        num_tokens_padded: int,
+        view: Any = None,
+        write_layout: PrefixCacheWriteLayout | None = None,
+        num_scheduled_tokens: Any = None,
+        is_dummy: bool = False,
+    ) -> StepId | None:
+        """Save this step's outputs; returns the step id (``None`` when not fed).
+
+        The layout is ``write_layout`` or is built from ``view`` (a
+        ``BlockTableView`` built after ``_update_states``) and this step's
+        scheduled tokens (``num_scheduled_tokens``, default: from
+        ``begin_step``).
+        """
+        if is_dummy or self._manager is None:
+            return None
+        scheduled = self._step_scheduled
+        self._step_scheduled = None
+        if scheduled is None:
+            raise OmniPrefixCacheUnmatchError(
+                "PrefixCacheRunnerHooks.after_forward: no begin_step for this step (a dummy or warmup "
+                "run must pass is_dummy=True to both calls)"
+            )
+        if write_layout is None:
+            if view is None:
+                raise ValueError("PrefixCacheRunnerHooks.after_forward: pass view= or write_layout=")
+            counts = scheduled if num_scheduled_tokens is None else num_scheduled_tokens
+            write_layout = self.adapter.build_write_layout(view, num_scheduled_tokens=counts)
+        step_id = self._manager.save_outputs(
+            hidden_states,
+            dict(mm_outputs or {}),
+            num_tokens_unpadded=num_tokens_unpadded,
+            num_tokens_padded=num_tokens_padded,
+            write_layout=write_layout,
+        )
+        with self._lock:
+            self._save_req_ids[step_id] = write_layout.req_ids
+        return step_id
+
+    # ------------------------------------------------------------- output path
+    def save_time_req_ids(self, step_id: StepId) -> tuple[ReqId, ...] | None:
+        with self._lock:
+            return self._save_req_ids.get(step_id)
+
+    def materialize(self, step_id: StepId) -> StageCacheOutputs:
+        """Merged outputs of the save-time requests; a failed materialize
+        discards the step (so its staging slot is not held) and re-raises."""
+        with self._lock:
+            req_ids = self._save_req_ids.pop(step_id, ())
+        manager = self._require_manager()
+        try:
+            return manager.materialize(step_id, req_ids)
+        except BaseException:
+            # Already consumed, never saved, or a sticky failure: keep the first error.
+            with contextlib.suppress(OmniPrefixCacheUnmatchError):
+                manager.discard_step(step_id)
+            raise
+
+    def discard(self, step_id: StepId) -> None:
+        """Consume the step without reading it (payload from live outputs, or error)."""
+        with self._lock:
+            self._save_req_ids.pop(step_id, None)
+        self._require_manager().discard_step(step_id)
+
+    def build_payload(
+        self,
+        step_id: StepId | None,
+        build: Callable[[StageCacheOutputs | None], T],
+        *,
+        from_live_outputs: bool = False,
+    ) -> T:
+        """Consume ``step_id`` exactly once and build the stage payload.
+
+        ``from_live_outputs``: the payload does not need the cache (discard).
+        A step id of ``None`` (not fed) builds from live outputs.
+        """
+        if step_id is None:
+            return build(None)
+        if from_live_outputs:
+            self.discard(step_id)
+            return build(None)
+        return build(self.materialize(step_id))
+
+    def shutdown(self) -> dict[StepId, str]:
+        """Shut the manager down; returns its unconsumed step ids (empty when none)."""
+        if self._manager is None:
+            return {}
+        return dict(self._manager.shutdown())
+
+    def _require_manager(self) -> Any:
+        if self._manager is None:
+            raise OmniPrefixCacheUnmatchError(
+                "PrefixCacheRunnerHooks: no manager (no real step was fed on this rank); a step id "
+                "here was never saved"
+            )
+        return self._manager

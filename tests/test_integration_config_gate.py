@@ -1,0 +1,104 @@
+"""stage_prefix_cache_config over fakes with vLLM's config field names.
+
+None when prefix caching is off or the stage pools; a clear refusal for every
+configuration that would make a hit unsound (I5/I6 at their root); else
+PrefixCacheConfig.from_vllm_config sized from the KV cache and the scheduler.
+"""
+
+from __future__ import annotations
+
+import pytest
+from fakes_vllm import (
+    CacheConfig,
+    FullAttentionSpec,
+    KVTransferConfig,
+    MambaSpec,
+    MLAAttentionSpec,
+    ModelConfig,
+    SchedulerConfig,
+    SlidingWindowSpec,
+    SpeculativeConfig,
+    VllmConfig,
+    kv_cache_config,
+)
+
+from omni_cache import OmniPrefixCacheUnmatchError, PrefixCacheConfig
+from omni_cache.integration import stage_prefix_cache_config
+
+
+def test_plain_generate_stage_gets_a_config() -> None:
+    cfg = stage_prefix_cache_config(
+        VllmConfig(scheduler_config=SchedulerConfig(max_num_batched_tokens=3000)), kv_cache_config(500, 16)
+    )
+    assert cfg == PrefixCacheConfig(num_blocks=500, block_size=16, staging_capacity_tokens=3000)
+
+
+def test_block_size_comes_from_the_kv_cache_group_spec() -> None:
+    cfg = stage_prefix_cache_config(VllmConfig(), kv_cache_config(64, 32, MLAAttentionSpec(32)))
+    assert cfg is not None and (cfg.num_blocks, cfg.block_size) == (64, 32)
+
+
+def test_prefix_caching_off_gives_none() -> None:
+    vc = VllmConfig(cache_config=CacheConfig(enable_prefix_caching=False), speculative_config=SpeculativeConfig())
+    assert stage_prefix_cache_config(vc, kv_cache_config(8, 16)) is None
+
+
+@pytest.mark.parametrize("model_config", [ModelConfig(runner_type="pooling"), ModelConfig(pooler_config=object())])
+def test_pooling_stage_gives_none(model_config: ModelConfig) -> None:
+    assert stage_prefix_cache_config(VllmConfig(model_config=model_config), kv_cache_config(8, 16)) is None
+
+
+@pytest.mark.parametrize("role", ["kv_consumer", "kv_both"])
+def test_kv_consumer_stage_is_refused(role: str) -> None:
+    vc = VllmConfig(kv_transfer_config=KVTransferConfig(kv_connector="NixlConnector", kv_role=role))
+    with pytest.raises(OmniPrefixCacheUnmatchError, match=rf"KV-consumer stage \(kv_transfer_config.kv_role='{role}'\)"):
+        stage_prefix_cache_config(vc, kv_cache_config(8, 16))
+
+
+def test_kv_consumer_is_read_from_fields_without_the_property() -> None:
+    class RawTransferConfig:
+        kv_connector = "LMCacheConnectorV1"
+        kv_role = "kv_consumer"
+
+    vc = VllmConfig(kv_transfer_config=RawTransferConfig())  # type: ignore[arg-type]
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="cannot be told apart"):
+        stage_prefix_cache_config(vc, kv_cache_config(8, 16))
+
+
+def test_kv_producer_stage_is_accepted() -> None:
+    vc = VllmConfig(kv_transfer_config=KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_producer"))
+    assert stage_prefix_cache_config(vc, kv_cache_config(8, 16)) is not None
+
+
+def test_speculative_decoding_is_refused() -> None:
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="speculative decoding is enabled"):
+        stage_prefix_cache_config(VllmConfig(speculative_config=SpeculativeConfig()), kv_cache_config(8, 16))
+
+
+def test_sub_block_prefix_matching_is_refused() -> None:
+    vc = VllmConfig(cache_config=CacheConfig(hash_block_size=8))
+    with pytest.raises(OmniPrefixCacheUnmatchError, match=r"sub-block prefix matching.*hash_block_size=8"):
+        stage_prefix_cache_config(vc, kv_cache_config(8, 16))
+    same = VllmConfig(cache_config=CacheConfig(hash_block_size=16))
+    assert stage_prefix_cache_config(same, kv_cache_config(8, 16)) is not None
+
+
+def test_several_kv_cache_groups_are_refused() -> None:
+    kv = kv_cache_config(8, 16, FullAttentionSpec(16), SlidingWindowSpec(16))
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="2 KV-cache groups"):
+        stage_prefix_cache_config(VllmConfig(), kv)
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="0 KV-cache groups"):
+        stage_prefix_cache_config(VllmConfig(), type(kv)(8, [], []))
+
+
+@pytest.mark.parametrize("spec", [SlidingWindowSpec(16), MambaSpec(16)])
+def test_a_group_that_is_not_full_attention_is_refused(spec) -> None:
+    with pytest.raises(OmniPrefixCacheUnmatchError, match=f"group 0 is {type(spec).__name__}, not full attention"):
+        stage_prefix_cache_config(VllmConfig(), kv_cache_config(8, 16, spec))
+
+
+def test_missing_sizing_fields_raise_value_error() -> None:
+    kv = kv_cache_config(8, 16)
+    kv.num_blocks = None  # type: ignore[assignment]
+    with pytest.raises(ValueError, match="kv_cache_config has no num_blocks"):
+        stage_prefix_cache_config(VllmConfig(), kv)
