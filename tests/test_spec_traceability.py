@@ -2,7 +2,9 @@
 
 Parses the table and checks: every ID I1..I11 appears once with a statement;
 each has a TLA+ property or a stated reason; every named TLA+ property is
-defined in the named ``tla/<model>/*.tla``; every named test is defined in the
+defined in the named ``tla/<model>/*.tla`` and checked by TLC, i.e. listed under
+INVARIANT(S) or PROPERTY(IES) of one of that model's ``*.cfg`` files (a
+property nobody checks proves nothing); every named test is defined in the
 named file; a ``test_I<k>_...`` test sits in row I<k>, and every row names one.
 
 A model directory or a test file that does not exist yet (other engineers are
@@ -108,8 +110,27 @@ def _strip_tla_comments(text: str) -> str:
     return re.sub(r"\\\*.*$", "", text, flags=re.M)
 
 
+CFG_KEYWORDS = re.compile(
+    r"^(CONSTANTS?|INIT|NEXT|SPECIFICATION|INVARIANTS?|PROPERTY|PROPERTIES|SYMMETRY|VIEW|ALIAS|"
+    r"CONSTRAINTS?|ACTION_CONSTRAINTS?|CHECK_DEADLOCK|POSTCONDITION)$"
+)
+
+
+def checked_names(cfg_text: str) -> set[str]:
+    """Names listed under INVARIANT(S) / PROPERTY(IES) of a TLC ``.cfg`` file."""
+    names: set[str] = set()
+    section = ""
+    for token in _strip_tla_comments(cfg_text).split():
+        if CFG_KEYWORDS.match(token):
+            section = token
+        elif section.startswith(("INVARIANT", "PROPERT")) and re.fullmatch(r"\w+", token):
+            names.add(token)
+    return names
+
+
 def check_tla(refs: list[tuple[str, str]], root: Path) -> tuple[list[str], list[str]]:
-    """(problems, missing model dirs): every property must be defined in ``<root>/<model>/*.tla``."""
+    """(problems, missing model dirs): every property must be defined in ``<root>/<model>/*.tla``
+    and listed as an invariant or property in one of ``<root>/<model>/*.cfg``."""
     problems: list[str] = []
     missing: list[str] = []
     for model in sorted({m for m, _ in refs}):
@@ -119,9 +140,14 @@ def check_tla(refs: list[tuple[str, str]], root: Path) -> tuple[list[str], list[
             missing.append(model)
             continue
         text = "\n".join(_strip_tla_comments(f.read_text(encoding="utf-8")) for f in files)
+        checked: set[str] = set()
+        for cfg in directory.glob("*.cfg"):
+            checked |= checked_names(cfg.read_text(encoding="utf-8"))
         for prop in sorted({p for m, p in refs if m == model}):
             if not re.search(rf"^\s*(?:LOCAL\s+)?{prop}\s*(?:\([^)]*\))?\s*==", text, flags=re.M):
                 problems.append(f"{model}: property {prop} is not defined in {[f.name for f in files]}")
+            elif prop not in checked:
+                problems.append(f"{model}: property {prop} is not checked by any {model}/*.cfg")
     return problems, missing
 
 
@@ -170,8 +196,8 @@ def spec_md() -> str:
 
 def test_every_invariant_has_a_row_a_property_or_reason_and_tests(spec_md: str) -> None:
     rows = parse_rows(spec_md)
-    assert [r.id for r in rows] == list(IDS)
     assert check_rows(rows) == []
+    assert [r.id for r in rows] == list(IDS)
 
 
 def test_named_tla_properties_are_defined(spec_md: str) -> None:
@@ -221,12 +247,20 @@ def test_check_rows_flags_missing_ids_reasons_and_misplaced_tests() -> None:
 def test_check_tla_flags_undefined_and_commented_out_properties(tmp_path: Path) -> None:
     (tmp_path / "tla" / "m").mkdir(parents=True)
     (tmp_path / "tla" / "m" / "Spec.tla").write_text(
-        "---- MODULE Spec ----\nInv == TRUE\nLive(x) == x\n\\* Gone == TRUE\n(* Old ==\n TRUE *)\n====\n"
+        "---- MODULE Spec ----\nInv == TRUE\nLive(x) == x\nIdle == TRUE\n"
+        "\\* Gone == TRUE\n(* Old ==\n TRUE *)\n====\n"
     )
-    refs = [("tla/m", "Inv"), ("tla/m", "Live"), ("tla/m", "Gone"), ("tla/m", "Old"), ("tla/absent", "X")]
+    (tmp_path / "tla" / "m" / "MC.cfg").write_text(
+        "CONSTANTS N = 2\nSPECIFICATION Spec\nINVARIANTS TypeOK\n  Inv \\* Idle\nPROPERTIES Live\n"
+    )
+    refs = [("tla/m", p) for p in ("Inv", "Live", "Idle", "Gone", "Old")] + [("tla/absent", "X")]
     problems, missing = check_tla(refs, tmp_path)
     assert missing == ["tla/absent"]
-    assert [p.split(" is not")[0] for p in problems] == ["tla/m: property Gone", "tla/m: property Old"]
+    assert problems == [
+        "tla/m: property Gone is not defined in ['Spec.tla']",
+        "tla/m: property Idle is not checked by any tla/m/*.cfg",
+        "tla/m: property Old is not defined in ['Spec.tla']",
+    ]
 
 
 def test_check_tests_flags_undefined_tests(tmp_path: Path) -> None:
