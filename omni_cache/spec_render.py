@@ -32,6 +32,9 @@ MACHINE_ATTRS: dict[str, str] = {"staging": "STAGING_TABLE", "write": "WRITE_TAB
 SPEC_FILE = Path(__file__).resolve().parent.parent / "spec" / "state_machines.md"
 """Where the generated spec lives in a source checkout (editable install)."""
 
+IN_SOURCE_CHECKOUT = (SPEC_FILE.parent.parent / "pyproject.toml").is_file()
+"""False for a wheel install, where ``SPEC_FILE`` would point into site-packages."""
+
 REGENERATE_HINT = "run `omni-cache diagram --write` (or `python -m omni_cache.spec_render`) and commit the result"
 
 

@@ -158,3 +158,13 @@ def test_diagram_write_then_check(tmp_path: Path, capsys: pytest.CaptureFixture[
 def test_unknown_machine_raises() -> None:
     with pytest.raises(ValueError, match="unknown machine"):
         spec_render.table_for("kv")
+
+
+def test_diagram_write_outside_a_checkout_needs_a_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(spec_render, "IN_SOURCE_CHECKOUT", False)
+    assert _run_diagram(["--write"]) == 2
+    assert "pass --path" in capsys.readouterr().err
+    assert _run_diagram(["--write", "--path", str(tmp_path / "sm.md")]) == 0
+    assert (tmp_path / "sm.md").read_text(encoding="utf-8") == spec_render.render_state_machines_md()
