@@ -250,11 +250,13 @@ class OmniPrefixCacheManager:
             self.book.wait(prev, ("written",), why=f"save of step {step_id} waits for {prev.describe()}")
         compute_event = self.copies.record_compute_event()
         saved_at = _caller_location()
-        self.faults.on_blocking("save claims a staging slot")
-        slot = self.staging.claim(n)
         hits = self._take_hits(step_id, write_layout)
         plans: list[PlannedRead] = []
+        registered: list[PoolWrite] = []
+        slot = None
         try:
+            self.faults.on_blocking("save claims a staging slot")
+            slot = self.staging.claim(n)
             views, copy_event = {}, None
             for key, rows in split.immediate.items():
                 views[key] = self.staging.claimed_page(slot, key, rows)
@@ -275,22 +277,31 @@ class OmniPrefixCacheManager:
                     plans.append(span.hit)
                 spans[w.req_id] = span
             req_ids = tuple(spans)
+            # Registration: from here on a failure cannot be rolled back (versions are
+            # published), so it fails the manager for good (I8) instead.
             imm, older = self._register(WriteSchedule.JOIN_NEXT_STEP, step_id, slots, views, slot, req_ids)
             if imm is not None:
                 imm.copy_event = copy_event
+                registered.append(imm)
             deferred, older_deferred = self._register(
                 WriteSchedule.JOIN_ON_FINISH, step_id, slots, deferred_dev, None, req_ids)
+            if deferred is not None:
+                registered.append(deferred)
             ctx = StepContext(step_id, slot, saved_at, spans, tuple(split.immediate), imm,
                               deferred_host, leftover, hit_keys, policy.hidden_key is not None, host_events)
             self.staging.save(slot, step_id, saved_at)
-        except BaseException:
+        except BaseException as exc:
+            if registered:
+                message = self.book.fail(registered[0], exc, where=f"save_outputs step {step_id}")
+                self.staging.set_failed(message)
+                raise
             for plan in plans:
                 self.tenancy.unplan(plan)
             with self._lock:
                 for req_id, hit in hits.items():
                     if req_id in self._requests:
                         self._requests[req_id].pending_hit = hit
-            if slot.state == "claimed":
+            if slot is not None and slot.state == "claimed":
                 self.staging.abort(slot)
             raise
         with self._lock:

@@ -139,6 +139,11 @@ class StagingPool:
     def abort(self, slot: StagingSlot) -> None:
         """The save failed after claiming: give the page back unused."""
         with self._cond:
+            if slot.num_write_holds:
+                raise OmniPrefixCacheUnmatchError(
+                    f"cannot abort {slot.describe()}: {slot.num_write_holds} pool write(s) still read "
+                    "its page (I3); a save that registered writes cannot be aborted"
+                )
             self.machine.fire(slot, "abort", what=f"staging slot {slot.index}")
             slot.num_rows = 0
             self._cond.notify_all()

@@ -86,8 +86,9 @@ class _BlockPoolWrites(FaultHooks):
 
 def test_I3_page_not_reused_while_write_holds_it() -> None:
     hooks = _BlockPoolWrites()
-    from omni_cache.manager import OmniPrefixCacheManager
     from cache_helpers import config
+
+    from omni_cache.manager import OmniPrefixCacheManager
 
     m = OmniPrefixCacheManager(config(staging_depth=1, staging_claim_timeout_s=0.3), eager=False, faults=hooks)
     m.new_step_starts([started("a"), started("b")])

@@ -1,0 +1,124 @@
+"""StagingPool: the slot machine is the only door to the pages (I1, I2, I3, I10, I11)."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import threading
+import time
+
+import pytest
+import torch
+
+import omni_cache
+from omni_cache import OmniPrefixCacheStagingTimeoutError, OmniPrefixCacheUnmatchError, TraceRecorder
+from omni_cache.errors import PHRASE_CAPACITY, PHRASE_NOT_SAVED, PHRASE_UNCONSUMED
+from omni_cache.staging import StagingPool
+
+
+def test_lifecycle_and_lazy_pages() -> None:
+    recorder = TraceRecorder()
+    pool = StagingPool(2, 8, 1.0, recorder=recorder)
+    assert pool.page_bytes() == {}
+    slot = pool.claim(3)
+    rows = torch.arange(12, dtype=torch.bfloat16).reshape(3, 4)
+    pool.claimed_page(slot, "hidden", rows).copy_(rows)
+    # allocated lazily per key at depth x capacity x width x dtype
+    assert pool.page_bytes() == {"hidden": 2 * 8 * 4 * 2}
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="only in states"):
+        pool.page_rows(slot, "hidden", 0, 3)  # claimed pages are not readable yet
+    pool.save(slot, 5, "here:1")
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="only in states"):
+        pool.claimed_page(slot, "hidden", rows)  # saved pages are not writable
+    assert torch.equal(pool.page_rows(slot, "hidden", 0, 3), rows)
+    assert pool.unconsumed() == {5: "here:1"}
+    pool.hold(slot)
+    taken = pool.consume(5, caller="t")
+    with pytest.raises(OmniPrefixCacheUnmatchError, match=PHRASE_NOT_SAVED):
+        pool.consume(5, caller="t")
+    pool.done_reading(taken)
+    assert pool.slot_states() == ["materialized", "free"]  # the write still reads the page (I3)
+    pool.unhold(slot)
+    assert pool.slot_states() == ["free", "free"]
+    assert [e.trigger for e in recorder.events()] == ["claim", "save", "consume", "release"]
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="holds rows of shape"):
+        s2 = pool.claim(1)
+        pool.claimed_page(s2, "hidden", torch.zeros(1, 5))
+
+
+def test_abort_and_capacity() -> None:
+    pool = StagingPool(1, 4, 0.05)
+    with pytest.raises(OmniPrefixCacheUnmatchError, match=PHRASE_CAPACITY):
+        pool.claim(5)
+    slot = pool.claim(4)
+    pool.abort(slot)
+    assert pool.slot_states() == ["free"]
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="illegal staging_slot trigger 'abort'"):
+        pool.abort(slot)
+
+
+def test_timeout_names_unconsumed_and_in_flight() -> None:
+    pool = StagingPool(1, 4, 0.05, describe_in_flight=lambda: "write tid 9 (copying)")
+    slot = pool.claim(1)
+    pool.save(slot, 3, "engine.py:77")
+    with pytest.raises(OmniPrefixCacheStagingTimeoutError) as info:
+        pool.claim(1)
+    msg = str(info.value)
+    assert PHRASE_UNCONSUMED in msg and "step 3 saved at engine.py:77" in msg and "write tid 9" in msg
+
+
+def test_waiter_wakes_when_a_page_is_released() -> None:
+    pool = StagingPool(1, 4, 5.0)
+    slot = pool.claim(1)
+    pool.save(slot, 1, "x:1")
+    got: list[object] = []
+    waiter = threading.Thread(target=lambda: got.append(pool.claim(1)))
+    waiter.start()
+    time.sleep(0.05)
+    assert not got
+    pool.done_reading(pool.consume(1, caller="t"))
+    waiter.join(5)
+    assert got and pool.slot_states() == ["claimed"] and pool.num_claim_waits == 1
+
+
+def test_failed_pool_releases_waiters() -> None:
+    pool = StagingPool(1, 4, 5.0)
+    pool.claim(1)
+    errors: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            pool.claim(1)
+        except BaseException as exc:
+            errors.append(exc)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    time.sleep(0.05)
+    pool.set_failed("write failed: boom")
+    waiter.join(2)
+    assert not waiter.is_alive() and "write failed: boom" in str(errors[0])
+
+
+def test_no_other_module_touches_the_page_storage() -> None:
+    """The staging machine is the only door: ``_pages`` is referenced in staging.py alone."""
+    package = pathlib.Path(omni_cache.__file__).parent
+    offenders = []
+    for path in package.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr == "_pages" and path.name != "staging.py":
+                offenders.append(f"{path}:{node.lineno}")
+            if isinstance(node, ast.Constant) and node.value == "_pages" and path.name != "staging.py":
+                offenders.append(f"{path}:{node.lineno}")
+    assert offenders == []
+    staging_src = (package / "staging.py").read_text()
+    tree = ast.parse(staging_src)
+    # inside staging.py, only the allocator and the two state-checked accessors touch it
+    users = {
+        fn.name
+        for fn in ast.walk(tree)
+        if isinstance(fn, ast.FunctionDef)
+        and any(isinstance(n, ast.Attribute) and n.attr == "_pages" for n in ast.walk(fn))
+    }
+    assert users == {"__init__", "_page", "page_rows", "page_bytes"}

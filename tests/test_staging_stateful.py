@@ -1,0 +1,179 @@
+"""Model-based test of the staging pool: every trigger, legal and illegal, on random slots.
+
+A plain-Python model tracks each slot's state, holds and reader, and the saved
+step ids. Claims also come from a second thread. Checked after every rule:
+I1 (a step id is consumed once), I2 (at most ``depth`` unconsumed), I3 (a page
+is never handed out while a consumer or a write still holds it), and illegal
+triggers raise ``OmniPrefixCacheUnmatchError`` and change nothing.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from omni_cache import (
+    STAGING_TABLE,
+    OmniPrefixCacheStagingTimeoutError,
+    OmniPrefixCacheUnmatchError,
+    TraceRecorder,
+)
+from omni_cache.errors import PHRASE_NOT_SAVED
+from omni_cache.staging import StagingPool
+
+DEPTH = 3
+
+
+class StagingMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.recorder = TraceRecorder()
+        self.pool = StagingPool(DEPTH, 4, 0.01, recorder=self.recorder)
+        self.slots = list(self.pool._slots)  # test-only view of the slot objects
+        self.state = ["free"] * DEPTH
+        self.holds = [0] * DEPTH
+        self.reading = [False] * DEPTH
+        self.step_of: dict[int, int] = {}  # saved, unconsumed step id -> slot index
+        self.consumed: set[int] = set()
+        self.next_step = 1
+
+    # ---- claims ---------------------------------------------------------
+    def _expect_claim(self, slot) -> None:  # type: ignore[no-untyped-def]
+        i = slot.index
+        assert self.state[i] == "free" and self.holds[i] == 0 and not self.reading[i], (
+            f"I3: slot {i} handed out while {self.state[i]}, holds={self.holds[i]}, reading={self.reading[i]}"
+        )
+        self.state[i] = "claimed"
+
+    def _claim(self, from_thread: bool) -> None:
+        result: list[object] = []
+
+        def run() -> None:
+            try:
+                result.append(self.pool.claim(1))
+            except OmniPrefixCacheStagingTimeoutError as exc:
+                result.append(exc)
+
+        if from_thread:
+            t = threading.Thread(target=run)
+            t.start()
+            t.join(5)
+            assert not t.is_alive()
+        else:
+            run()
+        (got,) = result
+        if isinstance(got, OmniPrefixCacheStagingTimeoutError):
+            assert "free" not in self.state, "timed out although a page was free"
+        else:
+            self._expect_claim(got)
+
+    @rule()
+    def claim(self) -> None:
+        self._claim(False)
+
+    @rule()
+    def claim_from_second_thread(self) -> None:
+        self._claim(True)
+
+    # ---- legal lifecycle ------------------------------------------------
+    @rule(i=st.integers(0, DEPTH - 1))
+    def abort_or_save(self, i: int) -> None:
+        if self.state[i] != "claimed":
+            return
+        if self.next_step % 3 == 0:
+            if self.holds[i]:  # a registered write reads the page: abort must refuse (I3)
+                try:
+                    self.pool.abort(self.slots[i])
+                except OmniPrefixCacheUnmatchError as exc:
+                    assert "still read" in str(exc)
+                else:
+                    raise AssertionError(f"I3: slot {i} aborted while a write holds it")
+                return
+            self.pool.abort(self.slots[i])
+            self.state[i] = "free"
+        else:
+            self.pool.save(self.slots[i], self.next_step, "test:1")
+            self.state[i] = "saved"
+            self.step_of[self.next_step] = i
+        self.next_step += 1
+
+    @rule(pick=st.integers(0, 50), bogus=st.booleans())
+    def consume(self, pick: int, bogus: bool) -> None:
+        candidates = sorted(self.step_of) if not bogus else [*sorted(self.consumed), 10_000 + pick]
+        if not candidates:
+            return
+        step = candidates[pick % len(candidates)]
+        if step in self.step_of:
+            slot = self.pool.consume(step, caller="test")
+            i = self.step_of.pop(step)
+            assert slot.index == i
+            self.consumed.add(step)
+            self.state[i] = "materialized"
+            self.reading[i] = True
+        else:
+            before = (self.pool.slot_states(), self.pool.unconsumed())
+            try:
+                self.pool.consume(step, caller="test")
+            except OmniPrefixCacheUnmatchError as exc:
+                assert PHRASE_NOT_SAVED in str(exc)
+            else:
+                raise AssertionError(f"I1: step {step} consumed twice or never saved")
+            assert (self.pool.slot_states(), self.pool.unconsumed()) == before
+
+    def _maybe_release(self, i: int) -> None:
+        if self.state[i] == "materialized" and not self.reading[i] and self.holds[i] == 0:
+            self.state[i] = "free"
+
+    @rule(i=st.integers(0, DEPTH - 1))
+    def finish_reading(self, i: int) -> None:
+        if self.reading[i]:
+            self.pool.done_reading(self.slots[i])
+            self.reading[i] = False
+            self._maybe_release(i)
+
+    @precondition(lambda self: any(s in ("saved", "materialized") for s in self.state))
+    @rule(i=st.integers(0, DEPTH - 1))
+    def write_holds_page(self, i: int) -> None:
+        if self.state[i] in ("claimed", "saved", "materialized"):
+            self.pool.hold(self.slots[i])
+            self.holds[i] += 1
+
+    @rule(i=st.integers(0, DEPTH - 1))
+    def write_lands(self, i: int) -> None:
+        if self.holds[i]:
+            self.pool.unhold(self.slots[i])
+            self.holds[i] -= 1
+            self._maybe_release(i)
+
+    # ---- illegal triggers -------------------------------------------------
+    @rule(i=st.integers(0, DEPTH - 1), trigger=st.sampled_from(STAGING_TABLE.triggers))
+    def illegal_trigger(self, i: int, trigger: str) -> None:
+        if STAGING_TABLE.next_state(self.state[i], trigger) is not None:
+            return
+        before = self.pool.slot_states()
+        try:
+            self.pool.machine.fire(self.slots[i], trigger, what=f"staging slot {i}")
+        except OmniPrefixCacheUnmatchError as exc:
+            assert f"staging slot {i}" in str(exc) and repr(trigger) in str(exc)
+        else:
+            raise AssertionError(f"illegal {trigger} from {self.state[i]} was accepted")
+        assert self.pool.slot_states() == before
+
+    # ---- invariants -------------------------------------------------------
+    @invariant()
+    def matches_model(self) -> None:
+        assert self.pool.slot_states() == self.state
+
+    @invariant()
+    def bounded_staging(self) -> None:  # I2
+        assert len(self.pool.unconsumed()) == len(self.step_of) <= DEPTH
+
+    @invariant()
+    def trace_is_legal(self) -> None:
+        edges = STAGING_TABLE.edges()
+        assert all((e.source, e.trigger, e.dest) in edges for e in self.recorder.events())
+
+
+TestStagingMachine = StagingMachine.TestCase
