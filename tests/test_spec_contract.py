@@ -153,3 +153,15 @@ def test_protocol_diagram_names_every_protocol_call() -> None:
     assert ";" not in diagram, "';' ends a statement in a Mermaid sequence diagram"
     for call in ("new_step_starts(", "save_outputs(", "materialize(", "discard_step("):
         assert call in protocol
+
+
+def test_stats_keys_are_exactly_the_documented_ones() -> None:
+    manager = OmniPrefixCacheManager(PrefixCacheConfig(num_blocks=1, block_size=1), eager=True)
+    try:
+        keys = set(manager.stats())
+    finally:
+        manager.shutdown()
+    start = CONTRACT.index("### 4.7 `stats()")
+    documented = set(re.findall(r"`(\w+)`", CONTRACT[start : CONTRACT.index("\n### ", start + 1)]))
+    assert keys <= documented, f"undocumented stats keys: {sorted(keys - documented)}"
+    assert documented - keys <= {"stats", "dict", "file", "line", "None"}, sorted(documented - keys)
