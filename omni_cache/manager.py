@@ -269,14 +269,7 @@ class OmniPrefixCacheManager:
             leftover = {k: host_copy(v) for k, v in split.leftover.items()}
             hit_keys = tuple(policy.get_hit_keys([*split.immediate, *split.deferred])) if (
                 split.immediate or split.deferred) else ()
-            spans: dict[ReqId, RequestSpan] = {}
-            for w in write_layout.writes:
-                span = RequestSpan(w.req_id, w.row_start, w.row_end, w.token_start, w.token_end)
-                if w.req_id in hits and hit_keys:
-                    span.hit = self.tenancy.plan(list(hit_keys), self._hit_slots(hits[w.req_id][1]))
-                    plans.append(span.hit)
-                spans[w.req_id] = span
-            req_ids = tuple(spans)
+            req_ids = tuple(w.req_id for w in write_layout.writes)
             # Registration: from here on a failure cannot be rolled back (versions are
             # published), so it fails the manager for good (I8) instead.
             imm, older = self._register(WriteSchedule.JOIN_NEXT_STEP, step_id, slots, views, slot, req_ids)
@@ -287,6 +280,16 @@ class OmniPrefixCacheManager:
                 WriteSchedule.JOIN_ON_FINISH, step_id, slots, deferred_dev, None, req_ids)
             if deferred is not None:
                 registered.append(deferred)
+            # Plan hit reads after this step's writes are registered: vLLM publishes block
+            # hashes at allocation, so a request may hit blocks another request of this
+            # very step computes; their planned version is then this step's write.
+            spans: dict[ReqId, RequestSpan] = {}
+            for w in write_layout.writes:
+                span = RequestSpan(w.req_id, w.row_start, w.row_end, w.token_start, w.token_end)
+                if w.req_id in hits and hit_keys:
+                    span.hit = self.tenancy.plan(list(hit_keys), self._hit_slots(hits[w.req_id][1]))
+                    plans.append(span.hit)
+                spans[w.req_id] = span
             ctx = StepContext(step_id, slot, saved_at, spans, tuple(split.immediate), imm,
                               deferred_host, leftover, hit_keys, policy.hidden_key is not None, host_events)
             self.staging.save(slot, step_id, saved_at)

@@ -27,7 +27,7 @@ import torch
 from fakes_vllm import SchedulerConfig, SchedulerOutput, VllmConfig, kv_cache_config, truth_codes, truth_rows
 from fakes_vllm_engine import FakeModelRunner, FakeScheduler
 
-from omni_cache import OmniPrefixCacheUnmatchError, StageCacheOutputs
+from omni_cache import StageCacheOutputs
 from omni_cache.integration import PrefixCacheRunnerHooks
 
 BS = 4
@@ -175,13 +175,6 @@ def test_hooks_drive_many_steps_against_ground_truth(
     assert eng.checked_rows >= 180
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=OmniPrefixCacheUnmatchError,
-    reason="manager bug: a hit on blocks that another request of the SAME step writes (vLLM publishes "
-    "block hashes at allocation, so two requests sharing a prefix admitted in one step -- e.g. n>1 "
-    "sampling -- produce it) raises 'is not readable' instead of serving this step's rows",
-)
 def test_same_step_hit_on_blocks_written_by_another_request_of_the_step() -> None:
     eng = make_engine(eager=True, lag=0, deferred=False, budget=40)
     so = eng.step(add=[("A", [*SHARED, 1, 2], 2), ("B", [*SHARED, 3, 3], 2)])
