@@ -1,0 +1,24 @@
+---------------------------- MODULE WriteMachine ----------------------------
+(***************************************************************************)
+(* The pool-write lifecycle, as the TLA+ side states it.                   *)
+(*                                                                         *)
+(* omni_cache/states.py WRITE_TABLE is the code's copy; tests compare the  *)
+(* action graph TLC explores for Writes.tla with one write, and WriteEdges *)
+(* itself, with WRITE_TABLE.edges().                                       *)
+(***************************************************************************)
+
+WriteStates == {"pending", "queued", "copying", "host_ready", "written", "failed"}
+LiveStates == {"pending", "queued", "copying", "host_ready"}
+EndStates == {"written", "failed"}
+
+WriteEdges ==
+    { <<"pending",    "enqueue",     "queued">>,
+      <<"queued",     "start_copy",  "copying">>,
+      <<"copying",    "finish_copy", "host_ready">>,
+      <<"host_ready", "commit",      "written">> }
+    \cup { <<s, "fail", "failed">> : s \in LiveStates }
+
+WFires(s, t, d) == <<s, t, d>> \in WriteEdges
+WCanFire(s, t) == \E d \in WriteStates : WFires(s, t, d)
+WAfter(s, t) == CHOOSE d \in WriteStates : WFires(s, t, d)
+=============================================================================
