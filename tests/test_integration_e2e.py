@@ -175,11 +175,18 @@ def test_hooks_drive_many_steps_against_ground_truth(
     assert eng.checked_rows >= 180
 
 
-def test_same_step_hit_on_blocks_written_by_another_request_of_the_step() -> None:
-    eng = make_engine(eager=True, lag=0, deferred=False, budget=40)
+@pytest.mark.parametrize(("eager", "lag", "deferred"), [(True, 0, False), (False, 1, True)], ids=["eager", "async-late"])
+def test_same_step_hit_on_blocks_written_by_another_request_of_the_step(
+    eager: bool, lag: int, deferred: bool
+) -> None:
+    # vLLM publishes block hashes at allocation, so two requests sharing a prefix admitted in
+    # one step (e.g. n>1 sampling) give the second a hit on blocks the first computes in the
+    # same forward. Found by this test; the manager now plans hits after the step's writes.
+    eng = make_engine(eager=eager, lag=lag, deferred=deferred, budget=40)
     so = eng.step(add=[("A", [*SHARED, 1, 2], 2), ("B", [*SHARED, 3, 3], 2)])
-    assert _hits(so) == {"A": 0, "B": 12}  # B hits the blocks A computes in this very forward
+    assert _hits(so) == {"A": 0, "B": 12}
     for _ in range(2):
         eng.step()
     eng.drain()
-    assert eng.checked_rows >= 15 + 15 + 2
+    assert eng.checked_rows == 15 + 15 + 1 + 1  # B's first step: 12 prefix rows + 3 of its own
+    assert eng.hooks.shutdown() == {}
