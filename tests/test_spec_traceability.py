@@ -5,7 +5,10 @@ each has a TLA+ property or a stated reason; every named TLA+ property is
 defined in the named ``tla/<model>/*.tla`` and checked by TLC, i.e. listed under
 INVARIANT(S) or PROPERTY(IES) of one of that model's ``*.cfg`` files (a
 property nobody checks proves nothing); every named test is defined in the
-named file; a ``test_I<k>_...`` test sits in row I<k>, and every row names one.
+named file; a ``test_I<k>_...`` test sits in row I<k>, and every row names one;
+and ``tla/manifest.json`` has, for every property in the table, a broken variant
+that TLC must reject with exactly that property (and a deadlocking one where a
+row cites TLC's deadlock check).
 
 A model directory or a test file that does not exist yet (other engineers are
 writing them) skips that sub-check -- except in CI (``CI=true``), where it
@@ -16,6 +19,7 @@ broken table and watch them complain.
 from __future__ import annotations
 
 import ast
+import json
 import os
 import re
 from dataclasses import dataclass
@@ -25,6 +29,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 INVARIANTS_MD = ROOT / "spec" / "invariants.md"
+MANIFEST = ROOT / "tla" / "manifest.json"
 IDS = tuple(f"I{i}" for i in range(1, 12))
 IN_CI = os.environ.get("CI", "").strip().lower() in ("true", "1", "yes")
 
@@ -151,6 +156,27 @@ def check_tla(refs: list[tuple[str, str]], root: Path) -> tuple[list[str], list[
     return problems, missing
 
 
+def check_broken_variants(rows: list[Row], manifest: dict) -> list[str]:
+    """Every property of the table is the expected failure of some run of its model."""
+    rejected = {
+        (f"tla/{run['model']}", run["expect"].split(":", 1)[1])
+        for run in manifest.get("runs", [])
+        if run.get("expect", "").startswith(("invariant:", "property:"))
+    }
+    deadlocking = {f"tla/{run['model']}" for run in manifest.get("runs", []) if run.get("expect") == "deadlock"}
+    problems = [
+        f"{row.id}: no broken variant of {model} that TLC must reject with {prop}"
+        for row in rows
+        for model, prop in tla_refs(row.tla)
+        if (model, prop) not in rejected
+    ]
+    for row in rows:
+        models = {m for m, _ in tla_refs(row.tla)}
+        if "deadlock check" in row.tla and not models & deadlocking:
+            problems.append(f"{row.id}: cites TLC's deadlock check but no run of {sorted(models)} expects a deadlock")
+    return problems
+
+
 def _defined_names(path: Path) -> set[str]:
     """Functions and classes anywhere in the module, and top-level assignment targets
     (``TestX = Machine.TestCase``, the Hypothesis idiom)."""
@@ -215,6 +241,13 @@ def test_named_tests_exist(spec_md: str) -> None:
     _skip_or_fail_missing(missing, "test file")
 
 
+def test_every_property_has_a_broken_variant_tlc_rejects(spec_md: str) -> None:
+    if not MANIFEST.exists():
+        _skip_or_fail_missing(["tla/manifest.json"], "TLC run manifest")
+    manifest = json.loads(MANIFEST.read_text(encoding="utf-8"))
+    assert check_broken_variants(parse_rows(spec_md), manifest) == []
+
+
 # ---- the checkers catch a broken table ----------------------------------------
 
 def _row(id_: str, tla: str = "`tla/m`: `Inv`", tests: str = "") -> str:
@@ -273,3 +306,21 @@ def test_check_tests_flags_undefined_tests(tmp_path: Path) -> None:
     problems, missing = check_tests(refs, tmp_path)
     assert problems == ["tests/t.py: no def/class test_I3_c"]
     assert missing == ["tests/none.py"]
+
+
+def test_check_broken_variants_flags_a_property_nobody_breaks() -> None:
+    rows = parse_rows(_table(
+        _row("I1", tla="`tla/m`: `Inv`, `Live`"),
+        _row("I2", tla="`tla/m`: `Inv`; and TLC's deadlock check"),
+    ))
+    manifest = {"runs": [
+        {"model": "m", "expect": "ok"},
+        {"model": "m", "expect": "invariant:Inv"},
+        {"model": "other", "expect": "property:Live"},
+    ]}
+    assert check_broken_variants(rows, manifest) == [
+        "I1: no broken variant of tla/m that TLC must reject with Live",
+        "I2: cites TLC's deadlock check but no run of ['tla/m'] expects a deadlock",
+    ]
+    manifest["runs"] += [{"model": "m", "expect": "property:Live"}, {"model": "m", "expect": "deadlock"}]
+    assert check_broken_variants(rows, manifest) == []
