@@ -45,7 +45,6 @@ from omni_cache.errors import (
 )
 from omni_cache.faults import FaultHooks
 from omni_cache.interface import (
-    HIDDEN_KEY,
     ModelCachePolicy,
     PrefixCacheConfig,
     ReqId,
@@ -53,9 +52,10 @@ from omni_cache.interface import (
     StepId,
     WriteSchedule,
 )
+from omni_cache.reader import StepReader
 from omni_cache.staging import StagingPool
 from omni_cache.step_outputs import RequestSpan, StepContext, classify_outputs, host_copy
-from omni_cache.tenancy import NotLandedYet, PlannedRead, SlotTenancy
+from omni_cache.tenancy import PlannedRead, SlotTenancy
 from omni_cache.trace import TraceRecorder
 from omni_cache.validation import validate_hit, validate_save
 from omni_cache.writes import PoolWrite, WriteBook
@@ -145,6 +145,8 @@ class OmniPrefixCacheManager:
         self.committer = Committer(
             self.book, self.tenancy, self.staging, self.copies, self.faults, threaded=not self.eager
         )
+        self.reader = StepReader(self.staging, self.tenancy, self.book, self.copies, self.faults,
+                                 lambda writes, why: self._flush(writes, front=True, why=why))
         # ---- guarded by _lock (the state lock; I11: bookkeeping only) ----
         self._lock = _StateLock()
         self.policy = ModelCachePolicy()
@@ -343,7 +345,7 @@ class OmniPrefixCacheManager:
         with self._lock:
             self._contexts.pop(step_id, None)
         try:
-            return self._build_outputs(ctx, req_ids)
+            return self.reader.build_outputs(ctx, req_ids)
         finally:
             self._finish_consume(ctx, slot, "materialized")
 
@@ -474,49 +476,6 @@ class OmniPrefixCacheManager:
                 if self._deferred_open.pop(write.tid, None) is not None:
                     self._deferred_bytes -= write.nbytes
         self.committer.kick()
-
-    def _build_outputs(self, ctx: StepContext, req_ids: list[ReqId]) -> StageCacheOutputs:
-        imm = ctx.immediate_write
-        if imm is not None and imm.state not in ("host_ready", "written"):
-            self.faults.on_blocking("materialize waits for the step's device->host copy")
-            self.book.wait(imm, ("host_ready", "written"), why=f"materialize step {ctx.step_id}")
-        for event in ctx.host_events:
-            self.copies.wait(event)
-        hidden: dict[ReqId, torch.Tensor] | None = {} if ctx.caches_hidden else None
-        mm: dict[ReqId, dict[str, Any]] = {}
-        for req_id in req_ids:
-            span = ctx.spans[req_id]
-            rows = {k: self.staging.page_rows(ctx.staging_slot, k, span.row_start, span.row_end).clone()
-                    for k in ctx.immediate_keys}
-            rows.update({k: v[span.row_start:span.row_end] for k, v in ctx.deferred_rows.items()})
-            if span.hit is not None:
-                for key in ctx.hit_keys:
-                    prefix = self._read_hit(ctx, span, key)
-                    rows[key] = torch.cat([prefix, rows[key]])
-            per_req = {k: v for k, v in rows.items() if k != HIDDEN_KEY}
-            per_req.update(ctx.leftover)
-            mm[req_id] = per_req
-            if hidden is not None and HIDDEN_KEY in rows:
-                hidden[req_id] = rows[HIDDEN_KEY]
-        return StageCacheOutputs(hidden, mm)
-
-    def _read_hit(self, ctx: StepContext, span: RequestSpan, key: str) -> torch.Tensor:
-        assert span.hit is not None
-        what = f"materialize step {ctx.step_id} (saved at {ctx.saved_at}) request {span.req_id!r}"
-        for _ in range(10_000):
-            try:
-                return self.tenancy.read(key, span.hit, what=what)
-            except NotLandedYet as late:
-                for tid in late.tids:
-                    write = self.book.get(tid)
-                    if write is None:
-                        continue
-                    if write.state == "pending":
-                        self._flush([write], front=True, why=f"{what} needs write tid {tid}")
-                    self.faults.on_blocking(f"{what} waits for write tid {tid}")
-                    self.book.wait(write, ("written",), why=f"{what} waits for its hit rows")
-                self.book.check_failed(what)
-        raise AssertionError(f"{what}: hit rows of {key!r} never landed: tenancy bug")
 
     def _finish_consume(self, ctx: StepContext, slot: Any, counter: str) -> None:
         for plan in ctx.planned_reads():
