@@ -26,6 +26,7 @@ from omni_cache.interface import (
     is_hidden_key,
     without_hidden,
 )
+from omni_cache.manager import OmniPrefixCacheManager
 from omni_cache.states import STAGING_TABLE, WRITE_TABLE, StateTable
 from omni_cache.trace import TraceEvent, TraceRecorder
 
@@ -36,6 +37,7 @@ __all__ = [
     "STAGING_TABLE",
     "WRITE_TABLE",
     "ModelCachePolicy",
+    "OmniPrefixCacheManager",
     "OmniPrefixCacheStagingTimeoutError",
     "OmniPrefixCacheUnmatchError",
     "PrefixBlockPool",

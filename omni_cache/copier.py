@@ -136,24 +136,24 @@ class Committer:
             self.process(write)
 
     def process(self, write: PoolWrite) -> None:
-        """Copy (if needed), land and commit one queued or copying write."""
+        """Copy to host (if needed), land and commit one queued write."""
         try:
-            if write.state == "queued":
-                self.faults.before_device_to_host(write)
-                self.faults.on_blocking(f"device->host copy of write tid {write.tid}")
-                self.book.fire(write, "start_copy")
-                host: dict[str, torch.Tensor] = {}
-                events = []
-                for key, src in write.source.items():
+            self.faults.before_device_to_host(write)
+            self.faults.on_blocking(f"device->host copy of write tid {write.tid}")
+            self.book.fire(write, "start_copy")
+            # ``copy_event`` orders this copy after the producer: the staging-page copy
+            # issued at save (immediate) or the device clone (deferred).
+            host: dict[str, torch.Tensor] = {}
+            events = [write.copy_event]
+            for key, src in write.source.items():
+                if src.is_cuda:
                     host[key], event = self.copies.to_host(src, write.copy_event)
                     events.append(event)
-                for event in events:
-                    self.copies.wait(event)
-                write.host = host
-            else:
-                assert write.state == "copying", f"committer got {write.describe()}: queue bug"
-                self.copies.wait(write.copy_event)
-                write.host = dict(write.source)
+                else:  # already host memory: the staging page, or a CPU clone
+                    host[key] = src
+            for event in events:
+                self.copies.wait(event)
+            write.host = host
             self.book.fire(write, "finish_copy")
             for key, rows in write.host.items():
                 self.faults.before_pool_write(write, key)

@@ -236,29 +236,31 @@ class OmniPrefixCacheManager:
         self.pool.check_slots(slots)
         with self._lock:
             policy = self.policy
-            scheduled, self._scheduled = self._scheduled, {}
-            step_id = self._next_step_id
-            self._next_step_id += 1
+            scheduled = self._scheduled  # cleared only by a save that succeeds
             prev = self._last_immediate
         for w in write_layout.writes:
             if w.req_id in scheduled and scheduled[w.req_id] != w.num_rows:
                 raise OmniPrefixCacheUnmatchError(
-                    f"save_outputs step {step_id}: request {w.req_id!r} was scheduled "
-                    f"{scheduled[w.req_id]} tokens but the {PHRASE_SLOT_MAPPING} {w.num_rows} rows for it"
+                    f"save_outputs: request {w.req_id!r} was scheduled {scheduled[w.req_id]} tokens "
+                    f"but the {PHRASE_SLOT_MAPPING} {w.num_rows} rows for it"
                 )
         split = classify_outputs(policy, hidden_states, mm_outputs or {}, n, num_tokens_padded)
         if prev is not None and prev.state != "written":
             self.faults.on_blocking("save waits for the previous step's pool writes")
-            self.book.wait(prev, ("written",), why=f"save of step {step_id} waits for {prev.describe()}")
+            self.book.wait(prev, ("written",), why=f"save_outputs waits for {prev.describe()}")
         compute_event = self.copies.record_compute_event()
         saved_at = _caller_location()
-        hits = self._take_hits(step_id, write_layout)
+        hits = self._take_hits(write_layout)
+        step_id: StepId | None = None
         plans: list[PlannedRead] = []
         registered: list[PoolWrite] = []
         slot = None
         try:
             self.faults.on_blocking("save claims a staging slot")
             slot = self.staging.claim(n)
+            with self._lock:  # issued only once a page is held: a refused save burns no id
+                step_id = self._next_step_id
+                self._next_step_id += 1
             views, copy_event = {}, None
             for key, rows in split.immediate.items():
                 views[key] = self.staging.claimed_page(slot, key, rows)
@@ -281,6 +283,7 @@ class OmniPrefixCacheManager:
             deferred, older_deferred = self._register(
                 WriteSchedule.JOIN_ON_FINISH, step_id, slots, deferred_dev, None, req_ids)
             if deferred is not None:
+                deferred.copy_event = self.copies.record_compute_event()  # after the clones
                 registered.append(deferred)
             # Plan hit reads after this step's writes are registered: vLLM publishes block
             # hashes at allocation, so a request may hit blocks another request of this
@@ -311,6 +314,8 @@ class OmniPrefixCacheManager:
             raise
         with self._lock:
             self._contexts[step_id] = ctx
+            if self._scheduled is scheduled:
+                self._scheduled = {}
             self._num_saved += 1
             self.counters["saved"] += 1
             if imm is not None:
@@ -405,7 +410,7 @@ class OmniPrefixCacheManager:
         if not self.committer.alive:
             raise OmniPrefixCacheUnmatchError(f"cannot {what}: the committer thread is not running")
 
-    def _take_hits(self, step_id: StepId, layout: PrefixCacheWriteLayout) -> dict[ReqId, tuple[int, tuple[int, ...]]]:
+    def _take_hits(self, layout: PrefixCacheWriteLayout) -> dict[ReqId, tuple[int, tuple[int, ...]]]:
         """Pop the pending hits this step serves (restored by the caller if the save fails)."""
         hits: dict[ReqId, tuple[int, tuple[int, ...]]] = {}
         with self._lock:
@@ -416,7 +421,7 @@ class OmniPrefixCacheManager:
                     for rid, hit in hits.items():
                         self._requests[rid].pending_hit = hit
                     raise OmniPrefixCacheUnmatchError(
-                        f"save_outputs step {step_id}: request {w.req_id!r} has a hit of {bad} tokens "
+                        f"save_outputs: request {w.req_id!r} has a hit of {bad} tokens "
                         f"but this step's rows start at position {w.token_start}; they must continue the hit")
                 if request.pending_hit is not None:
                     hits[w.req_id] = request.pending_hit
