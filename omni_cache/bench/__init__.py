@@ -1,0 +1,30 @@
+"""Benchmarks of omni-cache: the manager against a raw-copy floor, and the state-machine cost.
+
+Owns nothing at run time; ``omni-cache bench`` (``omni_cache.cli.bench``) drives it.
+
+- ``workload``: the synthetic engine of issue 3 and its ground-truth checker
+  (``check_outputs`` catches I4 snapshot, I6 zero-served hit and I7 stale-tenant
+  violations in what materialize returns).
+- ``floor``: the raw-copy floor (the same copies, no bookkeeping).
+- ``runner``: interleaved timing, medians, ratios (I1/I2 checked at shutdown).
+- ``machine``: the staging-slot machine's cost next to a dict-table baseline.
+- ``profiling``: cProfile and section timers of the manager's hot path.
+- ``report``: rich tables and the matplotlib plot.
+"""
+
+from omni_cache.bench.machine import MachineBenchResult, run_machine_bench
+from omni_cache.bench.runner import TARGET_RATIO, BenchResult, ImplResult, run_bench
+from omni_cache.bench.workload import GroundTruthError, WorkloadSpec, build_workload, check_outputs
+
+__all__ = [
+    "TARGET_RATIO",
+    "BenchResult",
+    "GroundTruthError",
+    "ImplResult",
+    "MachineBenchResult",
+    "WorkloadSpec",
+    "build_workload",
+    "check_outputs",
+    "run_bench",
+    "run_machine_bench",
+]
