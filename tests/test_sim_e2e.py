@@ -1,103 +1,172 @@
-"""End-to-end runs of ``omni-cache simulate`` (each preset, small) and its failure path.
+"""End-to-end runs of ``omni-cache simulate`` against the real manager, and its failure path.
 
 A run exits 0 only if every output handed to the talker matched the ground
-truth; these tests also prove the check can fail: a manager that corrupts one
-row, or serves zeros for a hit, makes the run report the request, step, key
-and position.
+truth. These tests also prove the check can fail: a manager whose output is
+corrupted, whose block pool is scribbled over, or whose pool write fails makes
+the run report the request, step, key and position (or the contract error),
+and the command exit 1.
 """
 
 from __future__ import annotations
 
-import copy
+import argparse
+import json
 from typing import Any
 
 import pytest
 import torch
 
-from omni_cache.adapter import PrefixCacheEventKind
-from omni_cache.interface import HIDDEN_KEY, StageCacheOutputs
+from omni_cache.cli import simulate as simulate_cli
+from omni_cache.faults import FaultHooks
+from omni_cache.interface import HIDDEN_KEY, PrefixCacheConfig
+from omni_cache.manager import OmniPrefixCacheManager
 from omni_cache.sim import SimConfig, Simulation
+from omni_cache.sim import engine as sim_engine
+from omni_cache.sim.report import summarize
+
+SMALL = {"requests": 20}
 
 
-class NaiveManager:
-    """A tiny eager reference of the manager's contract (no staging, no deferral).
-
-    Hit prefixes are snapshotted at save (the hit holds its blocks from
-    new_step_starts on, so nothing can overwrite them before).
-    """
-
-    def __init__(self, config: Any, eager: bool = True) -> None:
-        self.config = config
-        self.pool: dict[str, torch.Tensor] = {}
-        self.hits: dict[str, torch.Tensor] = {}
-        self.steps: dict[int, dict[str, Any]] = {}
-        self.next_id = 1
-        self.policy: Any = None
-
-    def register_policy(self, policy: Any) -> None:
-        self.policy = policy
-
-    def new_step_starts(self, step: Any, *, num_scheduled_tokens: Any = None) -> None:
-        bs = self.config.block_size
-        for ev in step:
-            if ev.kind in (PrefixCacheEventKind.STARTED, PrefixCacheEventKind.RESUMED) and ev.hit_end > 0:
-                blocks = ev.block_ids[0][: ev.hit_end // bs]
-                self.hits[ev.req_id] = torch.tensor(
-                    [b * bs + o for b in blocks for o in range(bs)], dtype=torch.int64
-                )
-
-    def _write(self, key: str, slots: torch.Tensor, rows: torch.Tensor) -> None:
-        if key not in self.pool:
-            self.pool[key] = torch.zeros((self.config.num_slots, *rows.shape[1:]), dtype=rows.dtype)
-        self.pool[key][slots] = rows
-
-    def save_outputs(self, hidden: Any, mm: Any, *, num_tokens_unpadded: int, num_tokens_padded: int, write_layout: Any) -> int:
-        n = num_tokens_unpadded
-        per_token = {HIDDEN_KEY: hidden[:n].clone()}
-        leftover = {}
-        for k, v in mm.items():
-            if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[0] in (n, num_tokens_padded):
-                per_token[k] = v[:n].clone()
-            else:
-                leftover[k] = v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
-        slots = write_layout.slots_cpu[:n]
-        for k, rows in per_token.items():
-            self._write(k, slots, rows)
-        out: dict[str, dict[str, torch.Tensor]] = {}
-        for w in write_layout.writes:
-            rows = {k: t[w.row_start:w.row_end] for k, t in per_token.items()}
-            hit = self.hits.pop(w.req_id, None)
-            if hit is not None:
-                rows = {k: torch.cat([self.pool[k][hit], r]) for k, r in rows.items()}
-            out[w.req_id] = rows
-        sid = self.next_id
-        self.next_id += 1
-        self.steps[sid] = {"out": out, "leftover": leftover}
-        return sid
-
-    def materialize(self, step_id: int, req_ids: Any) -> StageCacheOutputs:
-        ctx = self.steps.pop(step_id)
-        hidden = {r: ctx["out"][r][HIDDEN_KEY] for r in req_ids}
-        mm = {r: {**{k: v for k, v in ctx["out"][r].items() if k != HIDDEN_KEY}, **ctx["leftover"]} for r in req_ids}
-        return StageCacheOutputs(hidden, mm)
-
-    def discard_step(self, step_id: int) -> None:
-        self.steps.pop(step_id)
-
-    def shutdown(self) -> dict[int, str]:
-        return {sid: "naive" for sid in self.steps}
-
-    def stats(self) -> dict[str, Any]:
-        return {"pool_bytes": {k: t.numel() * t.element_size() for k, t in self.pool.items()}}
-
-
-def naive(config: Any, eager: bool) -> NaiveManager:
-    return NaiveManager(config, eager)
-
-
-@pytest.mark.parametrize("preset", ["chat", "multiturn", "audio"])
-def test_preset_runs_clean_on_naive_reference(preset: str) -> None:
-    res = Simulation(SimConfig.from_preset(preset, requests=24, seed=1), manager_factory=naive).run()
+@pytest.mark.parametrize(
+    ("preset", "eager"), [("chat", True), ("multiturn", False), ("audio", True), ("audio", False)]
+)
+def test_preset_runs_clean(preset: str, eager: bool) -> None:
+    res = Simulation(SimConfig.from_preset(preset, seed=1, eager=eager, **SMALL)).run()
     assert res.ok, [str(m) for m in res.mismatches[:3]]
-    assert res.rows_from_cache > 0
-    assert res.talker_completed > 0
+    assert res.rows_from_cache > 0 and res.allocator.hits == res.rows_from_cache
+    assert res.talker_completed == res.scheduler.finished > 0
+    assert res.unconsumed == {}
+    assert res.manager_stats["saved"] == res.manager_stats["materialized"] == res.saves
+    if preset == "audio":
+        assert res.manager_stats["budget_flushes"] > 0  # small gpu_staging_bytes forces flushes
+
+
+def test_chat_exercises_preemption_same_step_hits_and_padding() -> None:
+    res = Simulation(SimConfig.from_preset("chat", seed=0, requests=40, num_blocks=64)).run()
+    assert res.ok, [str(m) for m in res.mismatches[:3]]
+    assert res.scheduler.preemptions > 0 and res.scheduler.resumes > 0
+    assert res.scheduler.same_step_hits > 0
+    assert res.padded_steps > 0 and res.allocator.evictions > 0
+
+
+def _fingerprint(res: Any) -> tuple[Any, ...]:
+    return (res.steps, res.computed_tokens, res.allocator.hits, res.allocator.evictions,
+            res.scheduler.preemptions, res.scheduler.finished, res.rows_checked)
+
+
+def test_runs_are_deterministic_from_the_seed_in_both_modes() -> None:
+    a = Simulation(SimConfig.from_preset("chat", seed=5, eager=True, **SMALL)).run()
+    b = Simulation(SimConfig.from_preset("chat", seed=5, eager=False, **SMALL)).run()
+    c = Simulation(SimConfig.from_preset("chat", seed=6, eager=True, **SMALL)).run()
+    assert a.ok and b.ok and c.ok
+    assert _fingerprint(a) == _fingerprint(b)
+    assert _fingerprint(a) != _fingerprint(c)
+
+
+class CorruptingManager:
+    """The real manager, but one materialized hidden row is wrong."""
+
+    def __init__(self, inner: OmniPrefixCacheManager, at_call: int = 8) -> None:
+        self.inner = inner
+        self.calls = 0
+        self.at_call = at_call
+        self.corrupted: tuple[int, str] | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def materialize(self, step_id: int, req_ids: Any) -> Any:
+        out = self.inner.materialize(step_id, req_ids)
+        self.calls += 1
+        if self.corrupted is None and self.calls >= self.at_call:
+            req = next(iter(out.hidden_states))
+            out.hidden_states[req][0] += 0.125
+            self.corrupted = (step_id, req)
+        return out
+
+
+def test_a_corrupted_output_is_reported_naming_request_step_key_position() -> None:
+    made: list[CorruptingManager] = []
+
+    def factory(config: PrefixCacheConfig, eager: bool) -> CorruptingManager:
+        made.append(CorruptingManager(OmniPrefixCacheManager(config, eager=eager)))
+        return made[0]
+
+    res = Simulation(SimConfig.from_preset("chat", seed=2, **SMALL), manager_factory=factory).run()
+    assert not res.ok
+    step_id, req = made[0].corrupted or (None, None)
+    first = res.mismatches[0]
+    assert (first.step_id, first.req_id, first.key) == (step_id, req, HIDDEN_KEY)
+    assert first.position is not None and "differs from the ground truth" in first.detail
+    assert summarize(res)["mismatches"][0]["request"] == req
+
+
+def test_a_scribbled_block_pool_is_caught_on_a_later_hit() -> None:
+    class Scribbler(OmniPrefixCacheManager):
+        saves = 0
+
+        def save_outputs(self, *args: Any, **kwargs: Any) -> int:
+            sid = super().save_outputs(*args, **kwargs)
+            Scribbler.saves += 1
+            if Scribbler.saves == 6:  # the cache diverges behind the manager's back
+                junk = torch.full((self.config.num_slots, 64), 3.0)
+                self.pool.write(HIDDEN_KEY, torch.arange(self.config.num_slots), junk)
+            return sid
+
+    res = Simulation(
+        SimConfig.from_preset("chat", seed=0, **SMALL),
+        manager_factory=lambda config, eager: Scribbler(config, eager=eager),
+    ).run()
+    assert not res.ok
+    cached = [m for m in res.mismatches if m.key == HIDDEN_KEY and "cached prefix" in m.detail]
+    assert cached and cached[0].position is not None and cached[0].req_id is not None
+
+
+def test_a_failed_pool_write_stops_the_run_with_a_contract_error() -> None:
+    class FailFifth(FaultHooks):
+        n = 0
+
+        def before_pool_write(self, write: Any, key: str) -> None:
+            FailFifth.n += 1
+            if FailFifth.n == 5:
+                raise OSError("injected pool write failure")
+
+    res = Simulation(
+        SimConfig.from_preset("chat", seed=0, **SMALL),
+        manager_factory=lambda config, eager: OmniPrefixCacheManager(config, eager=eager, faults=FailFifth()),
+    ).run()
+    assert not res.ok
+    assert any("injected pool write failure" in m.detail or "write failed" in m.detail for m in res.mismatches)
+    assert res.steps < 20  # stopped at the failure, no hang
+
+
+def _cli(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    simulate_cli.register(parser.add_subparsers())
+    args = parser.parse_args(["simulate", *argv])
+    return int(args.func(args))
+
+
+def test_cli_json_summary_and_steps_limit(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _cli(["--preset", "multiturn", "--requests", "12", "--json", "--async", "--dtype", "bfloat16"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["ok"] and summary["mode"] == "async" and summary["preset"] == "multiturn"
+    for key in ("requests", "steps", "tokens", "prefix_cache", "served_from_cache_tokens", "staging",
+                "bytes_cached", "tokens_per_s"):
+        assert key in summary
+    assert summary["staging"]["claim_wait_ms_p99"] >= summary["staging"]["claim_wait_ms_p50"] >= 0
+    assert set(summary["bytes_cached"]["written"]) == {"hidden", "audio.codes", "audio.embeds"}
+    assert _cli(["--steps-limit", "5", "--json"]) == 0
+    limited = json.loads(capsys.readouterr().out)
+    assert limited["steps"]["run"] == 5 and limited["steps"]["stopped_by_steps_limit"]
+    assert _cli(["--block-size", "0"]) == 2
+
+
+def test_cli_exits_1_with_a_report_on_mismatch(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(
+        sim_engine, "default_manager",
+        lambda config, eager: CorruptingManager(OmniPrefixCacheManager(config, eager=eager), at_call=3),
+    )
+    assert _cli(["--requests", "8"]) == 1
+    out = capsys.readouterr().out
+    assert "FAILED" in out and "request req-" in out and "key 'hidden'" in out and "position" in out

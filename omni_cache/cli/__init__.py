@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 
 # Subcommands, in the order ``omni-cache --help`` lists them.
-SUBCOMMANDS: tuple[str, ...] = ("selfcheck", "diagram", "bench")
+SUBCOMMANDS: tuple[str, ...] = ("selfcheck", "diagram", "simulate", "bench", "verify")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -41,7 +41,7 @@ class SimConfig:
     max_model_len: int | None = None
     builder_delay_s: float = 0.0
     """Extra latency before each materialize (a slow output builder)."""
-    publish: str = "forward"
+    publish: str = "schedule"
     """When the allocator publishes a block: "schedule" (vLLM v1) or "forward" (vLLM v0)."""
 
     def __post_init__(self) -> None:
