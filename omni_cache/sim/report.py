@@ -121,10 +121,10 @@ def render(summary: dict[str, Any], console: Console) -> None:
     ]
     pool, written = s["bytes_cached"]["pool"], s["bytes_cached"]["written"]
     for key in sorted(set(pool) | set(written)):
-        rows.append((f"cached {key}", f"{_bytes(written.get(key, 0))} (pool {_bytes(pool.get(key, 0))})"))
+        rows.append((f"bytes cached: {key}", f"{_bytes(written.get(key, 0))} written (pool {_bytes(pool.get(key, 0))})"))
     rows += [
         ("wall time", f"{s['wall_s']:.2f} s"),
-        ("tokens/s", f"{s['tokens_per_s']:,.0f}"),
+        ("tokens/s (end to end, verified)", f"{s['tokens_per_s']:,.0f}"),
         ("result", "[green]OK[/]" if s["ok"] else f"[red]FAILED: {s['num_mismatches']} mismatch(es)[/]"),
     ]
     for name, value in rows:

@@ -57,7 +57,7 @@ PRESETS: dict[str, Preset] = {
         Preset(
             "chat",
             "shared system prompt chat",
-            requests=64,
+            requests=128,
             num_blocks=96,
             arrivals_per_step=0.5,
             burst=(1, 4),
@@ -66,8 +66,8 @@ PRESETS: dict[str, Preset] = {
         Preset(
             "multiturn",
             "multi-turn conversations (each turn extends the previous prompt + answer)",
-            requests=48,
-            num_blocks=96,
+            requests=96,
+            num_blocks=160,
             system_prompt_lens=(48,),
             system_prompt_weights=(1.0,),
             user_len=(8, 40),
@@ -79,7 +79,7 @@ PRESETS: dict[str, Preset] = {
         Preset(
             "audio",
             "audio-heavy: long audio prompts, wide deferred audio.embeds, small GPU staging budget",
-            requests=32,
+            requests=64,
             max_batched_tokens=384,
             num_blocks=128,
             embeds_width=256,
