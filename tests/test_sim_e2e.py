@@ -170,3 +170,20 @@ def test_cli_exits_1_with_a_report_on_mismatch(monkeypatch: pytest.MonkeyPatch, 
     assert _cli(["--requests", "8"]) == 1
     out = capsys.readouterr().out
     assert "FAILED" in out and "request req-" in out and "key 'hidden'" in out and "position" in out
+
+
+def test_cuda_device_is_refused_cleanly_without_cuda() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    with pytest.raises(ValueError, match="no CUDA device"):
+        SimConfig.from_preset("chat", device="cuda")
+    assert _cli(["--device", "cuda"]) == 2
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none here)")
+@pytest.mark.parametrize("preset", ["chat", "audio"])
+def test_cuda_stream_path_serves_the_ground_truth(preset: str) -> None:
+    res = Simulation(SimConfig.from_preset(preset, seed=3, eager=False, device="cuda", **SMALL)).run()
+    assert res.ok, [str(m) for m in res.mismatches[:3]]
+    assert res.rows_from_cache > 0 and res.talker_completed > 0

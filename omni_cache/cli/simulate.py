@@ -54,6 +54,8 @@ def register(subparsers: Any) -> None:
         help="when the KV allocator publishes a full block: after its forward (default; vLLM v0) or "
         "when scheduled (vLLM v1: same-step hits)",
     )
+    parser.add_argument("--device", choices=["cpu", "cuda"],
+                        help="where the thinker's outputs live (cuda: the manager's stream path)")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON (no table, no bar)")
     parser.set_defaults(func=run)
 
@@ -86,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
             staging_depth=args.staging_depth,
             builder_delay_s=delay,
             publish=args.publish,
+            device=args.device,
         )
         sim_kwargs: dict[str, Any] = {}
         show_bar = not args.json and sys.stdout.isatty()

@@ -203,7 +203,7 @@ class Talker:
         expected = self._next.get(req.req_id, 0)
         if req.out_start != expected:
             return Mismatch(step, None, req.req_id, HIDDEN_KEY, expected, f"talker expected position {expected} next, got {req.out_start}")
-        self._rows.setdefault(req.req_id, []).append(rows)
+        self._rows.setdefault(req.req_id, []).append(rows.cpu())
         self._next[req.req_id] = expected + rows.shape[0]
         return None
 

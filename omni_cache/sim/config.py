@@ -13,6 +13,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from omni_cache.interface import PrefixCacheConfig
 from omni_cache.sim.scheduler import PUBLISH_MODES
 from omni_cache.sim.truth import TruthSpec
@@ -42,6 +44,8 @@ class SimConfig:
     builder_delay_s: float = 0.0
     """Extra latency before each materialize (a slow output builder)."""
     publish: str = "schedule"
+    device: str = "cpu"
+    """Where the thinker's outputs live: "cpu", or "cuda" (the manager's stream path)."""
     """When the allocator publishes a block: "schedule" (vLLM v1) or "forward" (vLLM v0)."""
 
     def __post_init__(self) -> None:
@@ -52,6 +56,10 @@ class SimConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive")
         if self.publish not in PUBLISH_MODES:
             raise ValueError(f"--publish must be one of {PUBLISH_MODES}, got {self.publish!r}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda: no CUDA device is available")
         if self.requests < 0:
             raise ValueError("--requests must be >= 0")
 

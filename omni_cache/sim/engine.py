@@ -114,7 +114,7 @@ class Simulation:
         )
         self.thinker = Thinker(
             self.spec, config.capacity_tokens, pad_multiple=config.pad_multiple,
-            pad_probability=config.pad_probability, seed=config.seed,
+            pad_probability=config.pad_probability, seed=config.seed, device=config.device,
         )
         self.manager = (manager_factory or default_manager)(config.cache_config(), config.eager)
         self.manager.register_policy(policy_for(self.spec))

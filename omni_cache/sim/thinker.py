@@ -9,7 +9,8 @@ packs the scheduled chunks in batch order, fills
 - ``audio.embeds``: per-token float rows (deferred via the policy),
 - leftovers in some steps: a fresh per-step list and a 1-D int64 tensor view,
 
-with junk after the unpadded rows of a padded step, and builds the
+with junk after the unpadded rows of a padded step (on ``device``: CPU, or
+CUDA to drive the manager's stream path), and builds the
 ``PrefixCacheWriteLayout`` (rows in batch order; ``slots_cpu`` from each
 request's block table, ``-1`` for padded rows as vLLM's slot mapping pads).
 
@@ -73,6 +74,7 @@ class Thinker:
         pad_probability: float = 0.5,
         leftover_every: int = 3,
         seed: int = 0,
+        device: str | torch.device = "cpu",
     ) -> None:
         self.spec = spec
         self.capacity_tokens = capacity_tokens
@@ -81,11 +83,12 @@ class Thinker:
         self.leftover_every = leftover_every
         self._rng = random.Random(seed ^ 0x7417)
         # Persistent outputs: overwritten by every forward (I4 is tested against this).
+        self.device = torch.device(device)
         self._buffers: dict[TensorName, torch.Tensor] = {
-            key: torch.empty((capacity_tokens, *spec.row_shape(key)), dtype=spec.key_dtype(key))
+            key: torch.empty((capacity_tokens, *spec.row_shape(key)), dtype=spec.key_dtype(key), device=self.device)
             for key in spec.per_token_keys
         }
-        self._lens = torch.empty(capacity_tokens, dtype=torch.int64)
+        self._lens = torch.empty(capacity_tokens, dtype=torch.int64, device=self.device)
 
     def padded_size(self, num_tokens: int) -> int:
         """Padding as a CUDA-graph runner does it: up to a multiple, sometimes."""
@@ -122,7 +125,7 @@ class Thinker:
             lens = self._lens[: len(chunks)]
             lens.copy_(torch.tensor([c.num_tokens for c in chunks], dtype=torch.int64))
             mm[LEFTOVER_TENSOR_KEY] = lens
-            leftovers[LEFTOVER_TENSOR_KEY] = lens.clone()
+            leftovers[LEFTOVER_TENSOR_KEY] = lens.detach().to("cpu", copy=True)
         return ForwardOutput(
             hidden=self._buffers[HIDDEN_KEY][:padded],
             mm=mm,
