@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from rich.markup import escape
 from rich.table import Table
 
 from omni_cache.bench.machine import MachineBenchResult
@@ -78,7 +79,7 @@ def machine_table(result: MachineBenchResult) -> Table:
     for row in result.rows:
         kind = row.unit.split("/")[-1]
         rel = f"{row.us / base[kind]:,.1f}x" if kind in base and base[kind] > 0 else ""
-        table.add_row(row.name, row.what, f"{row.us:,.2f}", row.unit, rel)
+        table.add_row(row.name, escape(row.what), f"{row.us:,.2f}", row.unit, rel)
     return table
 
 
@@ -90,7 +91,7 @@ def profile_tables(by_own: list[Any], by_cum: list[Any], sections: list[Any], me
         for col in ("own µs", "cum µs", "calls", "function"):
             table.add_column(col, justify="left" if col == "function" else "right")
         for r in rows:
-            table.add_row(_fmt(r.own_us_per_step), _fmt(r.cum_us_per_step), _fmt(r.calls_per_step), r.function)
+            table.add_row(_fmt(r.own_us_per_step), _fmt(r.cum_us_per_step), _fmt(r.calls_per_step), escape(r.function))
         tables.append(table)
     table = Table(title=f"section timers at batch {meta['batch_size']} (inclusive, nested; "
                         f"{meta.get('timed_us_per_step', 0):,.1f} µs per decode step in the cache calls)",
