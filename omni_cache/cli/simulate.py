@@ -5,6 +5,9 @@ simulation itself lives in ``omni_cache.sim``. Exit 0 only if every output
 handed to the next stage matched the ground truth and the manager raised no
 contract error; 1 otherwise (with a report naming step, request, key and
 position); 2 for bad arguments.
+
+Invariants: none enforced here (see ``omni_cache.sim``: the run checks I1, I2,
+I4-I7 and I9 from the outside).
 """
 
 from __future__ import annotations

@@ -22,6 +22,11 @@ progress and block table. Per step (``schedule``):
 whose known tokens are all computed (``truth.next_token``), and finishes the
 ones that reached ``max_tokens`` (``FINISHED`` is reported at the next step,
 before any new request of that step: the terminal-first order of DESIGN s.2).
+
+Invariants: produces the inputs of I5 (hits are whole blocks and carry the
+request's block table) and of I7/I9 (preemption frees blocks that other
+tenants then reuse; aborted requests' blocks are freed while their rows are
+still in flight).
 """
 
 from __future__ import annotations
