@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 
@@ -98,16 +99,20 @@ def run(args: argparse.Namespace) -> int:
             if not entries:
                 print(f"omni-cache verify: no manifest entry matches --only {args.only!r}", file=sys.stderr)
                 return 2
+        start = time.perf_counter()
         results = run_manifest(entries, tla_dir, jobs=args.jobs, timeout_s=args.timeout)
+        wall_s = time.perf_counter() - start
     except (TLCUnavailable, ManifestError) as exc:
         print(f"omni-cache verify: {exc}", file=sys.stderr)
         return 2
 
     surprises = [r for r in results if not r.ok]
     if args.json:
-        print(json.dumps({"ok": not surprises, "runs": [r.as_dict() for r in results]}, indent=2))
+        doc = {"ok": not surprises, "wall_seconds": round(wall_s, 2), "runs": [r.as_dict() for r in results]}
+        print(json.dumps(doc, indent=2))
     else:
-        _print_table(results, "omni-cache verify: TLC ad-hoc run" if args.cfg else "omni-cache verify: TLC on tla/manifest.json")
+        title = "omni-cache verify: TLC ad-hoc run" if args.cfg else "omni-cache verify: TLC on tla/manifest.json"
+        _print_table(results, title, wall_s, args.jobs)
         for r in surprises:
             print(f"SURPRISE {r.entry.name}: {'; '.join(r.problems)}", file=sys.stderr)
             if r.detail:
@@ -116,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
     return 1 if surprises else 0
 
 
-def _print_table(results: list, title: str) -> None:  # type: ignore[type-arg]
+def _print_table(results: list, title: str, wall_s: float, jobs: int) -> None:  # type: ignore[type-arg]
     from rich.console import Console
     from rich.table import Table
 
@@ -140,6 +145,6 @@ def _print_table(results: list, title: str) -> None:  # type: ignore[type-arg]
     bad = sum(not r.ok for r in results)
     total = sum(r.seconds for r in results)
     console.print(
-        f"{len(results)} runs, {bad} surprise(s), {total:.1f} s of TLC time"
+        f"{len(results)} runs, {bad} surprise(s), {wall_s:.1f} s wall ({total:.1f} s of TLC runs, {jobs} at a time)"
         + ("" if bad else ": every model and broken variant behaves as the manifest says")
     )
