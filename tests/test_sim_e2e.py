@@ -187,3 +187,26 @@ def test_cuda_stream_path_serves_the_ground_truth(preset: str) -> None:
     res = Simulation(SimConfig.from_preset(preset, seed=3, eager=False, device="cuda", **SMALL)).run()
     assert res.ok, [str(m) for m in res.mismatches[:3]]
     assert res.rows_from_cache > 0 and res.talker_completed > 0
+
+
+def test_a_contract_error_in_materialize_is_reported_and_the_run_stops() -> None:
+    class Raising(CorruptingManager):
+        def materialize(self, step_id: int, req_ids: Any) -> Any:
+            self.calls += 1
+            if self.calls == 4:
+                self.corrupted = (step_id, "")
+                raise RuntimeError("boom: is not readable")
+            return self.inner.materialize(step_id, req_ids)
+
+    made: list[Raising] = []
+
+    def factory(config: PrefixCacheConfig, eager: bool) -> Raising:
+        made.append(Raising(OmniPrefixCacheManager(config, eager=eager)))
+        return made[0]
+
+    res = Simulation(SimConfig.from_preset("chat", seed=0, **SMALL), manager_factory=factory).run()
+    assert not res.ok
+    first = res.mismatches[0]
+    assert made[0].corrupted is not None and first.step_id == made[0].corrupted[0]
+    assert "materialize raised RuntimeError: boom" in first.detail
+    assert res.steps < 40  # the engine stopped soon after the builder failed
