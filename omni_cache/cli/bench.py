@@ -41,7 +41,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
             "4096 blocks, prompts of 512 tokens (half the requests hit 256 tokens of an earlier "
             "request's blocks), then decode steps; every step materialized and checked against ground "
             "truth. Reports tokens/s and µs per save / materialize / new_step_starts next to a raw-copy "
-            "floor measured in the same run, and the ratio (target >= 50%%)."
+            "floor measured in the same run, and the ratio (target >= 50%)."
         ),
     )
     parser.add_argument("--batch-sizes", type=_batch_sizes, default=None, metavar="B1,B2",
