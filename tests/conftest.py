@@ -1,0 +1,75 @@
+"""Hypothesis profiles for the whole suite: ``ci``, ``dev`` and ``nightly``.
+
+Owns: the profile registry and which profile loads. Selected by the
+``HYPOTHESIS_PROFILE`` environment variable; the default is ``ci`` when
+``CI=true`` (or any value Hypothesis treats as CI), else ``dev``.
+
+* ``ci``: registered with Hypothesis' own built-in ``ci`` profile as parent
+  (which Hypothesis auto-loads when ``CI`` is set): derandomized, no example
+  database, no deadline; sized so the whole suite stays within a few minutes on
+  two cores.
+* ``dev``: the local default: random, with the local example database (so a
+  failure found once is replayed first next time), a little more work than ci.
+* ``nightly``: random, no database, many more examples and longer stateful runs
+  (and a longer soak, see tests/test_soak.py).
+* ``mutation``: ``ci`` without the shrink phase, for tools/mutation_check.py.
+
+Invariants touched: none directly; this sizes the property tests of I1..I11.
+"""
+
+from __future__ import annotations
+
+import os
+
+from hypothesis import HealthCheck, Phase, settings
+
+_CI_VALUES = {"1", "true", "yes"}
+
+
+def _in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in _CI_VALUES or "GITHUB_ACTIONS" in os.environ
+
+
+settings.register_profile(
+    "ci",
+    parent=settings.get_profile("ci"),
+    derandomize=True,
+    database=None,
+    deadline=None,
+    max_examples=16,
+    stateful_step_count=25,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile(
+    "dev",
+    deadline=None,
+    max_examples=30,
+    stateful_step_count=40,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile(
+    "nightly",
+    derandomize=False,
+    database=None,
+    deadline=None,
+    max_examples=400,
+    stateful_step_count=150,
+    phases=tuple(Phase),
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+# tools/mutation_check.py: the ci profile without shrinking (a mutant needs one failure, not a minimal one).
+settings.register_profile(
+    "mutation",
+    parent=settings.get_profile("ci"),
+    phases=(Phase.explicit, Phase.reuse, Phase.generate),
+)
+
+PROFILE = os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if _in_ci() else "dev")
+settings.load_profile(PROFILE)
+
+
+def pytest_report_header() -> str:
+    return f"hypothesis profile: {PROFILE} ({settings.default})"

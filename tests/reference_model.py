@@ -1,0 +1,420 @@
+"""A plain-Python reference engine for the manager tests: ground truth, blocks, steps.
+
+Owns: the ground truth of every per-token row (``truth_rows``: a rolling hash of
+the request's token ids up to and including the position, encoded into a few
+exact float/int columns), a tiny prefix-caching block allocator
+(``BlockAllocator``: hashes over full blocks, LRU free queue, eviction on
+reuse), the request lifecycle (waiting -> running <-> preempted -> ended), and
+``Engine``, which drives a real ``OmniPrefixCacheManager`` one scheduler step at
+a time and returns a ``StepExpect``: what every later ``materialize`` of that
+step must return (``check_outputs``). The expected output never depends on
+the cache: a row is a function of the request's tokens, so a wrong tenant
+(I7), a missing prefix (I6), a wrong position or a torn page (I3, I4) shows up
+as a wrong value. ``check_trace`` is a minimal legal-edge replay of a
+``TraceRecorder`` against ``omni_cache.states``.
+
+Used by tests/test_manager_stateful.py (Hypothesis), tests/test_soak.py
+(threads) and tests/test_faults.py (fault injection).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from omni_cache import (
+    HIDDEN_KEY,
+    ModelCachePolicy,
+    PrefixCacheConfig,
+    PrefixCacheEventKind,
+    PrefixCacheRequestEvent,
+    PrefixCacheStep,
+    PrefixCacheWriteLayout,
+    StageCacheOutputs,
+)
+from omni_cache.states import ALL_TABLES
+from omni_cache.trace import TraceEvent
+
+E = PrefixCacheEventKind
+CODES = "mm.codes"  # per-token int64 (immediate unless the policy defers it)
+EMBEDS = "mm.embeds"  # per-token float32 (deferred in most policies)
+META = "mm.meta"  # leftover: a Python list
+LENS = "mm.lens"  # leftover: a 1-D tensor
+GRID = "mm.grid"  # leftover: a 2-D tensor that is not token-major
+PER_TOKEN_KEYS = (CODES, EMBEDS)
+MASK = (1 << 64) - 1
+
+
+def _mix(x: int) -> int:
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & MASK
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & MASK
+    return x ^ (x >> 31)
+
+
+def prefix_hashes(tokens: Sequence[int]) -> list[int]:
+    """h[p] depends on tokens[0..p] and p only (a rolling hash)."""
+    out, h = [], 0x243F6A8885A308D3
+    for p, tok in enumerate(tokens):
+        h = _mix(h ^ ((tok * 0x9E3779B97F4A7C15 + p + 1) & MASK))
+        out.append(h)
+    return out
+
+
+def truth_rows(hashes: Sequence[int]) -> dict[str, torch.Tensor]:
+    """Every per-token key's rows for positions [0, len(hashes)); exact values, never all-zero."""
+    hidden = [[h & 0xFFF, (h >> 12) & 0xFFF, (h >> 24) & 0xFFF, p + 1] for p, h in enumerate(hashes)]
+    codes = [[(h >> 32) & 0xFFFFFF, p + 7] for p, h in enumerate(hashes)]
+    embeds = [[((h >> 40) & 0xFFF) - 2048, ((h >> 52) & 0xFFF) / 8, p + 0.5] for p, h in enumerate(hashes)]
+    return {
+        HIDDEN_KEY: torch.tensor(hidden, dtype=torch.float32).reshape(-1, 4),
+        CODES: torch.tensor(codes, dtype=torch.int64).reshape(-1, 2),
+        EMBEDS: torch.tensor(embeds, dtype=torch.float32).reshape(-1, 3),
+    }
+
+
+class BlockAllocator:
+    """A KV block allocator with prefix caching over full blocks (vLLM-like)."""
+
+    def __init__(self, num_blocks: int, block_size: int, *, mru: bool = False) -> None:
+        self.bs = block_size
+        self.mru = mru  # reuse the most recently freed block first: new tenants sooner (I7 stress)
+        self.ref = [0] * num_blocks
+        self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self.hash_of: dict[int, int] = {}
+        self.block_of: dict[int, int] = {}
+
+    def match(self, block_hashes: Sequence[int]) -> list[int]:
+        """Consecutive cached blocks of a prefix (not touched yet)."""
+        out = []
+        for h in block_hashes:
+            b = self.block_of.get(h)
+            if b is None:
+                break
+            out.append(b)
+        return out
+
+    def available(self, exclude: Sequence[int] = ()) -> int:
+        return len(self.free) - sum(1 for b in set(exclude) if b in self.free)
+
+    def touch(self, blocks: Sequence[int]) -> None:
+        for b in blocks:
+            if self.ref[b] == 0:
+                del self.free[b]
+            self.ref[b] += 1
+
+    def take(self, block: int) -> None:
+        """Allocate a specific free block (evicting its hash): a new tenant."""
+        del self.free[block]
+        self._evict(block)
+        self.ref[block] = 1
+
+    def allocate(self, n: int) -> list[int]:
+        assert len(self.free) >= n, "caller checks available() first"
+        out = []
+        for _ in range(n):
+            b, _ = self.free.popitem(last=self.mru)
+            self._evict(b)
+            self.ref[b] = 1
+            out.append(b)
+        return out
+
+    def _evict(self, b: int) -> None:
+        h = self.hash_of.pop(b, None)
+        if h is not None and self.block_of.get(h) == b:
+            del self.block_of[h]
+
+    def release(self, blocks: Sequence[int]) -> None:
+        for b in reversed(blocks):  # tail blocks are evicted first, like vLLM
+            self.ref[b] -= 1
+            assert self.ref[b] >= 0
+            if self.ref[b] == 0:
+                self.free[b] = None
+
+    def publish(self, block: int, h: int) -> None:
+        if block not in self.hash_of and h not in self.block_of:
+            self.hash_of[block] = h
+            self.block_of[h] = block
+
+
+@dataclass
+class Req:
+    rid: str
+    tokens: list[int]
+    prompt_len: int
+    hashes: list[int]
+    rows: dict[str, torch.Tensor]
+    state: str = "waiting"  # waiting | running | preempted | ended
+    computed: int = 0
+    progress: int = 0  # the most positions ever computed (what a resume may re-find)
+    blocks: list[int] = field(default_factory=list)
+    started: bool = False
+    diverged: bool = False
+
+    @property
+    def left(self) -> int:
+        return len(self.tokens) - self.computed
+
+
+@dataclass
+class Span:
+    req: Req
+    out_start: int  # materialize returns positions [out_start, out_end)
+    out_end: int
+    start: int = 0  # this step's first position (out_start < start: a prefix hit is served)
+    resumed: bool = False
+
+
+@dataclass
+class StepExpect:
+    """What any materialize of this step must return (or raise)."""
+
+    step_id: int
+    spans: dict[str, Span]
+    leftover: dict[str, Any]
+    caches_hidden: bool
+    not_readable: frozenset[str] = frozenset()
+    where: str = ""
+
+    def must_raise(self, req_ids: Sequence[str]) -> bool:
+        return any(r in self.not_readable for r in req_ids)
+
+
+def same_value(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+                and a.device.type == "cpu" and torch.equal(a, b))
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(same_value, a, b))
+    return bool(a == b)
+
+
+def check_outputs(exp: StepExpect, req_ids: Sequence[str], out: StageCacheOutputs) -> None:
+    """Assert ``out`` is exactly the ground truth for ``req_ids`` of step ``exp``."""
+    tag = f"step {exp.step_id} ({exp.where})"
+    assert isinstance(out, StageCacheOutputs), f"{tag}: materialize returned {type(out).__name__}"
+    if not exp.caches_hidden:
+        assert out.hidden_states is None, f"{tag}: hidden opt-out policy but hidden_states is not None"
+    else:
+        assert set(out.hidden_states) == set(req_ids), f"{tag}: hidden for {sorted(out.hidden_states)}"
+    assert set(out.mm_outputs) == set(req_ids), f"{tag}: mm for {sorted(out.mm_outputs)} != {sorted(req_ids)}"
+    for rid in req_ids:
+        span = exp.spans[rid]
+        want = {k: v[span.out_start:span.out_end] for k, v in span.req.rows.items()}
+        got_mm = out.mm_outputs[rid]
+        assert set(got_mm) == set(PER_TOKEN_KEYS) | set(exp.leftover), (
+            f"{tag}: request {rid} mm keys {sorted(got_mm)}")
+        pairs = [(k, got_mm[k]) for k in PER_TOKEN_KEYS]
+        if exp.caches_hidden:
+            pairs.append((HIDDEN_KEY, out.hidden_states[rid]))
+        for key, got in pairs:
+            if not same_value(got, want[key]):
+                raise AssertionError(
+                    f"{tag}: request {rid} key {key!r} positions [{span.out_start}, {span.out_end}) "
+                    f"differ from the ground truth\n got {got}\nwant {want[key]}")
+        for key, value in exp.leftover.items():
+            assert same_value(got_mm[key], value), f"{tag}: request {rid} leftover {key!r}: {got_mm[key]!r}"
+
+
+class Engine:
+    """A random engine's bookkeeping around a real manager (engine thread only)."""
+
+    def __init__(self, manager: Any, config: PrefixCacheConfig, policy: ModelCachePolicy,
+                 *, pass_hidden_when_opted_out: bool = True, mru: bool = False) -> None:
+        self.m = manager
+        self.cfg = config
+        self.bs = config.block_size
+        self.policy = policy
+        self.pass_hidden = policy.needs_full_hidden_states or pass_hidden_when_opted_out
+        manager.register_policy(policy)
+        self.alloc = BlockAllocator(config.num_blocks, self.bs, mru=mru)
+        self.reqs: dict[str, Req] = {}
+        self.terminal: list[PrefixCacheRequestEvent] = []
+        self.written = bytearray(config.num_slots)  # slots any save has written (I6 bookkeeping)
+        self.n_reqs = 0
+        g = prefix_hashes(range(64))
+        self.bases = [[(g[i * 7 + j] >> 5) % 5 for j in range(4 * self.bs)] for i in range(3)]
+
+    # ---- requests -----------------------------------------------------------
+    def add_request(self, base: int, shared_blocks: int, extra: Sequence[int], decode: int) -> str:
+        rid = f"r{self.n_reqs}"
+        self.n_reqs += 1
+        prompt = self.bases[base % 3][: shared_blocks * self.bs] + list(extra)
+        if not prompt:
+            prompt = [base % 5]
+        tokens = list(prompt)
+        for _ in range(decode):  # greedy: the next token is a function of the prefix
+            tokens.append(prefix_hashes(tokens)[-1] % 5)
+        hashes = prefix_hashes(tokens)
+        self.reqs[rid] = Req(rid, tokens, len(prompt), hashes, truth_rows(hashes))
+        return rid
+
+    def live(self, *states: str) -> list[str]:
+        return [r for r, q in self.reqs.items() if q.state in states]
+
+    def end(self, rid: str, *, aborted: bool) -> None:
+        q = self.reqs[rid]
+        if q.state == "ended":
+            return
+        if q.state == "running":
+            self.alloc.release(q.blocks)
+        q.blocks = []
+        q.state = "ended"
+        self.terminal.append(PrefixCacheRequestEvent(rid, E.ABORTED if aborted else E.FINISHED))
+
+    def preempt(self, rid: str) -> None:
+        q = self.reqs[rid]
+        assert q.state == "running"
+        self.alloc.release(q.blocks)
+        q.blocks, q.computed, q.state = [], 0, "preempted"
+
+    def block_hashes(self, q: Req, upto: int) -> list[int]:
+        return [q.hashes[(k + 1) * self.bs - 1] for k in range(upto // self.bs)]
+
+    # ---- one scheduler step -------------------------------------------------
+    def schedule(self, picks: Sequence[tuple[int, int]]) -> list[tuple[Req, int, int, Any]]:
+        """Choose requests and token counts; allocate blocks. Returns (req, start, n, event)."""
+        cands = [q for q in self.reqs.values() if q.state in ("waiting", "preempted", "running") and q.left > 0]
+        budget = self.cfg.staging_capacity_tokens
+        out: list[tuple[Req, int, int, Any]] = []
+        chosen: set[str] = set()
+        for idx, size in picks:
+            if not cands or budget <= 0:
+                break
+            q = cands[idx % len(cands)]
+            if q.rid in chosen:
+                continue
+            hit_blocks: list[int] = []
+            start = q.computed
+            if q.state != "running":
+                seen = q.prompt_len if q.state == "waiting" else q.progress
+                limit = min(seen, len(q.tokens) - 1) // self.bs
+                hit_blocks = self.alloc.match(self.block_hashes(q, limit * self.bs))
+                start = len(hit_blocks) * self.bs
+            n = min(size, len(q.tokens) - start, budget) if start < q.prompt_len else 1
+            n = min(n, q.prompt_len - start) if start < q.prompt_len else n
+            have = len(hit_blocks) if q.state != "running" else len(q.blocks)
+            need = max(0, math.ceil((start + n) / self.bs) - have)
+            if self.alloc.available(hit_blocks) < need:
+                continue
+            chosen.add(q.rid)
+            budget -= n
+            if q.state == "running":
+                q.blocks += self.alloc.allocate(need)
+                event = PrefixCacheRequestEvent(q.rid, E.EXTENDED, scheduled_tokens=n)
+            else:
+                self.alloc.touch(hit_blocks)
+                q.blocks = hit_blocks + self.alloc.allocate(need)
+                kind = E.RESUMED if q.started else E.STARTED
+                event = PrefixCacheRequestEvent(q.rid, kind, 0, start, (tuple(q.blocks),), n)
+                q.started, q.state, q.computed = True, "running", start
+            # vLLM caches a block's hash when it is allocated for the tokens that fill it, so a
+            # request scheduled later in this very step may already hit it.
+            for k in range(start // self.bs, (start + n) // self.bs):
+                self.alloc.publish(q.blocks[k], q.hashes[(k + 1) * self.bs - 1])
+            out.append((q, start, n, event))
+        return out
+
+    def slot_of(self, q: Req, pos: int) -> int:
+        return q.blocks[pos // self.bs] * self.bs + pos % self.bs
+
+    def step(self, picks: Sequence[tuple[int, int]], *, pad: int = 0, leftover: bool = False,
+             padded_mm: bool = False, order: int = 0, forced: Any = None) -> StepExpect | None:
+        """new_step_starts + forward + save_outputs. None when nothing was scheduled."""
+        sched = forced if forced is not None else self.schedule(picks)
+        events = [*self.terminal, *(e for *_, e in sched)]
+        self.terminal = []
+        counts = {q.rid: n for q, _, n, _ in sched}
+        if not sched:
+            if events:
+                self.m.new_step_starts(PrefixCacheStep(tuple(events), {}))
+            return None
+        self.m.new_step_starts(PrefixCacheStep(tuple(events), counts))
+        if order:  # batch order need not be arrival order
+            sched = sched[order % len(sched):] + sched[: order % len(sched)]
+        spans = [(q.rid, s, s + n) for q, s, n, _ in sched]
+        slots = torch.tensor([self.slot_of(q, p) for q, s, n, _ in sched for p in range(s, s + n)],
+                             dtype=torch.int64)
+        total = len(slots)
+        padded = total + pad
+        live = {k: torch.cat([q.rows[k][s:s + n] for q, s, n, _ in sched]) for k in (HIDDEN_KEY, *PER_TOKEN_KEYS)}
+        junk = {k: torch.full((pad, *v.shape[1:]), -99, dtype=v.dtype) for k, v in live.items()}
+        hidden = torch.cat([live[HIDDEN_KEY], junk[HIDDEN_KEY]])
+        mm: dict[str, Any] = {k: torch.cat([live[k], junk[k]]) if padded_mm else live[k] for k in PER_TOKEN_KEYS}
+        if leftover:
+            mm[META] = [total, "meta", [pad]]
+            mm[LENS] = torch.tensor([n for *_, n, _ in sched], dtype=torch.int64)
+            mm[GRID] = torch.arange(2 * (padded + 1), dtype=torch.float32).reshape(padded + 1, 2)
+        left = {k: copy.deepcopy(mm[k]) for k in (META, LENS, GRID) if k in mm}
+        layout = PrefixCacheWriteLayout.packed(spans, slots)
+        step_id = self.m.save_outputs(hidden if self.pass_hidden else None, mm, num_tokens_unpadded=total,
+                                      num_tokens_padded=padded, write_layout=layout)
+        # The next forward reuses the live buffers: a snapshot must not see this (I4).
+        hidden.fill_(-5)
+        for value in mm.values():
+            if isinstance(value, torch.Tensor):
+                value.fill_(-5)
+            else:
+                value.append("junk")
+        exp = StepExpect(step_id, {}, left, self.policy.needs_full_hidden_states,
+                         where=", ".join(f"{q.rid}[{s},{s + n})" for q, s, n, _ in sched))
+        for q, s, n, event in sched:
+            hit = event.kind in (E.STARTED, E.RESUMED) and event.hit_end > 0
+            exp.spans[q.rid] = Span(q, 0 if hit else s, s + n, s, event.kind == E.RESUMED)
+            q.computed = s + n
+            q.progress = max(q.progress, q.computed)
+            for p in range(s, s + n):
+                self.written[self.slot_of(q, p)] = 1
+        exp.not_readable = frozenset(q.rid for q, *_ in sched if q.diverged)
+        return exp
+
+    # ---- a hit the cache cannot serve (the KV cache and the omni cache diverged) ----
+    def unwritten_free_block(self) -> int | None:
+        for b in self.alloc.free:
+            if not all(self.written[b * self.bs:(b + 1) * self.bs]):
+                return b
+        return None
+
+    def diverged_step(self, n: int) -> StepExpect | None:
+        """STARTED with a hit on a block no write ever filled: materialize must raise (I6)."""
+        b = self.unwritten_free_block()
+        need = math.ceil((self.bs + n) / self.bs) - 1
+        if b is None or self.alloc.available([b]) < need + 1:
+            return None
+        rid = self.add_request(0, 0, [1] * (self.bs + n), 0)
+        q = self.reqs[rid]
+        self.alloc.take(b)
+        q.blocks = [b, *self.alloc.allocate(need)]
+        q.started, q.state, q.computed, q.diverged = True, "running", self.bs, True
+        event = PrefixCacheRequestEvent(rid, E.STARTED, 0, self.bs, (tuple(q.blocks),), n)
+        exp = self.step([], forced=[(q, self.bs, n, event)])
+        self.end(rid, aborted=True)
+        return exp
+
+    def end_all(self) -> None:
+        """Terminate every request and tell the manager (the end of a run)."""
+        for rid in list(self.reqs):
+            if self.reqs[rid].state != "ended":
+                self.end(rid, aborted=False)
+        if self.terminal:
+            self.m.new_step_starts(PrefixCacheStep(tuple(self.terminal), {}))
+            self.terminal = []
+
+
+def check_trace(events: Sequence[TraceEvent]) -> int:
+    """Minimal trace replay: every event is a legal edge and continues its object's state."""
+    tables = {t.name: t for t in ALL_TABLES}
+    state: dict[tuple[str, str], str] = {}
+    for i, ev in enumerate(events):
+        table = tables[ev.machine]
+        assert (ev.source, ev.trigger, ev.dest) in table.edges(), f"event {i}: illegal edge {ev}"
+        key = (ev.machine, ev.obj)
+        before = state.get(key, table.initial)
+        assert before == ev.source, f"event {i}: {ev.obj} was {before!r}, trace says {ev.source!r}: {ev}"
+        state[key] = ev.dest
+    return len(events)

@@ -1,0 +1,315 @@
+"""Fault injection through the documented seam ``omni_cache.faults.FaultHooks``.
+
+Owns the fault tests of the manager; nothing here patches a private name. Each
+test drives the reference engine (tests/reference_model.py), injects one fault
+through a hook, and checks the contract:
+
+  I8   a failed pool write or a failed device->host copy fails the manager for
+       good: every later entry (new_step_starts, save_outputs, materialize,
+       discard_step) raises "write failed", and a thread waiting on the failed
+       write wakes with that error (never a hang);
+  I2   a save that cannot claim a page raises the timeout error naming every
+       unconsumed step id with the file:line where it was saved;
+  I3   a page is not released while its pool write still reads it;
+  I11  a committer thread that dies (``committer_tick`` raising a
+       BaseException) releases every waiter -- a save waiting for a page, a save
+       waiting for the previous step's write, a materialize waiting for its
+       step's copy -- with an error within a bound.
+
+Every blocking call runs on a helper thread joined with a timeout, so a
+regression fails with a message instead of hanging the suite.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from reference_model import EMBEDS, Engine, check_outputs
+
+from omni_cache import (
+    ModelCachePolicy,
+    OmniPrefixCacheStagingTimeoutError,
+    OmniPrefixCacheUnmatchError,
+    PrefixCacheConfig,
+)
+from omni_cache.errors import PHRASE_NOT_SAVED, PHRASE_UNCONSUMED, PHRASE_WRITE_FAILED
+from omni_cache.faults import FaultHooks
+from omni_cache.manager import OmniPrefixCacheManager
+
+BOUND_S = 5.0  # a released waiter must return within this
+
+
+class CommitterKilled(BaseException):
+    """Not an Exception: the committer thread itself dies."""
+
+
+class Hooks(FaultHooks):
+    """Arm one fault; optionally hold the committer at the hook until ``gate`` opens."""
+
+    def __init__(self) -> None:
+        self.fail_pool_write = False
+        self.fail_copy = False
+        self.hold_pool_write = False
+        self.park_committer = False
+        self.kill_committer = False
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+
+    def _hold(self) -> None:
+        self.entered.set()
+        assert self.gate.wait(30), "test gate never opened"
+
+    def before_device_to_host(self, write: object) -> None:
+        if self.fail_copy:
+            raise OSError("injected: device->host copy failed")
+
+    def before_pool_write(self, write: object, key: str) -> None:
+        if self.hold_pool_write:
+            self._hold()
+        if self.fail_pool_write:
+            raise OSError("injected: pool write failed")
+
+    def committer_tick(self) -> None:
+        if self.park_committer:
+            self._hold()
+            if self.kill_committer:
+                raise CommitterKilled("injected: the committer thread died")
+
+
+def make(eager: bool, hooks: FaultHooks, *, depth: int = 3, timeout_s: float = 30.0,
+         deferred: bool = False) -> tuple[OmniPrefixCacheManager, Engine]:
+    cfg = PrefixCacheConfig(num_blocks=16, block_size=4, staging_depth=depth, staging_capacity_tokens=16,
+                            staging_claim_timeout_s=timeout_s)
+    m = OmniPrefixCacheManager(cfg, eager=eager, faults=hooks)
+    policy = ModelCachePolicy(deferred_keys=frozenset({EMBEDS} if deferred else ()))
+    return m, Engine(m, cfg, policy)
+
+
+def settle(m: OmniPrefixCacheManager) -> None:
+    deadline = time.monotonic() + BOUND_S
+    while m.stats()["write_queue"] or any(w.state not in ("pending",) for w in m.book.live()):
+        assert time.monotonic() < deadline, f"writes never landed: {m.book.describe_in_flight()}"
+        time.sleep(0.002)
+
+
+def in_thread(fn: Callable[[], object]) -> tuple[threading.Thread, dict[str, object]]:
+    box: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:
+            box["error"] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, box
+
+
+def released_with_error(t: threading.Thread, box: dict[str, object], what: str) -> str:
+    t.join(BOUND_S)
+    assert not t.is_alive(), f"{what} still blocked {BOUND_S}s after the fault: a hang"
+    err = box.get("error")
+    assert isinstance(err, OmniPrefixCacheUnmatchError), f"{what} returned {box!r} instead of raising"
+    return str(err)
+
+
+def assert_sticky(m: OmniPrefixCacheManager, eng: Engine, pending: list[int]) -> None:
+    """I8: every entry raises 'write failed'; shutdown neither hangs nor forgets the pending ids."""
+    rid = eng.add_request(1, 1, [2], 0)
+    calls = {
+        "new_step_starts": lambda: m.new_step_starts([]),
+        "save_outputs (a whole step)": lambda: eng.step([(eng.n_reqs - 1, 4)]),
+        "materialize": lambda: m.materialize(pending[0], []),
+        "discard_step": lambda: m.discard_step(pending[-1]),
+        "materialize of an unknown id": lambda: m.materialize(10**6, []),
+    }
+    for name, call in calls.items():
+        with pytest.raises(OmniPrefixCacheUnmatchError) as info:
+            call()
+        assert PHRASE_WRITE_FAILED in str(info.value), f"{name}: {info.value}"
+    assert "injected" in (m.stats()["failed"] or "")
+    assert rid in eng.reqs
+    t0 = time.perf_counter()
+    unconsumed = m.shutdown()
+    assert time.perf_counter() - t0 < BOUND_S
+    assert set(pending) <= set(unconsumed)
+
+
+def wait_failed(m: OmniPrefixCacheManager) -> None:
+    deadline = time.monotonic() + BOUND_S
+    while m.stats()["failed"] is None:
+        assert time.monotonic() < deadline, "the injected fault never failed the manager"
+        time.sleep(0.002)
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "async"])
+@pytest.mark.parametrize("fault", ["pool_write", "device_to_host"])
+@pytest.mark.parametrize("when", ["save", "finish"])
+def test_failed_write_is_sticky(eager: bool, fault: str, when: str) -> None:
+    hooks = Hooks()
+    m, eng = make(eager, hooks, deferred=True)
+    a, b = eng.add_request(0, 2, [], 2), eng.add_request(1, 1, [1, 2], 0)
+    s1 = eng.step([(0, 8), (1, 6)])
+    assert s1 is not None
+    check_outputs(s1, [a, b], m.materialize(s1.step_id, [a, b]))
+    s2 = eng.step([(0, 1)])
+    assert s2 is not None
+    settle(m)
+    setattr(hooks, "fail_pool_write" if fault == "pool_write" else "fail_copy", True)
+    if when == "save":  # the step's immediate write fails
+        action: Callable[[], object] = lambda: eng.step([(1, 1)])  # noqa: E731
+    else:  # the finished request's deferred write fails (pushed to the front, I9)
+        eng.end(a, aborted=False)
+        action = lambda: eng.step([(1, 1)])  # noqa: E731
+    if eager:  # inline landing: the failing call itself raises
+        with pytest.raises(OmniPrefixCacheUnmatchError, match=PHRASE_WRITE_FAILED):
+            action()
+    else:
+        try:
+            action()
+        except OmniPrefixCacheUnmatchError as exc:  # the committer may fail it before save returns
+            assert PHRASE_WRITE_FAILED in str(exc)
+    wait_failed(m)
+    assert_sticky(m, eng, [s2.step_id])
+
+
+@pytest.mark.parametrize("fault", ["pool_write", "device_to_host"])
+def test_failed_write_wakes_its_waiter(fault: str) -> None:
+    """Async: a thread blocked on the write that fails wakes with 'write failed'.
+
+    A failed copy is awaited by the step's materialize (it waits for host_ready);
+    a failed pool write (after host_ready) by the next save, which waits for the
+    previous step's rows to land.
+    """
+    hooks = Hooks()
+    hooks.park_committer = True  # hold the committer before it takes the write
+    m, eng = make(False, hooks)
+    assert hooks.entered.wait(BOUND_S)
+    eng.add_request(0, 1, [1], 0)
+    eng.add_request(1, 1, [1], 0)
+    s1 = eng.step([(0, 5)])
+    assert s1 is not None
+    if fault == "device_to_host":
+        t, box = in_thread(lambda: m.materialize(s1.step_id, list(s1.spans)))
+    else:
+        t, box = in_thread(lambda: eng.step([(0, 5)]))
+    time.sleep(0.1)
+    assert t.is_alive(), f"the waiter returned before the write was done: {box}"
+    setattr(hooks, "fail_pool_write" if fault == "pool_write" else "fail_copy", True)
+    hooks.park_committer = False
+    hooks.gate.set()
+    assert PHRASE_WRITE_FAILED in released_with_error(t, box, "the waiter")
+    wait_failed(m)
+    m.shutdown()
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "async"])
+def test_save_without_a_free_page_times_out_naming_unconsumed_steps(eager: bool) -> None:
+    m, eng = make(eager, FaultHooks(), depth=2, timeout_s=0.2)
+    for i in range(3):
+        eng.add_request(i, 1, [i], 0)
+    s1, s2 = eng.step([(0, 5)]), eng.step([(0, 5)])
+    assert s1 is not None and s2 is not None
+    settle(m)
+    t0 = time.perf_counter()
+    with pytest.raises(OmniPrefixCacheStagingTimeoutError) as info:
+        eng.step([(0, 5)])
+    waited = time.perf_counter() - t0
+    assert 0.19 <= waited < 0.2 + BOUND_S
+    msg = str(info.value)
+    assert PHRASE_UNCONSUMED in msg and "in-flight writes" in msg
+    source = Path(__file__).with_name("reference_model.py")
+    lines = source.read_text().splitlines()
+    for step in (s1, s2):
+        found = re.search(rf"step {step.step_id} saved at (\S+):(\d+)", msg)
+        assert found, f"step {step.step_id} is not named with file:line in: {msg}"
+        assert Path(found.group(1)) == source and "save_outputs(" in lines[int(found.group(2)) - 1], found
+    # The timed-out save changed nothing: consuming one step frees a page for the retry.
+    check_outputs(s1, list(s1.spans), m.materialize(s1.step_id, list(s1.spans)))
+    m.discard_step(s2.step_id)
+    with pytest.raises(OmniPrefixCacheUnmatchError, match=PHRASE_NOT_SAVED):
+        m.discard_step(s2.step_id)
+    m.shutdown()
+
+
+def test_page_stays_held_while_its_pool_write_reads_it() -> None:
+    """I3: materialize may finish before the write lands; the page is released only after it."""
+    hooks = Hooks()
+    hooks.hold_pool_write = True
+    m, eng = make(False, hooks, depth=2)
+    eng.add_request(0, 2, [], 0)
+    s1 = eng.step([(0, 8)])
+    assert s1 is not None and hooks.entered.wait(BOUND_S)
+    check_outputs(s1, list(s1.spans), m.materialize(s1.step_id, list(s1.spans)))
+    slots = m.stats()["staging"]["slots"]
+    assert slots["materialized"] == 1 and slots["free"] == 1, f"page released under a pool write: {slots}"
+    hooks.gate.set()
+    settle(m)
+    assert m.stats()["staging"]["slots"]["free"] == 2
+    assert m.shutdown() == {}
+
+
+class TestCommitterDeath:
+    """I8/I11: a committer that dies releases every waiter with an error, never a hang."""
+
+    def _dying(self, depth: int) -> tuple[Hooks, OmniPrefixCacheManager, Engine]:
+        hooks = Hooks()
+        m, eng = make(False, hooks, depth=depth)
+        for i in range(3):
+            eng.add_request(i, 1, [i], 0)
+        return hooks, m, eng
+
+    def _kill(self, hooks: Hooks) -> None:
+        hooks.kill_committer = True
+        hooks.gate.set()
+
+    def _after(self, m: OmniPrefixCacheManager, msg: str) -> None:
+        assert PHRASE_WRITE_FAILED in msg and "died" in msg, msg
+        for call in (lambda: m.new_step_starts([]), lambda: m.discard_step(1)):
+            with pytest.raises(OmniPrefixCacheUnmatchError, match=PHRASE_WRITE_FAILED):
+                call()
+        t0 = time.perf_counter()
+        m.shutdown()
+        assert time.perf_counter() - t0 < BOUND_S
+
+    def test_save_waiting_for_a_page(self) -> None:
+        hooks, m, eng = self._dying(depth=1)
+        s1 = eng.step([(0, 5)])
+        assert s1 is not None
+        settle(m)  # s1's write landed: the next save waits only for the page s1 holds
+        hooks.park_committer = True
+        assert hooks.entered.wait(BOUND_S)
+        t, box = in_thread(lambda: eng.step([(1, 5)]))
+        time.sleep(0.1)
+        assert t.is_alive(), f"the save did not wait for a page: {box}"
+        self._kill(hooks)
+        self._after(m, released_with_error(t, box, "save waiting for a staging page"))
+
+    def test_save_waiting_for_the_previous_write(self) -> None:
+        hooks, m, eng = self._dying(depth=3)
+        hooks.park_committer = True
+        assert hooks.entered.wait(BOUND_S)
+        assert eng.step([(0, 5)]) is not None  # its write stays queued: the committer is parked
+        t, box = in_thread(lambda: eng.step([(1, 5)]))
+        time.sleep(0.1)
+        assert t.is_alive(), f"the save did not wait for the previous step's write: {box}"
+        self._kill(hooks)
+        self._after(m, released_with_error(t, box, "save waiting for the previous write"))
+
+    def test_materialize_waiting_for_its_copy(self) -> None:
+        hooks, m, eng = self._dying(depth=3)
+        hooks.park_committer = True
+        assert hooks.entered.wait(BOUND_S)
+        s1 = eng.step([(0, 5)])
+        assert s1 is not None
+        t, box = in_thread(lambda: m.materialize(s1.step_id, list(s1.spans)))
+        time.sleep(0.1)
+        assert t.is_alive(), f"materialize did not wait for the copy: {box}"
+        self._kill(hooks)
+        self._after(m, released_with_error(t, box, "materialize waiting for its copy"))

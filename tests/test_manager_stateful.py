@@ -1,0 +1,455 @@
+"""Model-based test of the whole manager: a random engine against a reference model.
+
+Owns: ``ManagerMachine``, a Hypothesis ``RuleBasedStateMachine`` that plays the
+engine of tests/reference_model.py against the real ``OmniPrefixCacheManager``
+and checks every materialize against the ground truth, in three variants:
+
+  eager     inline copies; consumes on the engine thread; tiny claim timeout,
+            so a save with ``staging_depth`` unconsumed steps must time out (I2)
+  async     ``eager=False``: a committer thread lands the pool writes
+  threaded  async, and materialize/discard run on a second (builder) thread
+            that drains a queue of step ids while the engine keeps saving
+
+Rules: arrivals with shared block-aligned prefixes (hits), blocks freed and
+reused (new tenants, I7), prefill/decode steps with several requests, padded
+steps and padded mm, finish/abort/preempt/resume, deferred and leftover mm, the
+hidden opt-out policy, materialize of any pending step in any order (or
+discard), a hit the cache cannot serve (I6), and misuse: double consume and
+unknown ids (I1), requests outside the snapshot (I4), unaligned or blockless
+hits (I5), an oversized step (I10), a save with staging full (I2). Each misuse
+raises the documented phrase and later steps still verify. Teardown ends every
+request, consumes every step, shuts down, and checks: nothing unconsumed, all
+staging slots free (I2/I3), no write left in flight (I9), and the recorded
+transition trace replays legally against omni_cache.states.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import traceback
+from collections.abc import Callable
+
+import hypothesis.strategies as st
+import pytest
+import torch
+from hypothesis import HealthCheck, event, settings
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    initialize,
+    invariant,
+    multiple,
+    precondition,
+    rule,
+)
+from reference_model import CODES, EMBEDS, E, Engine, StepExpect, check_outputs, check_trace
+
+from omni_cache import (
+    ModelCachePolicy,
+    OmniPrefixCacheStagingTimeoutError,
+    OmniPrefixCacheUnmatchError,
+    PrefixCacheConfig,
+    PrefixCacheRequestEvent,
+    PrefixCacheWriteLayout,
+    TraceRecorder,
+)
+from omni_cache.errors import (
+    PHRASE_CAPACITY,
+    PHRASE_NO_BLOCK_IDS,
+    PHRASE_NOT_ALIGNED,
+    PHRASE_NOT_READABLE,
+    PHRASE_NOT_SAVED,
+    PHRASE_OUTSIDE_SNAPSHOT,
+    PHRASE_UNCONSUMED,
+)
+from omni_cache.faults import FaultHooks
+from omni_cache.manager import OmniPrefixCacheManager
+
+BS = 4
+CAPACITY = 16
+JOIN_S = 20.0
+
+try:  # the shared trace replay (another helper's module); fall back to ours
+    from omni_cache.verify import traces as _shared_traces
+except ImportError:  # pragma: no cover - depends on what is merged
+    _shared_traces = None
+
+
+def expect_error(phrase: str, call: Callable[[], object], exc: type[Exception] = OmniPrefixCacheUnmatchError) -> str:
+    try:
+        call()
+    except exc as err:
+        assert phrase in str(err), f"expected {phrase!r} in: {err}"
+        return str(err)
+    raise AssertionError(f"expected {exc.__name__} with {phrase!r}; the call returned")
+
+
+class Builder:
+    """Runs consume tasks inline, or on a second thread fed by a queue (threaded mode)."""
+
+    def __init__(self, threaded: bool) -> None:
+        self.errors: list[str] = []
+        self.threaded = threaded
+        self.q: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self.thread: threading.Thread | None = None
+        if threaded:
+            self.thread = threading.Thread(target=self._run, name="test-builder", daemon=True)
+            self.thread.start()
+
+    def submit(self, task: Callable[[], None]) -> None:
+        if self.thread is None:
+            task()
+        else:
+            self.q.put(task)
+
+    def _run(self) -> None:
+        while (task := self.q.get()) is not None:
+            try:
+                task()
+            except BaseException:
+                self.errors.append(traceback.format_exc())
+            finally:
+                self.q.task_done()
+
+    def check(self) -> None:
+        assert not self.errors, "builder thread failed:\n" + "\n".join(self.errors)
+
+    def drain(self) -> None:
+        if self.thread is None:
+            return
+        done = threading.Event()
+        self.q.put(done.set)
+        assert done.wait(JOIN_S), "builder thread did not drain its queue (hang?)"
+        self.check()
+
+    def stop(self) -> None:
+        if self.thread is not None:
+            self.q.put(None)
+            self.thread.join(JOIN_S)
+            assert not self.thread.is_alive(), "builder thread did not stop"
+
+
+# A request: (shared-prefix base, shared full blocks of it, extra prompt tokens, decode tokens).
+ARRIVAL = st.tuples(st.integers(0, 2), st.integers(0, 4), st.lists(st.integers(0, 2), max_size=9), st.integers(0, 6))
+# One scheduler step: arrivals, (candidate index, token count) picks, padding and output shapes.
+STEP = dict(arrivals=st.lists(ARRIVAL, max_size=2),
+            picks=st.lists(st.tuples(st.integers(0, 31), st.integers(1, 9)), min_size=1, max_size=4),
+            pad=st.sampled_from([0, 0, 1, 3]), leftover=st.booleans(), padded_mm=st.booleans(),
+            order=st.integers(0, 3))
+
+
+class SlowCommitter(FaultHooks):
+    """No fault: every third write lands a few ms late, widening the async windows."""
+
+    def before_pool_write(self, write: object, key: str) -> None:
+        if getattr(write, "tid", 0) % 3 == 0:
+            time.sleep(0.003)
+
+
+PENDING = Bundle("pending")  # saved step ids not yet consumed (nor handed to the builder)
+CONSUMED = Bundle("consumed")  # step ids handed to materialize/discard
+
+
+def _step_rule(name: str) -> Callable[..., object]:
+    """A rule named ``name`` that runs ``ManagerMachine._step``."""
+
+    def step_rule(self: ManagerMachine, **kwargs: object) -> object:
+        return self._step(**kwargs)  # type: ignore[arg-type]
+
+    step_rule.__name__ = step_rule.__qualname__ = name
+    return precondition(lambda self: self._can_save())(rule(target=PENDING, **STEP)(step_rule))
+
+
+class ManagerMachine(RuleBasedStateMachine):
+    MODE = "eager"
+    pending = PENDING
+    consumed = CONSUMED
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ok = False
+        self.m: OmniPrefixCacheManager | None = None
+        self.builder = Builder(self.MODE == "threaded")
+        self.cfg: PrefixCacheConfig | None = None
+
+    @initialize(hidden=st.booleans(), defer=st.sampled_from([(), (EMBEDS,), (EMBEDS, CODES)]),
+                pass_hidden=st.booleans(), depth=st.sampled_from([2, 3]),
+                budget=st.sampled_from([1 << 30, 200]), num_blocks=st.integers(8, 16),
+                arrivals=st.lists(ARRIVAL, min_size=1, max_size=4), mru=st.booleans(), slow=st.booleans())
+    def setup(self, hidden: bool, defer: tuple[str, ...], pass_hidden: bool, depth: int, budget: int,
+              num_blocks: int, arrivals: list[tuple[int, int, list[int], int]], mru: bool, slow: bool) -> None:
+        eager = self.MODE == "eager"
+        self.cfg = PrefixCacheConfig(num_blocks=num_blocks, block_size=BS, staging_depth=depth,
+                                     staging_capacity_tokens=CAPACITY, gpu_staging_bytes=budget,
+                                     staging_claim_timeout_s=0.05 if eager else 10.0)
+        self.recorder = TraceRecorder()
+        self.m = OmniPrefixCacheManager(self.cfg, eager=eager, recorder=self.recorder,
+                                        faults=SlowCommitter() if slow and not eager else None)
+        policy = ModelCachePolicy(needs_full_hidden_states=hidden, deferred_keys=frozenset(defer))
+        self.engine = Engine(self.m, self.cfg, policy, pass_hidden_when_opted_out=pass_hidden, mru=mru)
+        for arrival in arrivals:
+            self.engine.add_request(*arrival)
+        self.expect: dict[int, StepExpect] = {}  # saved, not yet handed to the builder
+        self.n_bad = 0
+        self.ok = True
+
+    # ---- guard: teardown verifies only if every rule so far passed ----------
+    def _rule(self, fn: Callable[[], object]) -> object:
+        self.ok = False
+        result = fn()
+        self.builder.check()
+        self.ok = True
+        return result
+
+    def _can_save(self) -> bool:
+        return self.m is not None and len(self.expect) < self.cfg.staging_depth
+
+    def _saved(self, exp: object) -> object:
+        if exp is None:
+            return multiple()
+        assert isinstance(exp, StepExpect)
+        self.expect[exp.step_id] = exp
+        hits = [sp for sp in exp.spans.values() if sp.out_start < sp.start]
+        event(f"step: {min(len(exp.spans), 3)}+ requests, {min(len(hits), 2)}+ hits")
+        if any(sp.resumed for sp in hits):
+            event("step: a resumed request's hit")
+        return exp.step_id
+
+    # ---- the engine ----------------------------------------------------------
+    def _step(self, arrivals: list[tuple[int, int, list[int], int]], picks: list[tuple[int, int]], pad: int,
+              leftover: bool, padded_mm: bool, order: int) -> object:
+        """New requests arrive, then one scheduler step runs (new_step_starts + save_outputs)."""
+        for arrival in arrivals:
+            self.engine.add_request(*arrival)
+        return self._saved(self._rule(lambda: self.engine.step(
+            picks, pad=pad, leftover=leftover, padded_mm=padded_mm, order=order)))
+
+    # Three differently named rules run the step: steps are drawn about three times as often as
+    # anything else, and Hypothesis' swarm testing (which disables rules by name) rarely drops all.
+    step = _step_rule("step")
+    step_b = _step_rule("step_b")
+    step_c = _step_rule("step_c")
+
+    @rule(kind=st.sampled_from(["preempt", "finish", "abort", "preempt"]), i=st.integers(0, 63))
+    def lifecycle(self, kind: str, i: int) -> None:
+        rids = self.engine.live("running") if kind == "preempt" else self.engine.live("waiting", "running", "preempted")
+        if not rids:
+            return
+        if kind == "preempt":
+            self.engine.preempt(rids[i % len(rids)])
+        else:
+            self.engine.end(rids[i % len(rids)], aborted=kind == "abort")
+
+    @precondition(_can_save)
+    @rule(target=pending, n=st.integers(1, 6))
+    def diverged_hit(self, n: int) -> object:
+        """A hit on a block no write ever filled must raise at materialize, never zeros (I6)."""
+        return self._saved(self._rule(lambda: self.engine.diverged_step(n)))
+
+    # ---- the consumer (materialize or discard; any order) ---------------------
+    @rule(target=consumed, step_id=consumes(pending), data=st.data())
+    def materialize(self, step_id: int, data: st.DataObject) -> int:
+        exp = self.expect.pop(step_id)
+        rids = sorted(exp.spans)
+        subset = data.draw(st.lists(st.sampled_from(rids), unique=True, max_size=len(rids)) if rids else st.just([]))
+        m = self.m
+        assert m is not None
+        if any(exp.spans[r].out_start < exp.spans[r].start for r in subset):
+            event("materialize: serves a hit" + (" with preserved rows" if m.stats()["preserved_rows"] else ""))
+
+        def task() -> None:
+            if exp.must_raise(subset):
+                expect_error(PHRASE_NOT_READABLE, lambda: m.materialize(step_id, subset))
+            else:
+                check_outputs(exp, subset, m.materialize(step_id, subset))
+
+        self._rule(lambda: self.builder.submit(task))
+        return step_id
+
+    @rule(target=consumed, step_id=consumes(pending))
+    def discard(self, step_id: int) -> int:
+        self.expect.pop(step_id)
+        m = self.m
+        assert m is not None
+        self._rule(lambda: self.builder.submit(lambda: m.discard_step(step_id)))
+        return step_id
+
+    # ---- misuse: each raises its phrase and changes nothing -----------------
+    @rule(step_id=consumed, via=st.sampled_from(["materialize", "discard"]))
+    def double_consume(self, step_id: int, via: str) -> None:
+        self._misuse_step_id(step_id, via)
+
+    def _misuse_step_id(self, step_id: int, via: str) -> None:
+        m = self.m
+        assert m is not None
+        call = (lambda: m.materialize(step_id, [])) if via == "materialize" else (lambda: m.discard_step(step_id))
+        self._rule(lambda: self.builder.submit(lambda: expect_error(PHRASE_NOT_SAVED, call)))
+
+    @rule(step_id=pending, ghost=st.sampled_from(["ghost", "r9999"]))
+    def outside_snapshot(self, step_id: int, ghost: str) -> None:
+        exp = self.expect[step_id]
+        m = self.m
+        assert m is not None
+        rids = [*sorted(exp.spans)[:1], ghost]
+        # On the engine thread even in threaded mode: the step stays pending (nothing consumed).
+        self._rule(lambda: expect_error(PHRASE_OUTSIDE_SNAPSHOT, lambda: m.materialize(step_id, rids)))
+
+    @rule(kind=st.sampled_from(["unknown_id", "unaligned", "no_blocks", "oversized", "save_when_full"]),
+          via=st.sampled_from(["materialize", "discard"]), resumed=st.booleans(), k=st.integers(1, 3))
+    def misuse(self, kind: str, via: str, resumed: bool, k: int) -> None:
+        m = self.m
+        assert m is not None
+        if kind == "unknown_id":
+            self._misuse_step_id(10**6 + k, via)
+        elif kind in ("unaligned", "no_blocks"):  # I5
+            self.n_bad += 1
+            rid = f"bad{self.n_bad}"
+            if resumed and self.engine.live("running"):
+                rid = self.engine.live("running")[0]  # a RESUMED event on a live request
+            kind_e = E.RESUMED if resumed else E.STARTED
+            if kind == "unaligned":
+                ev = PrefixCacheRequestEvent(rid, kind_e, 0, k * BS + 1, (tuple(range(k + 1)),), 1)
+                phrase = PHRASE_NOT_ALIGNED
+            else:
+                ev = PrefixCacheRequestEvent(rid, kind_e, 0, k * BS, (), 1)
+                phrase = PHRASE_NO_BLOCK_IDS
+            self._rule(lambda: expect_error(phrase, lambda: m.new_step_starts([ev])))
+        elif kind == "oversized":  # I10
+            n = CAPACITY + k
+            layout = PrefixCacheWriteLayout.packed([("huge", 0, n)], torch.arange(n, dtype=torch.int64))
+            self._rule(lambda: expect_error(PHRASE_CAPACITY, lambda: m.save_outputs(
+                torch.zeros(n, 4), {}, num_tokens_unpadded=n, num_tokens_padded=n, write_layout=layout)))
+        elif self.MODE == "eager" and not self._can_save():  # I2: staging full, the save times out
+            layout = PrefixCacheWriteLayout.packed([("probe", 0, 1)], torch.zeros(1, dtype=torch.int64))
+            msg = self._rule(lambda: expect_error(PHRASE_UNCONSUMED, lambda: m.save_outputs(
+                torch.zeros(1, 4), {}, num_tokens_unpadded=1, num_tokens_padded=1, write_layout=layout),
+                OmniPrefixCacheStagingTimeoutError))
+            for step_id in self.expect:
+                assert f"step {step_id} saved at " in str(msg), msg
+            event("misuse: save with staging full timed out")
+
+    # ---- invariants -------------------------------------------------------------
+    @invariant()
+    def bounded_staging(self) -> None:
+        if self.m is None:
+            return
+        self.ok = False
+        self.builder.check()
+        unconsumed = set(self.m.stats()["unconsumed_step_ids"])
+        assert len(unconsumed) <= self.cfg.staging_depth  # I2
+        if self.MODE != "threaded":
+            assert unconsumed == set(self.expect), (unconsumed, sorted(self.expect))
+        else:
+            assert set(self.expect) <= unconsumed
+        self.ok = True
+
+    @invariant()
+    def page_held_while_write_reads_it(self) -> None:
+        """I3, observed from outside: a page some live pool write still reads is never free.
+
+        Race-free: the committer clears ``write.staging_slot`` before it unholds the
+        page, so seeing the page free and *then* the write still holding it is a bug.
+        """
+        if self.m is None:
+            return
+        for write in self.m.book.live():
+            slot = write.staging_slot
+            if slot is not None and slot.state == "free" and write.staging_slot is slot:
+                raise AssertionError(f"{slot.describe()} is free while {write.describe()} still reads it (I3)")
+
+    def teardown(self) -> None:
+        m, verify = self.m, self.ok
+        try:
+            if m is not None and verify:
+                self._finish(m)
+        finally:
+            self.builder.stop()
+            if m is not None:
+                m.shutdown()
+
+    def _finish(self, m: OmniPrefixCacheManager) -> None:
+        saved = m.stats()["saved"]
+        event(f"run: {'0' if not saved else '1-4' if saved < 5 else '5-14' if saved < 15 else '15+'} steps saved")
+        self.engine.end_all()  # FINISHED/ABORTED for every request: their open writes land (I9)
+        for step_id, exp in sorted(self.expect.items()):
+            rids = sorted(exp.spans)
+            if exp.must_raise(rids):
+                expect_error(PHRASE_NOT_READABLE, lambda s=step_id, r=rids: m.materialize(s, r))
+            else:
+                check_outputs(exp, rids, m.materialize(step_id, rids))
+        self.expect.clear()
+        self.builder.drain()
+        assert m.shutdown() == {}, "steps left unconsumed"
+        stats = m.stats()
+        assert stats["failed"] is None
+        assert stats["staging"]["slots"]["free"] == self.cfg.staging_depth, stats["staging"]  # I3: all released
+        assert stats["writes_in_flight"] == 0 and stats["deferred_open"] == 0, stats  # I9: nothing dropped
+        events = self.recorder.events()
+        if _shared_traces is not None and hasattr(_shared_traces, "replay"):
+            _shared_traces.replay(events)
+        check_trace(events)
+
+
+class AsyncMachine(ManagerMachine):
+    MODE = "async"
+
+
+class ThreadedMachine(ManagerMachine):
+    MODE = "threaded"
+
+
+def _scaled(examples: float, steps: float) -> settings:
+    """This machine's share of the loaded profile (tests/conftest.py: ci, dev, nightly)."""
+    base = settings.default
+    return settings(base, max_examples=max(3, int(base.max_examples * examples)),
+                    stateful_step_count=max(10, int(base.stateful_step_count * steps)),
+                    deadline=None, suppress_health_check=list(HealthCheck))
+
+
+TestEagerManager = ManagerMachine.TestCase
+TestEagerManager.settings = _scaled(6, 2)
+TestAsyncManager = AsyncMachine.TestCase
+TestAsyncManager.settings = _scaled(4, 2)
+TestThreadedManager = ThreadedMachine.TestCase
+TestThreadedManager.settings = _scaled(4, 2)
+
+
+@pytest.mark.parametrize("mode", ["eager", "async"])
+def test_delayed_hit_read_survives_block_reuse(mode: str) -> None:
+    """A deterministic run of the I7 scenario the machine finds at random.
+
+    r1 computes two blocks; r2 hits them; r2 aborts before its step is
+    materialized; r3 takes the freed blocks (new tenant) and lands new rows.
+    The delayed materialize of r2's step must still return r1's prefix rows.
+    """
+    cfg = PrefixCacheConfig(num_blocks=3, block_size=BS, staging_depth=3, staging_capacity_tokens=CAPACITY,
+                            staging_claim_timeout_s=5.0)
+    m = OmniPrefixCacheManager(cfg, eager=mode == "eager", recorder=TraceRecorder())
+    eng = Engine(m, cfg, ModelCachePolicy(deferred_keys=frozenset({EMBEDS})))
+    r1 = eng.add_request(0, 2, [], 0)
+    s1 = eng.step([(0, 8)])
+    assert s1 is not None and eng.reqs[r1].computed == 8
+    check_outputs(s1, [r1], m.materialize(s1.step_id, [r1]))
+    eng.end(r1, aborted=False)
+    r2 = eng.add_request(0, 2, [3], 0)
+    s2 = eng.step([(0, 9)])
+    assert s2 is not None and s2.spans[r2].out_start == 0 and eng.reqs[r2].computed == 9  # an 8-token hit
+    eng.end(r2, aborted=True)
+    r3 = eng.add_request(1, 0, [4] * 12, 0)  # needs all three blocks: r1's are reused
+    s3 = eng.step([(1, 12)])
+    assert s3 is not None and eng.reqs[r3].computed == 12
+    check_outputs(s3, [r3], m.materialize(s3.step_id, [r3]))
+    eng.end(r3, aborted=False)
+    eng.end_all()  # r3's deferred rows land over r1's too
+    for _ in range(1000):  # async: let the committer land everything before the delayed read
+        if m.stats()["writes_in_flight"] == 0:
+            break
+        threading.Event().wait(0.005)
+    assert m.stats()["writes_in_flight"] == 0
+    assert m.stats()["preserved_rows"] > 0  # r1's rows were kept for the pending read
+    check_outputs(s2, [r2], m.materialize(s2.step_id, [r2]))  # r1's rows, not r3's (I7)
+    assert m.stats()["preserved_rows"] == 0  # the read unpinned them
+    assert m.shutdown() == {}
