@@ -10,8 +10,7 @@ a time and returns a ``StepExpect``: what every later ``materialize`` of that
 step must return (``check_outputs``). The expected output never depends on
 the cache: a row is a function of the request's tokens, so a wrong tenant
 (I7), a missing prefix (I6), a wrong position or a torn page (I3, I4) shows up
-as a wrong value. ``check_trace`` is a minimal legal-edge replay of a
-``TraceRecorder`` against ``omni_cache.states``.
+as a wrong value.
 
 Used by tests/test_manager_stateful.py (Hypothesis), tests/test_soak.py
 (threads) and tests/test_faults.py (fault injection).
@@ -38,8 +37,6 @@ from omni_cache import (
     PrefixCacheWriteLayout,
     StageCacheOutputs,
 )
-from omni_cache.states import ALL_TABLES
-from omni_cache.trace import TraceEvent
 
 E = PrefixCacheEventKind
 CODES = "mm.codes"  # per-token int64 (immediate unless the policy defers it)
@@ -233,7 +230,8 @@ class Engine:
         self.pass_hidden = policy.needs_full_hidden_states or pass_hidden_when_opted_out
         manager.register_policy(policy)
         self.alloc = BlockAllocator(config.num_blocks, self.bs, mru=mru)
-        self.reqs: dict[str, Req] = {}
+        self.reqs: dict[str, Req] = {}  # every request ever (expectations keep references)
+        self.active: dict[str, Req] = {}  # the ones not ended (scans stay short in long runs)
         self.terminal: list[PrefixCacheRequestEvent] = []
         self.written = bytearray(config.num_slots)  # slots any save has written (I6 bookkeeping)
         self.n_reqs = 0
@@ -251,11 +249,18 @@ class Engine:
         for _ in range(decode):  # greedy: the next token is a function of the prefix
             tokens.append(prefix_hashes(tokens)[-1] % 5)
         hashes = prefix_hashes(tokens)
-        self.reqs[rid] = Req(rid, tokens, len(prompt), hashes, truth_rows(hashes))
+        self.reqs[rid] = self.active[rid] = Req(rid, tokens, len(prompt), hashes, truth_rows(hashes))
         return rid
 
     def live(self, *states: str) -> list[str]:
-        return [r for r, q in self.reqs.items() if q.state in states]
+        return [r for r, q in self.active.items() if q.state in states]
+
+    def finish_done(self) -> int:
+        """Finish every running request that has computed all its tokens."""
+        done = [r for r, q in self.active.items() if q.state == "running" and q.left == 0]
+        for rid in done:
+            self.end(rid, aborted=False)
+        return len(done)
 
     def end(self, rid: str, *, aborted: bool) -> None:
         q = self.reqs[rid]
@@ -265,6 +270,7 @@ class Engine:
             self.alloc.release(q.blocks)
         q.blocks = []
         q.state = "ended"
+        self.active.pop(rid, None)
         self.terminal.append(PrefixCacheRequestEvent(rid, E.ABORTED if aborted else E.FINISHED))
 
     def preempt(self, rid: str) -> None:
@@ -279,7 +285,7 @@ class Engine:
     # ---- one scheduler step -------------------------------------------------
     def schedule(self, picks: Sequence[tuple[int, int]]) -> list[tuple[Req, int, int, Any]]:
         """Choose requests and token counts; allocate blocks. Returns (req, start, n, event)."""
-        cands = [q for q in self.reqs.values() if q.state in ("waiting", "preempted", "running") and q.left > 0]
+        cands = [q for q in self.active.values() if q.left > 0]
         budget = self.cfg.staging_capacity_tokens
         out: list[tuple[Req, int, int, Any]] = []
         chosen: set[str] = set()
@@ -398,23 +404,9 @@ class Engine:
 
     def end_all(self) -> None:
         """Terminate every request and tell the manager (the end of a run)."""
-        for rid in list(self.reqs):
-            if self.reqs[rid].state != "ended":
-                self.end(rid, aborted=False)
+        for rid in list(self.active):
+            self.end(rid, aborted=False)
         if self.terminal:
             self.m.new_step_starts(PrefixCacheStep(tuple(self.terminal), {}))
             self.terminal = []
 
-
-def check_trace(events: Sequence[TraceEvent]) -> int:
-    """Minimal trace replay: every event is a legal edge and continues its object's state."""
-    tables = {t.name: t for t in ALL_TABLES}
-    state: dict[tuple[str, str], str] = {}
-    for i, ev in enumerate(events):
-        table = tables[ev.machine]
-        assert (ev.source, ev.trigger, ev.dest) in table.edges(), f"event {i}: illegal edge {ev}"
-        key = (ev.machine, ev.obj)
-        before = state.get(key, table.initial)
-        assert before == ev.source, f"event {i}: {ev.obj} was {before!r}, trace says {ev.source!r}: {ev}"
-        state[key] = ev.dest
-    return len(events)
