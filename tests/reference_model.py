@@ -218,6 +218,18 @@ def check_outputs(exp: StepExpect, req_ids: Sequence[str], out: StageCacheOutput
             assert same_value(got_mm[key], value), f"{tag}: request {rid} leftover {key!r}: {got_mm[key]!r}"
 
 
+@dataclass
+class Prepared:
+    """One step after new_step_starts and the forward, before save_outputs (retryable)."""
+
+    sched: list[tuple[Req, int, int, Any]]
+    hidden: torch.Tensor
+    mm: dict[str, Any]
+    total: int
+    padded: int
+    layout: PrefixCacheWriteLayout
+
+
 class Engine:
     """A random engine's bookkeeping around a real manager (engine thread only)."""
 
@@ -332,6 +344,13 @@ class Engine:
     def step(self, picks: Sequence[tuple[int, int]], *, pad: int = 0, leftover: bool = False,
              padded_mm: bool = False, order: int = 0, forced: Any = None) -> StepExpect | None:
         """new_step_starts + forward + save_outputs. None when nothing was scheduled."""
+        prepared = self.prepare(picks, pad=pad, leftover=leftover, padded_mm=padded_mm, order=order,
+                                forced=forced)
+        return None if prepared is None else self.save(prepared)
+
+    def prepare(self, picks: Sequence[tuple[int, int]], *, pad: int = 0, leftover: bool = False,
+                padded_mm: bool = False, order: int = 0, forced: Any = None) -> Prepared | None:
+        """Schedule, tell the manager (new_step_starts) and run the 'forward' of one step."""
         sched = forced if forced is not None else self.schedule(picks)
         events = [*self.terminal, *(e for *_, e in sched)]
         self.terminal = []
@@ -348,35 +367,42 @@ class Engine:
                              dtype=torch.int64)
         total = len(slots)
         padded = total + pad
-        live = {k: torch.cat([q.rows[k][s:s + n] for q, s, n, _ in sched]) for k in (HIDDEN_KEY, *PER_TOKEN_KEYS)}
+        live = {k: torch.cat([q.rows[k][s:s + n] for q, s, n, _ in sched])
+                for k in (HIDDEN_KEY, *PER_TOKEN_KEYS)}
         junk = {k: torch.full((pad, *v.shape[1:]), -99, dtype=v.dtype) for k, v in live.items()}
         hidden = torch.cat([live[HIDDEN_KEY], junk[HIDDEN_KEY]])
-        mm: dict[str, Any] = {k: torch.cat([live[k], junk[k]]) if padded_mm else live[k] for k in PER_TOKEN_KEYS}
+        mm: dict[str, Any] = {k: torch.cat([live[k], junk[k]]) if padded_mm else live[k]
+                              for k in PER_TOKEN_KEYS}
         if leftover:
             mm[META] = [total, "meta", [pad]]
             mm[LENS] = torch.tensor([n for *_, n, _ in sched], dtype=torch.int64)
             mm[GRID] = torch.arange(2 * (padded + 1), dtype=torch.float32).reshape(padded + 1, 2)
-        left = {k: copy.deepcopy(mm[k]) for k in (META, LENS, GRID) if k in mm}
         layout = PrefixCacheWriteLayout.packed(spans, slots)
-        step_id = self.m.save_outputs(hidden if self.pass_hidden else None, mm, num_tokens_unpadded=total,
-                                      num_tokens_padded=padded, write_layout=layout)
+        return Prepared(sched, hidden, mm, total, padded, layout)
+
+    def save(self, p: Prepared) -> StepExpect:
+        """save_outputs of a prepared step; the engine's bookkeeping moves only if it succeeds."""
+        left = {k: copy.deepcopy(p.mm[k]) for k in (META, LENS, GRID) if k in p.mm}
+        step_id = self.m.save_outputs(p.hidden if self.pass_hidden else None, p.mm,
+                                      num_tokens_unpadded=p.total, num_tokens_padded=p.padded,
+                                      write_layout=p.layout)
         # The next forward reuses the live buffers: a snapshot must not see this (I4).
-        hidden.fill_(-5)
-        for value in mm.values():
+        p.hidden.fill_(-5)
+        for value in p.mm.values():
             if isinstance(value, torch.Tensor):
                 value.fill_(-5)
             else:
                 value.append("junk")
         exp = StepExpect(step_id, {}, left, self.policy.needs_full_hidden_states,
-                         where=", ".join(f"{q.rid}[{s},{s + n})" for q, s, n, _ in sched))
-        for q, s, n, event in sched:
+                         where=", ".join(f"{q.rid}[{s},{s + n})" for q, s, n, _ in p.sched))
+        for q, s, n, event in p.sched:
             hit = event.kind in (E.STARTED, E.RESUMED) and event.hit_end > 0
             exp.spans[q.rid] = Span(q, 0 if hit else s, s + n, s, event.kind == E.RESUMED)
             q.computed = s + n
             q.progress = max(q.progress, q.computed)
-            for p in range(s, s + n):
-                self.written[self.slot_of(q, p)] = 1
-        exp.not_readable = frozenset(q.rid for q, *_ in sched if q.diverged)
+            for pos in range(s, s + n):
+                self.written[self.slot_of(q, pos)] = 1
+        exp.not_readable = frozenset(q.rid for q, *_ in p.sched if q.diverged)
         return exp
 
     # ---- a hit the cache cannot serve (the KV cache and the omni cache diverged) ----

@@ -255,6 +255,64 @@ def test_page_stays_held_while_its_pool_write_reads_it() -> None:
     assert m.shutdown() == {}
 
 
+class InterruptAt(FaultHooks):
+    """An interrupt (KeyboardInterrupt) at the first blocking point whose description starts with ``what``."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.armed = False
+        self.fired = 0
+
+    def on_blocking(self, what: str) -> None:
+        if self.armed and what.startswith(self.what):
+            self.armed = False
+            self.fired += 1
+            raise KeyboardInterrupt(f"injected at: {what}")
+
+
+def _hit_step_prepared(eng: Engine, m: OmniPrefixCacheManager) -> tuple[str, object]:
+    """r0 computes two blocks and finishes; r1 arrives and hits them: its step is prepared, not saved."""
+    r0 = eng.add_request(0, 2, [], 0)
+    s0 = eng.step([(0, 8)])
+    assert s0 is not None
+    check_outputs(s0, [r0], m.materialize(s0.step_id, [r0]))
+    eng.end(r0, aborted=False)
+    r1 = eng.add_request(0, 2, [2, 2], 0)
+    prepared = eng.prepare([(0, 9)])
+    assert prepared is not None and prepared.sched[0][1] == 8  # an 8-token hit
+    return r1, prepared
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "async"])
+@pytest.mark.parametrize("fault", ["interrupt_at_claim", "leftover_not_copyable"])
+def test_a_save_that_fails_before_registering_changes_nothing(eager: bool, fault: str) -> None:
+    """A save that raises before its writes are registered is rolled back: no step id is
+    issued, the page is given back, and the request's pending hit is kept for the retry."""
+    hooks = InterruptAt("save claims a staging slot")
+    m, eng = make(eager, hooks, deferred=True)
+    r1, prepared = _hit_step_prepared(eng, m)
+    before = m.stats()
+    if fault == "interrupt_at_claim":
+        hooks.armed = True
+        with pytest.raises(KeyboardInterrupt):
+            eng.save(prepared)
+        assert hooks.fired == 1
+    else:
+        prepared.mm["mm.lock"] = [threading.Lock()]  # a leftover value that cannot be copied
+        with pytest.raises(TypeError):
+            eng.save(prepared)
+        del prepared.mm["mm.lock"]
+    after = m.stats()
+    assert after["saved"] == before["saved"] and after["unconsumed_step_ids"] == before["unconsumed_step_ids"]
+    assert after["staging"]["slots"]["free"] == m.config.staging_depth, after["staging"]
+    assert after["failed"] is None and after["preserved_rows"] == 0
+    s1 = eng.save(prepared)  # the retry serves the hit: positions [0, 9) of r1
+    assert s1.spans[r1].out_start == 0
+    check_outputs(s1, [r1], m.materialize(s1.step_id, [r1]))
+    eng.end_all()
+    assert m.shutdown() == {}
+
+
 class TestCommitterDeath:
     """I8/I11: a committer that dies releases every waiter with an error, never a hang."""
 
