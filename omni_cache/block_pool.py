@@ -68,10 +68,14 @@ class PrefixBlockPool:
         return tensor
 
     def check_slots(self, slots: torch.Tensor) -> None:
-        if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= self.num_slots):
+        """Raise unless every slot is in ``[0, num_slots)``."""
+        if not slots.numel():
+            return
+        view = slots.numpy()
+        low, high = int(view.min()), int(view.max())
+        if low < 0 or high >= self.num_slots:
             raise OmniPrefixCacheUnmatchError(
-                f"KV slots out of range [0, {self.num_slots}): min {int(slots.min())}, "
-                f"max {int(slots.max())}"
+                f"KV slots out of range [0, {self.num_slots}): min {low}, max {high}"
             )
 
     def write(self, key: TensorName, slots: torch.Tensor, rows: torch.Tensor) -> None:

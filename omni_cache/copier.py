@@ -81,13 +81,11 @@ class CopyEngine:
 
     def _chunked(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Synchronous copy in slices of at most ``chunk_bytes``."""
-        if src.numel() == 0:
-            return
-        row_bytes = max(1, src[0].numel() * src.element_size()) if src.dim() else src.element_size()
-        rows_per_chunk = max(1, self.chunk_bytes // row_bytes)
-        if src.dim() == 0 or src.shape[0] <= rows_per_chunk:
+        nbytes = src.nbytes
+        if nbytes <= self.chunk_bytes or src.dim() == 0 or src.shape[0] <= 1:
             dst.copy_(src)
             return
+        rows_per_chunk = max(1, self.chunk_bytes // (nbytes // src.shape[0]))
         for start in range(0, src.shape[0], rows_per_chunk):
             dst[start : start + rows_per_chunk].copy_(src[start : start + rows_per_chunk])
 

@@ -28,6 +28,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from omni_cache.adapter import (
@@ -100,8 +101,6 @@ class _Request:
     """A live request. Mutated only under the manager's state lock."""
 
     req_id: ReqId
-    # (hit_end, group-0 block ids) registered by STARTED/RESUMED, served by the next save.
-    pending_hit: tuple[int, tuple[int, ...]] | None = None
     # Deferred writes holding this request's rows (pushed to the front at finish/abort, I9).
     open_deferred: list[PoolWrite] = field(default_factory=list)
 
@@ -152,12 +151,16 @@ class OmniPrefixCacheManager:
         self.policy = ModelCachePolicy()
         self._num_saved = 0
         self._requests: dict[ReqId, _Request] = {}
+        # req -> (hit_end, group-0 block ids) from STARTED/RESUMED, served by its next save.
+        self._pending_hits: dict[ReqId, tuple[int, tuple[int, ...]]] = {}
         self._contexts: dict[StepId, StepContext] = {}
         self._scheduled: dict[ReqId, int] = {}
         self._next_step_id: StepId = 1
         self._last_immediate: PoolWrite | None = None
         self._deferred_open: dict[int, PoolWrite] = {}
         self._deferred_bytes = 0
+        # per-token key tuple -> (policy, its hit keys); engine thread only.
+        self._hit_keys_cache: dict[tuple[str, ...], tuple[ModelCachePolicy, tuple[str, ...]]] = {}
         self._shut_down = False
         self.counters = {"hits": 0, "hit_tokens": 0, "misses": 0, "saved": 0,
                          "materialized": 0, "discarded": 0, "budget_flushes": 0}
@@ -201,19 +204,21 @@ class OmniPrefixCacheManager:
         to_flush: list[PoolWrite] = []
         with self._lock:
             for event in terminal:
+                self._pending_hits.pop(event.req_id, None)
                 request = self._requests.pop(event.req_id, None)
                 if request is not None:
                     to_flush.extend(request.open_deferred)
             for event in others:
-                request = self._requests.setdefault(event.req_id, _Request(event.req_id))
+                if event.req_id not in self._requests:
+                    self._requests[event.req_id] = _Request(event.req_id)
                 if event.kind in _HIT_KINDS:
                     if event.hit_end > 0:
                         blocks = event.group0_block_ids[: event.hit_end // self.config.block_size]
-                        request.pending_hit = (event.hit_end, blocks)
+                        self._pending_hits[event.req_id] = (event.hit_end, blocks)
                         self.counters["hits"] += 1
                         self.counters["hit_tokens"] += event.hit_end
                     else:
-                        request.pending_hit = None
+                        self._pending_hits.pop(event.req_id, None)
                         self.counters["misses"] += 1
             self._scheduled = scheduled
         if to_flush:
@@ -271,8 +276,7 @@ class OmniPrefixCacheManager:
                 deferred_host[key], event = self.copies.to_host(rows, compute_event)
                 host_events.append(event)
             leftover = {k: host_copy(v) for k, v in split.leftover.items()}
-            hit_keys = tuple(policy.get_hit_keys([*split.immediate, *split.deferred])) if (
-                split.immediate or split.deferred) else ()
+            hit_keys = self._hit_keys(policy, (*split.immediate, *split.deferred))
             req_ids = tuple(w.req_id for w in write_layout.writes)
             # Registration: from here on a failure cannot be rolled back (versions are
             # published), so it fails the manager for good (I8) instead.
@@ -306,9 +310,7 @@ class OmniPrefixCacheManager:
             for plan in plans:
                 self.tenancy.unplan(plan)
             with self._lock:
-                for req_id, hit in hits.items():
-                    if req_id in self._requests:
-                        self._requests[req_id].pending_hit = hit
+                self._pending_hits.update(hits)
             if slot is not None and slot.state == "claimed":
                 self.staging.abort(slot)
             raise
@@ -325,10 +327,11 @@ class OmniPrefixCacheManager:
                 self._deferred_bytes += deferred.nbytes
                 for req_id in req_ids:
                     request = self._requests.get(req_id)
-                    if request is not None:
-                        request.open_deferred.append(deferred)
-                        if len(request.open_deferred) > 64:
-                            request.open_deferred = [w for w in request.open_deferred if w.state == "pending"]
+                    if request is None:  # a request the engine never announced
+                        request = self._requests[req_id] = _Request(req_id)
+                    request.open_deferred.append(deferred)
+                    if len(request.open_deferred) > 64:
+                        request.open_deferred = [w for w in request.open_deferred if w.state == "pending"]
         self._after_save(imm, older | older_deferred, plans)
         return step_id
 
@@ -414,18 +417,19 @@ class OmniPrefixCacheManager:
         """Pop the pending hits this step serves (restored by the caller if the save fails)."""
         hits: dict[ReqId, tuple[int, tuple[int, ...]]] = {}
         with self._lock:
+            pending = self._pending_hits
+            if not pending:
+                return hits
             for w in layout.writes:
-                request = self._requests.setdefault(w.req_id, _Request(w.req_id))
-                if request.pending_hit is not None and request.pending_hit[0] != w.token_start:
-                    bad = request.pending_hit[0]
-                    for rid, hit in hits.items():
-                        self._requests[rid].pending_hit = hit
+                hit = pending.get(w.req_id)
+                if hit is not None and hit[0] != w.token_start:
                     raise OmniPrefixCacheUnmatchError(
-                        f"save_outputs: request {w.req_id!r} has a hit of {bad} tokens "
+                        f"save_outputs: request {w.req_id!r} has a hit of {hit[0]} tokens "
                         f"but this step's rows start at position {w.token_start}; they must continue the hit")
-                if request.pending_hit is not None:
-                    hits[w.req_id] = request.pending_hit
-                    request.pending_hit = None
+            for w in layout.writes:
+                hit = pending.pop(w.req_id, None)
+                if hit is not None:
+                    hits[w.req_id] = hit
         return hits
 
     def _hit_slots(self, blocks: tuple[int, ...]) -> torch.Tensor:
@@ -442,17 +446,26 @@ class OmniPrefixCacheManager:
         write = self.book.register(schedule, step_id, slots, source, staging_slot=staging_slot, req_ids=req_ids)
         if staging_slot is not None:
             self.staging.hold(staging_slot)
-        older: set[int] = set()
-        for key in source:
-            older.update(self.tenancy.register(key, slots, write.tid))
-        return write, older
+        # Immediate writes land in order (each save waits for the previous one), so only
+        # deferred writes can leave an older tenant unlanded behind them.
+        return write, self.tenancy.register(
+            list(source), slots.numpy(), write.tid, scan_older=schedule is WriteSchedule.JOIN_ON_FINISH
+        )
+
+    def _hit_keys(self, policy: ModelCachePolicy, keys: tuple[str, ...]) -> tuple[str, ...]:
+        """``policy.get_hit_keys`` of this step's per-token keys, memoised per key set."""
+        cached = self._hit_keys_cache.get(keys)
+        if cached is None or cached[0] is not policy:
+            cached = (policy, tuple(policy.get_hit_keys(keys)) if keys else ())
+            self._hit_keys_cache[keys] = cached
+        return cached[1]
 
     def _after_save(self, imm: PoolWrite | None, older: set[int], plans: list[PlannedRead]) -> None:
         """Queue what must land: older tenants first, writes a planned read needs, this step, budget."""
         needed = set(older)
         for plan in plans:
             for versions in plan.expected.values():
-                needed.update(torch.unique(versions).tolist())
+                needed.update(np.unique(versions).tolist())
         front = [w for t in sorted(needed) if (w := self.book.get(t)) is not None and w.state == "pending"]
         if front:
             self._flush(front, front=True, why="writes a planned read or a new tenant needs first")

@@ -14,6 +14,7 @@ manager lock held; the ``on_blocking`` fault hook sees each one).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -59,13 +60,20 @@ class StepReader:
             self.copies.wait(event)
         hidden: dict[ReqId, torch.Tensor] | None = {} if ctx.caches_hidden else None
         mm: dict[ReqId, dict[str, Any]] = {}
-        for req_id in req_ids:
-            span = ctx.spans[req_id]
-            rows = {
-                k: self.staging.page_rows(ctx.staging_slot, k, span.row_start, span.row_end).clone()
-                for k in ctx.immediate_keys
-            }
-            rows.update({k: v[span.row_start : span.row_end] for k, v in ctx.deferred_rows.items()})
+        # One private copy of the step's rows per key (the page is reused once released);
+        # each request gets views of its rows: O(1) copies per step, not one per request.
+        spans = [ctx.spans[r] for r in req_ids]
+        lo = min((s.row_start for s in spans), default=0)
+        hi = max((s.row_end for s in spans), default=0)
+        step_rows = {k: self.staging.page_rows(ctx.staging_slot, k, lo, hi).clone() for k in ctx.immediate_keys}
+        step_rows.update({k: v[lo:hi] for k, v in ctx.deferred_rows.items()})
+        sizes = [s.row_end - s.row_start for s in spans]
+        if sum(sizes) == hi - lo and all(a.row_end == b.row_start for a, b in itertools.pairwise(spans)):
+            pieces = {k: v.split_with_sizes(sizes) for k, v in step_rows.items()}  # one call per key
+        else:  # requests asked out of row order, or a subset with gaps
+            pieces = {k: [v[s.row_start - lo : s.row_end - lo] for s in spans] for k, v in step_rows.items()}
+        for i, (req_id, span) in enumerate(zip(req_ids, spans, strict=True)):
+            rows = {k: v[i] for k, v in pieces.items()}
             if span.hit is not None:
                 for key in ctx.hit_keys:
                     rows[key] = torch.cat([self._read_hit(ctx, span, key), rows[key]])

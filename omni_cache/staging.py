@@ -77,12 +77,13 @@ class StagingPool:
         pin_memory: bool = False,
         recorder: TraceRecorder | None = None,
         describe_in_flight: Callable[[], str] | None = None,
+        library_triggers: bool | None = None,
     ) -> None:
         self.depth = depth
         self.capacity_tokens = capacity_tokens
         self.claim_timeout_s = claim_timeout_s
         self.pin_memory = pin_memory
-        self.machine = TableMachine(STAGING_TABLE, recorder)
+        self.machine = TableMachine(STAGING_TABLE, recorder, library_triggers=library_triggers)
         self._describe_in_flight = describe_in_flight or (lambda: "none")
         # Protects every field below and every slot's fields.
         self._lock = threading.Lock()

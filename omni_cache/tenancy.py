@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from omni_cache.block_pool import PrefixBlockPool
@@ -31,10 +32,11 @@ from omni_cache.interface import TensorName, Tid
 
 @dataclass
 class PlannedRead:
-    """A hit read planned at save: ``slots`` at the versions in ``expected``."""
+    """A hit read planned at save: ``slots`` at the versions in ``expected`` (per key)."""
 
     slots: torch.Tensor
-    expected: dict[TensorName, torch.Tensor]
+    slots_np: np.ndarray
+    expected: dict[TensorName, np.ndarray]
 
 
 class NotLandedYet(Exception):
@@ -45,87 +47,112 @@ class NotLandedYet(Exception):
         self.tids = tids
 
 
+class _KeyVersions:
+    """The version vectors of one key (numpy: a few cheap ops per step, whatever the batch)."""
+
+    __slots__ = ("landed", "num_pins", "pins", "preserved", "registered", "tensor")
+
+    def __init__(self, num_slots: int) -> None:
+        self.registered = np.zeros(num_slots, dtype=np.int64)
+        self.landed = np.zeros(num_slots, dtype=np.int64)
+        self.pins = np.zeros(num_slots, dtype=np.int32)
+        self.num_pins = 0  # sum of pins: 0 lets ``land`` skip the preservation check
+        # slot -> version -> row (a clone), kept while a planned read pins the slot.
+        self.preserved: dict[int, dict[Tid, torch.Tensor]] = {}
+        # The pool tensor of this key once allocated (pools never drop keys).
+        self.tensor: torch.Tensor | None = None
+
+
 class SlotTenancy:
     """Versions and preserved rows for the block pool's KV slots."""
 
     def __init__(self, pool: PrefixBlockPool) -> None:
         self.pool = pool
-        # All below: guarded by pool.lock.
-        self._registered: dict[TensorName, torch.Tensor] = {}
-        self._landed: dict[TensorName, torch.Tensor] = {}
-        self._pins: dict[TensorName, torch.Tensor] = {}
-        # key -> slot -> version -> row (a clone).
-        self._preserved: dict[TensorName, dict[int, dict[Tid, torch.Tensor]]] = {}
+        # key -> versions; guarded by pool.lock.
+        self._keys: dict[TensorName, _KeyVersions] = {}
         self.num_preserved_total = 0
 
-    def _vectors_locked(self, key: TensorName) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if key not in self._registered:
-            n = self.pool.num_slots
-            self._registered[key] = torch.zeros(n, dtype=torch.int64)
-            self._landed[key] = torch.zeros(n, dtype=torch.int64)
-            self._pins[key] = torch.zeros(n, dtype=torch.int32)
-            self._preserved[key] = {}
-        return self._registered[key], self._landed[key], self._pins[key]
+    def _versions_locked(self, key: TensorName) -> _KeyVersions:
+        versions = self._keys.get(key)
+        if versions is None:
+            versions = self._keys[key] = _KeyVersions(self.pool.num_slots)
+        return versions
 
     # ---- engine thread: registration and planning --------------------------
-    def register(self, key: TensorName, slots: torch.Tensor, tid: Tid) -> list[Tid]:
-        """Record ``tid`` as the newest tenant of ``slots``; return older unlanded tids.
+    def register(self, keys: list[TensorName], slots: np.ndarray, tid: Tid, *, scan_older: bool = True) -> set[Tid]:
+        """Record ``tid`` as the newest tenant of ``slots`` for ``keys``; return older unlanded tids.
 
         The caller must get those older writes landed before ``tid`` (it pushes
         them to the front of the copy queue), so a preempted tenant's late
         write never lands over its successor's rows.
         """
+        older_tids: set[Tid] = set()
         with self.pool.lock:
-            registered, landed, _ = self._vectors_locked(key)
-            older = registered[slots]
-            behind = older > landed[slots]
-            older_tids = torch.unique(older[behind]).tolist() if bool(behind.any()) else []
-            registered[slots] = tid
+            for key in keys:
+                v = self._versions_locked(key)
+                if scan_older:
+                    older = v.registered[slots]
+                    behind = older > v.landed[slots]
+                    if behind.any():
+                        older_tids.update(np.unique(older[behind]).tolist())
+                v.registered[slots] = tid
         return older_tids
 
     def plan(self, keys: list[TensorName], slots: torch.Tensor) -> PlannedRead:
         """Pin ``slots`` for ``keys`` at their current registered versions."""
-        expected: dict[TensorName, torch.Tensor] = {}
+        slots_np = slots.numpy()
+        expected: dict[TensorName, np.ndarray] = {}
         with self.pool.lock:
             for key in keys:
-                registered, _, pins = self._vectors_locked(key)
-                expected[key] = registered[slots].clone()
-                pins[slots] += 1
-        return PlannedRead(slots, expected)
+                v = self._versions_locked(key)
+                expected[key] = v.registered[slots_np]
+                v.pins[slots_np] += 1
+                v.num_pins += len(slots_np)
+        return PlannedRead(slots, slots_np, expected)
 
     def unplan(self, read: PlannedRead) -> None:
         """Drop the pins of ``read``; forget preserved rows nobody needs any more."""
         with self.pool.lock:
             for key in read.expected:
-                _, _, pins = self._vectors_locked(key)
-                pins[read.slots] -= 1
-                preserved = self._preserved[key]
-                if preserved:
-                    for slot in read.slots.tolist():
-                        if slot in preserved and int(pins[slot]) == 0:
-                            del preserved[slot]
+                v = self._versions_locked(key)
+                v.pins[read.slots_np] -= 1
+                v.num_pins -= len(read.slots_np)
+                if v.preserved:
+                    for slot in read.slots_np.tolist():
+                        if slot in v.preserved and v.pins[slot] == 0:
+                            del v.preserved[slot]
 
     # ---- committer: landing -------------------------------------------------
     def land(self, key: TensorName, slots: torch.Tensor, rows: torch.Tensor, tid: Tid) -> None:
-        """Scatter ``rows`` (version ``tid``) into the pool at ``slots`` (I7)."""
-        tensor = self.pool.ensure_key(key, rows)  # allocates outside the lock
-        self.pool.check_slots(slots)
+        """Scatter ``rows`` (version ``tid``) into the pool at ``slots`` (I7).
+
+        ``slots`` were range-checked when the write was registered.
+        """
+        v = self._keys.get(key)
+        tensor = v.tensor if v is not None else None
+        if tensor is None or tensor.dtype != rows.dtype or tensor.shape[1:] != rows.shape[1:]:
+            tensor = self.pool.ensure_key(key, rows)  # allocates outside the lock; checks shapes
+        slots_np = slots.numpy()
         with self.pool.lock:
-            _, landed, pins = self._vectors_locked(key)
-            current = landed[slots]
+            v = self._versions_locked(key)
+            v.tensor = tensor
+            current = v.landed[slots_np]
             newer = current < tid
-            if not bool(newer.all()):
-                slots, rows, current = slots[newer], rows[newer], current[newer]
-            keep = (pins[slots] > 0) & (current > 0)
-            if bool(keep.any()):
-                preserved = self._preserved[key]
-                idx = keep.nonzero().flatten()
-                old_rows = tensor.index_select(0, slots[idx])
-                for j, (slot, version) in enumerate(zip(slots[idx].tolist(), current[idx].tolist(), strict=True)):
-                    preserved.setdefault(slot, {})[version] = old_rows[j]
-                    self.num_preserved_total += 1
+            if not newer.all():  # never let an older write overwrite a newer one
+                mask = torch.from_numpy(newer)
+                slots, rows, slots_np, current = slots[mask], rows[mask], slots_np[newer], current[newer]
+            if v.num_pins:
+                keep = (v.pins[slots_np] > 0) & (current > 0)
+                if keep.any():
+                    idx = np.flatnonzero(keep)
+                    old_rows = tensor.index_select(0, slots[torch.from_numpy(idx)])
+                    for j, (slot, version) in enumerate(
+                        zip(slots_np[idx].tolist(), current[idx].tolist(), strict=True)
+                    ):
+                        v.preserved.setdefault(slot, {})[version] = old_rows[j]
+                        self.num_preserved_total += 1
             tensor.index_copy_(0, slots, rows)
-            landed[slots] = tid
+            v.landed[slots_np] = tid
 
     # ---- reader -------------------------------------------------------------
     def read(self, key: TensorName, read: PlannedRead, *, what: str) -> torch.Tensor:
@@ -135,30 +162,29 @@ class SlotTenancy:
         ``OmniPrefixCacheUnmatchError`` ("is not readable") when rows are absent
         (I6) or were overwritten by a newer tenant without a preserved copy (I7).
         """
-        slots, expected = read.slots, read.expected[key]
+        slots_np, expected = read.slots_np, read.expected[key]
         absent = expected == 0
-        if bool(absent.any()):
-            first = int(absent.nonzero()[0])
+        if absent.any():
+            first = int(np.flatnonzero(absent)[0])
             raise OmniPrefixCacheUnmatchError(
-                f"{what}: key {key!r} at KV slot {int(slots[first])} {PHRASE_NOT_READABLE}: "
-                f"{int(absent.sum())} of {slots.numel()} hit rows were never written; the omni "
+                f"{what}: key {key!r} at KV slot {int(slots_np[first])} {PHRASE_NOT_READABLE}: "
+                f"{int(absent.sum())} of {len(slots_np)} hit rows were never written; the omni "
                 "cache diverged from the KV cache (I6) -- never served as zeros"
             )
         with self.pool.lock:
-            _, landed, _ = self._vectors_locked(key)
-            current = landed[slots]
+            v = self._versions_locked(key)
+            current = v.landed[slots_np]
             behind = current < expected
-            if bool(behind.any()):
-                raise NotLandedYet(torch.unique(expected[behind]).tolist())
+            if behind.any():
+                raise NotLandedYet(np.unique(expected[behind]).tolist())
             tensor = self.pool.tensor_locked(key)
             assert tensor is not None, f"{key!r} has landed versions but no pool tensor: tenancy bug"
-            rows = tensor.index_select(0, slots)
+            rows = tensor.index_select(0, read.slots)
             ahead = current > expected
-            if bool(ahead.any()):
-                preserved = self._preserved[key]
-                for j in ahead.nonzero().flatten().tolist():
-                    slot, version = int(slots[j]), int(expected[j])
-                    row = preserved.get(slot, {}).get(version)
+            if ahead.any():
+                for j in np.flatnonzero(ahead).tolist():
+                    slot, version = int(slots_np[j]), int(expected[j])
+                    row = v.preserved.get(slot, {}).get(version)
                     if row is None:
                         raise OmniPrefixCacheUnmatchError(
                             f"{what}: key {key!r} at KV slot {slot} {PHRASE_NOT_READABLE}: the hit "
@@ -170,4 +196,4 @@ class SlotTenancy:
 
     def num_preserved(self) -> int:
         with self.pool.lock:
-            return sum(len(v) for per_key in self._preserved.values() for v in per_key.values())
+            return sum(len(per_slot) for v in self._keys.values() for per_slot in v.preserved.values())

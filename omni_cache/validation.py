@@ -7,6 +7,7 @@ Pure functions of their arguments: an input that fails here has changed nothing.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -91,7 +92,10 @@ def validate_save(
         )
     rows_seen = 0
     seen: set[ReqId] = set()
-    for w in sorted(layout.writes, key=lambda w: w.row_start):
+    writes = layout.writes
+    if any(a.row_start > b.row_start for a, b in itertools.pairwise(writes)):
+        writes = tuple(sorted(writes, key=lambda w: w.row_start))
+    for w in writes:
         if w.row_start < rows_seen or w.row_end > n or w.req_id in seen:
             raise OmniPrefixCacheUnmatchError(
                 f"save_outputs: write {w} overlaps another, repeats a request, or exceeds the "

@@ -28,9 +28,10 @@ def test_tables_match_the_design() -> None:
 
 
 @pytest.mark.parametrize("table", [STAGING_TABLE, WRITE_TABLE], ids=lambda t: t.name)
-def test_every_trigger_from_every_state(table) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("library", [False, True], ids=["dispatch", "library"])
+def test_every_trigger_from_every_state(table, library: bool) -> None:  # type: ignore[no-untyped-def]
     recorder = TraceRecorder()
-    machine = TableMachine(table, recorder)
+    machine = TableMachine(table, recorder, library_triggers=library)
     for state in table.states:
         for trigger in table.triggers:
             obj = Obj(state)
@@ -51,3 +52,30 @@ def test_every_trigger_from_every_state(table) -> None:  # type: ignore[no-untyp
 def test_unknown_trigger_is_a_contract_error() -> None:
     with pytest.raises(OmniPrefixCacheUnmatchError, match="explode"):
         TableMachine(STAGING_TABLE).fire(Obj("free"), "explode", what="slot")
+
+
+@pytest.mark.parametrize("table", [STAGING_TABLE, WRITE_TABLE], ids=lambda t: t.name)
+def test_compiled_dispatch_equals_the_library_trigger_path(table) -> None:  # type: ignore[no-untyped-def]
+    """The fast path and transitions' own Event.trigger agree on every (state, trigger)."""
+    fast, slow = TableMachine(table, library_triggers=False), TableMachine(table, library_triggers=True)
+    assert slow.library_triggers and not fast.library_triggers
+    for state in table.states:
+        for trigger in (*table.triggers, "bogus"):
+            outcomes = []
+            for machine in (fast, slow):
+                obj = Obj(state)
+                try:
+                    machine.fire(obj, trigger, what="x")
+                    outcomes.append(obj.state)
+                except OmniPrefixCacheUnmatchError as exc:
+                    assert obj.state == state
+                    outcomes.append(f"illegal: {exc}")
+            assert outcomes[0] == outcomes[1], (state, trigger, outcomes)
+            assert outcomes[0] == (table.next_state(state, trigger) or outcomes[0])
+
+
+def test_library_trigger_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OMNI_CACHE_LIBRARY_TRIGGERS", "1")
+    assert TableMachine(STAGING_TABLE).library_triggers
+    monkeypatch.setenv("OMNI_CACHE_LIBRARY_TRIGGERS", "0")
+    assert not TableMachine(STAGING_TABLE).library_triggers

@@ -30,7 +30,8 @@ class StagingMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.recorder = TraceRecorder()
-        self.pool = StagingPool(DEPTH, 4, 0.01, recorder=self.recorder)
+        # transitions' own Event.trigger path here; the dispatch path is what the manager suites run
+        self.pool = StagingPool(DEPTH, 4, 0.01, recorder=self.recorder, library_triggers=True)
         self.slots = list(self.pool._slots)  # test-only view of the slot objects
         self.state = ["free"] * DEPTH
         self.holds = [0] * DEPTH
