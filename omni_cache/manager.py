@@ -55,7 +55,7 @@ from omni_cache.interface import (
 )
 from omni_cache.reader import StepReader
 from omni_cache.staging import StagingPool
-from omni_cache.step_outputs import RequestSpan, StepContext, classify_outputs, host_copy
+from omni_cache.step_outputs import StepContext, classify_outputs, host_copy
 from omni_cache.tenancy import PlannedRead, SlotTenancy
 from omni_cache.trace import TraceRecorder
 from omni_cache.validation import validate_hit, validate_save
@@ -292,14 +292,13 @@ class OmniPrefixCacheManager:
             # Plan hit reads after this step's writes are registered: vLLM publishes block
             # hashes at allocation, so a request may hit blocks another request of this
             # very step computes; their planned version is then this step's write.
-            spans: dict[ReqId, RequestSpan] = {}
-            for w in write_layout.writes:
-                span = RequestSpan(w.req_id, w.row_start, w.row_end, w.token_start, w.token_end)
-                if w.req_id in hits and hit_keys:
-                    span.hit = self.tenancy.plan(list(hit_keys), self._hit_slots(hits[w.req_id][1]))
-                    plans.append(span.hit)
-                spans[w.req_id] = span
-            ctx = StepContext(step_id, slot, saved_at, spans, tuple(split.immediate), imm,
+            planned: dict[ReqId, PlannedRead] = {}
+            if hit_keys:
+                for req_id, (_, blocks) in hits.items():
+                    planned[req_id] = self.tenancy.plan(list(hit_keys), self._hit_slots(blocks))
+                    plans.append(planned[req_id])
+            spans = {w.req_id: w for w in write_layout.writes}
+            ctx = StepContext(step_id, slot, saved_at, spans, planned, tuple(split.immediate), imm,
                               deferred_host, leftover, hit_keys, policy.hidden_key is not None, host_events)
             self.staging.save(slot, step_id, saved_at)
         except BaseException as exc:

@@ -1,8 +1,8 @@
 """Splitting a step's outputs and snapshotting what its materialize needs.
 
 Owns: ``classify_outputs`` (immediate / deferred / leftover), ``host_copy`` for
-leftover values, and the ``StepContext`` / ``RequestSpan`` value objects the
-manager keeps per unconsumed step id.
+leftover values, and the ``StepContext`` the manager keeps per unconsumed
+step id.
 
 Upholds I4 (snapshot): everything materialize reads is either in the claimed
 staging page, in host copies taken at save, or in planned reads pinned at save;
@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from omni_cache.adapter import PrefixCacheWrite
 from omni_cache.interface import ModelCachePolicy, ReqId, StepId, TensorName
 from omni_cache.tenancy import PlannedRead
 
@@ -71,25 +72,16 @@ def host_copy(value: Any) -> Any:
 
 
 @dataclass
-class RequestSpan:
-    """A request's rows in the step, and the hit it serves (first step after a hit)."""
-
-    req_id: ReqId
-    row_start: int
-    row_end: int
-    token_start: int
-    token_end: int
-    hit: PlannedRead | None = None
-
-
-@dataclass
 class StepContext:
     """Everything one step's materialize needs, snapshotted at save (I4)."""
 
     step_id: StepId
     staging_slot: Any
     saved_at: str
-    spans: dict[ReqId, RequestSpan]
+    # req -> its rows of the step (the layout's immutable PrefixCacheWrite).
+    spans: dict[ReqId, PrefixCacheWrite]
+    # req -> the hit read planned at save (first step after STARTED/RESUMED with a hit).
+    hits: dict[ReqId, PlannedRead]
     immediate_keys: tuple[TensorName, ...]
     immediate_write: Any
     deferred_rows: dict[TensorName, torch.Tensor]
@@ -100,4 +92,4 @@ class StepContext:
     host_events: list[Any] = field(default_factory=list)
 
     def planned_reads(self) -> list[PlannedRead]:
-        return [s.hit for s in self.spans.values() if s.hit is not None]
+        return list(self.hits.values())
