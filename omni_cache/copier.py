@@ -115,6 +115,8 @@ class Committer:
         self.faults = faults
         self.threaded = threaded
         self._thread: threading.Thread | None = None
+        # Held by the one thread draining the queue inline (eager mode).
+        self._drain_lock = threading.Lock()
         if threaded:
             self._thread = threading.Thread(target=self._run, name="omni-cache-committer", daemon=True)
             self._thread.start()
@@ -130,8 +132,24 @@ class Committer:
             self.book.check_failed("land the queued pool writes")
 
     def drain(self) -> None:
-        while (write := self.book.pop(block=False)) is not None:
-            self.process(write)
+        """Process queued writes inline, one thread at a time, in queue order.
+
+        Eager mode lets the engine and a builder thread both kick the queue; the
+        drain lock keeps landing in queue order (a newer tenant never lands before
+        an older one it was queued behind). A thread that finds another draining
+        returns at once: the drainer re-checks the queue after releasing the lock,
+        so nothing is stranded, and callers that need a write wait on its state.
+        """
+        while True:
+            if not self._drain_lock.acquire(blocking=False):
+                return
+            try:
+                while (write := self.book.pop(block=False)) is not None:
+                    self.process(write)
+            finally:
+                self._drain_lock.release()
+            if self.book.queue_length() == 0:
+                return
 
     def process(self, write: PoolWrite) -> None:
         """Copy to host (if needed), land and commit one queued write."""

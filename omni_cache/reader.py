@@ -103,7 +103,7 @@ class StepReader:
                     write = self.book.get(tid)
                     if write is None:
                         continue  # landed (or failed: check_failed below) since the read
-                    if write.state == "pending":
+                    if write.state in ("pending", "queued"):  # queue it first and make progress
                         self._push_front([write], f"{what} needs write tid {tid}")
                     self.faults.on_blocking(f"{what} waits for write tid {tid}")
                     self.book.wait(write, ("written",), why=f"{what} waits for its hit rows")
