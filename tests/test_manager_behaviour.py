@@ -281,3 +281,44 @@ def test_contract_errors_on_bad_input_change_nothing() -> None:
     m.register_policy(ModelCachePolicy())
     with pytest.raises(OmniPrefixCacheUnmatchError, match="register it before the first save"):
         m.register_policy(ModelCachePolicy(needs_full_hidden_states=False))
+
+
+def test_eager_drain_is_one_thread_at_a_time_in_queue_order() -> None:
+    """A second thread's kick never lands a newer write while another thread lands an older one."""
+    from omni_cache import PrefixBlockPool, WriteSchedule
+    from omni_cache.copier import Committer, CopyEngine
+    from omni_cache.faults import FaultHooks
+    from omni_cache.staging import StagingPool
+    from omni_cache.tenancy import SlotTenancy
+    from omni_cache.writes import WriteBook
+
+    class Gate(FaultHooks):
+        def __init__(self) -> None:
+            self.entered, self.gate = threading.Event(), threading.Event()
+
+        def before_pool_write(self, write, key) -> None:  # type: ignore[no-untyped-def]
+            if write.tid == 1:
+                self.entered.set()
+                assert self.gate.wait(5)
+
+    hooks, book = Gate(), WriteBook(5.0)
+    pool = PrefixBlockPool(8)
+    tenancy = SlotTenancy(pool)
+    committer = Committer(book, tenancy, StagingPool(1, 4, 1.0), CopyEngine(use_cuda=False, chunk_bytes=1 << 20),
+                          hooks, threaded=False)
+    slots_ = torch.tensor([2, 3])
+    older = book.register(WriteSchedule.JOIN_ON_FINISH, 1, slots_, {"k": torch.ones(2, 2)})
+    newer = book.register(WriteSchedule.JOIN_ON_FINISH, 2, slots_, {"k": torch.full((2, 2), 2.0)})
+    for w in (older, newer):
+        tenancy.register(["k"], slots_.numpy(), w.tid)
+    book.enqueue([older])
+    drainer = threading.Thread(target=committer.kick)
+    drainer.start()
+    assert hooks.entered.wait(5)
+    book.enqueue([newer])
+    committer.kick()  # another thread drains: return at once, land nothing out of order
+    assert newer.state == "queued" and older.state == "host_ready"
+    hooks.gate.set()
+    drainer.join(5)
+    assert older.state == newer.state == "written"  # the drainer re-checked the queue
+    assert torch.equal(pool.rows("k", slots_), torch.full((2, 2), 2.0))
