@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -57,7 +58,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "I6", "serve zeros for absent rows: a hit on never-written slots is read from the pool",
         "omni_cache/tenancy.py",
-        "        if bool(absent.any()):\n",
+        "        if absent.any():\n",
         "        if False:  # MUTANT I6: absent rows are read as zeros\n",
     ),
     Mutant(
@@ -106,7 +107,7 @@ def apply(mutant: Mutant, dest: Path) -> None:
 
 
 def run_tests(dest: Path, tests: tuple[str, ...], timeout_s: float) -> tuple[str, float, str]:
-    """('pass' | 'fail' | 'error' | 'timeout', seconds, output tail) of pytest in the copy."""
+    """('pass' | 'fail' | 'error' | 'timeout', seconds, output) of pytest in the copy."""
     env = {**os.environ, "CI": "true", "PYTHONPATH": str(dest), "PYTHONDONTWRITEBYTECODE": "1",
            "HYPOTHESIS_PROFILE": "mutation"}  # ci, without shrinking
     probe = subprocess.run([sys.executable, "-c", "import omni_cache; print(omni_cache.__file__)"],
@@ -121,18 +122,22 @@ def run_tests(dest: Path, tests: tuple[str, ...], timeout_s: float) -> tuple[str
         proc = subprocess.run(cmd, cwd=dest, env=env, capture_output=True, text=True, timeout=timeout_s + 30)
     except subprocess.TimeoutExpired as exc:
         out = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        return "timeout", time.perf_counter() - t0, out[-2000:]
+        return "timeout", time.perf_counter() - t0, out
     dt = time.perf_counter() - t0
     out = proc.stdout + proc.stderr
     status = {0: "pass", 1: "fail"}.get(proc.returncode, "error")
-    return status, dt, out[-3000:]
+    return status, dt, out
 
 
 def first_failure(output: str) -> str:
+    """The first failing test and the first line of its error, from pytest's output."""
     for line in output.splitlines():
         if line.startswith(("FAILED", "ERROR")):
-            return line[:140]
-    return output.strip().splitlines()[-1][:140] if output.strip() else "?"
+            return line[:150]
+    name = re.search(r"^_{3,} (.+?) _{3,}$", output, re.M)
+    error = re.search(r"^\s*\|?\s*(E\s+.+|\w+(?:Error|Exception|Failure)\b.*)$", output, re.M)
+    parts = [name.group(1) if name else "", error.group(1).strip() if error else ""]
+    return (" - ".join(p for p in parts if p) or output.strip().splitlines()[-1])[:150]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         status, dt, out = run_tests(baseline, all_tests, args.timeout)
         print(f"baseline (unmutated copy): {status} in {dt:.1f}s", flush=True)
         if status != "pass":
-            print(out, file=sys.stderr)
+            print(out[-4000:], file=sys.stderr)
             print("the unmutated copy must pass its tests first", file=sys.stderr)
             return 2
         for mutant in mutants:
@@ -184,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append((mutant.invariant, mutant.bug, verdict, f"{dt:.1f}s", by))
             print(f"{mutant.invariant}: {verdict} in {dt:.1f}s  {by}", flush=True)
             if verdict == "ERROR":
-                print(out, file=sys.stderr)
+                print(out[-4000:], file=sys.stderr)
     finally:
         if args.keep:
             print(f"copies kept in {base}")
