@@ -44,6 +44,8 @@ EMBEDS = "mm.embeds"  # per-token float32 (deferred in most policies)
 META = "mm.meta"  # leftover: a Python list
 LENS = "mm.lens"  # leftover: a 1-D tensor
 GRID = "mm.grid"  # leftover: a 2-D tensor that is not token-major
+INFO = "mm.info"  # leftover: a dict holding a tensor and a tuple
+LEFTOVER_KEYS = (META, LENS, GRID, INFO)
 PER_TOKEN_KEYS = (CODES, EMBEDS)
 MASK = (1 << 64) - 1
 
@@ -188,6 +190,8 @@ def same_value(a: Any, b: Any) -> bool:
                 and a.device.type == "cpu" and torch.equal(a, b))
     if isinstance(a, (list, tuple)):
         return type(a) is type(b) and len(a) == len(b) and all(map(same_value, a, b))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same_value(a[k], b[k]) for k in a)
     return bool(a == b)
 
 
@@ -377,12 +381,15 @@ class Engine:
             mm[META] = [total, "meta", [pad]]
             mm[LENS] = torch.tensor([n for *_, n, _ in sched], dtype=torch.int64)
             mm[GRID] = torch.arange(2 * (padded + 1), dtype=torch.float32).reshape(padded + 1, 2)
+            mm[INFO] = {"rows": torch.tensor([total, padded]), "ids": tuple(q.rid for q, *_ in sched)}
         layout = PrefixCacheWriteLayout.packed(spans, slots)
+        if order % 2:  # the writes' order is free; rows are what count
+            layout = PrefixCacheWriteLayout(tuple(reversed(layout.writes)), layout.total_rows, layout.slots_cpu)
         return Prepared(sched, hidden, mm, total, padded, layout)
 
     def save(self, p: Prepared) -> StepExpect:
         """save_outputs of a prepared step; the engine's bookkeeping moves only if it succeeds."""
-        left = {k: copy.deepcopy(p.mm[k]) for k in (META, LENS, GRID) if k in p.mm}
+        left = {k: copy.deepcopy(p.mm[k]) for k in LEFTOVER_KEYS if k in p.mm}
         step_id = self.m.save_outputs(p.hidden if self.pass_hidden else None, p.mm,
                                       num_tokens_unpadded=p.total, num_tokens_padded=p.padded,
                                       write_layout=p.layout)
@@ -391,6 +398,9 @@ class Engine:
         for value in p.mm.values():
             if isinstance(value, torch.Tensor):
                 value.fill_(-5)
+            elif isinstance(value, dict):
+                value["rows"].fill_(-5)
+                value["junk"] = True
             else:
                 value.append("junk")
         exp = StepExpect(step_id, {}, left, self.policy.needs_full_hidden_states,

@@ -14,7 +14,12 @@ through a hook, and checks the contract:
   I11  a committer thread that dies (``committer_tick`` raising a
        BaseException) releases every waiter -- a save waiting for a page, a save
        waiting for the previous step's write, a materialize waiting for its
-       step's copy -- with an error within a bound.
+       step's copy -- with an error within a bound;
+  I4/I5/I10 and input validation: a save interrupted at its claim
+       (``on_blocking`` raising) or failing on an uncopyable leftover is rolled
+       back (no step id, the page freed, the hit kept for the retry), and every
+       malformed input raises before any state changes, after which the run
+       goes on and verifies.
 
 Every blocking call runs on a helper thread joined with a timeout, so a
 regression fails with a message instead of hanging the suite.
@@ -29,6 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 from reference_model import EMBEDS, Engine, check_outputs
 
 from omni_cache import (
@@ -36,8 +42,13 @@ from omni_cache import (
     OmniPrefixCacheStagingTimeoutError,
     OmniPrefixCacheUnmatchError,
     PrefixCacheConfig,
+    PrefixCacheEventKind,
+    PrefixCacheRequestEvent,
+    PrefixCacheStep,
+    PrefixCacheWrite,
+    PrefixCacheWriteLayout,
 )
-from omni_cache.errors import PHRASE_NOT_SAVED, PHRASE_UNCONSUMED, PHRASE_WRITE_FAILED
+from omni_cache.errors import PHRASE_NOT_SAVED, PHRASE_SLOT_MAPPING, PHRASE_UNCONSUMED, PHRASE_WRITE_FAILED
 from omni_cache.faults import FaultHooks
 from omni_cache.manager import OmniPrefixCacheManager
 
@@ -371,3 +382,112 @@ class TestCommitterDeath:
         assert t.is_alive(), f"materialize did not wait for the copy: {box}"
         self._kill(hooks)
         self._after(m, released_with_error(t, box, "materialize waiting for its copy"))
+
+
+# ---- malformed inputs: refused before anything changes; the cache stays usable ----------
+def _layout(spans: list[tuple[str, int, int, int]], slots: list[int]) -> PrefixCacheWriteLayout:
+    """(req, row_start, row_end, token_start) writes and explicit slots."""
+    writes = tuple(PrefixCacheWrite(r, a, b, t, t + b - a) for r, a, b, t in spans)
+    return PrefixCacheWriteLayout(writes, max((w.row_end for w in writes), default=0),
+                                  torch.tensor(slots, dtype=torch.int64))
+
+
+def _save(m: OmniPrefixCacheManager, layout: PrefixCacheWriteLayout, *, n: object = None, padded: object = None,
+          hidden: object = "rows", mm: dict[str, object] | None = None) -> object:
+    rows = layout.total_rows
+    n = rows if n is None else n
+    return m.save_outputs(torch.ones(max(rows, 1), 4) if hidden == "rows" else hidden, mm or {},
+                          num_tokens_unpadded=n, num_tokens_padded=n if padded is None else padded,  # type: ignore[arg-type]
+                          write_layout=layout)
+
+
+def _started(rid: str, hit_start: int, hit_end: int, blocks: tuple[int, ...]) -> PrefixCacheRequestEvent:
+    return PrefixCacheRequestEvent(rid, PrefixCacheEventKind.STARTED, hit_start, hit_end, (blocks,), 4)
+
+
+BAD_INPUTS: dict[str, tuple[Callable[[OmniPrefixCacheManager], object], type[Exception], str]] = {
+    "hit not starting at 0": (lambda m: m.new_step_starts([_started("x", 4, 8, (1, 2))]),
+                              OmniPrefixCacheUnmatchError, "must start at position 0"),
+    "hit on a block id out of range": (lambda m: m.new_step_starts([_started("x", 0, 4, (999,))]),
+                                       OmniPrefixCacheUnmatchError, "outside"),
+    "STARTED for a live request": (lambda m: m.new_step_starts([_started("r0", 0, 0, ())]),
+                                   OmniPrefixCacheUnmatchError, "still live"),
+    "zero tokens": (lambda m: _save(m, _layout([], []), n=0), OmniPrefixCacheUnmatchError, "positive int"),
+    "a bool token count": (lambda m: _save(m, _layout([("x", 0, 1, 0)], [60]), n=True),
+                           OmniPrefixCacheUnmatchError, "positive int"),
+    "padded below unpadded": (lambda m: _save(m, _layout([("x", 0, 2, 0)], [60, 61]), padded=1),
+                              OmniPrefixCacheUnmatchError, "positive int"),
+    "not a layout": (lambda m: m.save_outputs(torch.ones(1, 4), {}, num_tokens_unpadded=1, num_tokens_padded=1,
+                                              write_layout=object()),  # type: ignore[arg-type]
+                     TypeError, "PrefixCacheWriteLayout"),
+    "slot mapping too short": (lambda m: _save(m, _layout([("x", 0, 2, 0)], [60])),
+                               OmniPrefixCacheUnmatchError, PHRASE_SLOT_MAPPING),
+    "slot out of range": (lambda m: _save(m, _layout([("x", 0, 1, 0)], [64])),
+                          OmniPrefixCacheUnmatchError, "out of range"),
+    "overlapping rows": (lambda m: _save(m, _layout([("x", 0, 2, 0), ("y", 1, 3, 0)], [60, 61, 62])),
+                         OmniPrefixCacheUnmatchError, "overlaps another"),
+    "a request twice": (lambda m: _save(m, _layout([("x", 0, 1, 0), ("x", 1, 2, 1)], [60, 61])),
+                        OmniPrefixCacheUnmatchError, "repeats a request"),
+    "hidden missing": (lambda m: _save(m, _layout([("x", 0, 1, 0)], [60]), hidden=None),
+                       OmniPrefixCacheUnmatchError, "not a 2-D+ tensor"),
+    "hidden too short": (lambda m: _save(m, _layout([("x", 0, 2, 0)], [60, 61]), hidden=torch.ones(1, 4)),
+                         OmniPrefixCacheUnmatchError, "hidden_states has 1 rows"),
+    "mm under the hidden key": (lambda m: _save(m, _layout([("x", 0, 1, 0)], [60]), mm={"hidden": torch.ones(1, 4)}),
+                                OmniPrefixCacheUnmatchError, "reserved key"),
+    "a policy change after saving": (lambda m: m.register_policy(ModelCachePolicy(needs_full_hidden_states=False)),
+                                     OmniPrefixCacheUnmatchError, "register it before the first save"),
+    "not a policy": (lambda m: m.register_policy("audio"), TypeError, "ModelCachePolicy"),  # type: ignore[arg-type]
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_malformed_input_raises_and_changes_nothing(case: str) -> None:
+    call, exc, phrase = BAD_INPUTS[case]
+    m, eng = make(True, FaultHooks())
+    r0 = eng.add_request(0, 1, [1, 1], 3)
+    s0 = eng.step([(0, 4)])
+    assert s0 is not None and r0 in s0.spans
+    before = m.stats()
+    with pytest.raises(exc, match=re.escape(phrase)):
+        call(m)
+    after = m.stats()
+    for key in ("saved", "unconsumed_step_ids", "writes_written", "live_requests", "hits", "failed"):
+        assert after[key] == before[key], (key, before[key], after[key])
+    assert after["staging"]["slots"] == before["staging"]["slots"]
+    check_outputs(s0, [r0], m.materialize(s0.step_id, [r0]))  # still usable: the run goes on
+    s1 = eng.step([(0, 4)])
+    assert s1 is not None
+    check_outputs(s1, [r0], m.materialize(s1.step_id, [r0]))
+    assert m.shutdown() == {}
+
+
+def test_a_save_that_breaks_the_schedule_is_refused() -> None:
+    """The rows of a request must match new_step_starts: its scheduled count, and its hit's end."""
+    m, eng = make(True, FaultHooks())
+    r0 = eng.add_request(0, 2, [], 0)
+    s0 = eng.step([(0, 8)])
+    assert s0 is not None
+    m.new_step_starts(PrefixCacheStep((_started("y", 0, 8, tuple(eng.reqs[r0].blocks)),), {"y": 2}))
+    with pytest.raises(OmniPrefixCacheUnmatchError, match=PHRASE_SLOT_MAPPING):
+        _save(m, _layout([("y", 0, 3, 8)], [40, 41, 42]))  # scheduled 2 tokens, 3 rows
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="must continue the hit"):
+        _save(m, _layout([("y", 0, 2, 0)], [40, 41]))  # the hit ends at 8; rows start at 0
+    assert m.stats()["saved"] == 1 and set(m.stats()["unconsumed_step_ids"]) == {s0.step_id}
+
+
+def test_manager_refuses_a_config_that_is_not_one() -> None:
+    with pytest.raises(TypeError, match="PrefixCacheConfig"):
+        OmniPrefixCacheManager({"num_blocks": 4})  # type: ignore[arg-type]
+
+
+def test_rows_of_an_unannounced_request_still_land() -> None:
+    """A save for a request no event announced is kept (not an error); its FINISHED lands its rows."""
+    m, _ = make(True, FaultHooks(), deferred=True)
+    rows = torch.arange(8, dtype=torch.float32).reshape(2, 4)
+    step = _save(m, _layout([("ghost", 0, 2, 0)], [8, 9]), mm={EMBEDS: rows[:, :3].clone()})
+    out = m.materialize(step, ["ghost"])  # type: ignore[arg-type]
+    assert torch.equal(out.mm_outputs["ghost"][EMBEDS], rows[:, :3])
+    assert m.stats()["deferred_open"] == 1
+    m.new_step_starts([PrefixCacheRequestEvent("ghost", PrefixCacheEventKind.FINISHED)])
+    assert m.stats()["deferred_open"] == 0 and m.stats()["writes_in_flight"] == 0
+    m.shutdown()

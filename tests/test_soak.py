@@ -183,3 +183,26 @@ def test_soak_engine_and_builder_threads(eager: bool) -> None:
           f"({soak.checked} outputs checked, {soak.hits_checked} hits, {soak.raised_as_expected} expected raises, "
           f"{m.tenancy.num_preserved_total} rows preserved for delayed reads, claim waits {stats['staging']['claim_waits']}"
           f"{', stopped at the soft deadline' if soak.stopped_early else ''})")
+
+
+def test_a_long_decode_keeps_every_deferred_write_and_lands_them_at_finish() -> None:
+    """One request decodes 100 steps with a deferred key: 101 open writes, all landed at FINISHED (I9),
+    and a second request with the same tokens then hits 26 blocks of them."""
+    cfg = PrefixCacheConfig(num_blocks=40, block_size=4, staging_depth=2, staging_capacity_tokens=16,
+                            staging_claim_timeout_s=5.0)
+    m = OmniPrefixCacheManager(cfg, eager=True)
+    eng = Engine(m, cfg, ModelCachePolicy(deferred_keys=frozenset({EMBEDS})))
+    r = eng.add_request(0, 1, [1], 100)
+    for picks in [[(0, 5)]] + [[(0, 1)]] * 100:
+        exp = eng.step(picks)
+        assert exp is not None
+        check_outputs(exp, [r], m.materialize(exp.step_id, [r]))
+    assert m.stats()["deferred_open"] == 101 and eng.reqs[r].left == 0
+    eng.finish_done()
+    again = eng.add_request(0, 1, eng.reqs[r].tokens[4:], 0)  # its prompt is r's whole sequence
+    exp = eng.step([(0, 8)])  # FINISHED r first: its writes land; then the hit plans on them
+    assert exp is not None and exp.spans[again].start == 104 and exp.spans[again].out_start == 0
+    check_outputs(exp, [again], m.materialize(exp.step_id, [again]))
+    eng.end_all()
+    assert m.shutdown() == {}
+    assert m.stats()["deferred_open"] == 0 and m.stats()["writes_in_flight"] == 0
