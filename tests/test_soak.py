@@ -36,7 +36,7 @@ from omni_cache.errors import PHRASE_NOT_READABLE, PHRASE_NOT_SAVED
 from omni_cache.manager import OmniPrefixCacheManager
 
 # profile -> (steps per mode, soft deadline in seconds per mode)
-SIZES = {"ci": (4000, 8.0), "mutation": (2000, 8.0), "dev": (5000, 15.0), "nightly": (50000, 240.0)}
+SIZES = {"ci": (10000, 8.0), "mutation": (3000, 8.0), "dev": (10000, 15.0), "nightly": (200000, 300.0)}
 JOIN_S = 30.0
 
 
@@ -119,7 +119,7 @@ def engine_loop(eng: Engine, q: queue.Queue[tuple[StepExpect, float] | None], so
             if time.monotonic() - start > soak.soft_deadline:
                 soak.stopped_early = True
                 break
-            if rng.random() < 0.35 or not eng.live("waiting", "running", "preempted"):
+            if (rng.random() < 0.35 and len(eng.active) < 12) or not eng.active:
                 eng.add_request(rng.randrange(3), rng.randrange(5), [rng.randrange(3) for _ in range(rng.randrange(10))],
                                 rng.randrange(7))
             eng.finish_done()
