@@ -171,9 +171,9 @@ class Committer:
                 self.copies.wait(event)
             write.host = host
             self.book.fire(write, "finish_copy")
-            for key, rows in write.host.items():
+            for key in write.host:
                 self.faults.before_pool_write(write, key)
-                self.tenancy.land(key, write.slots, rows, write.tid)
+            self.tenancy.land_all(write.host, write.slots, write.tid)
             write.source = {}
             self.book.fire(write, "commit")
             write.host = None

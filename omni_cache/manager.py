@@ -188,8 +188,10 @@ class OmniPrefixCacheManager:
         self._check_usable("new_step_starts")
         step = events if isinstance(events, PrefixCacheStep) else PrefixCacheStep(tuple(events))
         scheduled = {**step.scheduled_tokens, **(num_scheduled_tokens or {})}
-        terminal = [e for e in step if e.kind in _TERMINAL]
-        others = [e for e in step if e.kind not in _TERMINAL]
+        terminal: list[PrefixCacheRequestEvent] = []
+        others: list[PrefixCacheRequestEvent] = []
+        for event in step:
+            (terminal if event.kind in _TERMINAL else others).append(event)
         ending = {e.req_id for e in terminal}
         with self._lock:
             live = set(self._requests) - ending
@@ -266,9 +268,8 @@ class OmniPrefixCacheManager:
             with self._lock:  # issued only once a page is held: a refused save burns no id
                 step_id = self._next_step_id
                 self._next_step_id += 1
-            views, copy_event = {}, None
+            views, copy_event = self.staging.claimed_pages(slot, split.immediate), None
             for key, rows in split.immediate.items():
-                views[key] = self.staging.claimed_page(slot, key, rows)
                 copy_event = self.copies.copy_into(views[key], rows, compute_event) or copy_event
             deferred_dev = {k: self.copies.device_clone(v) for k, v in split.deferred.items()}
             deferred_host, host_events = {}, []
@@ -351,10 +352,11 @@ class OmniPrefixCacheManager:
         assert ctx is not None, f"step {step_id} consumed without a context: manager bug"
         with self._lock:
             self._contexts.pop(step_id, None)
+            self.counters["materialized"] += 1
         try:
             return self.reader.build_outputs(ctx, req_ids)
         finally:
-            self._finish_consume(ctx, slot, "materialized")
+            self._finish_consume(ctx, slot)
 
     def discard_step(self, step_id: StepId) -> None:
         """Consume ``step_id`` without building outputs (payload built from live outputs, or error)."""
@@ -362,7 +364,8 @@ class OmniPrefixCacheManager:
         slot = self.staging.consume(step_id, caller="discard_step")
         with self._lock:
             ctx = self._contexts.pop(step_id)
-        self._finish_consume(ctx, slot, "discarded")
+            self.counters["discarded"] += 1
+        self._finish_consume(ctx, slot)
 
     def shutdown(self) -> dict[StepId, str]:
         """Stop the committer; report (log and return) every unconsumed step id and where it was saved."""
@@ -494,9 +497,7 @@ class OmniPrefixCacheManager:
                     self._deferred_bytes -= write.nbytes
         self.committer.kick()
 
-    def _finish_consume(self, ctx: StepContext, slot: Any, counter: str) -> None:
+    def _finish_consume(self, ctx: StepContext, slot: Any) -> None:
         for plan in ctx.planned_reads():
             self.tenancy.unplan(plan)
         self.staging.done_reading(slot)
-        with self._lock:
-            self.counters[counter] += 1

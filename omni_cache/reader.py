@@ -72,8 +72,7 @@ class StepReader:
         sizes = [s.row_end - s.row_start for s in spans]
         contiguous = sum(sizes) == hi - lo and all(a.row_end == b.row_start for a, b in itertools.pairwise(spans))
         pieces: dict[str, Any] = {}
-        for key in ctx.immediate_keys:
-            page = self.staging.page_rows(ctx.staging_slot, key, lo, hi)
+        for key, page in self.staging.pages_rows(ctx.staging_slot, ctx.immediate_keys, lo, hi).items():
             if contiguous and page.nbytes <= _ONE_CLONE_MAX_BYTES:
                 pieces[key] = page.clone().split_with_sizes(sizes)
             else:

@@ -202,18 +202,31 @@ class StagingPool:
             self._cond.notify_all()
 
     # ---- page access: only through a slot in the right state ----------------
+    def claimed_pages(self, slot: StagingSlot, rows_by_key: dict[TensorName, torch.Tensor]) -> dict[TensorName, torch.Tensor]:
+        """``claimed_page`` for every key of a step, with one state check."""
+        with self._lock:
+            self._require(slot, ("claimed",), f"stage rows of {sorted(rows_by_key)}")
+        views = {}
+        for key, like in rows_by_key.items():
+            if like.shape[0] > slot.num_rows:
+                raise AssertionError(f"staging {like.shape[0]} rows into {slot.describe()}: manager bug")
+            views[key] = self._page(key, like)[slot.index, : like.shape[0]]
+        return views
+
     def claimed_page(self, slot: StagingSlot, key: TensorName, like: torch.Tensor) -> torch.Tensor:
         """The writable page rows ``[0, len(like))`` of ``key`` for a ``claimed`` slot.
 
         The page of ``key`` is allocated on first use (outside the lock) with
         ``like``'s row shape and dtype; the caller copies the step's rows in.
         """
+        return self.claimed_pages(slot, {key: like})[key]
+
+    def pages_rows(self, slot: StagingSlot, keys: tuple[TensorName, ...], start: int, end: int) -> dict[TensorName, torch.Tensor]:
+        """``page_rows`` of several keys with one state check."""
         with self._lock:
-            self._require(slot, ("claimed",), f"stage rows of {key!r}")
-        n = like.shape[0]
-        if n > slot.num_rows:
-            raise AssertionError(f"staging {n} rows into {slot.describe()} claimed for {slot.num_rows}: manager bug")
-        return self._page(key, like)[slot.index, :n]
+            self._require(slot, ("saved", "materialized"), f"read rows of {keys}")
+            pages = {key: self._pages[key] for key in keys}
+        return {key: page[slot.index, start:end] for key, page in pages.items()}
 
     def page_rows(self, slot: StagingSlot, key: TensorName, start: int, end: int) -> torch.Tensor:
         """A view of rows [start, end) of ``slot``'s page; slot saved or materialized."""

@@ -124,35 +124,51 @@ class SlotTenancy:
 
     # ---- committer: landing -------------------------------------------------
     def land(self, key: TensorName, slots: torch.Tensor, rows: torch.Tensor, tid: Tid) -> None:
-        """Scatter ``rows`` (version ``tid``) into the pool at ``slots`` (I7).
+        """Scatter ``rows`` (version ``tid``) into the pool at ``slots`` (I7)."""
+        self.land_all({key: rows}, slots, tid)
 
-        ``slots`` were range-checked when the write was registered.
+    def land_all(self, rows_by_key: dict[TensorName, torch.Tensor], slots: torch.Tensor, tid: Tid) -> None:
+        """Scatter one write's rows of every key (version ``tid``) at ``slots`` (I7).
+
+        Rows a planned read still pins are preserved before they are overwritten;
+        rows whose slot already holds a newer version are skipped. ``slots`` were
+        range-checked when the write was registered.
         """
-        v = self._keys.get(key)
-        tensor = v.tensor if v is not None else None
-        if tensor is None or tensor.dtype != rows.dtype or tensor.shape[1:] != rows.shape[1:]:
-            tensor = self.pool.ensure_key(key, rows)  # allocates outside the lock; checks shapes
-        slots_np = slots.numpy()
+        tensors = {}
+        for key, rows in rows_by_key.items():
+            v = self._keys.get(key)
+            tensor = v.tensor if v is not None else None
+            if tensor is None or tensor.dtype != rows.dtype or tensor.shape[1:] != rows.shape[1:]:
+                tensor = self.pool.ensure_key(key, rows)  # allocates outside the lock; checks shapes
+            tensors[key] = tensor
+        all_slots, all_np = slots, slots.numpy()
         with self.pool.lock:
-            v = self._versions_locked(key)
-            v.tensor = tensor
-            current = v.landed[slots_np]
-            newer = current < tid
-            if not newer.all():  # never let an older write overwrite a newer one
-                mask = torch.from_numpy(newer)
-                slots, rows, slots_np, current = slots[mask], rows[mask], slots_np[newer], current[newer]
-            if v.num_pins:
-                keep = (v.pins[slots_np] > 0) & (current > 0)
-                if keep.any():
-                    idx = np.flatnonzero(keep)
-                    old_rows = tensor.index_select(0, slots[torch.from_numpy(idx)])
-                    for j, (slot, version) in enumerate(
-                        zip(slots_np[idx].tolist(), current[idx].tolist(), strict=True)
-                    ):
-                        v.preserved.setdefault(slot, {})[version] = old_rows[j]
-                        self.num_preserved_total += 1
-            tensor.index_copy_(0, slots, rows)
-            v.landed[slots_np] = tid
+            for key, rows in rows_by_key.items():
+                v = self._versions_locked(key)
+                v.tensor = tensor = tensors[key]
+                slots, slots_np = all_slots, all_np
+                current = v.landed[slots_np]
+                newer = current < tid
+                if not newer.all():  # never let an older write overwrite a newer one
+                    mask = torch.from_numpy(newer)
+                    slots, rows, slots_np, current = slots[mask], rows[mask], slots_np[newer], current[newer]
+                if v.num_pins:
+                    self._preserve_locked(v, tensor, slots, slots_np, current)
+                tensor.index_copy_(0, slots, rows)
+                v.landed[slots_np] = tid
+
+    def _preserve_locked(
+        self, v: _KeyVersions, tensor: torch.Tensor, slots: torch.Tensor, slots_np: np.ndarray, current: np.ndarray
+    ) -> None:
+        """Keep the current rows of pinned, written slots before they are overwritten."""
+        keep = (v.pins[slots_np] > 0) & (current > 0)
+        if not keep.any():
+            return
+        idx = np.flatnonzero(keep)
+        old_rows = tensor.index_select(0, slots[torch.from_numpy(idx)])
+        for j, (slot, version) in enumerate(zip(slots_np[idx].tolist(), current[idx].tolist(), strict=True)):
+            v.preserved.setdefault(slot, {})[version] = old_rows[j]
+            self.num_preserved_total += 1
 
     # ---- reader -------------------------------------------------------------
     def read(self, key: TensorName, read: PlannedRead, *, what: str) -> torch.Tensor:

@@ -211,8 +211,9 @@ class WriteBook:
 
     # ---- failure and introspection -----------------------------------------
     def check_failed(self, what: str) -> None:
-        with self._cond:
-            self._raise_if_failed_locked(what)
+        """Raise the sticky failure (I8). No lock: ``_failure`` is set once, never cleared."""
+        if self._failure is not None:
+            raise OmniPrefixCacheUnmatchError(f"cannot {what}: {self._failure}")
 
     def _raise_if_failed_locked(self, what: str) -> None:
         if self._failure is not None:

@@ -116,6 +116,7 @@ SECTIONS: tuple[tuple[str, str], ...] = (
     ("staging", "consume"),
     ("staging", "done_reading"),
     ("staging", "claimed_page"),
+    ("staging", "claimed_pages"),
     ("staging", "page_rows"),
     ("staging.machine", "fire"),
     ("book", "register"),
@@ -128,6 +129,7 @@ SECTIONS: tuple[tuple[str, str], ...] = (
     ("tenancy", "register"),
     ("tenancy", "plan"),
     ("tenancy", "land"),
+    ("tenancy", "land_all"),
     ("tenancy", "read"),
     ("pool", "check_slots"),
 )
