@@ -1,0 +1,99 @@
+"""Thread helpers of the manager tests: a builder thread, committer pacing hooks, error checks.
+
+Owns: ``Builder`` (runs materialize/discard tasks inline, or on a second thread
+fed by a queue, collecting failures for the engine thread to raise),
+``SlowCommitter`` and ``HoldStep`` (``omni_cache.faults.FaultHooks`` that pace
+the committer -- they inject no fault, they only widen or hold the windows in
+which the engine, the builder and the committer interleave) and
+``expect_error`` (a call must raise the documented phrase). Used by
+tests/test_manager_stateful.py; exercises I2/I3/I7/I11 from the outside.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import traceback
+from collections.abc import Callable
+
+from omni_cache import OmniPrefixCacheUnmatchError
+from omni_cache.faults import FaultHooks
+
+JOIN_S = 20.0
+
+
+def expect_error(phrase: str, call: Callable[[], object], exc: type[Exception] = OmniPrefixCacheUnmatchError) -> str:
+    try:
+        call()
+    except exc as err:
+        assert phrase in str(err), f"expected {phrase!r} in: {err}"
+        return str(err)
+    raise AssertionError(f"expected {exc.__name__} with {phrase!r}; the call returned")
+
+
+class Builder:
+    """Runs consume tasks inline, or on a second thread fed by a queue (threaded mode)."""
+
+    def __init__(self, threaded: bool) -> None:
+        self.errors: list[str] = []
+        self.threaded = threaded
+        self.q: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self.thread: threading.Thread | None = None
+        if threaded:
+            self.thread = threading.Thread(target=self._run, name="test-builder", daemon=True)
+            self.thread.start()
+
+    def submit(self, task: Callable[[], None]) -> None:
+        if self.thread is None:
+            task()
+        else:
+            self.q.put(task)
+
+    def _run(self) -> None:
+        while (task := self.q.get()) is not None:
+            try:
+                task()
+            except BaseException:
+                self.errors.append(traceback.format_exc())
+            finally:
+                self.q.task_done()
+
+    def check(self) -> None:
+        assert not self.errors, "builder thread failed:\n" + "\n".join(self.errors)
+
+    def drain(self) -> None:
+        if self.thread is None:
+            return
+        done = threading.Event()
+        self.q.put(done.set)
+        assert done.wait(JOIN_S), "builder thread did not drain its queue (hang?)"
+        self.check()
+
+    def stop(self) -> None:
+        if self.thread is not None:
+            self.q.put(None)
+            self.thread.join(JOIN_S)
+            assert not self.thread.is_alive(), "builder thread did not stop"
+
+
+class SlowCommitter(FaultHooks):
+    """No fault: every third write lands a few ms late, widening the async windows."""
+
+    def before_pool_write(self, write: object, key: str) -> None:
+        if getattr(write, "tid", 0) % 3 == 0:
+            time.sleep(0.003)
+
+
+
+class HoldStep(FaultHooks):
+    """Holds the committer inside the device->host copy of one step's write until ``gate`` opens."""
+
+    def __init__(self) -> None:
+        self.step: int | None = None
+        self.entered, self.gate = threading.Event(), threading.Event()
+
+    def before_device_to_host(self, write: object) -> None:
+        if self.step is not None and getattr(write, "step_id", None) == self.step:
+            self.entered.set()
+            assert self.gate.wait(10), "test gate never opened"
