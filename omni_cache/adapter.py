@@ -34,11 +34,29 @@ class PrefixCacheEventKind(enum.Enum):
 
 
 def _freeze_block_ids(block_ids: Any) -> tuple[tuple[int, ...], ...]:
-    """One tuple per KV group; a flat sequence of ints is one group."""
-    groups = tuple(block_ids or ())
-    if groups and all(isinstance(b, int) for b in groups):
-        return (tuple(int(b) for b in groups),)
-    return tuple(tuple(int(b) for b in group) for group in groups)
+    """Snapshot vLLM block ids as plain ints, one tuple per KV group.
+
+    Accepts a flat sequence (one group), a sequence of per-group sequences
+    (vLLM's ``tuple[list[int], ...]``), numpy arrays or ``None``. Integer-likes
+    (numpy ints, 0-d tensors) become ``int`` so that later changes to the
+    scheduler's lists cannot reach the event.
+    """
+    if block_ids is None:
+        return ()
+    groups = list(block_ids)
+    if not groups:
+        return ()
+
+    def _is_scalar(b: Any) -> bool:
+        try:
+            operator.index(b)
+        except TypeError:
+            return False
+        return True
+
+    if all(_is_scalar(b) for b in groups):
+        return (tuple(operator.index(b) for b in groups),)
+    return tuple(tuple(operator.index(b) for b in (() if group is None else group)) for group in groups)
 
 
 @dataclass(frozen=True)
@@ -146,32 +164,6 @@ class PrefixCacheWriteLayout:
 # --------------------------------------------------------------------------- #
 
 
-def _plain_block_ids(block_ids: Any) -> tuple[tuple[int, ...], ...]:
-    """Snapshot vLLM block ids as plain ints, one tuple per KV group.
-
-    Accepts a flat sequence (one group), a sequence of per-group sequences
-    (vLLM's ``tuple[list[int], ...]``), numpy arrays or ``None``. Integer-likes
-    (numpy ints, 0-d tensors) become ``int`` so that later changes to the
-    scheduler's lists cannot reach the event.
-    """
-    if block_ids is None:
-        return ()
-    groups = list(block_ids)
-    if not groups:
-        return ()
-
-    def _is_scalar(b: Any) -> bool:
-        try:
-            operator.index(b)
-        except TypeError:
-            return False
-        return True
-
-    if all(_is_scalar(b) for b in groups):
-        return (tuple(operator.index(b) for b in groups),)
-    return tuple(tuple(operator.index(b) for b in (group or ())) for group in groups)
-
-
 def _new_request_id(new_req: Any) -> ReqId:
     req_id = getattr(new_req, "req_id", None)
     if req_id is None:
@@ -233,7 +225,7 @@ class PrefixCacheSchedulerAdapter:
         for new_req in getattr(so, "scheduled_new_reqs", None) or ():
             req_id = _new_request_id(new_req)
             n_tokens = int(scheduled.get(req_id, 0))
-            block_ids = _plain_block_ids(getattr(new_req, "block_ids", None))
+            block_ids = _freeze_block_ids(getattr(new_req, "block_ids", None))
             if req_id in self._live:
                 events.append(
                     PrefixCacheRequestEvent(
@@ -277,7 +269,7 @@ class PrefixCacheSchedulerAdapter:
             )
         events: list[PrefixCacheRequestEvent] = []
         for i, req_id in enumerate(req_ids):
-            block_ids = _plain_block_ids(new_blocks[i] if i < len(new_blocks) else None)
+            block_ids = _freeze_block_ids(new_blocks[i] if i < len(new_blocks) else None)
             n_out = int(out_tokens[i]) if i < len(out_tokens) else 0
             n_tokens = int(scheduled.get(req_id, 0))
             if req_id in resumed:

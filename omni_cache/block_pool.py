@@ -49,6 +49,21 @@ class PrefixBlockPool:
         """The tensor of ``key`` or None; the caller holds ``lock``."""
         return self._tensors.get(key)
 
+    def check_rows(self, key: TensorName, rows: torch.Tensor) -> None:
+        """Raise unless ``rows`` match ``key``'s row shape and dtype (a new key always matches)."""
+        with self.lock:
+            tensor = self._tensors.get(key)
+        if tensor is not None:
+            self._check_shape(key, tensor, rows)
+
+    def _check_shape(self, key: TensorName, tensor: torch.Tensor, rows: torch.Tensor) -> None:
+        if tensor.shape[1:] != rows.shape[1:] or tensor.dtype != rows.dtype:
+            raise OmniPrefixCacheUnmatchError(
+                f"block pool key {key!r} holds rows of shape {tuple(tensor.shape[1:])} "
+                f"{tensor.dtype}; a write brought rows of shape {tuple(rows.shape[1:])} {rows.dtype}: "
+                "a key's width and dtype never change"
+            )
+
     def _tensor_for(self, key: TensorName, rows: torch.Tensor) -> torch.Tensor:
         row_shape = tuple(rows.shape[1:])
         with self.lock:
@@ -59,12 +74,7 @@ class PrefixBlockPool:
             )
             with self.lock:
                 tensor = self._tensors.setdefault(key, fresh)
-        if tuple(tensor.shape[1:]) != row_shape or tensor.dtype != rows.dtype:
-            raise OmniPrefixCacheUnmatchError(
-                f"block pool key {key!r} holds rows of shape {tuple(tensor.shape[1:])} "
-                f"{tensor.dtype}; a write brought rows of shape {row_shape} {rows.dtype}: "
-                "a key's width and dtype never change"
-            )
+        self._check_shape(key, tensor, rows)
         return tensor
 
     def check_slots(self, slots: torch.Tensor) -> None:

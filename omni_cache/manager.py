@@ -201,7 +201,7 @@ class OmniPrefixCacheManager:
                     f"new_step_starts: STARTED for request {event.req_id!r}, which is still live "
                     "(no FINISHED/ABORTED since it started); the adapter must send EXTENDED or RESUMED"
                 )
-            if event.kind in _HIT_KINDS and event.hit_end > 0:
+            if event.kind in _HIT_KINDS and (event.hit_end or event.hit_start):
                 validate_hit(event, self.config)
         to_flush: list[PoolWrite] = []
         with self._lock:
@@ -245,13 +245,19 @@ class OmniPrefixCacheManager:
             policy = self.policy
             scheduled = self._scheduled  # cleared only by a save that succeeds
             prev = self._last_immediate
-        for w in write_layout.writes:
-            if w.req_id in scheduled and scheduled[w.req_id] != w.num_rows:
-                raise OmniPrefixCacheUnmatchError(
-                    f"save_outputs: request {w.req_id!r} was scheduled {scheduled[w.req_id]} tokens "
-                    f"but the {PHRASE_SLOT_MAPPING} {w.num_rows} rows for it"
-                )
+        if scheduled:
+            in_layout = {w.req_id: w.num_rows for w in write_layout.writes}
+            for req_id, count in scheduled.items():
+                if count and in_layout.get(req_id, 0) != count:
+                    raise OmniPrefixCacheUnmatchError(
+                        f"save_outputs: request {req_id!r} was scheduled {count} tokens but the "
+                        f"{PHRASE_SLOT_MAPPING} {in_layout.get(req_id, 0)} rows for it"
+                    )
         split = classify_outputs(policy, hidden_states, mm_outputs or {}, n, num_tokens_padded)
+        for key, rows in split.immediate.items():  # a key's row shape and dtype never change
+            self.staging.check_rows(key, rows)
+        for key, rows in (*split.immediate.items(), *split.deferred.items()):
+            self.pool.check_rows(key, rows)
         if prev is not None and prev.state != "written":
             self.faults.on_blocking("save waits for the previous step's pool writes")
             self.book.wait(prev, ("written",), why=f"save_outputs waits for {prev.describe()}")

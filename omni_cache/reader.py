@@ -92,11 +92,15 @@ class StepReader:
                 hidden[req_id] = rows[HIDDEN_KEY]
         return StageCacheOutputs(hidden, mm)
 
+    def _in_flight(self, tid: int) -> bool:
+        """Is write ``tid`` still live (not written, not failed)?"""
+        return self.book.get(tid) is not None
+
     def _read_hit(self, ctx: StepContext, req_id: str, hit: PlannedRead, key: str) -> torch.Tensor:
         what = f"materialize step {ctx.step_id} (saved at {ctx.saved_at}) request {req_id!r}"
         for _ in range(_MAX_READ_RETRIES):
             try:
-                return self.tenancy.read(key, hit, what=what)
+                return self.tenancy.read(key, hit, what=what, in_flight=self._in_flight)
             except NotLandedYet as late:
                 for tid in late.tids:
                     write = self.book.get(tid)

@@ -242,6 +242,20 @@ class StagingPool:
                 f"only in states {states} (I3)"
             )
 
+    def check_rows(self, key: TensorName, like: torch.Tensor) -> None:
+        """Raise unless ``like`` matches the row shape and dtype of ``key``'s pages (if any)."""
+        with self._lock:
+            page = self._pages.get(key)
+        if page is not None:
+            self._check_page(key, page, like)
+
+    def _check_page(self, key: TensorName, page: torch.Tensor, like: torch.Tensor) -> None:
+        if page.shape[2:] != like.shape[1:] or page.dtype != like.dtype:
+            raise OmniPrefixCacheUnmatchError(
+                f"staging page of {key!r} holds rows of shape {tuple(page.shape[2:])} {page.dtype}; "
+                f"this step's rows are {tuple(like.shape[1:])} {like.dtype}: a key's width and dtype never change"
+            )
+
     def _page(self, key: TensorName, like: torch.Tensor) -> torch.Tensor:
         row_shape = tuple(like.shape[1:])
         page = self._pages.get(key)
@@ -253,11 +267,7 @@ class StagingPool:
             )
             with self._lock:
                 page = self._pages.setdefault(key, fresh)
-        if tuple(page.shape[2:]) != row_shape or page.dtype != like.dtype:
-            raise OmniPrefixCacheUnmatchError(
-                f"staging page of {key!r} holds rows of shape {tuple(page.shape[2:])} {page.dtype}; "
-                f"this step's rows are {row_shape} {like.dtype}"
-            )
+        self._check_page(key, page, like)
         return page
 
     # ---- introspection ------------------------------------------------------

@@ -20,6 +20,7 @@ Upholds:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -150,12 +151,23 @@ class SlotTenancy:
                 current = v.landed[slots_np]
                 newer = current < tid
                 if not newer.all():  # never let an older write overwrite a newer one
+                    if v.num_pins:  # ...but keep its rows for a planned read of this version (I7)
+                        self._preserve_late_locked(v, rows, slots_np, ~newer, tid)
                     mask = torch.from_numpy(newer)
                     slots, rows, slots_np, current = slots[mask], rows[mask], slots_np[newer], current[newer]
                 if v.num_pins:
                     self._preserve_locked(v, tensor, slots, slots_np, current)
                 tensor.index_copy_(0, slots, rows)
                 v.landed[slots_np] = tid
+
+    def _preserve_late_locked(
+        self, v: _KeyVersions, rows: torch.Tensor, slots_np: np.ndarray, late: np.ndarray, tid: Tid
+    ) -> None:
+        """An older write landed after a newer tenant: keep its pinned rows as version ``tid``."""
+        keep = late & (v.pins[slots_np] > 0)
+        for j in np.flatnonzero(keep).tolist():
+            v.preserved.setdefault(int(slots_np[j]), {})[tid] = rows[j].clone()
+            self.num_preserved_total += 1
 
     def _preserve_locked(
         self, v: _KeyVersions, tensor: torch.Tensor, slots: torch.Tensor, slots_np: np.ndarray, current: np.ndarray
@@ -171,12 +183,16 @@ class SlotTenancy:
             self.num_preserved_total += 1
 
     # ---- reader -------------------------------------------------------------
-    def read(self, key: TensorName, read: PlannedRead, *, what: str) -> torch.Tensor:
+    def read(
+        self, key: TensorName, read: PlannedRead, *, what: str, in_flight: Callable[[Tid], bool] = lambda tid: False
+    ) -> torch.Tensor:
         """Rows of ``read.slots`` at the planned versions of ``key``.
 
-        Raises ``NotLandedYet`` when a planned version is still in flight, and
-        ``OmniPrefixCacheUnmatchError`` ("is not readable") when rows are absent
-        (I6) or were overwritten by a newer tenant without a preserved copy (I7).
+        Raises ``NotLandedYet`` when a planned version is still in flight (also when
+        a newer tenant landed first: the late write's rows are preserved when it
+        lands), and ``OmniPrefixCacheUnmatchError`` ("is not readable") when rows
+        are absent (I6) or were overwritten by a newer tenant and no copy of the
+        planned version exists (I7).
         """
         slots_np, expected = read.slots_np, read.expected[key]
         absent = expected == 0
@@ -201,6 +217,8 @@ class SlotTenancy:
                 for j in np.flatnonzero(ahead).tolist():
                     slot, version = int(slots_np[j]), int(expected[j])
                     row = v.preserved.get(slot, {}).get(version)
+                    if row is None and in_flight(version):
+                        raise NotLandedYet([version])
                     if row is None:
                         raise OmniPrefixCacheUnmatchError(
                             f"{what}: key {key!r} at KV slot {slot} {PHRASE_NOT_READABLE}: the hit "

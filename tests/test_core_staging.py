@@ -121,4 +121,4 @@ def test_no_other_module_touches_the_page_storage() -> None:
         if isinstance(fn, ast.FunctionDef)
         and any(isinstance(n, ast.Attribute) and n.attr == "_pages" for n in ast.walk(fn))
     }
-    assert users == {"__init__", "_page", "page_rows", "pages_rows", "page_bytes"}
+    assert users == {"__init__", "_page", "page_rows", "pages_rows", "page_bytes", "check_rows"}

@@ -25,9 +25,9 @@ of omni_cache.states, step ids issued and consumed once) ending with every page
 free and every write written.
 
 Two deterministic scenarios sit beside the machine: the I7 delayed read across
-a block's reuse, and (strict xfail until the manager is fixed) a newer tenant's
-write pushed to the queue's front ahead of an older queued write that a
-pending hit planned -- the bug the threaded machine found.
+a block's reuse, and a newer tenant's write pushed to the queue's front ahead
+of an older queued write that a pending hit planned -- the bug the threaded
+machine found (fixed: the late write's rows are preserved for the pinned read).
 """
 
 from __future__ import annotations
@@ -56,7 +56,6 @@ from thread_helpers import Builder, HoldStep, SlowCommitter, expect_error
 from omni_cache import (
     ModelCachePolicy,
     OmniPrefixCacheStagingTimeoutError,
-    OmniPrefixCacheUnmatchError,
     PrefixCacheConfig,
     PrefixCacheRequestEvent,
     PrefixCacheWriteLayout,
@@ -396,11 +395,6 @@ def test_delayed_hit_read_survives_block_reuse(mode: str) -> None:
     assert m.shutdown() == {}
 
 
-@pytest.mark.xfail(strict=True, raises=OmniPrefixCacheUnmatchError, reason=(
-    "manager bug (found by TestThreadedManager under the nightly profile, reported to the lead): a "
-    "write pushed to the queue's front (FINISHED/ABORTED) overtakes an older, already queued write on "
-    "the same KV slots; the older one is then skipped at landing, so a pending hit that planned its "
-    "version raises I7 'no preserved copy' instead of returning the rows"))
 def test_newer_tenant_pushed_to_the_front_does_not_strand_a_planned_read() -> None:
     hooks = HoldStep()
     cfg = PrefixCacheConfig(num_blocks=8, block_size=BS, staging_depth=4, staging_capacity_tokens=CAPACITY,
