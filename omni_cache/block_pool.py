@@ -51,8 +51,7 @@ class PrefixBlockPool:
 
     def check_rows(self, key: TensorName, rows: torch.Tensor) -> None:
         """Raise unless ``rows`` match ``key``'s row shape and dtype (a new key always matches)."""
-        with self.lock:
-            tensor = self._tensors.get(key)
+        tensor = self._tensors.get(key)  # no lock: keys are only ever added, never replaced
         if tensor is not None:
             self._check_shape(key, tensor, rows)
 

@@ -244,8 +244,7 @@ class StagingPool:
 
     def check_rows(self, key: TensorName, like: torch.Tensor) -> None:
         """Raise unless ``like`` matches the row shape and dtype of ``key``'s pages (if any)."""
-        with self._lock:
-            page = self._pages.get(key)
+        page = self._pages.get(key)  # no lock: pages are only ever added, never replaced
         if page is not None:
             self._check_page(key, page, like)
 
