@@ -395,7 +395,12 @@ def test_delayed_hit_read_survives_block_reuse(mode: str) -> None:
     assert m.shutdown() == {}
 
 
-def test_newer_tenant_pushed_to_the_front_does_not_strand_a_planned_read() -> None:
+@pytest.mark.parametrize("read", ["after_all_landed", "while_the_late_write_is_in_flight"])
+def test_newer_tenant_pushed_to_the_front_does_not_strand_a_planned_read(read: str) -> None:
+    """Found by the threaded machine (nightly): a write pushed to the queue's front (FINISHED) overtook
+    an older queued write on the same KV slots, and a pending hit that planned the older version
+    raised I7 "no preserved copy". The late rows must be kept for the pinned read, and a read that
+    comes while the late write is still in flight must wait for it."""
     hooks = HoldStep()
     cfg = PrefixCacheConfig(num_blocks=8, block_size=BS, staging_depth=4, staging_capacity_tokens=CAPACITY,
                             staging_claim_timeout_s=5.0)
@@ -411,23 +416,46 @@ def test_newer_tenant_pushed_to_the_front_does_not_strand_a_planned_read() -> No
     def ev(rid: str, kind: E, hit_end: int = 0, blocks: tuple[int, ...] = ()) -> PrefixCacheRequestEvent:
         return PrefixCacheRequestEvent(rid, kind, 0, hit_end, (blocks,) if blocks else ())
 
+    def settle() -> None:
+        for _ in range(500):
+            if m.stats()["writes_in_flight"] == 0:
+                return
+            time.sleep(0.01)
+        raise AssertionError(f"writes never landed: {m.stats()}")
+
     m.new_step_starts([ev("r0", E.STARTED)])
-    m.materialize(save("r0", z, (3,), 0, 4), ["r0"])  # r0's write W0 stays pending (deferred)
+    s0 = save("r0", z, (3,), 0, 4)  # r0's write W0 stays pending (deferred)
+    m.materialize(s0, ["r0"])
     m.new_step_starts([ev("r1", E.STARTED)])
-    m.materialize(save("r1", a, (0, 1), 0, 8), ["r1"])  # r1's write D1 on blocks 0, 1 stays pending
-    hooks.step = 1
+    s1 = save("r1", a, (0, 1), 0, 8)  # r1's write D1 on blocks 0, 1 stays pending
+    m.materialize(s1, ["r1"])
+    hooks.hold(s0)
+    hooks.hold(s1)
     m.new_step_starts([ev("r0", E.FINISHED), ev("r2", E.STARTED, 8, (0, 1, 2))])
-    assert hooks.entered.wait(5)  # the committer is busy with W0 from here on
+    assert hooks.entered[s0].wait(5)  # the committer is busy with W0 from here on
     s2 = save("r2", a, (0, 1, 2), 8, 9)  # r2 hits r1's blocks: its read plans D1, which is queued
     m.new_step_starts([ev("r1", E.FINISHED), ev("r2", E.FINISHED), ev("r3", E.STARTED)])
     m.materialize(save("r3", c, (0, 1), 0, 8), ["r3"])  # r3: the new tenant of blocks 0, 1 (write D3)
     m.new_step_starts([ev("r3", E.FINISHED)])  # D3 goes to the queue's front, ahead of D1
-    hooks.gate.set()
-    for _ in range(500):
-        if m.stats()["writes_in_flight"] == 0:
-            break
-        time.sleep(0.01)
-    out = m.materialize(s2, ["r2"])  # the delayed hit read: r1's rows for [0, 8), then r2's row 8
-    assert torch.equal(out.mm_outputs["r2"][CODES], a[CODES][:9])
-    assert torch.equal(out.mm_outputs["r2"][EMBEDS], a[EMBEDS][:9])
+    hooks.release(s0)
+    assert hooks.entered[s1].wait(5)  # D3 landed over blocks 0, 1; D1 is being copied, late
+    if read == "after_all_landed":
+        hooks.release(s1)
+        settle()
+        out = m.materialize(s2, ["r2"])
+    else:
+        box: dict[str, object] = {}
+        reader = threading.Thread(target=lambda: box.update(out=m.materialize(s2, ["r2"])), daemon=True)
+        reader.start()
+        reader.join(0.2)
+        assert reader.is_alive(), f"the read did not wait for the late write: {box}"
+        hooks.release(s1)
+        reader.join(5)
+        assert not reader.is_alive() and "out" in box, f"the read failed or hung: {box}"
+        out = box["out"]  # type: ignore[assignment]
+    # the delayed hit read: r1's rows for [0, 8), then r2's row 8
+    assert torch.equal(out.mm_outputs["r2"][CODES], a[CODES][:9])  # type: ignore[union-attr]
+    assert torch.equal(out.mm_outputs["r2"][EMBEDS], a[EMBEDS][:9])  # type: ignore[union-attr]
+    settle()
+    assert m.stats()["preserved_rows"] == 0
     m.shutdown()

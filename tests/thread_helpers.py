@@ -87,13 +87,20 @@ class SlowCommitter(FaultHooks):
 
 
 class HoldStep(FaultHooks):
-    """Holds the committer inside the device->host copy of one step's write until ``gate`` opens."""
+    """Holds the committer inside the device->host copy of chosen steps' writes until each is released."""
 
     def __init__(self) -> None:
-        self.step: int | None = None
-        self.entered, self.gate = threading.Event(), threading.Event()
+        self.entered: dict[int, threading.Event] = {}
+        self.gates: dict[int, threading.Event] = {}
+
+    def hold(self, step_id: int) -> None:
+        self.entered[step_id], self.gates[step_id] = threading.Event(), threading.Event()
+
+    def release(self, step_id: int) -> None:
+        self.gates[step_id].set()
 
     def before_device_to_host(self, write: object) -> None:
-        if self.step is not None and getattr(write, "step_id", None) == self.step:
-            self.entered.set()
-            assert self.gate.wait(10), "test gate never opened"
+        step_id = getattr(write, "step_id", None)
+        if step_id in self.gates:
+            self.entered[step_id].set()
+            assert self.gates[step_id].wait(10), f"test gate of step {step_id} never opened"

@@ -68,6 +68,18 @@ MUTANTS: tuple[Mutant, ...] = (
         "            ahead = current < 0  # MUTANT I7: never look for the planned version\n",
     ),
     Mutant(
+        "I7", "drop a late older write's rows (a newer tenant landed first) instead of keeping them for a pinned read",
+        "omni_cache/tenancy.py",
+        "                        self._preserve_late_locked(v, rows, slots_np, ~newer, tid)\n",
+        "                        pass  # MUTANT I7: the late rows are dropped\n",
+    ),
+    Mutant(
+        "I7", "a read that finds a newer tenant landed gives up instead of waiting for the late, in-flight write",
+        "omni_cache/tenancy.py",
+        "                    if row is None and in_flight(version):\n",
+        "                    if False:  # MUTANT I7: never wait for a late older write\n",
+    ),
+    Mutant(
         "I3", "release a page while a pool write still reads it",
         "omni_cache/staging.py",
         'if slot.state == "materialized" and not slot.reading and slot.num_write_holds == 0:',
@@ -150,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", action="store_true", help="keep the temporary copies")
     args = ap.parse_args(argv)
     mutants = [m for m in MUTANTS if not args.only or m.invariant in args.only]
+    names = [m.invariant for m in mutants]
+    labels = [f"{n}{'abcdefgh'[names[:i].count(n)] if names.count(n) > 1 else ''}" for i, n in enumerate(names)]
     if args.tests:
         mutants = [dataclasses.replace(m, tests=tuple(args.tests)) for m in mutants]
     base = Path(tempfile.mkdtemp(prefix="omni-mutants-"))
@@ -158,8 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         baseline = base / "baseline"
         make_copy(baseline)
-        for mutant in mutants:  # every mutant must still apply before anything runs
-            probe = base / f"probe-{mutant.invariant}"
+        for label, mutant in zip(labels, mutants, strict=True):  # every mutant must still apply first
+            probe = base / f"probe-{label}"
             shutil.copytree(baseline / "omni_cache", probe / "omni_cache")
             try:
                 apply(mutant, probe)
@@ -174,8 +188,8 @@ def main(argv: list[str] | None = None) -> int:
             print(out[-4000:], file=sys.stderr)
             print("the unmutated copy must pass its tests first", file=sys.stderr)
             return 2
-        for mutant in mutants:
-            copy = base / f"mutant-{mutant.invariant}"
+        for label, mutant in zip(labels, mutants, strict=True):
+            copy = base / f"mutant-{label}"
             make_copy(copy)
             apply(mutant, copy)
             tests = mutant.tests + ((LEAD_INVARIANTS,) if args.with_lead_tests else ())
@@ -186,8 +200,8 @@ def main(argv: list[str] | None = None) -> int:
             elif verdict == "ERROR":
                 worst = 2
             by = first_failure(out) if status != "pass" else "-"
-            rows.append((mutant.invariant, mutant.bug, verdict, f"{dt:.1f}s", by))
-            print(f"{mutant.invariant}: {verdict} in {dt:.1f}s  {by}", flush=True)
+            rows.append((label, mutant.bug, verdict, f"{dt:.1f}s", by))
+            print(f"{label}: {verdict} in {dt:.1f}s  {by}", flush=True)
             if verdict == "ERROR":
                 print(out[-4000:], file=sys.stderr)
     finally:
