@@ -92,20 +92,18 @@ class StepReader:
                 hidden[req_id] = rows[HIDDEN_KEY]
         return StageCacheOutputs(hidden, mm)
 
-    def _in_flight(self, tid: int) -> bool:
-        """Is write ``tid`` still live (not written, not failed)?"""
-        return self.book.get(tid) is not None
-
     def _read_hit(self, ctx: StepContext, req_id: str, hit: PlannedRead, key: str) -> torch.Tensor:
         what = f"materialize step {ctx.step_id} (saved at {ctx.saved_at}) request {req_id!r}"
+        settled: set[int] = set()  # planned writes seen terminal (landed or failed)
         for _ in range(_MAX_READ_RETRIES):
             try:
-                return self.tenancy.read(key, hit, what=what, in_flight=self._in_flight)
+                return self.tenancy.read(key, hit, what=what, settled=settled)
             except NotLandedYet as late:
                 for tid in late.tids:
                     write = self.book.get(tid)
                     if write is None:
-                        continue  # landed (or failed: check_failed below) since the read
+                        settled.add(tid)  # terminal: the next read decides (failed: check_failed below)
+                        continue
                     if write.state in ("pending", "queued"):  # queue it first and make progress
                         self._push_front([write], f"{what} needs write tid {tid}")
                     self.faults.on_blocking(f"{what} waits for write tid {tid}")

@@ -20,7 +20,7 @@ Upholds:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Set
 from dataclasses import dataclass
 
 import numpy as np
@@ -184,15 +184,16 @@ class SlotTenancy:
 
     # ---- reader -------------------------------------------------------------
     def read(
-        self, key: TensorName, read: PlannedRead, *, what: str, in_flight: Callable[[Tid], bool] = lambda tid: False
+        self, key: TensorName, read: PlannedRead, *, what: str, settled: Set[Tid] = frozenset()
     ) -> torch.Tensor:
         """Rows of ``read.slots`` at the planned versions of ``key``.
 
-        Raises ``NotLandedYet`` when a planned version is still in flight (also when
-        a newer tenant landed first: the late write's rows are preserved when it
-        lands), and ``OmniPrefixCacheUnmatchError`` ("is not readable") when rows
-        are absent (I6) or were overwritten by a newer tenant and no copy of the
-        planned version exists (I7).
+        Raises ``NotLandedYet`` when a planned version is still in flight, or when a
+        newer tenant landed first and the planned version's write is not known to be
+        ``settled`` (terminal; its rows are preserved when it lands late). Raises
+        ``OmniPrefixCacheUnmatchError`` ("is not readable") when rows are absent (I6)
+        or were overwritten by a newer tenant and the settled planned write left no
+        copy (I7). Takes only the pool's leaf lock.
         """
         slots_np, expected = read.slots_np, read.expected[key]
         absent = expected == 0
@@ -217,7 +218,7 @@ class SlotTenancy:
                 for j in np.flatnonzero(ahead).tolist():
                     slot, version = int(slots_np[j]), int(expected[j])
                     row = v.preserved.get(slot, {}).get(version)
-                    if row is None and in_flight(version):
+                    if row is None and version not in settled:
                         raise NotLandedYet([version])
                     if row is None:
                         raise OmniPrefixCacheUnmatchError(
