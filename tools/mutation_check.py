@@ -76,7 +76,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "I7", "a read that finds a newer tenant landed gives up instead of waiting for the late, in-flight write",
         "omni_cache/tenancy.py",
-        "                    if row is None and in_flight(version):\n",
+        "                    if row is None and version not in settled:\n",
         "                    if False:  # MUTANT I7: never wait for a late older write\n",
     ),
     Mutant(
