@@ -9,6 +9,6 @@ EXTENDS Tenancy
 ReadServesZeros(s, v) ==
     IF KeptFor(s, v) # {} THEN (CHOOSE k \in KeptFor(s, v) : TRUE).rows
     ELSE IF tag[s] = v THEN v
-    ELSE IF transit[s] = v THEN Wait
+    ELSE IF v \in transit[s] THEN Wait
     ELSE tag[s]
 =============================================================================

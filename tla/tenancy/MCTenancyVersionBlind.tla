@@ -10,6 +10,6 @@ EXTENDS Tenancy
 ReadWrittenRow(s, v) ==
     IF KeptFor(s, v) # {} THEN (CHOOSE k \in KeptFor(s, v) : TRUE).rows
     ELSE IF tag[s] # Absent THEN tag[s]
-    ELSE IF transit[s] = v THEN Wait
+    ELSE IF v \in transit[s] THEN Wait
     ELSE Raised
 =============================================================================

@@ -10,11 +10,15 @@
 (*                                                                         *)
 (*  - reuse(s):    a new tenant takes KV slot s (version + 1);             *)
 (*  - register(s): the current tenant's step saved rows for s: a pool      *)
-(*                 write in transit (a save waits for the slot's previous  *)
-(*                 write, so one write per slot is in transit at a time);  *)
-(*  - land(s):     the committer lands it.  Before a newer tenant's rows   *)
-(*                 overwrite the row, rows that a planned read still needs *)
-(*                 are copied aside (preserved);                           *)
+(*                 write in transit.  Deferred writes stay open until      *)
+(*                 their request finishes and finish/abort pushes writes   *)
+(*                 to the queue's front, so several tenants' writes to one *)
+(*                 slot can be in transit and land in any order;           *)
+(*  - land(s, v):  the committer lands version v.  Before a newer tenant's *)
+(*                 rows overwrite the row, rows that a planned read still  *)
+(*                 needs are copied aside (preserved); a write older than  *)
+(*                 the row's tag lands late: it never overwrites the newer *)
+(*                 row, but its rows are kept if a planned read needs them;*)
 (*  - plan(r, s):  new_step_starts registers a hit on slot s of its        *)
 (*                 current tenant;                                         *)
 (*  - read(r):     the delayed materialize (async builder) reads it: the   *)
@@ -25,7 +29,8 @@
 (* Code: omni_cache/tenancy.py SlotTenancy.  A version there is the tid of *)
 (* the write registered for the slot (register), a plan pins the slot at  *)
 (* its registered version (plan), land preserves pinned rows before the   *)
-(* index_copy_ and never lets an older tid overwrite a newer one, and read *)
+(* index_copy_ and never lets an older tid overwrite a newer one (a late   *)
+(* older write keeps its pinned rows: _preserve_late_locked), and read    *)
 (* returns the pool row (landed = planned), the preserved copy (landed >   *)
 (* planned), waits (NotLandedYet) or raises "is not readable".            *)
 (*                                                                         *)
@@ -53,7 +58,7 @@ Keep    == [slot : Slots, ver : Vers, rows : {Absent} \cup Vers]
 VARIABLES
     ver,       \* ver[s]: current tenant of KV slot s (0 = never handed out)
     tag,       \* tag[s]: whose rows the block pool holds at s (Absent = zeros)
-    transit,   \* transit[s]: version of the write to s in transit (0 = none)
+    transit,   \* transit[s]: versions whose writes to s are in transit
     kept,      \* rows copied aside for planned reads; rows = whose rows were copied
     rstate,    \* rstate[r] \in {"idle", "planned", "done"}
     want,      \* want[r]: <<slot, version>> the hit of reader r refers to
@@ -65,7 +70,7 @@ vars == <<ver, tag, transit, kept, rstate, want, avail, got>>
 TypeOK ==
     /\ ver \in [Slots -> 0..MaxVer]
     /\ tag \in [Slots -> 0..MaxVer]
-    /\ transit \in [Slots -> 0..MaxVer]
+    /\ transit \in [Slots -> SUBSET Vers]
     /\ kept \subseteq Keep
     /\ rstate \in [Readers -> {"idle", "planned", "done"}]
     /\ want \in [Readers -> (Slots \X (0..MaxVer))]
@@ -75,7 +80,7 @@ TypeOK ==
 Init ==
     /\ ver = [s \in Slots |-> 0]
     /\ tag = [s \in Slots |-> Absent]
-    /\ transit = [s \in Slots |-> 0]
+    /\ transit = [s \in Slots |-> {}]
     /\ kept = {}
     /\ rstate = [r \in Readers |-> "idle"]
     /\ want = [r \in Readers |-> <<1, 0>>]
@@ -97,9 +102,9 @@ reuse(s) ==
 
 register(s) ==
     /\ ver[s] # 0
-    /\ transit[s] = 0
-    /\ tag[s] # ver[s]
-    /\ transit' = [transit EXCEPT ![s] = ver[s]]
+    /\ ver[s] \notin transit[s]
+    /\ tag[s] < ver[s]
+    /\ transit' = [transit EXCEPT ![s] = @ \cup {ver[s]}]
     /\ UNCHANGED <<ver, tag, kept, rstate, want, avail, got>>
 
 \* Rows of version old at s that a planned read needs, copied aside before
@@ -109,11 +114,20 @@ Preserved(s, old, new) ==
        THEN {[slot |-> s, ver |-> old, rows |-> old]}
        ELSE {}
 
-land(s) ==
-    /\ transit[s] # 0
-    /\ kept' = kept \cup Preserved(s, tag[s], transit[s])
-    /\ tag' = [tag EXCEPT ![s] = transit[s]]
-    /\ transit' = [transit EXCEPT ![s] = 0]
+\* Rows of version v that land after a newer tenant's: kept for a planned read.
+PreservedLate(s, v) ==
+    IF Needed(s, v) /\ KeptFor(s, v) = {}
+       THEN {[slot |-> s, ver |-> v, rows |-> v]}
+       ELSE {}
+
+land(s, v) ==
+    /\ v \in transit[s]
+    /\ IF v > tag[s]
+          THEN /\ kept' = kept \cup Preserved(s, tag[s], v)
+               /\ tag' = [tag EXCEPT ![s] = v]
+          ELSE /\ kept' = kept \cup PreservedLate(s, v)
+               /\ UNCHANGED tag
+    /\ transit' = [transit EXCEPT ![s] = @ \ {v}]
     /\ UNCHANGED <<ver, rstate, want, avail, got>>
 
 (***************************************************************************)
@@ -124,7 +138,7 @@ plan(r, s) ==
     /\ ver[s] # 0
     /\ rstate' = [rstate EXCEPT ![r] = "planned"]
     /\ want' = [want EXCEPT ![r] = <<s, ver[s]>>]
-    /\ avail' = [avail EXCEPT ![r] = (tag[s] = ver[s] \/ transit[s] = ver[s])]
+    /\ avail' = [avail EXCEPT ![r] = (tag[s] = ver[s] \/ ver[s] \in transit[s])]
     /\ UNCHANGED <<ver, tag, transit, kept, got>>
 
 \* What a read of version v of slot s returns right now; Wait while the
@@ -132,7 +146,7 @@ plan(r, s) ==
 ReadResult(s, v) ==
     IF KeptFor(s, v) # {} THEN (CHOOSE k \in KeptFor(s, v) : TRUE).rows
     ELSE IF tag[s] = v THEN v
-    ELSE IF transit[s] = v THEN Wait
+    ELSE IF v \in transit[s] THEN Wait
     ELSE Raised
 
 \* After reader r is done: drop preserved rows that no planned read needs.
@@ -150,11 +164,11 @@ read(r) ==
 
 Terminating ==
     /\ \A r \in Readers : rstate[r] = "done"
-    /\ \A s \in Slots : transit[s] = 0
+    /\ \A s \in Slots : transit[s] = {}
     /\ UNCHANGED vars
 
 Next ==
-    \/ \E s \in Slots : reuse(s) \/ register(s) \/ land(s)
+    \/ \E s \in Slots : reuse(s) \/ register(s) \/ \E v \in Vers : land(s, v)
     \/ \E r \in Readers : read(r) \/ \E s \in Slots : plan(r, s)
     \/ Terminating
 
