@@ -17,6 +17,7 @@ import torch
 
 from omni_cache.errors import OmniPrefixCacheUnmatchError
 from omni_cache.interface import TensorName
+from omni_cache.validation import check_same_rows
 
 
 class PrefixBlockPool:
@@ -56,12 +57,7 @@ class PrefixBlockPool:
             self._check_shape(key, tensor, rows)
 
     def _check_shape(self, key: TensorName, tensor: torch.Tensor, rows: torch.Tensor) -> None:
-        if tensor.shape[1:] != rows.shape[1:] or tensor.dtype != rows.dtype:
-            raise OmniPrefixCacheUnmatchError(
-                f"block pool key {key!r} holds rows of shape {tuple(tensor.shape[1:])} "
-                f"{tensor.dtype}; a write brought rows of shape {tuple(rows.shape[1:])} {rows.dtype}: "
-                "a key's width and dtype never change"
-            )
+        check_same_rows(f"block pool key {key!r}", tensor.shape[1:], tensor.dtype, rows)
 
     def _tensor_for(self, key: TensorName, rows: torch.Tensor) -> torch.Tensor:
         row_shape = tuple(rows.shape[1:])

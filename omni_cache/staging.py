@@ -39,7 +39,7 @@ from omni_cache.errors import (
 from omni_cache.interface import StepId, TensorName
 from omni_cache.states import STAGING_TABLE, TableMachine
 from omni_cache.trace import TraceRecorder
-from omni_cache.validation import check_capacity
+from omni_cache.validation import check_capacity, check_same_rows
 
 
 class StagingSlot:
@@ -249,11 +249,7 @@ class StagingPool:
             self._check_page(key, page, like)
 
     def _check_page(self, key: TensorName, page: torch.Tensor, like: torch.Tensor) -> None:
-        if page.shape[2:] != like.shape[1:] or page.dtype != like.dtype:
-            raise OmniPrefixCacheUnmatchError(
-                f"staging page of {key!r} holds rows of shape {tuple(page.shape[2:])} {page.dtype}; "
-                f"this step's rows are {tuple(like.shape[1:])} {like.dtype}: a key's width and dtype never change"
-            )
+        check_same_rows(f"staging page of {key!r}", page.shape[2:], page.dtype, like)
 
     def _page(self, key: TensorName, like: torch.Tensor) -> torch.Tensor:
         row_shape = tuple(like.shape[1:])

@@ -59,6 +59,15 @@ def check_capacity(num_rows: int, capacity_tokens: int) -> None:
         )
 
 
+def check_same_rows(what: str, held_shape: tuple[int, ...], held_dtype: torch.dtype, rows: torch.Tensor) -> None:
+    """A key's row shape and dtype never change: ``rows`` must match what ``what`` holds."""
+    if tuple(held_shape) != tuple(rows.shape[1:]) or held_dtype != rows.dtype:
+        raise OmniPrefixCacheUnmatchError(
+            f"{what} holds rows of shape {tuple(held_shape)} {held_dtype}; this step brought rows of "
+            f"shape {tuple(rows.shape[1:])} {rows.dtype}: a key's width and dtype never change"
+        )
+
+
 def validate_save(
     config: PrefixCacheConfig,
     policy: ModelCachePolicy,
