@@ -21,9 +21,6 @@ fault hook lets tests assert it).
 from __future__ import annotations
 
 import logging
-import os
-import sys
-import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,6 +50,7 @@ from omni_cache.interface import (
     StepId,
     WriteSchedule,
 )
+from omni_cache.locks import OwnedLock, caller_location
 from omni_cache.reader import StepReader
 from omni_cache.staging import StagingPool
 from omni_cache.step_outputs import StepContext, classify_outputs, host_copy
@@ -63,37 +61,8 @@ from omni_cache.writes import PoolWrite, WriteBook
 
 log = logging.getLogger(__name__)
 
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _TERMINAL = (PrefixCacheEventKind.FINISHED, PrefixCacheEventKind.ABORTED)
 _HIT_KINDS = (PrefixCacheEventKind.STARTED, PrefixCacheEventKind.RESUMED)
-
-
-def _caller_location() -> str:
-    """file:line of the first frame outside this package (where a step was saved)."""
-    frame = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
-        frame = frame.f_back  # type: ignore[assignment]
-    return f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else "?"
-
-
-class _StateLock:
-    """A plain lock that knows its owner, so I11 tests can ask "do I hold it?"."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._owner: int | None = None
-
-    def __enter__(self) -> _StateLock:
-        self._lock.acquire()
-        self._owner = threading.get_ident()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._owner = None
-        self._lock.release()
-
-    def held_by_current_thread(self) -> bool:
-        return self._owner == threading.get_ident()
 
 
 @dataclass
@@ -147,7 +116,7 @@ class OmniPrefixCacheManager:
         self.reader = StepReader(self.staging, self.tenancy, self.book, self.copies, self.faults,
                                  lambda writes, why: self._flush(writes, front=True, why=why))
         # ---- guarded by _lock (the state lock; I11: bookkeeping only) ----
-        self._lock = _StateLock()
+        self._lock = OwnedLock()
         self.policy = ModelCachePolicy()
         self._num_saved = 0
         self._requests: dict[ReqId, _Request] = {}
@@ -262,7 +231,7 @@ class OmniPrefixCacheManager:
             self.faults.on_blocking("save waits for the previous step's pool writes")
             self.book.wait(prev, ("written",), why=f"save_outputs waits for {prev.describe()}")
         compute_event = self.copies.record_compute_event()
-        saved_at = _caller_location()
+        saved_at = caller_location()
         hits = self._take_hits(write_layout)
         step_id: StepId | None = None
         plans: list[PlannedRead] = []

@@ -1,0 +1,43 @@
+"""Small threading helpers of the runtime.
+
+Owns: ``OwnedLock`` (the manager's state lock, which knows its owner so I11
+tests can assert that no wait, copy or flush runs under it) and
+``caller_location`` (where a step was saved, for the I2 timeout message and
+``shutdown``'s report).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def caller_location() -> str:
+    """file:line of the first frame outside this package (where a step was saved)."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame = frame.f_back  # type: ignore[assignment]
+    return f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else "?"
+
+
+class OwnedLock:
+    """A plain (non-reentrant) lock that knows its owner thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._owner: int | None = None
+
+    def __enter__(self) -> OwnedLock:
+        self._lock.acquire()
+        self._owner = threading.get_ident()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._owner = None
+        self._lock.release()
+
+    def held_by_current_thread(self) -> bool:
+        return self._owner == threading.get_ident()
