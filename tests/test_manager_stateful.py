@@ -39,7 +39,7 @@ from collections.abc import Callable
 import hypothesis.strategies as st
 import pytest
 import torch
-from hypothesis import HealthCheck, event, settings
+from hypothesis import HealthCheck, Phase, event, settings
 from hypothesis.stateful import (
     Bundle,
     RuleBasedStateMachine,
@@ -71,6 +71,7 @@ from omni_cache.errors import (
     PHRASE_UNCONSUMED,
 )
 from omni_cache.manager import OmniPrefixCacheManager
+from omni_cache.verify.testing import require_tlc
 from omni_cache.verify.traces import validate_trace
 
 BS = 4
@@ -101,6 +102,7 @@ def _step_rule(name: str) -> Callable[..., object]:
 
 class ManagerMachine(RuleBasedStateMachine):
     MODE = "eager"
+    CHECK_WITH_TLC = False  # the Python replay always runs; TLC only in TestManagerTracesWithTLC
     pending = PENDING
     consumed = CONSUMED
 
@@ -328,13 +330,20 @@ class ManagerMachine(RuleBasedStateMachine):
         assert stats["writes_in_flight"] == 0 and stats["deferred_open"] == 0, stats  # I9: nothing dropped
         # Trace validation: every recorded transition is a legal edge of omni_cache.states, step ids
         # are issued and consumed once (I1); at the end every page is free and every write landed.
-        final = validate_trace(self.recorder)
+        final = validate_trace(self.recorder, tlc=self.CHECK_WITH_TLC)
         assert {s for (machine, _), s in final.items() if machine == "staging_slot"} <= {"free"}, final
         assert {s for (machine, _), s in final.items() if machine == "pool_write"} <= {"written"}, final
 
 
 class AsyncMachine(ManagerMachine):
     MODE = "async"
+
+
+class TLCTracedMachine(ManagerMachine):
+    """The async machine whose traces are also replayed against the TLA+ model by TLC."""
+
+    MODE = "async"
+    CHECK_WITH_TLC = True
 
 
 class ThreadedMachine(ManagerMachine):
@@ -355,6 +364,19 @@ TestAsyncManager = AsyncMachine.TestCase
 TestAsyncManager.settings = _scaled(4, 2)
 TestThreadedManager = ThreadedMachine.TestCase
 TestThreadedManager.settings = _scaled(4, 2)
+
+
+class TestManagerTracesWithTLC(TLCTracedMachine.TestCase):  # type: ignore[name-defined,misc]
+    """Trace validation by TLC: each run's staging-slot trace, as a generated TLA+ module, must be
+    accepted by the staging model (one TLC run per example, so only a few examples)."""
+
+    # No shrink phase: each shrink step would run TLC again (a failure is reported as found).
+    settings = settings(settings.default, max_examples=3, stateful_step_count=30, deadline=None,
+                        phases=(Phase.explicit, Phase.reuse, Phase.generate),
+                        suppress_health_check=list(HealthCheck))
+
+    def setUp(self) -> None:
+        require_tlc()  # skips only where java is missing; fails instead under CI=true
 
 
 @pytest.mark.parametrize("mode", ["eager", "async"])
