@@ -117,6 +117,8 @@ class Committer:
         self._thread: threading.Thread | None = None
         # Held by the one thread draining the queue inline (eager mode).
         self._drain_lock = threading.Lock()
+        # Set once by stop(); the committer thread exits when it is set and the queue is empty.
+        self._closing = False
         if threaded:
             self._thread = threading.Thread(target=self._run, name="omni-cache-committer", daemon=True)
             self._thread.start()
@@ -202,8 +204,6 @@ class Committer:
             message = self.book.fail(None, exc, where="the committer thread, which died")
             self.staging.set_failed(message)
             log.error("omni-cache: %s", message)
-
-    _closing = False
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Drain what is queued, then stop the thread (I9)."""

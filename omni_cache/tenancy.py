@@ -124,10 +124,6 @@ class SlotTenancy:
                             del v.preserved[slot]
 
     # ---- committer: landing -------------------------------------------------
-    def land(self, key: TensorName, slots: torch.Tensor, rows: torch.Tensor, tid: Tid) -> None:
-        """Scatter ``rows`` (version ``tid``) into the pool at ``slots`` (I7)."""
-        self.land_all({key: rows}, slots, tid)
-
     def land_all(self, rows_by_key: dict[TensorName, torch.Tensor], slots: torch.Tensor, tid: Tid) -> None:
         """Scatter one write's rows of every key (version ``tid``) at ``slots`` (I7).
 

@@ -181,8 +181,8 @@ class WriteBook:
                     f"{PHRASE_WRITE_FAILED}: {what} in {where}: {type(error).__name__}: {error}; "
                     "the omni prefix cache is failed for good (I8): every later call raises"
                 )
-            for w in [write, *self._queue] if write is not None else list(self._queue):
-                if w is not None and w.state in ("pending", "queued", "copying", "host_ready"):
+            for w in ([write] if write is not None else []) + list(self._queue):
+                if w.state not in WRITE_TABLE.terminal:
                     w.error = error
                     self._fire_locked(w, "fail")
                     self.num_failed += 1

@@ -128,7 +128,6 @@ SECTIONS: tuple[tuple[str, str], ...] = (
     ("copies", "to_host"),
     ("tenancy", "register"),
     ("tenancy", "plan"),
-    ("tenancy", "land"),
     ("tenancy", "land_all"),
     ("tenancy", "read"),
     ("pool", "check_slots"),
