@@ -426,7 +426,8 @@ class OmniPrefixCacheManager:
         # Immediate writes land in order (each save waits for the previous one), so only
         # deferred writes can leave an older tenant unlanded behind them.
         return write, self.tenancy.register(
-            list(source), slots.numpy(), write.tid, scan_older=schedule is WriteSchedule.JOIN_ON_FINISH
+            list(source), slots.numpy(), write.tid, step_id=step_id,
+            scan_older=schedule is WriteSchedule.JOIN_ON_FINISH,
         )
 
     def _hit_keys(self, policy: ModelCachePolicy, keys: tuple[str, ...]) -> tuple[str, ...]:
