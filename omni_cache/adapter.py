@@ -140,8 +140,19 @@ class PrefixCacheWriteLayout:
     def __post_init__(self) -> None:
         object.__setattr__(self, "writes", tuple(self.writes))
         if self.slots_cpu is not None:
-            slots = torch.as_tensor(self.slots_cpu, dtype=torch.int64, device="cpu")
-            # Own a private copy: the engine reuses its slot-mapping buffers.
+            slots = self.slots_cpu
+            if not isinstance(slots, torch.Tensor):  # a list or numpy array of slot ids
+                slots = torch.as_tensor(slots)
+                if slots.numel() == 0:
+                    slots = slots.to(torch.int64)
+            slots = slots.detach()
+            if slots.device.type == "cpu" and not (
+                slots.dtype.is_floating_point or slots.dtype.is_complex or slots.dtype == torch.bool
+            ):
+                slots = slots.to(torch.int64)
+            # A malformed mapping (not integer, not CPU, not 1-D) is kept as given, never
+            # coerced: ``save_outputs`` refuses it before anything is claimed ("slot mapping
+            # covers"). Own a private copy: the engine reuses its slot-mapping buffers.
             object.__setattr__(self, "slots_cpu", slots.clone())
 
     @property

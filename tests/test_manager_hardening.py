@@ -102,3 +102,84 @@ def test_I7_hit_without_the_key_still_reads_hidden(eager: bool) -> None:
     assert K not in out.mm_outputs["B"]
     m.shutdown()
 
+
+
+# ---- item 2/3: the slot mapping covers the step's rows exactly, as a 1-D integer CPU mapping ----
+
+
+def _claims(m) -> int:  # type: ignore[no-untyped-def]
+    return m.stats()["staging"]["claims"]
+
+
+def _assert_refused_and_usable(m, call, eager: bool) -> None:  # type: ignore[no-untyped-def]
+    """``call`` raises "slot mapping covers", claims nothing, burns no step id, fails nothing;
+    the manager then saves and serves the next step exactly."""
+    claims, next_id = _claims(m), m._next_step_id
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="slot mapping covers"):
+        call()
+    settle(m)
+    assert _claims(m) == claims and m._next_step_id == next_id, "a refused save claimed a page or an id"
+    assert m.stats()["failed"] is None and not m.book.live(), m.stats()
+    m.new_step_starts([started("ok")])
+    step = _save(m, [("ok", [5], 0, 3)], with_k=False)
+    assert step == next_id
+    assert torch.equal(m.materialize(step, ["ok"]).hidden_states["ok"], truth("ok", range(3)))
+
+
+@pytest.mark.parametrize("gap", ["middle", "tail", "head"])
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "async"])
+def test_slot_mapping_covers_layout_gap_refused(eager: bool, gap: str) -> None:
+    """Rows of the step that belong to no request are refused ("slot mapping covers"); today they
+    were scattered into the pool over another request's cached block (X's block 1)."""
+    from omni_cache.adapter import PrefixCacheWrite
+
+    m = manager(eager=eager)
+    m.new_step_starts([started("X")])
+    m.materialize(_save(m, [("X", [1, 2], 0, 5)], with_k=False), ["X"])
+    m.new_step_starts([started("A"), started("B")])
+    settle(m)
+    # 6 rows; the uncovered row's KV slot is X's slot 4 (block 1, offset 0).
+    writes = {
+        "middle": (PrefixCacheWrite("A", 0, 2, 0, 2), PrefixCacheWrite("B", 3, 6, 0, 3)),
+        "tail": (PrefixCacheWrite("A", 0, 2, 0, 2), PrefixCacheWrite("B", 2, 5, 0, 3)),
+        "head": (PrefixCacheWrite("A", 1, 3, 0, 2), PrefixCacheWrite("B", 3, 6, 0, 3)),
+    }[gap]
+    hole = {"middle": 2, "tail": 5, "head": 0}[gap]
+    slot_ids = torch.tensor([24, 25, 26, 27, 28, 29])
+    slot_ids[hole] = 4
+    layout = PrefixCacheWriteLayout(writes, 6, slot_ids)
+    hidden = torch.full((6, 8), -3.0)
+    _assert_refused_and_usable(m, lambda: m.save_outputs(
+        hidden, {}, num_tokens_unpadded=6, num_tokens_padded=6, write_layout=layout), eager)
+    # X's block 1 is intact: a hit on it still reads X's rows.
+    m.new_step_starts([started("Y", BS, [1, 3])])
+    settle(m)
+    out = m.materialize(_save(m, [("Y", [1, 3], BS, BS + 1)], with_k=False, tag_of={"Y": "X"}), ["Y"])
+    assert torch.equal(out.hidden_states["Y"], truth("X", range(BS + 1)))
+    m.shutdown()
+
+
+@pytest.mark.parametrize("bad", ["2-D", "float", "bool", "short", "meta device"])
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "async"])
+def test_slot_mapping_covers_malformed_slots_refused_before_claim(eager: bool, bad: str) -> None:
+    """A 2-D, non-integer, too short or non-CPU ``slots_cpu`` is a precondition error raised before
+    anything is claimed; today a 2-D mapping passed validation, its scatter failed and the manager
+    was failed for good (in async mode after the step id was returned)."""
+    m = manager(eager=eager)
+    m.new_step_starts([started("A")])
+    good = slots([0, 1], 0, 5)
+    mapping = {
+        "2-D": good.reshape(5, 1),
+        "float": good.to(torch.float32),
+        "bool": torch.ones(5, dtype=torch.bool),
+        "short": good[:4],
+        "meta device": torch.empty(5, dtype=torch.int64, device="meta"),
+    }[bad]
+    rows = truth("A", range(5))
+
+    def call() -> object:
+        layout = PrefixCacheWriteLayout.packed([("A", 0, 5)], mapping)
+        return m.save_outputs(rows, {}, num_tokens_unpadded=5, num_tokens_padded=5, write_layout=layout)
+
+    _assert_refused_and_usable(m, call, eager)
+    m.shutdown()
