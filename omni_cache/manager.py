@@ -227,6 +227,9 @@ class OmniPrefixCacheManager:
             self.staging.check_rows(key, rows)
         for key, rows in (*split.immediate.items(), *split.deferred.items()):
             self.pool.check_rows(key, rows)
+        # Per-slot bookkeeping of new keys is allocated before anything is claimed (a MemoryError
+        # here has nothing to undo), so registration below allocates nothing.
+        self.tenancy.prepare_keys([*split.immediate, *split.deferred])
         if prev is not None and prev.state != "written":
             self.faults.on_blocking("save waits for the previous step's pool writes")
             self.book.wait(prev, ("written",), why=f"save_outputs waits for {prev.describe()}")
@@ -256,15 +259,14 @@ class OmniPrefixCacheManager:
             req_ids = tuple(w.req_id for w in write_layout.writes)
             # Registration: from here on a failure cannot be rolled back (versions are
             # published), so it fails the manager for good (I8) instead.
-            imm, older = self._register(WriteSchedule.JOIN_NEXT_STEP, step_id, slots, views, slot, req_ids)
+            imm, older = self._register(WriteSchedule.JOIN_NEXT_STEP, step_id, slots, views, slot, req_ids,
+                                        registered)
             if imm is not None:
                 imm.copy_event = copy_event
-                registered.append(imm)
             deferred, older_deferred = self._register(
-                WriteSchedule.JOIN_ON_FINISH, step_id, slots, deferred_dev, None, req_ids)
+                WriteSchedule.JOIN_ON_FINISH, step_id, slots, deferred_dev, None, req_ids, registered)
             if deferred is not None:
                 deferred.copy_event = self.copies.record_compute_event()  # after the clones
-                registered.append(deferred)
             # Plan hit reads after this step's writes are registered: vLLM publishes block
             # hashes at allocation, so a request may hit blocks another request of this
             # very step computes; their planned version is then this step's write.
@@ -278,10 +280,12 @@ class OmniPrefixCacheManager:
                               deferred_host, leftover, hit_keys, policy.hidden_key is not None, host_events)
             self.staging.save(slot, step_id, saved_at)
         except BaseException as exc:
-            if registered:
+            if registered:  # versions may be published: not undoable, so fail for good (I8)
                 message = self.book.fail(registered[0], exc, where=f"save_outputs step {step_id}")
+                for write in registered[1:]:
+                    self.book.fail(write, exc, where=f"save_outputs step {step_id}")
                 self.staging.set_failed(message)
-                raise
+                raise  # the original exception itself; later entries chain it (I8)
             for plan in plans:
                 self.tenancy.unplan(plan)
             with self._lock:
@@ -416,11 +420,16 @@ class OmniPrefixCacheManager:
 
     def _register(self, schedule: WriteSchedule, step_id: StepId, slots: torch.Tensor,
                   source: dict[str, torch.Tensor], staging_slot: Any,
-                  req_ids: tuple[ReqId, ...]) -> tuple[PoolWrite | None, set[int]]:
-        """Register one write for ``source``'s keys; also return older unlanded tids on its slots."""
+                  req_ids: tuple[ReqId, ...], registered: list[PoolWrite]) -> tuple[PoolWrite | None, set[int]]:
+        """Register one write for ``source``'s keys; also return older unlanded tids on its slots.
+
+        The write is appended to ``registered`` as soon as the write book holds it, so a
+        failure later in registration fails it (sticky, I8) instead of leaking it in flight.
+        """
         if not source:
             return None, set()
         write = self.book.register(schedule, step_id, slots, source, staging_slot=staging_slot, req_ids=req_ids)
+        registered.append(write)
         if staging_slot is not None:
             self.staging.hold(staging_slot)
         # Immediate writes land in order (each save waits for the previous one), so only

@@ -48,7 +48,7 @@ class StagingSlot:
     Mutated only by ``StagingPool`` under its lock (``state`` via the machine).
     """
 
-    __slots__ = ("index", "num_rows", "num_write_holds", "reading", "saved_at", "state", "step_id")
+    __slots__ = ("index", "new_keys", "num_rows", "num_write_holds", "reading", "saved_at", "state", "step_id")
 
     def __init__(self, index: int) -> None:
         self.index = index
@@ -60,6 +60,8 @@ class StagingSlot:
         self.num_write_holds = 0
         # True between consume and done_reading: the consumer reads the page.
         self.reading = False
+        # Keys whose pages this slot's claim allocated: dropped again if the save aborts.
+        self.new_keys: list[TensorName] = []
 
     def describe(self) -> str:
         return f"staging slot {self.index} (state {self.state!r}, step id {self.step_id})"
@@ -147,6 +149,10 @@ class StagingPool:
                 )
             self.machine.fire(slot, "abort", what=f"staging slot {slot.index}")
             slot.num_rows = 0
+            # A refused save fixes no key's row shape: only a saved step's keys keep their pages.
+            for key in slot.new_keys:
+                del self._pages[key]
+            slot.new_keys = []
             self._cond.notify_all()
 
     def save(self, slot: StagingSlot, step_id: StepId, saved_at: str) -> None:
@@ -157,6 +163,7 @@ class StagingPool:
             self.machine.fire(slot, "save", what=f"staging slot {slot.index}", step_id=step_id)
             slot.step_id = step_id
             slot.saved_at = saved_at
+            slot.new_keys = []
             self._by_step[step_id] = slot
 
     def consume(self, step_id: StepId, *, caller: str) -> StagingSlot:
@@ -210,7 +217,7 @@ class StagingPool:
         for key, like in rows_by_key.items():
             if like.shape[0] > slot.num_rows:
                 raise AssertionError(f"staging {like.shape[0]} rows into {slot.describe()}: manager bug")
-            views[key] = self._page(key, like)[slot.index, : like.shape[0]]
+            views[key] = self._page(key, like, slot)[slot.index, : like.shape[0]]
         return views
 
     def claimed_page(self, slot: StagingSlot, key: TensorName, like: torch.Tensor) -> torch.Tensor:
@@ -251,7 +258,7 @@ class StagingPool:
     def _check_page(self, key: TensorName, page: torch.Tensor, like: torch.Tensor) -> None:
         check_same_rows(f"staging page of {key!r}", page.shape[2:], page.dtype, like)
 
-    def _page(self, key: TensorName, like: torch.Tensor) -> torch.Tensor:
+    def _page(self, key: TensorName, like: torch.Tensor, slot: StagingSlot) -> torch.Tensor:
         row_shape = tuple(like.shape[1:])
         page = self._pages.get(key)
         if page is None:
@@ -262,6 +269,8 @@ class StagingPool:
             )
             with self._lock:
                 page = self._pages.setdefault(key, fresh)
+                if page is fresh:
+                    slot.new_keys.append(key)
         self._check_page(key, page, like)
         return page
 

@@ -90,6 +90,16 @@ class SlotTenancy:
         return versions
 
     # ---- engine thread: registration and planning --------------------------
+    def prepare_keys(self, keys: list[TensorName]) -> None:
+        """Allocate the version vectors of ``keys`` now, so ``register`` allocates nothing.
+
+        The manager calls this before a save claims anything: a ``MemoryError`` of a
+        huge pool's per-slot bookkeeping then surfaces with nothing to undo.
+        """
+        with self.pool.lock:
+            for key in keys:
+                self._versions_locked(key)
+
     def register(
         self, keys: list[TensorName], slots: np.ndarray, tid: Tid, *, step_id: int, scan_older: bool = True
     ) -> set[Tid]:

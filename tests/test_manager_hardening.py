@@ -183,3 +183,85 @@ def test_slot_mapping_covers_malformed_slots_refused_before_claim(eager: bool, b
 
     _assert_refused_and_usable(m, call, eager)
     m.shutdown()
+
+
+# ---- item 4: a failure inside a save is fully undone or sticky (I8), never half ----
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "async"])
+def test_I8_bookkeeping_memory_error_in_save_is_undone_and_surfaces_itself(eager: bool, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """``MemoryError`` from per-slot bookkeeping of a new key (a huge pool) surfaces as itself;
+    the save leaves nothing claimed, no write in flight and no step id burned, and the manager
+    stays usable. Today: an unrelated "cannot abort staging slot" error, a leaked claimed page
+    and a pool write that never lands, with ``failed`` still None."""
+    from omni_cache import tenancy as tenancy_mod
+
+    m = manager(eager=eager)
+    real = tenancy_mod._KeyVersions.__init__
+
+    def huge(self, num_slots: int) -> None:  # type: ignore[no-untyped-def]
+        raise MemoryError(f"cannot allocate version vectors of {num_slots} slots")
+
+    monkeypatch.setattr(tenancy_mod._KeyVersions, "__init__", huge)
+    m.new_step_starts([started("A")])
+    claims, next_id = _claims(m), m._next_step_id
+    with pytest.raises(MemoryError, match="version vectors"):
+        _save(m, [("A", [0, 1], 0, 5)], with_k=False)
+    assert _claims(m) == claims and m._next_step_id == next_id
+    assert m.staging.slot_states() == ["free"] * m.config.staging_depth, m.staging.slot_states()
+    assert not m.book.live() and m.stats()["failed"] is None, m.stats()
+    monkeypatch.setattr(tenancy_mod._KeyVersions, "__init__", real)
+    step = _save(m, [("A", [0, 1], 0, 5)], with_k=False)
+    assert torch.equal(m.materialize(step, ["A"]).hidden_states["A"], truth("A", range(5)))
+    m.shutdown()
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "async"])
+def test_I8_failure_after_a_write_is_registered_is_sticky_and_chained(eager: bool, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A failure once a pool write is registered cannot be undone: it surfaces as itself and
+    fails the manager for good (every later entry raises "write failed", chained to it)."""
+    m = manager(eager=eager)
+    m.new_step_starts([started("A")])
+
+    def boom(*args: object, **kwargs: object) -> set[int]:
+        raise MemoryError("per-slot bookkeeping")
+
+    monkeypatch.setattr(m.tenancy, "register", boom)
+    with pytest.raises(MemoryError, match="per-slot bookkeeping"):
+        _save(m, [("A", [0, 1], 0, 5)], with_k=False)
+    failed = m.stats()["failed"]
+    assert failed is not None and "MemoryError" in failed, m.stats()
+    assert all(w.state == "failed" for w in m.book.live()) and not m.book.live(), m.book.describe_in_flight()
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="write failed") as info:
+        _save(m, [("A", [0, 1], 0, 5)], with_k=False)
+    assert isinstance(info.value.__cause__, MemoryError), repr(info.value.__cause__)
+    m.shutdown()
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "async"])
+def test_I8_refused_save_does_not_fix_a_keys_row_shape(eager: bool, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A save that fails after its claim (here: the staging copy) is undone, and undone entirely:
+    the staging page it allocated for a key no saved step ever carried is dropped, so a later
+    save may bring that key with another width. Today the refused save locked the width in."""
+    m = manager(eager=eager)
+    m.new_step_starts([started("A")])
+    real = m.copies.copy_into
+    calls = {"n": 0}
+
+    def flaky(*args: object, **kwargs: object) -> object:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("device->host copy failed")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(m.copies, "copy_into", flaky)
+    rows = truth("A", range(5))
+    layout = PrefixCacheWriteLayout.packed([("A", 0, 5)], slots([0, 1], 0, 5))
+    with pytest.raises(RuntimeError, match="copy failed"):
+        m.save_outputs(rows, {K: torch.ones(5, 3)}, num_tokens_unpadded=5, num_tokens_padded=5, write_layout=layout)
+    assert m.stats()["failed"] is None and m.staging.slot_states() == ["free"] * m.config.staging_depth
+    step = m.save_outputs(rows, {K: torch.ones(5, 6)}, num_tokens_unpadded=5, num_tokens_padded=5,
+                          write_layout=layout)
+    out = m.materialize(step, ["A"])
+    assert torch.equal(out.mm_outputs["A"][K], torch.ones(5, 6))
+    m.shutdown()
