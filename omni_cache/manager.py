@@ -53,7 +53,7 @@ from omni_cache.interface import (
 from omni_cache.locks import OwnedLock, caller_location
 from omni_cache.reader import StepReader
 from omni_cache.staging import StagingPool
-from omni_cache.step_outputs import StepContext, classify_outputs, host_copy
+from omni_cache.step_outputs import StepContext, classify_outputs, copy_leftovers
 from omni_cache.tenancy import PlannedRead, SlotTenancy
 from omni_cache.trace import TraceRecorder
 from omni_cache.validation import validate_hit, validate_save
@@ -230,6 +230,7 @@ class OmniPrefixCacheManager:
         # Per-slot bookkeeping of new keys is allocated before anything is claimed (a MemoryError
         # here has nothing to undo), so registration below allocates nothing.
         self.tenancy.prepare_keys([*split.immediate, *split.deferred])
+        leftover = copy_leftovers(split.leftover)  # refused before a claim or an id (I4)
         if prev is not None and prev.state != "written":
             self.faults.on_blocking("save waits for the previous step's pool writes")
             self.book.wait(prev, ("written",), why=f"save_outputs waits for {prev.describe()}")
@@ -254,7 +255,6 @@ class OmniPrefixCacheManager:
             for key, rows in split.deferred.items():
                 deferred_host[key], event = self.copies.to_host(rows, compute_event)
                 host_events.append(event)
-            leftover = {k: host_copy(v) for k, v in split.leftover.items()}
             hit_keys = self._hit_keys(policy, (*split.immediate, *split.deferred))
             req_ids = tuple(w.req_id for w in write_layout.writes)
             # Registration: from here on a failure cannot be rolled back (versions are
@@ -364,11 +364,11 @@ class OmniPrefixCacheManager:
             counters = dict(self.counters)
             deferred_open, deferred_bytes = len(self._deferred_open), self._deferred_bytes
             live = len(self._requests)
-        waits = sorted(self.staging.claim_wait_s)
+        p50, p99 = self.staging.wait_percentiles((0.5, 0.99))  # a fixed-size histogram: O(1) in run length
         return {
             "staging": self.staging.stats(),
-            "staging_wait_s_p50": waits[len(waits) // 2] if waits else 0.0,
-            "staging_wait_s_p99": waits[min(len(waits) - 1, int(len(waits) * 0.99))] if waits else 0.0,
+            "staging_wait_s_p50": p50,
+            "staging_wait_s_p99": p99,
             "unconsumed_step_ids": self.staging.unconsumed(),
             "writes_in_flight": len(self.book.live()),
             "write_queue": self.book.queue_length(),

@@ -36,6 +36,7 @@ from omni_cache.errors import (
     OmniPrefixCacheStagingTimeoutError,
     OmniPrefixCacheUnmatchError,
 )
+from omni_cache.histogram import WaitHistogram
 from omni_cache.interface import StepId, TensorName
 from omni_cache.states import STAGING_TABLE, TableMachine
 from omni_cache.trace import TraceRecorder
@@ -98,8 +99,8 @@ class StagingPool:
         # Set once when the manager fails (I8): claims and waiters raise it.
         self._failure: str | None = None
         self.num_claims = 0
-        self.num_claim_waits = 0
-        self.claim_wait_s: list[float] = []
+        # Claims that had to wait, and how long: a fixed-size histogram (bounded however long the run).
+        self._waits = WaitHistogram()
 
     # ---- lifecycle (the machine's triggers) ---------------------------------
     def claim(self, num_rows: int, *, timeout_s: float | None = None) -> StagingSlot:
@@ -118,8 +119,7 @@ class StagingPool:
                     slot.num_rows = num_rows
                     self.num_claims += 1
                     if waited:
-                        self.num_claim_waits += 1
-                        self.claim_wait_s.append(time.perf_counter() - start)
+                        self._waits.record(time.perf_counter() - start)
                     return slot
                 waited = True
                 remaining = timeout_s - (time.perf_counter() - start)
@@ -298,17 +298,36 @@ class StagingPool:
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            waits = sorted(self.claim_wait_s)
+            num_waits, max_wait = self._waits.count, self._waits.max_s
             states = [s.state for s in self._slots]
         return {
             "depth": self.depth,
             "capacity_tokens": self.capacity_tokens,
             "slots": {st: states.count(st) for st in STAGING_TABLE.states},
             "claims": self.num_claims,
-            "claim_waits": self.num_claim_waits,
-            "claim_wait_s_max": waits[-1] if waits else 0.0,
+            "claim_waits": num_waits,
+            "claim_wait_s_max": max_wait,
             "page_bytes": self.page_bytes(),
         }
+
+    @property
+    def num_claim_waits(self) -> int:
+        with self._lock:
+            return self._waits.count
+
+    def record_claim_wait(self, seconds: float) -> None:
+        """Add one claim wait to the history (``claim`` records each of its waits here)."""
+        with self._lock:
+            self._waits.record(seconds)
+
+    def wait_percentiles(self, qs: tuple[float, ...]) -> list[float]:
+        """Claim-wait percentiles from the histogram: constant cost, whatever the run's length."""
+        with self._lock:
+            return self._waits.percentiles(qs)
+
+    def wait_history_footprint(self) -> int:
+        with self._lock:
+            return self._waits.footprint()
 
     def set_failed(self, message: str) -> None:
         """The manager failed (I8): every claim, waiting or not, raises ``message``."""
