@@ -111,6 +111,16 @@ class PrefixCacheWrite:
     token_end: int
 
     def __post_init__(self) -> None:
+        for name in ("row_start", "row_end", "token_start", "token_end"):
+            value = getattr(self, name)
+            # Integer-likes (numpy ints, 0-d integer tensors) become ``int``; floats, bools,
+            # strings and None are refused here, never at materialize after an id is consumed.
+            if isinstance(value, bool) or not hasattr(value, "__index__"):
+                raise TypeError(f"PrefixCacheWrite {self.req_id!r}: {name} must be an int, got {value!r}")
+            try:
+                object.__setattr__(self, name, operator.index(value))
+            except TypeError as exc:  # e.g. a floating tensor
+                raise TypeError(f"PrefixCacheWrite {self.req_id!r}: {name} must be an int, got {value!r}") from exc
         if not (0 <= self.row_start <= self.row_end):
             raise ValueError(f"PrefixCacheWrite {self.req_id!r}: bad rows [{self.row_start}, {self.row_end})")
         if self.token_end - self.token_start != self.row_end - self.row_start or self.token_start < 0:

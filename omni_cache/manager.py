@@ -20,6 +20,7 @@ fault hook lets tests assert it).
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -62,6 +63,9 @@ from omni_cache.writes import PoolWrite, WriteBook
 log = logging.getLogger(__name__)
 
 _TERMINAL = (PrefixCacheEventKind.FINISHED, PrefixCacheEventKind.ABORTED)
+# Step ids come from one process-wide counter: an id issued by another manager instance is
+# never one of this manager's, so it is "already consumed or never saved" here (I1).
+_STEP_IDS = itertools.count(1)
 _HIT_KINDS = (PrefixCacheEventKind.STARTED, PrefixCacheEventKind.RESUMED)
 
 
@@ -124,7 +128,7 @@ class OmniPrefixCacheManager:
         self._pending_hits: dict[ReqId, tuple[int, tuple[int, ...]]] = {}
         self._contexts: dict[StepId, StepContext] = {}
         self._scheduled: dict[ReqId, int] = {}
-        self._next_step_id: StepId = 1
+        self._ids_issued = 0  # step ids this manager took from _STEP_IDS
         self._last_immediate: PoolWrite | None = None
         self._deferred_open: dict[int, PoolWrite] = {}
         self._deferred_bytes = 0
@@ -245,8 +249,8 @@ class OmniPrefixCacheManager:
             self.faults.on_blocking("save claims a staging slot")
             slot = self.staging.claim(n)
             with self._lock:  # issued only once a page is held: a refused save burns no id
-                step_id = self._next_step_id
-                self._next_step_id += 1
+                step_id = next(_STEP_IDS)
+                self._ids_issued += 1
             views, copy_event = self.staging.claimed_pages(slot, split.immediate), None
             for key, rows in split.immediate.items():
                 copy_event = self.copies.copy_into(views[key], rows, compute_event) or copy_event
@@ -318,8 +322,8 @@ class OmniPrefixCacheManager:
         """Per request: cached prefix rows then this step's rows (consumes the step id once)."""
         self._check_usable("materialize")
         req_ids = list(req_ids)
-        with self._lock:
-            ctx = self._contexts.get(step_id)
+        with self._lock:  # a bool or float id never finds a context (the consume below refuses it)
+            ctx = self._contexts.get(step_id) if type(step_id) is int else None
         if ctx is not None:
             outside = [r for r in req_ids if r not in ctx.spans]
             if outside:

@@ -169,7 +169,9 @@ class StagingPool:
     def consume(self, step_id: StepId, *, caller: str) -> StagingSlot:
         """Take ``step_id`` exactly once (I1); the caller then reads the page."""
         with self._cond:
-            slot = self._by_step.get(step_id)
+            # Only a real int is an id (True == 1 and 1.0 == 1 would find step 1's slot).
+            issued = isinstance(step_id, int) and not isinstance(step_id, bool)
+            slot = self._by_step.get(step_id) if issued else None
             if slot is None:
                 raise OmniPrefixCacheUnmatchError(
                     f"{caller}: step id {step_id} was {PHRASE_NOT_SAVED} (I1); "

@@ -159,11 +159,11 @@ def test_I4_uncopyable_leftover_refused_before_a_step_id(eager: bool) -> None:
     claimed and no step id issued; today the id was issued and the claim aborted after it."""
     m = manager(eager=eager)
     m.new_step_starts([started("a")])
-    next_id, claims = m._next_step_id, m.stats()["staging"]["claims"]
+    issued, claims = m._ids_issued, m.stats()["staging"]["claims"]
     with pytest.raises(OmniPrefixCacheUnmatchError, match="cannot be copied faithfully") as info:
         save(m, [("a", [0], 0, 3)], mm={"left": [threading.Lock()]})
     assert "'left'" in str(info.value) and "lock" in str(info.value)
-    assert m._next_step_id == next_id and m.stats()["staging"]["claims"] == claims
+    assert m._ids_issued == issued and m.stats()["staging"]["claims"] == claims
     assert m.stats()["failed"] is None
     m.shutdown()
 

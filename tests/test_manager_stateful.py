@@ -251,7 +251,7 @@ class ManagerMachine(RuleBasedStateMachine):
         m = self.m
         assert m is not None
         if kind == "unknown_id":
-            self._misuse_step_id(10**6 + k, via)
+            self._misuse_step_id(-k, via)  # never issued (ids are positive)
         elif kind in ("unaligned", "no_blocks"):  # I5
             self.n_bad += 1
             rid = f"bad{self.n_bad}"
