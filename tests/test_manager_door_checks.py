@@ -242,13 +242,19 @@ def test_write_bounds_accept_integer_likes_as_ints() -> None:
 
 @pytest.mark.parametrize("via", ["materialize", "discard_step"])
 @pytest.mark.parametrize("bad", ["bool", "float", "other manager"])
-def test_I1_step_id_must_be_an_int_issued_by_this_manager(via: str, bad: str) -> None:
+def test_I1_step_id_must_be_an_int_issued_by_this_manager(via: str, bad: str, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import itertools
+
+    from omni_cache import manager as manager_mod
+
+    monkeypatch.setattr(manager_mod, "_STEP_IDS", itertools.count(1))  # this manager's first id is 1
     m, other = manager(), manager()
     m.new_step_starts([started("a")])
     other.new_step_starts([started("a")])
     mine, _ = save(m, [("a", [0], 0, 3)])
     theirs, _ = save(other, [("a", [0], 0, 3)])
     # True == 1 and 1.0 == 1 hash alike: today both consumed a manager's first step
+    assert mine == 1
     forged = {"bool": True, "float": float(mine), "other manager": theirs}[bad]
     call = m.materialize if via == "materialize" else m.discard_step
     args = (forged, ["a"]) if via == "materialize" else (forged,)
