@@ -1,7 +1,8 @@
 """OmniPrefixCacheManager: the per-step protocol of the omni prefix cache.
 
 Owns: the live requests and their pending hits, the unconsumed step contexts,
-the step-id counter, the open deferred writes and their GPU-byte budget, and
+the step ids it took from the process-wide counter (another manager's id is never
+one of ours), the open deferred writes and their GPU-byte budget, and
 the state lock over all of those. It composes the staging pool (pages), the
 write book (write lifecycle and queue), the committer (copies and landing),
 the block pool and the slot tenancy (versions and preserved rows).
@@ -10,7 +11,8 @@ Per real scheduler step (DESIGN section 2): ``new_step_starts`` ->
 forward -> ``save_outputs`` -> exactly one of ``materialize`` / ``discard_step``
 (possibly on another thread while the engine saves the next steps).
 
-Upholds: I1 (through ``StagingPool.consume``), I2/I3/I10 (staging), I4 (the step
+Upholds: I1 (through ``StagingPool.consume``), I8 for saves (a failure inside
+``save_outputs`` is undone before any write is registered, or sticky after), I2/I3/I10 (staging), I4 (the step
 context), I5 (``new_step_starts`` validates hits), I6/I7 (tenancy reads), I8
 (every entry checks the sticky failure), I9 (finish/abort push open writes to
 the queue's front), I11 (the state lock is held only for dictionary

@@ -1,16 +1,19 @@
 """The staging pool: ``staging_depth`` reusable host pages per tensor name.
 
 Owns: the page storage (``_pages``; no other module may touch it -- a test scans
-the package for that), the staging slots, the map of unconsumed step ids, and
-the pool lock with its condition variable.
+the package for that), the staging slots, the map of unconsumed step ids, the
+claim-wait history (a fixed-size ``WaitHistogram``: bounded however long the
+run), and the pool lock with its condition variable. ``abort`` drops the pages
+its claimed slot allocated for new keys, so a refused save fixes no row shape.
 
 The staging-slot machine (``states.STAGING_TABLE``) is the only door: a page is
 written only through a ``claimed`` slot, read only through a ``saved`` or
 ``materialized`` one, and claimed only from ``free``.
 
 Upholds:
-  I1  a step id is consumed once; a second consume or an unknown id raises
-      "already consumed or never saved" and changes nothing.
+  I1  a step id is consumed once; a second consume, an unknown id or a non-int
+      (a bool or float equal to an id) raises "already consumed or never saved"
+      and changes nothing.
   I2  at most ``staging_depth`` unconsumed step ids; a claim that finds no free
       slot waits ``staging_claim_timeout_s`` on the condition variable, then
       raises ``OmniPrefixCacheStagingTimeoutError`` naming every unconsumed step
