@@ -115,7 +115,8 @@ def validate_save(
     if not isinstance(layout, PrefixCacheWriteLayout):
         raise TypeError(f"write_layout must be a PrefixCacheWriteLayout, got {type(layout).__name__}")
     slots = check_slot_mapping(layout.slots_cpu, n)
-    if layout.total_rows != n:
+    total = layout.total_rows  # an int (or integer-like); 5.0 == 5 and True == 1 are refused
+    if isinstance(total, bool) or not hasattr(total, "__index__") or total != n:
         raise OmniPrefixCacheUnmatchError(
             f"save_outputs: the {PHRASE_SLOT_MAPPING} {layout.total_rows} rows (layout total_rows); "
             f"the step has {n} unpadded tokens"

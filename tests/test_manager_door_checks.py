@@ -284,3 +284,22 @@ def test_from_vllm_config_refuses_non_positive_max_num_batched_tokens(value: int
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         PrefixCacheConfig.from_vllm_config(num_blocks=8, block_size=16,
                                            scheduler_config=SimpleNamespace(max_num_batched_tokens=value))
+
+
+@pytest.mark.parametrize("total", [5.0, True])
+def test_layout_total_rows_must_be_an_int(total: object) -> None:
+    """``total_rows`` 5.0 (== 5) used to pass the coverage check; it is refused at save, before a claim."""
+    from cache_helpers import slots as kv_slots
+
+    from omni_cache import PrefixCacheWriteLayout
+
+    m = manager()
+    m.new_step_starts([started("a")])
+    n = 5 if total == 5.0 else 1
+    layout = PrefixCacheWriteLayout(PrefixCacheWriteLayout.packed([("a", 0, n)], None).writes, total,  # type: ignore[arg-type]
+                                    kv_slots([0, 1], 0, n))
+    claims = m.stats()["staging"]["claims"]
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="slot mapping covers"):
+        m.save_outputs(truth("a", range(n)), {}, num_tokens_unpadded=n, num_tokens_padded=n, write_layout=layout)
+    assert m.stats()["staging"]["claims"] == claims and m._ids_issued == 0
+    m.shutdown()
