@@ -163,6 +163,16 @@ class PrefixCacheWrite:
     token_end: int
 
     def __post_init__(self) -> None:
+        for name in ("row_start", "row_end", "token_start", "token_end"):
+            value = getattr(self, name)
+            # Integer-likes (numpy ints, 0-d integer tensors) become ``int``; floats, bools,
+            # strings and None are refused here, never at materialize after an id is consumed.
+            if isinstance(value, bool) or not hasattr(value, "__index__"):
+                raise TypeError(f"PrefixCacheWrite {self.req_id!r}: {name} must be an int, got {value!r}")
+            try:
+                object.__setattr__(self, name, operator.index(value))
+            except TypeError as exc:  # e.g. a floating tensor
+                raise TypeError(f"PrefixCacheWrite {self.req_id!r}: {name} must be an int, got {value!r}") from exc
         if not (0 <= self.row_start <= self.row_end):
             raise ValueError(f"PrefixCacheWrite {self.req_id!r}: bad rows [{self.row_start}, {self.row_end})")
         if self.token_end - self.token_start != self.row_end - self.row_start or self.token_start < 0:
@@ -192,8 +202,19 @@ class PrefixCacheWriteLayout:
     def __post_init__(self) -> None:
         object.__setattr__(self, "writes", tuple(self.writes))
         if self.slots_cpu is not None:
-            slots = torch.as_tensor(self.slots_cpu, dtype=torch.int64, device="cpu")
-            # Own a private copy: the engine reuses its slot-mapping buffers.
+            slots = self.slots_cpu
+            if not isinstance(slots, torch.Tensor):  # a list or numpy array of slot ids
+                slots = torch.as_tensor(slots)
+                if slots.numel() == 0:
+                    slots = slots.to(torch.int64)
+            slots = slots.detach()
+            if slots.device.type == "cpu" and not (
+                slots.dtype.is_floating_point or slots.dtype.is_complex or slots.dtype == torch.bool
+            ):
+                slots = slots.to(torch.int64)
+            # A malformed mapping (not integer, not CPU, not 1-D) is kept as given, never
+            # coerced: ``save_outputs`` refuses it before anything is claimed ("slot mapping
+            # covers"). Own a private copy: the engine reuses its slot-mapping buffers.
             object.__setattr__(self, "slots_cpu", slots.clone())
 
     @property

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 import math
+import operator
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -136,10 +137,12 @@ class PrefixCacheConfig:
         """Size device->host staging from the running scheduler.
 
         capacity = ``scheduler_config.max_num_batched_tokens``, else
-        ``max_model_len`` (scheduler config, then model config), else 1024; at
-        least 1 and never clamped. ``staging_depth`` stays the default (4).
+        ``max_model_len`` (scheduler config, then model config), else 1024;
+        never clamped: a non-positive or non-int value of the attribute chosen raises
+        ``ValueError`` (naming it). ``staging_depth`` stays the default (4).
         """
         capacity: Any = None
+        chosen = "default"
         for source, attr in (
             (scheduler_config, "max_num_batched_tokens"),
             (scheduler_config, "max_model_len"),
@@ -147,14 +150,19 @@ class PrefixCacheConfig:
         ):
             value = getattr(source, attr, None) if source is not None else None
             if value is not None:
-                capacity = value
+                capacity, chosen = value, attr
                 break
         if capacity is None:
             capacity = 1024
+        if isinstance(capacity, bool) or not hasattr(capacity, "__index__") or operator.index(capacity) <= 0:
+            raise ValueError(
+                f"PrefixCacheConfig.from_vllm_config: {chosen}={capacity!r} must be a positive int "
+                "(the staging capacity in tokens); it is never clamped"
+            )
         return cls(
             num_blocks=num_blocks,
             block_size=block_size,
-            staging_capacity_tokens=max(1, int(capacity)),
+            staging_capacity_tokens=operator.index(capacity),
         )
 
 

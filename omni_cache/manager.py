@@ -1,7 +1,8 @@
 """OmniPrefixCacheManager: the per-step protocol of the omni prefix cache.
 
 Owns: the live requests and their pending hits, the unconsumed step contexts,
-the step-id counter, the open deferred writes and their GPU-byte budget, and
+the step ids it took from the process-wide counter (another manager's id is never
+one of ours), the open deferred writes and their GPU-byte budget, and
 the state lock over all of those. It composes the staging pool (pages), the
 write book (write lifecycle and queue), the committer (copies and landing),
 the block pool and the slot tenancy (versions and preserved rows).
@@ -10,10 +11,12 @@ Per real scheduler step (DESIGN section 2): ``new_step_starts`` ->
 forward -> ``save_outputs`` -> exactly one of ``materialize`` / ``discard_step``
 (possibly on another thread while the engine saves the next steps).
 
-Upholds: I1 (through ``StagingPool.consume``), I2/I3/I10 (staging), I4 (the step
-context), I5 (``new_step_starts`` validates hits), I12 (request identity: events
-are applied per admission, planned by ``admissions.plan_events``), I13 (a step
-whose ``sequence`` is not above the last applied one changes nothing), I6/I7 (tenancy reads), I8
+Upholds: I1 (through ``StagingPool.consume``), I8 for saves (a failure inside
+``save_outputs`` is undone before any write is registered, or sticky after), I2/I3/I10
+(staging), I4 (the step context), I5 (``new_step_starts`` validates hits), I12 (request
+identity: events are applied per admission, planned by ``admissions.plan_events``), I13 (a
+step whose ``sequence`` is not above the last applied one changes nothing), I6/I7 (tenancy
+reads), I8
 (every entry checks the sticky failure), I9 (finish/abort push open writes to
 the queue's front), I11 (the state lock is held only for dictionary
 bookkeeping: never across a wait, a copy or a budget flush; the ``on_blocking``
@@ -22,6 +25,7 @@ fault hook lets tests assert it).
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -55,7 +59,7 @@ from omni_cache.interface import (
 from omni_cache.locks import OwnedLock, caller_location
 from omni_cache.reader import StepReader
 from omni_cache.staging import StagingPool
-from omni_cache.step_outputs import StepContext, classify_outputs, host_copy
+from omni_cache.step_outputs import StepContext, classify_outputs, copy_leftovers
 from omni_cache.tenancy import PlannedRead, SlotTenancy
 from omni_cache.trace import TraceRecorder
 from omni_cache.validation import validate_hit, validate_save
@@ -63,6 +67,9 @@ from omni_cache.writes import PoolWrite, WriteBook
 
 log = logging.getLogger(__name__)
 
+# Step ids come from one process-wide counter: an id issued by another manager instance is
+# never one of this manager's, so it is "already consumed or never saved" here (I1).
+_STEP_IDS = itertools.count(1)
 
 @dataclass
 class _Request:
@@ -125,8 +132,8 @@ class OmniPrefixCacheManager:
         self._pending_hits: dict[ReqId, tuple[int, tuple[int, ...]]] = {}
         self._contexts: dict[StepId, StepContext] = {}
         self._scheduled: dict[ReqId, int] = {}
-        self._next_step_id: StepId = 1
         self._last_sequence: int | None = None  # of the last applied PrefixCacheStep (I13)
+        self._ids_issued = 0  # step ids this manager took from _STEP_IDS
         self._last_immediate: PoolWrite | None = None
         self._deferred_open: dict[int, PoolWrite] = {}
         self._deferred_bytes = 0
@@ -238,6 +245,10 @@ class OmniPrefixCacheManager:
             self.staging.check_rows(key, rows)
         for key, rows in (*split.immediate.items(), *split.deferred.items()):
             self.pool.check_rows(key, rows)
+        # Per-slot bookkeeping of new keys is allocated before anything is claimed (a MemoryError
+        # here has nothing to undo), so registration below allocates nothing.
+        self.tenancy.prepare_keys([*split.immediate, *split.deferred])
+        leftover = copy_leftovers(split.leftover)  # refused before a claim or an id (I4)
         if prev is not None and prev.state != "written":
             self.faults.on_blocking("save waits for the previous step's pool writes")
             self.book.wait(prev, ("written",), why=f"save_outputs waits for {prev.describe()}")
@@ -252,8 +263,8 @@ class OmniPrefixCacheManager:
             self.faults.on_blocking("save claims a staging slot")
             slot = self.staging.claim(n)
             with self._lock:  # issued only once a page is held: a refused save burns no id
-                step_id = self._next_step_id
-                self._next_step_id += 1
+                step_id = next(_STEP_IDS)
+                self._ids_issued += 1
             views, copy_event = self.staging.claimed_pages(slot, split.immediate), None
             for key, rows in split.immediate.items():
                 copy_event = self.copies.copy_into(views[key], rows, compute_event) or copy_event
@@ -262,20 +273,18 @@ class OmniPrefixCacheManager:
             for key, rows in split.deferred.items():
                 deferred_host[key], event = self.copies.to_host(rows, compute_event)
                 host_events.append(event)
-            leftover = {k: host_copy(v) for k, v in split.leftover.items()}
             hit_keys = self._hit_keys(policy, (*split.immediate, *split.deferred))
             req_ids = tuple(w.req_id for w in write_layout.writes)
             # Registration: from here on a failure cannot be rolled back (versions are
             # published), so it fails the manager for good (I8) instead.
-            imm, older = self._register(WriteSchedule.JOIN_NEXT_STEP, step_id, slots, views, slot, req_ids)
+            imm, older = self._register(WriteSchedule.JOIN_NEXT_STEP, step_id, slots, views, slot, req_ids,
+                                        registered)
             if imm is not None:
                 imm.copy_event = copy_event
-                registered.append(imm)
             deferred, older_deferred = self._register(
-                WriteSchedule.JOIN_ON_FINISH, step_id, slots, deferred_dev, None, req_ids)
+                WriteSchedule.JOIN_ON_FINISH, step_id, slots, deferred_dev, None, req_ids, registered)
             if deferred is not None:
                 deferred.copy_event = self.copies.record_compute_event()  # after the clones
-                registered.append(deferred)
             # Plan hit reads after this step's writes are registered: vLLM publishes block
             # hashes at allocation, so a request may hit blocks another request of this
             # very step computes; their planned version is then this step's write.
@@ -289,10 +298,12 @@ class OmniPrefixCacheManager:
                               deferred_host, leftover, hit_keys, policy.hidden_key is not None, host_events)
             self.staging.save(slot, step_id, saved_at)
         except BaseException as exc:
-            if registered:
+            if registered:  # versions may be published: not undoable, so fail for good (I8)
                 message = self.book.fail(registered[0], exc, where=f"save_outputs step {step_id}")
+                for write in registered[1:]:
+                    self.book.fail(write, exc, where=f"save_outputs step {step_id}")
                 self.staging.set_failed(message)
-                raise
+                raise  # the original exception itself; later entries chain it (I8)
             for plan in plans:
                 self.tenancy.unplan(plan)
             with self._lock:
@@ -325,8 +336,8 @@ class OmniPrefixCacheManager:
         """Per request: cached prefix rows then this step's rows (consumes the step id once)."""
         self._check_usable("materialize")
         req_ids = list(req_ids)
-        with self._lock:
-            ctx = self._contexts.get(step_id)
+        with self._lock:  # a bool or float id never finds a context (the consume below refuses it)
+            ctx = self._contexts.get(step_id) if type(step_id) is int else None
         if ctx is not None:
             outside = [r for r in req_ids if r not in ctx.spans]
             if outside:
@@ -371,11 +382,11 @@ class OmniPrefixCacheManager:
             counters = dict(self.counters)
             deferred_open, deferred_bytes = len(self._deferred_open), self._deferred_bytes
             live = len(self._requests)
-        waits = sorted(self.staging.claim_wait_s)
+        p50, p99 = self.staging.wait_percentiles((0.5, 0.99))  # a fixed-size histogram: O(1) in run length
         return {
             "staging": self.staging.stats(),
-            "staging_wait_s_p50": waits[len(waits) // 2] if waits else 0.0,
-            "staging_wait_s_p99": waits[min(len(waits) - 1, int(len(waits) * 0.99))] if waits else 0.0,
+            "staging_wait_s_p50": p50,
+            "staging_wait_s_p99": p99,
             "unconsumed_step_ids": self.staging.unconsumed(),
             "writes_in_flight": len(self.book.live()),
             "write_queue": self.book.queue_length(),
@@ -427,17 +438,23 @@ class OmniPrefixCacheManager:
 
     def _register(self, schedule: WriteSchedule, step_id: StepId, slots: torch.Tensor,
                   source: dict[str, torch.Tensor], staging_slot: Any,
-                  req_ids: tuple[ReqId, ...]) -> tuple[PoolWrite | None, set[int]]:
-        """Register one write for ``source``'s keys; also return older unlanded tids on its slots."""
+                  req_ids: tuple[ReqId, ...], registered: list[PoolWrite]) -> tuple[PoolWrite | None, set[int]]:
+        """Register one write for ``source``'s keys; also return older unlanded tids on its slots.
+
+        The write is appended to ``registered`` as soon as the write book holds it, so a
+        failure later in registration fails it (sticky, I8) instead of leaking it in flight.
+        """
         if not source:
             return None, set()
         write = self.book.register(schedule, step_id, slots, source, staging_slot=staging_slot, req_ids=req_ids)
+        registered.append(write)
         if staging_slot is not None:
             self.staging.hold(staging_slot)
         # Immediate writes land in order (each save waits for the previous one), so only
         # deferred writes can leave an older tenant unlanded behind them.
         return write, self.tenancy.register(
-            list(source), slots.numpy(), write.tid, scan_older=schedule is WriteSchedule.JOIN_ON_FINISH
+            list(source), slots.numpy(), write.tid, step_id=step_id,
+            scan_older=schedule is WriteSchedule.JOIN_ON_FINISH,
         )
 
     def _hit_keys(self, policy: ModelCachePolicy, keys: tuple[str, ...]) -> tuple[str, ...]:

@@ -1,16 +1,19 @@
 """The staging pool: ``staging_depth`` reusable host pages per tensor name.
 
 Owns: the page storage (``_pages``; no other module may touch it -- a test scans
-the package for that), the staging slots, the map of unconsumed step ids, and
-the pool lock with its condition variable.
+the package for that), the staging slots, the map of unconsumed step ids, the
+claim-wait history (a fixed-size ``WaitHistogram``: bounded however long the
+run), and the pool lock with its condition variable. ``abort`` drops the pages
+its claimed slot allocated for new keys, so a refused save fixes no row shape.
 
 The staging-slot machine (``states.STAGING_TABLE``) is the only door: a page is
 written only through a ``claimed`` slot, read only through a ``saved`` or
 ``materialized`` one, and claimed only from ``free``.
 
 Upholds:
-  I1  a step id is consumed once; a second consume or an unknown id raises
-      "already consumed or never saved" and changes nothing.
+  I1  a step id is consumed once; a second consume, an unknown id or a non-int
+      (a bool or float equal to an id) raises "already consumed or never saved"
+      and changes nothing.
   I2  at most ``staging_depth`` unconsumed step ids; a claim that finds no free
       slot waits ``staging_claim_timeout_s`` on the condition variable, then
       raises ``OmniPrefixCacheStagingTimeoutError`` naming every unconsumed step
@@ -36,6 +39,7 @@ from omni_cache.errors import (
     OmniPrefixCacheStagingTimeoutError,
     OmniPrefixCacheUnmatchError,
 )
+from omni_cache.histogram import WaitHistogram
 from omni_cache.interface import StepId, TensorName
 from omni_cache.states import STAGING_TABLE, TableMachine
 from omni_cache.trace import TraceRecorder
@@ -48,7 +52,7 @@ class StagingSlot:
     Mutated only by ``StagingPool`` under its lock (``state`` via the machine).
     """
 
-    __slots__ = ("index", "num_rows", "num_write_holds", "reading", "saved_at", "state", "step_id")
+    __slots__ = ("index", "new_keys", "num_rows", "num_write_holds", "reading", "saved_at", "state", "step_id")
 
     def __init__(self, index: int) -> None:
         self.index = index
@@ -60,6 +64,8 @@ class StagingSlot:
         self.num_write_holds = 0
         # True between consume and done_reading: the consumer reads the page.
         self.reading = False
+        # Keys whose pages this slot's claim allocated: dropped again if the save aborts.
+        self.new_keys: list[TensorName] = []
 
     def describe(self) -> str:
         return f"staging slot {self.index} (state {self.state!r}, step id {self.step_id})"
@@ -96,8 +102,8 @@ class StagingPool:
         # Set once when the manager fails (I8): claims and waiters raise it.
         self._failure: str | None = None
         self.num_claims = 0
-        self.num_claim_waits = 0
-        self.claim_wait_s: list[float] = []
+        # Claims that had to wait, and how long: a fixed-size histogram (bounded however long the run).
+        self._waits = WaitHistogram()
 
     # ---- lifecycle (the machine's triggers) ---------------------------------
     def claim(self, num_rows: int, *, timeout_s: float | None = None) -> StagingSlot:
@@ -116,8 +122,7 @@ class StagingPool:
                     slot.num_rows = num_rows
                     self.num_claims += 1
                     if waited:
-                        self.num_claim_waits += 1
-                        self.claim_wait_s.append(time.perf_counter() - start)
+                        self._waits.record(time.perf_counter() - start)
                     return slot
                 waited = True
                 remaining = timeout_s - (time.perf_counter() - start)
@@ -147,6 +152,10 @@ class StagingPool:
                 )
             self.machine.fire(slot, "abort", what=f"staging slot {slot.index}")
             slot.num_rows = 0
+            # A refused save fixes no key's row shape: only a saved step's keys keep their pages.
+            for key in slot.new_keys:
+                del self._pages[key]
+            slot.new_keys = []
             self._cond.notify_all()
 
     def save(self, slot: StagingSlot, step_id: StepId, saved_at: str) -> None:
@@ -157,12 +166,15 @@ class StagingPool:
             self.machine.fire(slot, "save", what=f"staging slot {slot.index}", step_id=step_id)
             slot.step_id = step_id
             slot.saved_at = saved_at
+            slot.new_keys = []
             self._by_step[step_id] = slot
 
     def consume(self, step_id: StepId, *, caller: str) -> StagingSlot:
         """Take ``step_id`` exactly once (I1); the caller then reads the page."""
         with self._cond:
-            slot = self._by_step.get(step_id)
+            # Only a real int is an id (True == 1 and 1.0 == 1 would find step 1's slot).
+            issued = isinstance(step_id, int) and not isinstance(step_id, bool)
+            slot = self._by_step.get(step_id) if issued else None
             if slot is None:
                 raise OmniPrefixCacheUnmatchError(
                     f"{caller}: step id {step_id} was {PHRASE_NOT_SAVED} (I1); "
@@ -210,7 +222,7 @@ class StagingPool:
         for key, like in rows_by_key.items():
             if like.shape[0] > slot.num_rows:
                 raise AssertionError(f"staging {like.shape[0]} rows into {slot.describe()}: manager bug")
-            views[key] = self._page(key, like)[slot.index, : like.shape[0]]
+            views[key] = self._page(key, like, slot)[slot.index, : like.shape[0]]
         return views
 
     def claimed_page(self, slot: StagingSlot, key: TensorName, like: torch.Tensor) -> torch.Tensor:
@@ -251,7 +263,7 @@ class StagingPool:
     def _check_page(self, key: TensorName, page: torch.Tensor, like: torch.Tensor) -> None:
         check_same_rows(f"staging page of {key!r}", page.shape[2:], page.dtype, like)
 
-    def _page(self, key: TensorName, like: torch.Tensor) -> torch.Tensor:
+    def _page(self, key: TensorName, like: torch.Tensor, slot: StagingSlot) -> torch.Tensor:
         row_shape = tuple(like.shape[1:])
         page = self._pages.get(key)
         if page is None:
@@ -262,6 +274,8 @@ class StagingPool:
             )
             with self._lock:
                 page = self._pages.setdefault(key, fresh)
+                if page is fresh:
+                    slot.new_keys.append(key)
         self._check_page(key, page, like)
         return page
 
@@ -289,17 +303,36 @@ class StagingPool:
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            waits = sorted(self.claim_wait_s)
+            num_waits, max_wait = self._waits.count, self._waits.max_s
             states = [s.state for s in self._slots]
         return {
             "depth": self.depth,
             "capacity_tokens": self.capacity_tokens,
             "slots": {st: states.count(st) for st in STAGING_TABLE.states},
             "claims": self.num_claims,
-            "claim_waits": self.num_claim_waits,
-            "claim_wait_s_max": waits[-1] if waits else 0.0,
+            "claim_waits": num_waits,
+            "claim_wait_s_max": max_wait,
             "page_bytes": self.page_bytes(),
         }
+
+    @property
+    def num_claim_waits(self) -> int:
+        with self._lock:
+            return self._waits.count
+
+    def record_claim_wait(self, seconds: float) -> None:
+        """Add one claim wait to the history (``claim`` records each of its waits here)."""
+        with self._lock:
+            self._waits.record(seconds)
+
+    def wait_percentiles(self, qs: tuple[float, ...]) -> list[float]:
+        """Claim-wait percentiles from the histogram: constant cost, whatever the run's length."""
+        with self._lock:
+            return self._waits.percentiles(qs)
+
+    def wait_history_footprint(self) -> int:
+        with self._lock:
+            return self._waits.footprint()
 
     def set_failed(self, message: str) -> None:
         """The manager failed (I8): every claim, waiting or not, raises ``message``."""

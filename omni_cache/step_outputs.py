@@ -6,18 +6,22 @@ step id.
 
 Upholds I4 (snapshot): everything materialize reads is either in the claimed
 staging page, in host copies taken at save, or in planned reads pinned at save;
-nothing refers to the caller's live, reusable buffers.
+nothing refers to the caller's live, reusable buffers, nor to their autograd
+graph (per-token rows are detached; leftovers are copied by type, detached, and a
+leftover that cannot be copied faithfully is refused before anything is claimed).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from omni_cache.adapter import PrefixCacheWrite
+from omni_cache.errors import OmniPrefixCacheUnmatchError
 from omni_cache.interface import ModelCachePolicy, ReqId, StepId, TensorName
 from omni_cache.tenancy import PlannedRead
 
@@ -47,28 +51,71 @@ def classify_outputs(
     num_unpadded: int,
     num_padded: int,
 ) -> SplitOutputs:
+    """Split a step's outputs; per-token rows are detached: no autograd through the cache."""
     split = SplitOutputs()
     if policy.hidden_key is not None and hidden_states is not None:
-        split.immediate[policy.hidden_key] = hidden_states[:num_unpadded]
+        split.immediate[policy.hidden_key] = hidden_states[:num_unpadded].detach()
     for key, value in mm_outputs.items():
         if is_token_major(value, num_unpadded, num_padded):
             target = split.deferred if key in policy.deferred_keys else split.immediate
-            target[key] = value[:num_unpadded]
+            target[key] = value[:num_unpadded].detach()
         else:
             split.leftover[key] = value
     return split
 
 
 def host_copy(value: Any) -> Any:
-    """A host-side copy of a leftover value that shares no storage with ``value``."""
+    """A host-side copy of a leftover value that shares no storage with ``value``, of the same type.
+
+    Tensors are detached CPU copies; named tuples, tuples, lists, dicts (and their
+    subclasses) and dataclasses are rebuilt with the same type and fields around
+    copies of their items; anything else is deep-copied. Raises whatever the copy
+    raises (``copy_leftovers`` turns that into a refusal).
+    """
     if isinstance(value, torch.Tensor):
         return value.detach().to("cpu", copy=True)
-    if isinstance(value, (list, tuple)):
+    if isinstance(value, tuple):
         items = [host_copy(v) for v in value]
-        return type(value)(items) if isinstance(value, tuple) else items
+        if type(value) is tuple:
+            return tuple(items)
+        if hasattr(value, "_fields"):  # a named tuple: positional fields
+            return type(value)(*items)
+        return type(value)(items)
+    if isinstance(value, list):
+        items = [host_copy(v) for v in value]
+        if type(value) is list:
+            return items
+        out = copy.copy(value)  # keeps the subclass and its attributes
+        out[:] = items
+        return out
     if isinstance(value, dict):
-        return {k: host_copy(v) for k, v in value.items()}
+        items = {k: host_copy(v) for k, v in value.items()}
+        if type(value) is dict:
+            return items
+        out = copy.copy(value)  # keeps OrderedDict / defaultdict(default_factory) / subclasses
+        out.clear()
+        out.update(items)
+        return out
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        out = copy.copy(value)
+        for f in dataclasses.fields(value):
+            object.__setattr__(out, f.name, host_copy(getattr(value, f.name)))  # frozen ones too
+        return out
     return copy.deepcopy(value)
+
+
+def copy_leftovers(leftover: dict[TensorName, Any]) -> dict[TensorName, Any]:
+    """``host_copy`` of every leftover; one that cannot be copied faithfully is refused (before a claim)."""
+    out = {}
+    for key, value in leftover.items():
+        try:
+            out[key] = host_copy(value)
+        except Exception as exc:
+            raise OmniPrefixCacheUnmatchError(
+                f"save_outputs: leftover mm key {key!r} ({type(value).__name__}) cannot be copied faithfully "
+                f"for materialize ({type(exc).__name__}: {exc}); nothing was claimed and no step id issued (I4)"
+            ) from exc
+    return out
 
 
 @dataclass

@@ -1,17 +1,23 @@
 """KV-slot tenancy: per-(slot, key) row versions, planned reads and preserved rows.
 
-Owns: three version vectors per key -- ``registered`` (tid of the newest write
-registered for the slot), ``landed`` (tid whose rows are in the block pool) and
-``pins`` (how many planned hit reads still need the slot) -- and the rows
-preserved for planned reads before a newer tenant overwrites them. Everything
-here is guarded by the block pool's leaf data lock (``PrefixBlockPool.lock``).
+Owns: four vectors per key -- ``registered`` (tid of the newest write
+registered for the slot), ``tenant`` (the step id of that write), ``landed``
+(tid whose rows are in the block pool) and ``pins`` (how many planned hit reads
+still need the slot) --, one vector per slot, ``_tenant`` (the step id of the
+newest write of any key: the slot's tenant), and the rows preserved for planned
+reads before a newer tenant overwrites them. Everything here is guarded by the
+block pool's leaf data lock (``PrefixBlockPool.lock``).
 
 A version is the tid of the write that produced the rows (tids are monotonic),
-so "newer tenant" is simply "larger tid".
+so "newer tenant" is simply "larger tid". A KV slot has one tenant for all keys:
+the step that last registered a write on it. A key whose version was written by
+an older step than the slot's tenant is *absent* there (the tenant's write did
+not carry it), exactly like a key never written.
 
 Upholds:
-  I6  a planned read of a slot no write ever registered is absent: ``read``
-      raises "is not readable"; rows are never served as zeros.
+  I6  a planned read of a slot no write ever registered, or of a key the
+      slot's tenant did not write, is absent: ``read`` raises "is not
+      readable"; rows are never served as zeros nor from an older tenant.
   I7  ``land`` preserves the current rows of every pinned slot before it
       overwrites them, and ``read`` returns exactly the planned version (from
       the pool or from the preserved copy) or raises -- never a newer tenant's
@@ -51,10 +57,12 @@ class NotLandedYet(Exception):
 class _KeyVersions:
     """The version vectors of one key (numpy: a few cheap ops per step, whatever the batch)."""
 
-    __slots__ = ("landed", "num_pins", "pins", "preserved", "registered", "tensor")
+    __slots__ = ("landed", "num_pins", "pins", "preserved", "registered", "tenant", "tensor")
 
     def __init__(self, num_slots: int) -> None:
         self.registered = np.zeros(num_slots, dtype=np.int64)
+        # The step id that registered ``registered`` (compared with the slot's tenant).
+        self.tenant = np.zeros(num_slots, dtype=np.int64)
         self.landed = np.zeros(num_slots, dtype=np.int64)
         self.pins = np.zeros(num_slots, dtype=np.int32)
         self.num_pins = 0  # sum of pins: 0 lets ``land`` skip the preservation check
@@ -71,6 +79,8 @@ class SlotTenancy:
         self.pool = pool
         # key -> versions; guarded by pool.lock.
         self._keys: dict[TensorName, _KeyVersions] = {}
+        # slot -> step id of the newest write registered on it, whatever its keys (the tenant).
+        self._tenant = np.zeros(pool.num_slots, dtype=np.int64)
         self.num_preserved_total = 0
 
     def _versions_locked(self, key: TensorName) -> _KeyVersions:
@@ -80,33 +90,54 @@ class SlotTenancy:
         return versions
 
     # ---- engine thread: registration and planning --------------------------
-    def register(self, keys: list[TensorName], slots: np.ndarray, tid: Tid, *, scan_older: bool = True) -> set[Tid]:
-        """Record ``tid`` as the newest tenant of ``slots`` for ``keys``; return older unlanded tids.
+    def prepare_keys(self, keys: list[TensorName]) -> None:
+        """Allocate the version vectors of ``keys`` now, so ``register`` allocates nothing.
 
-        The caller must get those older writes landed before ``tid`` (it pushes
-        them to the front of the copy queue), so a preempted tenant's late
-        write never lands over its successor's rows.
+        The manager calls this before a save claims anything: a ``MemoryError`` of a
+        huge pool's per-slot bookkeeping then surfaces with nothing to undo.
+        """
+        with self.pool.lock:
+            for key in keys:
+                self._versions_locked(key)
+
+    def register(
+        self, keys: list[TensorName], slots: np.ndarray, tid: Tid, *, step_id: int, scan_older: bool = True
+    ) -> set[Tid]:
+        """Record ``tid`` (of step ``step_id``) as the newest tenant of ``slots``; return older unlanded tids.
+
+        Step ``step_id`` becomes the tenant of ``slots`` for every key: a key
+        this step registers no write for is absent there from now on (I7). The
+        caller must get the older writes landed before ``tid`` (it pushes them
+        to the front of the copy queue), so a preempted tenant's late write
+        never lands over its successor's rows.
         """
         older_tids: set[Tid] = set()
         with self.pool.lock:
-            for key in keys:
-                v = self._versions_locked(key)
+            versions = [self._versions_locked(key) for key in keys]  # may allocate: before any change
+            self._tenant[slots] = step_id
+            for v in versions:
                 if scan_older:
                     older = v.registered[slots]
                     behind = older > v.landed[slots]
                     if behind.any():
                         older_tids.update(np.unique(older[behind]).tolist())
                 v.registered[slots] = tid
+                v.tenant[slots] = step_id
         return older_tids
 
     def plan(self, keys: list[TensorName], slots: torch.Tensor) -> PlannedRead:
-        """Pin ``slots`` for ``keys`` at their current registered versions."""
+        """Pin ``slots`` for ``keys`` at their current registered versions.
+
+        A key whose version was not written by the slot's tenant is planned
+        as absent (version 0): ``read`` refuses it (I6/I7).
+        """
         slots_np = slots.numpy()
         expected: dict[TensorName, np.ndarray] = {}
         with self.pool.lock:
+            tenant = self._tenant[slots_np]
             for key in keys:
                 v = self._versions_locked(key)
-                expected[key] = v.registered[slots_np]
+                expected[key] = np.where(v.tenant[slots_np] == tenant, v.registered[slots_np], 0)
                 v.pins[slots_np] += 1
                 v.num_pins += len(slots_np)
         return PlannedRead(slots, slots_np, expected)
@@ -197,8 +228,9 @@ class SlotTenancy:
             first = int(np.flatnonzero(absent)[0])
             raise OmniPrefixCacheUnmatchError(
                 f"{what}: key {key!r} at KV slot {int(slots_np[first])} {PHRASE_NOT_READABLE}: "
-                f"{int(absent.sum())} of {len(slots_np)} hit rows were never written; the omni "
-                "cache diverged from the KV cache (I6) -- never served as zeros"
+                f"{int(absent.sum())} of {len(slots_np)} hit rows are absent (never written, or the "
+                "KV slot's newest tenant did not write this key); the omni cache diverged from the "
+                "KV cache (I6/I7) -- never served as zeros nor from an older tenant"
             )
         with self.pool.lock:
             v = self._versions_locked(key)

@@ -1,6 +1,6 @@
 """Input validation of the manager's entry points: errors before any state changes.
 
-Owns: ``validate_hit`` (I5), ``check_capacity`` (I10) and ``validate_save`` (the
+Owns: ``validate_hit`` (I5), ``check_capacity`` (I10), ``check_slot_mapping`` and ``validate_save`` (the
 step's layout covers its rows: "slot mapping covers"; hidden has enough rows).
 Pure functions of their arguments: an input that fails here has changed nothing.
 """
@@ -69,6 +69,27 @@ def check_same_rows(what: str, held_shape: tuple[int, ...], held_dtype: torch.dt
         )
 
 
+def check_slot_mapping(slots: Any, n: int) -> torch.Tensor:
+    """``slots`` is a 1-D int64 CPU tensor of at least ``n`` KV slots; return its first ``n``."""
+    problem = None
+    if not isinstance(slots, torch.Tensor):
+        problem = "is missing" if slots is None else f"is a {type(slots).__name__}, not a tensor"
+    elif slots.device.type != "cpu":
+        problem = f"is on device {slots.device}, not the CPU"
+    elif slots.dtype != torch.int64:
+        problem = f"has dtype {slots.dtype}, not an integer dtype"
+    elif slots.dim() != 1:
+        problem = f"has shape {tuple(slots.shape)}, not 1-D"
+    elif slots.numel() < n:
+        problem = f"has {slots.numel()} entries"
+    if problem is not None:
+        raise OmniPrefixCacheUnmatchError(
+            f"save_outputs: the {PHRASE_SLOT_MAPPING} the step's {n} rows only as a 1-D integer CPU "
+            f"tensor of at least {n} KV slots; slots_cpu {problem}"
+        )
+    return slots[:n]
+
+
 def validate_save(
     config: PrefixCacheConfig,
     policy: ModelCachePolicy,
@@ -94,11 +115,12 @@ def validate_save(
     check_capacity(n, config.staging_capacity_tokens)
     if not isinstance(layout, PrefixCacheWriteLayout):
         raise TypeError(f"write_layout must be a PrefixCacheWriteLayout, got {type(layout).__name__}")
-    slots = layout.slots_cpu
-    if slots is None or layout.total_rows != n or slots.numel() < n:
+    slots = check_slot_mapping(layout.slots_cpu, n)
+    total = layout.total_rows  # an int (or integer-like); 5.0 == 5 and True == 1 are refused
+    if isinstance(total, bool) or not hasattr(total, "__index__") or total != n:
         raise OmniPrefixCacheUnmatchError(
-            f"save_outputs: the {PHRASE_SLOT_MAPPING} {0 if slots is None else slots.numel()} rows "
-            f"(layout total_rows {layout.total_rows}); the step has {n} unpadded tokens"
+            f"save_outputs: the {PHRASE_SLOT_MAPPING} {layout.total_rows} rows (layout total_rows); "
+            f"the step has {n} unpadded tokens"
         )
     rows_seen = 0
     seen: set[ReqId] = set()
@@ -111,8 +133,18 @@ def validate_save(
                 f"save_outputs: write {w} overlaps another, repeats a request, or exceeds the "
                 f"{n} rows the {PHRASE_SLOT_MAPPING}"
             )
+        if w.row_start > rows_seen:
+            raise OmniPrefixCacheUnmatchError(
+                f"save_outputs: rows [{rows_seen}, {w.row_start}) belong to no request: the "
+                f"{PHRASE_SLOT_MAPPING} every row of the step exactly once (write {w})"
+            )
         rows_seen = w.row_end
         seen.add(w.req_id)
+    if rows_seen != n:
+        raise OmniPrefixCacheUnmatchError(
+            f"save_outputs: rows [{rows_seen}, {n}) belong to no request: the {PHRASE_SLOT_MAPPING} "
+            f"every row of the step exactly once (writes {list(layout.writes)})"
+        )
     if mm and HIDDEN_KEY in mm:
         raise OmniPrefixCacheUnmatchError(
             f"save_outputs: mm_outputs uses the reserved key {HIDDEN_KEY!r}; pass hidden as hidden_states"
@@ -126,4 +158,4 @@ def validate_save(
             raise OmniPrefixCacheUnmatchError(
                 f"save_outputs: hidden_states has {hidden.shape[0]} rows; the step has {n} unpadded tokens"
             )
-    return slots[:n]
+    return slots

@@ -105,8 +105,9 @@ class WriteBook:
         # The copy queue (queued writes); the committer pops from the left.
         self._queue: collections.deque[PoolWrite] = collections.deque()
         self._next_tid: Tid = 1
-        # Sticky failure (I8); set once.
+        # Sticky failure (I8); set once, with the exception that caused it (chained on re-raise).
         self._failure: str | None = None
+        self._failure_cause: BaseException | None = None
         self._closed = False
         self.num_written = 0
         self.num_failed = 0
@@ -181,6 +182,7 @@ class WriteBook:
                     f"{PHRASE_WRITE_FAILED}: {what} in {where}: {type(error).__name__}: {error}; "
                     "the omni prefix cache is failed for good (I8): every later call raises"
                 )
+                self._failure_cause = error
             for w in ([write] if write is not None else []) + list(self._queue):
                 if w.state not in WRITE_TABLE.terminal:
                     w.error = error
@@ -213,11 +215,11 @@ class WriteBook:
     def check_failed(self, what: str) -> None:
         """Raise the sticky failure (I8). No lock: ``_failure`` is set once, never cleared."""
         if self._failure is not None:
-            raise OmniPrefixCacheUnmatchError(f"cannot {what}: {self._failure}")
+            raise OmniPrefixCacheUnmatchError(f"cannot {what}: {self._failure}") from self._failure_cause
 
     def _raise_if_failed_locked(self, what: str) -> None:
         if self._failure is not None:
-            raise OmniPrefixCacheUnmatchError(f"cannot {what}: {self._failure}")
+            raise OmniPrefixCacheUnmatchError(f"cannot {what}: {self._failure}") from self._failure_cause
 
     @property
     def failure(self) -> str | None:

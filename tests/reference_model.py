@@ -7,7 +7,10 @@ exact float/int columns), a tiny prefix-caching block allocator
 reuse), the request lifecycle (waiting -> running <-> preempted -> ended), and
 ``Engine``, which drives a real ``OmniPrefixCacheManager`` one scheduler step at
 a time and returns a ``StepExpect``: what every later ``materialize`` of that
-step must return (``check_outputs``). The expected output never depends on
+step must return (``check_outputs``). A step may omit one per-token key
+(``omit``): a KV slot has one tenant for all keys, so a later hit that needs a
+key the slot's tenant did not write must raise "is not readable" (I6/I7;
+``Engine.slot_keys`` tracks each slot's tenant's keys). The expected output never depends on
 the cache: a row is a function of the request's tokens, so a wrong tenant
 (I7), a missing prefix (I6), a wrong position or a torn page (I3, I4) shows up
 as a wrong value.
@@ -187,6 +190,8 @@ class StepExpect:
     caches_hidden: bool
     not_readable: frozenset[str] = frozenset()
     where: str = ""
+    keys: tuple[str, ...] = PER_TOKEN_KEYS  # the per-token mm keys this step carried
+    stale_absent: frozenset[str] = frozenset()  # not_readable hits an older tenant's rows would have "served"
 
     def must_raise(self, req_ids: Sequence[str]) -> bool:
         return any(r in self.not_readable for r in req_ids)
@@ -217,9 +222,9 @@ def check_outputs(exp: StepExpect, req_ids: Sequence[str], out: StageCacheOutput
         span = exp.spans[rid]
         want = {k: v[span.out_start:span.out_end] for k, v in span.req.rows.items()}
         got_mm = out.mm_for(rid)
-        assert set(got_mm) == set(PER_TOKEN_KEYS) | set(exp.leftover), (
+        assert set(got_mm) == set(exp.keys) | set(exp.leftover), (
             f"{tag}: request {rid} mm keys {sorted(got_mm)}")
-        pairs = [(k, got_mm[k]) for k in PER_TOKEN_KEYS]
+        pairs = [(k, got_mm[k]) for k in exp.keys]
         if exp.caches_hidden:
             pairs.append((HIDDEN_KEY, out.hidden_states[rid]))
         for key, got in pairs:
@@ -241,6 +246,7 @@ class Prepared:
     total: int
     padded: int
     layout: PrefixCacheWriteLayout
+    keys: tuple[str, ...] = PER_TOKEN_KEYS
 
 
 class Engine:
@@ -259,6 +265,9 @@ class Engine:
         self.active: dict[str, Req] = {}  # the ones not ended (scans stay short in long runs)
         self.terminal: list[PrefixCacheRequestEvent] = []
         self.written = bytearray(config.num_slots)  # slots any save has written (I6 bookkeeping)
+        # slot -> the keys its tenant (the last save that wrote it) carried; a hit needing another is absent (I7)
+        self.slot_keys: list[frozenset[str]] = [frozenset()] * config.num_slots
+        self.ever_keys: list[frozenset[str]] = [frozenset()] * config.num_slots  # any tenant's keys, ever
         self.n_reqs = 0
         self.n_admissions = 0
         self.controls: list[PrefixCacheRequestEvent] = []  # REPLACED controls for the next step (I12)
@@ -425,15 +434,18 @@ class Engine:
         return q.blocks[pos // self.bs] * self.bs + pos % self.bs
 
     def step(self, picks: Sequence[tuple[int, int]], *, pad: int = 0, leftover: bool = False,
-             padded_mm: bool = False, order: int = 0, forced: Any = None) -> StepExpect | None:
+             padded_mm: bool = False, order: int = 0, forced: Any = None, omit: int = 0) -> StepExpect | None:
         """new_step_starts + forward + save_outputs. None when nothing was scheduled."""
         prepared = self.prepare(picks, pad=pad, leftover=leftover, padded_mm=padded_mm, order=order,
-                                forced=forced)
+                                forced=forced, omit=omit)
         return None if prepared is None else self.save(prepared)
 
     def prepare(self, picks: Sequence[tuple[int, int]], *, pad: int = 0, leftover: bool = False,
-                padded_mm: bool = False, order: int = 0, forced: Any = None) -> Prepared | None:
-        """Schedule, tell the manager (new_step_starts) and run the 'forward' of one step."""
+                padded_mm: bool = False, order: int = 0, forced: Any = None, omit: int = 0) -> Prepared | None:
+        """Schedule, tell the manager (new_step_starts) and run the 'forward' of one step.
+
+        ``omit`` 1 or 2 leaves ``PER_TOKEN_KEYS[omit - 1]`` out of this step's mm outputs.
+        """
         late = [e for e in self.late if self.reqs[e.req_id].started]  # before this step schedules
         self.late = [e for e in self.late if e not in late]
         sched = forced if forced is not None else self.schedule(picks)
@@ -456,8 +468,9 @@ class Engine:
                 for k in (HIDDEN_KEY, *PER_TOKEN_KEYS)}
         junk = {k: torch.full((pad, *v.shape[1:]), -99, dtype=v.dtype) for k, v in live.items()}
         hidden = torch.cat([live[HIDDEN_KEY], junk[HIDDEN_KEY]])
+        keys = tuple(k for i, k in enumerate(PER_TOKEN_KEYS) if i != omit - 1)
         mm: dict[str, Any] = {k: torch.cat([live[k], junk[k]]) if padded_mm else live[k]
-                              for k in PER_TOKEN_KEYS}
+                              for k in keys}
         if leftover:
             mm[META] = [total, "meta", [pad]]
             mm[LENS] = torch.tensor([n for *_, n, _ in sched], dtype=torch.int64)
@@ -466,7 +479,7 @@ class Engine:
         layout = PrefixCacheWriteLayout.packed(spans, slots)
         if order % 2:  # the writes' order is free; rows are what count
             layout = PrefixCacheWriteLayout(tuple(reversed(layout.writes)), layout.total_rows, layout.slots_cpu)
-        return Prepared(sched, hidden, mm, total, padded, layout)
+        return Prepared(sched, hidden, mm, total, padded, layout, keys)
 
     def save(self, p: Prepared) -> StepExpect:
         """save_outputs of a prepared step; the engine's bookkeeping moves only if it succeeds."""
@@ -485,7 +498,9 @@ class Engine:
             else:
                 value.append("junk")
         exp = StepExpect(step_id, {}, left, self.policy.needs_full_hidden_states,
-                         where=", ".join(f"{q.rid}[{s},{s + n})" for q, s, n, _ in p.sched))
+                         where=", ".join(f"{q.rid}[{s},{s + n})" for q, s, n, _ in p.sched), keys=p.keys)
+        # The keys this step writes: the tenant's keys of every slot it writes (one tenant for all keys).
+        tenant_keys = frozenset(p.keys) | ({HIDDEN_KEY} if self.policy.needs_full_hidden_states else set())
         for q, s, n, event in p.sched:
             hit = event.kind in (E.STARTED, E.RESUMED) and event.hit_end > 0
             exp.spans[q.rid] = Span(q, 0 if hit else s, s + n, s, event.kind == E.RESUMED)
@@ -493,7 +508,18 @@ class Engine:
             q.progress = max(q.progress, q.computed)
             for pos in range(s, s + n):
                 self.written[self.slot_of(q, pos)] = 1
-        exp.not_readable = frozenset(q.rid for q, *_ in p.sched if q.diverged)
+                self.slot_keys[self.slot_of(q, pos)] = tenant_keys
+                self.ever_keys[self.slot_of(q, pos)] |= tenant_keys
+        # A hit is planned after this step's writes are registered: it needs every key this step
+        # carries at every hit slot, from that slot's tenant (I6/I7).
+        absent = {q.rid for q, s, _, event in p.sched if event.kind in (E.STARTED, E.RESUMED) and event.hit_end > 0
+                  and any(not tenant_keys <= self.slot_keys[self.slot_of(q, pos)] for pos in range(s))}
+        exp.not_readable = frozenset(q.rid for q, *_ in p.sched if q.diverged) | absent
+        # Of those, hits whose missing key an older tenant of the slot did write (what a stale read would serve).
+        exp.stale_absent = frozenset(
+            q.rid for q, s, *_ in p.sched if q.rid in absent
+            and any((tenant_keys - self.slot_keys[self.slot_of(q, pos)]) & self.ever_keys[self.slot_of(q, pos)]
+                    for pos in range(s)))
         return exp
 
     # ---- a hit the cache cannot serve (the KV cache and the omni cache diverged) ----

@@ -114,11 +114,12 @@ def test_no_other_module_touches_the_page_storage() -> None:
     assert offenders == []
     staging_src = (package / "staging.py").read_text()
     tree = ast.parse(staging_src)
-    # inside staging.py, only the allocator and the two state-checked accessors touch it
+    # inside staging.py, only the allocator, the state-checked accessors and ``abort`` (which
+    # drops the pages its own claimed slot allocated, so a refused save fixes no row shape) touch it
     users = {
         fn.name
         for fn in ast.walk(tree)
         if isinstance(fn, ast.FunctionDef)
         and any(isinstance(n, ast.Attribute) and n.attr == "_pages" for n in ast.walk(fn))
     }
-    assert users == {"__init__", "_page", "page_rows", "pages_rows", "page_bytes", "check_rows"}
+    assert users == {"__init__", "_page", "page_rows", "pages_rows", "page_bytes", "check_rows", "abort"}

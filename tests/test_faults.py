@@ -310,8 +310,9 @@ def test_a_save_that_fails_before_registering_changes_nothing(eager: bool, fault
         assert hooks.fired == 1
     else:
         prepared.mm["mm.lock"] = [threading.Lock()]  # a leftover value that cannot be copied
-        with pytest.raises(TypeError):
-            eng.save(prepared)
+        with pytest.raises(OmniPrefixCacheUnmatchError, match="cannot be copied faithfully") as info:
+            eng.save(prepared)  # refused before the claim (issue 11 item 6), chained to the copy's error
+        assert isinstance(info.value.__cause__, TypeError), repr(info.value.__cause__)
         del prepared.mm["mm.lock"]
     after = m.stats()
     assert after["saved"] == before["saved"] and after["unconsumed_step_ids"] == before["unconsumed_step_ids"]

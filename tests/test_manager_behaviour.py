@@ -310,7 +310,7 @@ def test_eager_drain_is_one_thread_at_a_time_in_queue_order() -> None:
     older = book.register(WriteSchedule.JOIN_ON_FINISH, 1, slots_, {"k": torch.ones(2, 2)})
     newer = book.register(WriteSchedule.JOIN_ON_FINISH, 2, slots_, {"k": torch.full((2, 2), 2.0)})
     for w in (older, newer):
-        tenancy.register(["k"], slots_.numpy(), w.tid)
+        tenancy.register(["k"], slots_.numpy(), w.tid, step_id=w.step_id)
     book.enqueue([older])
     drainer = threading.Thread(target=committer.kick)
     drainer.start()

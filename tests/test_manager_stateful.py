@@ -11,7 +11,8 @@ and checks every materialize against the ground truth, in three variants:
             that drains a queue of step ids while the engine keeps saving
 
 Rules: arrivals with shared block-aligned prefixes (hits), blocks freed and
-reused (new tenants, I7), prefill/decode steps with several requests, padded
+reused (new tenants, I7), prefill/decode steps with several requests (some omitting a per-token key: a
+hit that needs it from a slot whose tenant did not write it raises), padded
 steps and padded mm, finish/abort/preempt/resume, deferred and leftover mm, the
 hidden opt-out policy, request ids reused by new admissions (a live one REPLACED,
 a finished one followed by a stale terminal of its old owner: I12) and replayed
@@ -85,7 +86,7 @@ ARRIVAL = st.tuples(st.integers(0, 2), st.integers(0, 4), st.lists(st.integers(0
 STEP = dict(arrivals=st.lists(ARRIVAL, max_size=2),
             picks=st.lists(st.tuples(st.integers(0, 31), st.integers(1, 9)), min_size=1, max_size=4),
             pad=st.sampled_from([0, 0, 1, 3]), leftover=st.booleans(), padded_mm=st.booleans(),
-            order=st.integers(0, 3))
+            order=st.integers(0, 3), omit=st.sampled_from([0, 0, 0, 1, 2]))
 
 
 PENDING = Bundle("pending")  # saved step ids not yet consumed (nor handed to the builder)
@@ -156,16 +157,22 @@ class ManagerMachine(RuleBasedStateMachine):
         event(f"step: {min(len(exp.spans), 3)}+ requests, {min(len(hits), 2)}+ hits")
         if any(sp.resumed for sp in hits):
             event("step: a resumed request's hit")
+        if exp.stale_absent:
+            event("step: a hit needs a key its slots' tenant did not write but an older one did (I7)")
         return exp.step_id
 
     # ---- the engine ----------------------------------------------------------
     def _step(self, arrivals: list[tuple[int, int, list[int], int]], picks: list[tuple[int, int]], pad: int,
-              leftover: bool, padded_mm: bool, order: int) -> object:
-        """New requests arrive, then one scheduler step runs (new_step_starts + save_outputs)."""
+              leftover: bool, padded_mm: bool, order: int, omit: int) -> object:
+        """New requests arrive, then one scheduler step runs (new_step_starts + save_outputs).
+
+        ``omit`` leaves one per-token key out of the step: later hits that need it on the
+        slots this step wrote must raise "is not readable" (I7: one tenant for all keys).
+        """
         for arrival in arrivals:
             self.engine.add_request(*arrival)
         return self._saved(self._rule(lambda: self.engine.step(
-            picks, pad=pad, leftover=leftover, padded_mm=padded_mm, order=order)))
+            picks, pad=pad, leftover=leftover, padded_mm=padded_mm, order=order, omit=omit)))
 
     # Three differently named rules run the step: steps are drawn about three times as often as
     # anything else, and Hypothesis' swarm testing (which disables rules by name) rarely drops all.
@@ -267,7 +274,7 @@ class ManagerMachine(RuleBasedStateMachine):
         m = self.m
         assert m is not None
         if kind == "unknown_id":
-            self._misuse_step_id(10**6 + k, via)
+            self._misuse_step_id(-k, via)  # never issued (ids are positive)
         elif kind in ("unaligned", "no_blocks"):  # I5
             self.n_bad += 1
             rid = f"bad{self.n_bad}"

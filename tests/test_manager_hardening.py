@@ -1,0 +1,267 @@
+"""Regressions for the runtime holes of issue 11 (items 1-8), one test per invariant guarded.
+
+Each test was written first and seen failing on the code before its fix (the
+commit that adds it names the break it was checked against):
+
+  I7  a key that a KV slot's newest tenant did not write is absent there: a hit
+      that needs it raises "is not readable"; it is never served from an older
+      tenant (immediate and deferred paths, eager and async modes).
+  slot mapping covers: a layout whose writes leave rows of the step to no
+      request, or whose ``slots_cpu`` is not a 1-D integer CPU mapping of enough
+      entries, is refused before anything is claimed.
+  I8  a failure inside a save is either fully undone or sticky, never half.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from cache_helpers import BS, manager, settle, slots, started, truth
+
+from omni_cache import (
+    ModelCachePolicy,
+    OmniPrefixCacheUnmatchError,
+    PrefixCacheRequestEvent,
+    PrefixCacheWriteLayout,
+)
+from omni_cache.adapter import PrefixCacheEventKind as E
+from omni_cache.errors import PHRASE_NOT_READABLE
+
+K = "mm.k"
+
+
+def _save(m, spans, *, with_k: bool, tag_of=None) -> int:  # type: ignore[no-untyped-def]
+    """Save one step of ``(req, blocks, start, end)`` spans: hidden, plus per-token ``K`` if ``with_k``."""
+    tag_of = tag_of or {}
+    rows = torch.cat([truth(tag_of.get(r, r), range(s, e)) for r, _, s, e in spans])
+    slot_ids = torch.cat([slots(b, s, e) for _, b, s, e in spans])
+    mm = {K: -rows[:, :2].clone()} if with_k else {}
+    layout = PrefixCacheWriteLayout.packed([(r, s, e) for r, _, s, e in spans], slot_ids)
+    n = rows.shape[0]
+    return m.save_outputs(rows, mm, num_tokens_unpadded=n, num_tokens_padded=n, write_layout=layout)
+
+
+@pytest.mark.parametrize("deferred", [False, True], ids=["immediate", "deferred"])
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "async"])
+def test_I7_absent_key_not_served_from_older_tenant(eager: bool, deferred: bool) -> None:
+    """C writes hidden and K on block 0; A reuses block 0 writing hidden only; B hits block 0 with K.
+
+    B's hit must raise "is not readable" for K: block 0's tenant (A) never wrote K,
+    and C's K rows belong to an older tenant (I7, I6). Today B got A's hidden rows
+    glued to C's K rows, silently.
+    """
+    m = manager(eager=eager)
+    m.register_policy(ModelCachePolicy(deferred_keys=frozenset({K}) if deferred else frozenset()))
+    m.new_step_starts([started("C")])
+    m.materialize(_save(m, [("C", [0, 1], 0, 5)], with_k=True), ["C"])
+    m.new_step_starts([PrefixCacheRequestEvent("C", E.FINISHED), started("A")])
+    settle(m)
+    # A, a different prompt, takes block 0 over; its steps carry hidden but not K.
+    m.materialize(_save(m, [("A", [0, 2], 0, 3)], with_k=False), ["A"])
+    m.materialize(_save(m, [("A", [0, 2], 3, 5)], with_k=False), ["A"])
+    m.new_step_starts([PrefixCacheRequestEvent("A", E.FINISHED), started("B", BS, [0, 3])])
+    settle(m)
+    step = _save(m, [("B", [0, 3], BS, BS + 2)], with_k=True, tag_of={"B": "A"})
+    with pytest.raises(OmniPrefixCacheUnmatchError, match=PHRASE_NOT_READABLE) as info:
+        m.materialize(step, ["B"])
+    assert repr(K) in str(info.value) and "KV slot 0" in str(info.value), info.value
+    assert m.stats()["failed"] is None
+    m.shutdown()
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "async"])
+def test_I7_key_written_by_the_current_tenant_stays_readable(eager: bool) -> None:
+    """The converse (so the absent rule cannot be "refuse every mm hit"): when the tenant's
+    write carried hidden and K, a hit reads both, exactly."""
+    m = manager(eager=eager)
+    m.new_step_starts([started("A")])
+    m.materialize(_save(m, [("A", [0, 2], 0, 5)], with_k=True), ["A"])
+    m.new_step_starts([PrefixCacheRequestEvent("A", E.FINISHED), started("B", BS, [0, 3])])
+    settle(m)
+    step = _save(m, [("B", [0, 3], BS, BS + 2)], with_k=True, tag_of={"B": "A"})
+    out = m.materialize(step, ["B"])
+    want = truth("A", range(BS + 2))
+    assert torch.equal(out.hidden_states["B"], want)
+    assert torch.equal(out.mm_outputs[K]["B"], -want[:, :2])
+    m.shutdown()
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "async"])
+def test_I7_hit_without_the_key_still_reads_hidden(eager: bool) -> None:
+    """A hit whose own step does not carry K only needs hidden: the absent K does not refuse it."""
+    m = manager(eager=eager)
+    m.new_step_starts([started("C")])
+    m.materialize(_save(m, [("C", [0, 1], 0, 5)], with_k=True), ["C"])
+    m.new_step_starts([PrefixCacheRequestEvent("C", E.FINISHED), started("A")])
+    settle(m)
+    m.materialize(_save(m, [("A", [0, 2], 0, 5)], with_k=False), ["A"])
+    m.new_step_starts([PrefixCacheRequestEvent("A", E.FINISHED), started("B", BS, [0, 3])])
+    settle(m)
+    out = m.materialize(_save(m, [("B", [0, 3], BS, BS + 2)], with_k=False, tag_of={"B": "A"}), ["B"])
+    assert torch.equal(out.hidden_states["B"], truth("A", range(BS + 2)))
+    assert K not in out.mm_outputs
+    m.shutdown()
+
+
+
+# ---- item 2/3: the slot mapping covers the step's rows exactly, as a 1-D integer CPU mapping ----
+
+
+def _claims(m) -> int:  # type: ignore[no-untyped-def]
+    return m.stats()["staging"]["claims"]
+
+
+def _assert_refused_and_usable(m, call, eager: bool) -> None:  # type: ignore[no-untyped-def]
+    """``call`` raises "slot mapping covers", claims nothing, burns no step id, fails nothing;
+    the manager then saves and serves the next step exactly."""
+    claims, issued = _claims(m), m._ids_issued
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="slot mapping covers"):
+        call()
+    settle(m)
+    assert _claims(m) == claims and m._ids_issued == issued, "a refused save claimed a page or an id"
+    assert m.stats()["failed"] is None and not m.book.live(), m.stats()
+    m.new_step_starts([started("ok")])
+    step = _save(m, [("ok", [5], 0, 3)], with_k=False)
+    assert m._ids_issued == issued + 1
+    assert torch.equal(m.materialize(step, ["ok"]).hidden_states["ok"], truth("ok", range(3)))
+
+
+@pytest.mark.parametrize("gap", ["middle", "tail", "head"])
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "async"])
+def test_slot_mapping_covers_layout_gap_refused(eager: bool, gap: str) -> None:
+    """Rows of the step that belong to no request are refused ("slot mapping covers"); today they
+    were scattered into the pool over another request's cached block (X's block 1)."""
+    from omni_cache.adapter import PrefixCacheWrite
+
+    m = manager(eager=eager)
+    m.new_step_starts([started("X")])
+    m.materialize(_save(m, [("X", [1, 2], 0, 5)], with_k=False), ["X"])
+    m.new_step_starts([started("A"), started("B")])
+    settle(m)
+    # 6 rows; the uncovered row's KV slot is X's slot 4 (block 1, offset 0).
+    writes = {
+        "middle": (PrefixCacheWrite("A", 0, 2, 0, 2), PrefixCacheWrite("B", 3, 6, 0, 3)),
+        "tail": (PrefixCacheWrite("A", 0, 2, 0, 2), PrefixCacheWrite("B", 2, 5, 0, 3)),
+        "head": (PrefixCacheWrite("A", 1, 3, 0, 2), PrefixCacheWrite("B", 3, 6, 0, 3)),
+    }[gap]
+    hole = {"middle": 2, "tail": 5, "head": 0}[gap]
+    slot_ids = torch.tensor([24, 25, 26, 27, 28, 29])
+    slot_ids[hole] = 4
+    layout = PrefixCacheWriteLayout(writes, 6, slot_ids)
+    hidden = torch.full((6, 8), -3.0)
+    _assert_refused_and_usable(m, lambda: m.save_outputs(
+        hidden, {}, num_tokens_unpadded=6, num_tokens_padded=6, write_layout=layout), eager)
+    # X's block 1 is intact: a hit on it still reads X's rows.
+    m.new_step_starts([started("Y", BS, [1, 3])])
+    settle(m)
+    out = m.materialize(_save(m, [("Y", [1, 3], BS, BS + 1)], with_k=False, tag_of={"Y": "X"}), ["Y"])
+    assert torch.equal(out.hidden_states["Y"], truth("X", range(BS + 1)))
+    m.shutdown()
+
+
+@pytest.mark.parametrize("bad", ["2-D", "float", "bool", "short", "meta device"])
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "async"])
+def test_slot_mapping_covers_malformed_slots_refused_before_claim(eager: bool, bad: str) -> None:
+    """A 2-D, non-integer, too short or non-CPU ``slots_cpu`` is a precondition error raised before
+    anything is claimed; today a 2-D mapping passed validation, its scatter failed and the manager
+    was failed for good (in async mode after the step id was returned)."""
+    m = manager(eager=eager)
+    m.new_step_starts([started("A")])
+    good = slots([0, 1], 0, 5)
+    mapping = {
+        "2-D": good.reshape(5, 1),
+        "float": good.to(torch.float32),
+        "bool": torch.ones(5, dtype=torch.bool),
+        "short": good[:4],
+        "meta device": torch.empty(5, dtype=torch.int64, device="meta"),
+    }[bad]
+    rows = truth("A", range(5))
+
+    def call() -> object:
+        layout = PrefixCacheWriteLayout.packed([("A", 0, 5)], mapping)
+        return m.save_outputs(rows, {}, num_tokens_unpadded=5, num_tokens_padded=5, write_layout=layout)
+
+    _assert_refused_and_usable(m, call, eager)
+    m.shutdown()
+
+
+# ---- item 4: a failure inside a save is fully undone or sticky (I8), never half ----
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "async"])
+def test_I8_bookkeeping_memory_error_in_save_is_undone_and_surfaces_itself(eager: bool, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """``MemoryError`` from per-slot bookkeeping of a new key (a huge pool) surfaces as itself;
+    the save leaves nothing claimed, no write in flight and no step id burned, and the manager
+    stays usable. Today: an unrelated "cannot abort staging slot" error, a leaked claimed page
+    and a pool write that never lands, with ``failed`` still None."""
+    from omni_cache import tenancy as tenancy_mod
+
+    m = manager(eager=eager)
+    real = tenancy_mod._KeyVersions.__init__
+
+    def huge(self, num_slots: int) -> None:  # type: ignore[no-untyped-def]
+        raise MemoryError(f"cannot allocate version vectors of {num_slots} slots")
+
+    monkeypatch.setattr(tenancy_mod._KeyVersions, "__init__", huge)
+    m.new_step_starts([started("A")])
+    claims, issued = _claims(m), m._ids_issued
+    with pytest.raises(MemoryError, match="version vectors"):
+        _save(m, [("A", [0, 1], 0, 5)], with_k=False)
+    assert _claims(m) == claims and m._ids_issued == issued
+    assert m.staging.slot_states() == ["free"] * m.config.staging_depth, m.staging.slot_states()
+    assert not m.book.live() and m.stats()["failed"] is None, m.stats()
+    monkeypatch.setattr(tenancy_mod._KeyVersions, "__init__", real)
+    step = _save(m, [("A", [0, 1], 0, 5)], with_k=False)
+    assert torch.equal(m.materialize(step, ["A"]).hidden_states["A"], truth("A", range(5)))
+    m.shutdown()
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "async"])
+def test_I8_failure_after_a_write_is_registered_is_sticky_and_chained(eager: bool, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A failure once a pool write is registered cannot be undone: it surfaces as itself and
+    fails the manager for good (every later entry raises "write failed", chained to it)."""
+    m = manager(eager=eager)
+    m.new_step_starts([started("A")])
+
+    def boom(*args: object, **kwargs: object) -> set[int]:
+        raise MemoryError("per-slot bookkeeping")
+
+    monkeypatch.setattr(m.tenancy, "register", boom)
+    with pytest.raises(MemoryError, match="per-slot bookkeeping"):
+        _save(m, [("A", [0, 1], 0, 5)], with_k=False)
+    failed = m.stats()["failed"]
+    assert failed is not None and "MemoryError" in failed, m.stats()
+    assert all(w.state == "failed" for w in m.book.live()) and not m.book.live(), m.book.describe_in_flight()
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="write failed") as info:
+        _save(m, [("A", [0, 1], 0, 5)], with_k=False)
+    assert isinstance(info.value.__cause__, MemoryError), repr(info.value.__cause__)
+    m.shutdown()
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "async"])
+def test_I8_refused_save_does_not_fix_a_keys_row_shape(eager: bool, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A save that fails after its claim (here: the staging copy) is undone, and undone entirely:
+    the staging page it allocated for a key no saved step ever carried is dropped, so a later
+    save may bring that key with another width. Today the refused save locked the width in."""
+    m = manager(eager=eager)
+    m.new_step_starts([started("A")])
+    real = m.copies.copy_into
+    calls = {"n": 0}
+
+    def flaky(*args: object, **kwargs: object) -> object:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("device->host copy failed")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(m.copies, "copy_into", flaky)
+    rows = truth("A", range(5))
+    layout = PrefixCacheWriteLayout.packed([("A", 0, 5)], slots([0, 1], 0, 5))
+    with pytest.raises(RuntimeError, match="copy failed"):
+        m.save_outputs(rows, {K: torch.ones(5, 3)}, num_tokens_unpadded=5, num_tokens_padded=5, write_layout=layout)
+    assert m.stats()["failed"] is None and m.staging.slot_states() == ["free"] * m.config.staging_depth
+    step = m.save_outputs(rows, {K: torch.ones(5, 6)}, num_tokens_unpadded=5, num_tokens_padded=5,
+                          write_layout=layout)
+    out = m.materialize(step, ["A"])
+    assert torch.equal(out.mm_outputs[K]["A"], torch.ones(5, 6))
+    m.shutdown()
