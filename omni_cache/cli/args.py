@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
@@ -36,7 +37,7 @@ class CliParser(argparse.ArgumentParser):
     """An ``ArgumentParser`` whose errors name the (sub)command and show its own usage."""
 
     def error(self, message: str) -> NoReturn:
-        self.print_usage()
+        self.print_usage(sys.stderr)
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
 
 
