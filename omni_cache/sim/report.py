@@ -111,15 +111,20 @@ def _not_run(r: dict[str, Any]) -> str:
     return f"; {', '.join(parts)}" if parts else ""
 
 
+def result_line(s: dict[str, Any]) -> str:
+    """The verdict in one plain line: OK / INCOMPLETE / FAILED with requests asked vs verified."""
+    r = s["requests"]
+    counts = (f"{r['asked']} requests asked, {r['created']} run, {r['verified_by_talker']} finished and verified "
+              f"whole, {r['aborted']} aborted by the workload" + _not_run(r))
+    if not s["ok"]:
+        return f"FAILED: {s['num_mismatches']} mismatch(es) ({counts})"
+    return f"{'OK' if s['complete'] else 'INCOMPLETE'}: {counts}"
+
+
 def _result(s: dict[str, Any]) -> str:
     if not s["ok"]:
         return f"[red]FAILED: {s['num_mismatches']} mismatch(es)[/]"
-    r = s["requests"]
-    counts = (f"{r['asked']} asked, {r['verified_by_talker']} finished and verified whole, {r['aborted']} aborted "
-              "by the workload" + (f", {r['skipped_after_abort']} later turns skipped" if r["skipped_after_abort"] else ""))
-    if not s["complete"]:
-        return f"[yellow]INCOMPLETE ({counts})[/]"
-    return f"[green]OK ({counts})[/]"
+    return "[green]OK[/]" if s["complete"] else "[yellow]INCOMPLETE (see below)[/]"
 
 
 def render(summary: dict[str, Any], console: Console) -> None:
@@ -158,6 +163,7 @@ def render(summary: dict[str, Any], console: Console) -> None:
     for name, value in rows:
         table.add_row(name, value)
     console.print(table)
+    console.print(f"result: {result_line(s)}", markup=False, highlight=False, soft_wrap=True)
     if not s["ok"]:
         console.print("[red bold]Mismatches and contract errors (first of each run):[/]")
         for m in s["mismatches"]:
