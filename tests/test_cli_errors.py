@@ -163,5 +163,5 @@ def test_validators_name_the_range() -> None:
     with pytest.raises(argparse.ArgumentTypeError, match="got 'x'"):
         int_range(0)("x")
     assert int_list(1, 9)("3,1,3") == [1, 3]
-    with pytest.raises(argparse.ArgumentTypeError, match="ending in .png or .svg"):
+    with pytest.raises(argparse.ArgumentTypeError, match=r"ending in \.png or \.svg"):
         plot_path("plot.pdf")

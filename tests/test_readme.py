@@ -167,7 +167,7 @@ def test_readme_shell_commands_run_as_printed_after_the_set_up() -> None:
             for word in words[1:]:
                 if re.match(r"^(tests|tools|tla|docs|spec|\.ci)/[\w./-]+$", word) and "Big" not in word:
                     target = ROOT / word
-                    if not (target.exists() or word.endswith((".png", ".svg")) and target.parent.is_dir()):
+                    if not (target.exists() or (word.endswith((".png", ".svg")) and target.parent.is_dir())):
                         problems.append(f"{part!r}: {word} does not exist")
             if tool == "bash" and len(words) > 1 and not (ROOT / words[1]).exists():
                 problems.append(f"{part!r}: {words[1]} does not exist")
