@@ -60,6 +60,8 @@ USAGE_ERRORS = [
     (["bench", "--threads", "0"], "usage: omni-cache bench", "argument --threads: wants an integer from 1"),
     (["bench", "--plot", "x.txt"], "usage: omni-cache bench", "argument --plot: wants a file ending in .png or .svg"),
     (["bench", "--plot", "no/such/folder/x.png"], "usage: omni-cache bench", "folder 'no/such/folder' does not exist"),
+    (["diagram", "--write", "--path", "no/such/folder/state_machines.md"], "usage: omni-cache diagram",
+     "argument --path: folder 'no/such/folder' does not exist"),
     (["verify", "--jobs", "0"], "usage: omni-cache verify", "argument --jobs: wants an integer from 1 to 64, got 0"),
     (["verify", "--timeout", "0"], "usage: omni-cache verify", "argument --timeout: wants a number > 0"),
     (["verify", "--expect", "STARTED"], "usage: omni-cache verify", "argument --expect: wants one of ok, deadlock"),

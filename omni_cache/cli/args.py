@@ -115,17 +115,28 @@ def int_list(lo: int = 1, hi: int | None = None) -> Callable[[str], list[int]]:
     return parse
 
 
-def plot_path(text: str) -> Path:
-    """A ``.png`` or ``.svg`` file in a folder that exists (nothing is created but the file)."""
-    path = Path(text)
-    if path.suffix.lower() not in PLOT_SUFFIXES:
-        raise argparse.ArgumentTypeError(f"wants a file ending in .png or .svg, got {text!r}")
-    folder = path.parent
-    if not folder.is_dir():
-        raise argparse.ArgumentTypeError(f"folder {str(folder)!r} does not exist (create it first), got {text!r}")
-    if path.is_dir():
-        raise argparse.ArgumentTypeError(f"{text!r} is a folder, not a file")
-    return path
+def file_in_existing_folder(*suffixes: str) -> Callable[[str], Path]:
+    """A file path ending in one of ``suffixes`` whose folder exists (nothing is created but the file)."""
+    shown = " or ".join(suffixes)
+
+    def parse(text: str) -> Path:
+        path = Path(text)
+        if suffixes and path.suffix.lower() not in suffixes:
+            raise argparse.ArgumentTypeError(f"wants a file ending in {shown}, got {text!r}")
+        folder = path.parent
+        if not folder.is_dir():
+            raise argparse.ArgumentTypeError(
+                f"folder {str(folder)!r} does not exist (create it first), got {text!r}")
+        if path.is_dir():
+            raise argparse.ArgumentTypeError(f"{text!r} is a folder, not a file")
+        return path
+
+    parse.__name__ = "path"
+    return parse
+
+
+plot_path = file_in_existing_folder(*PLOT_SUFFIXES)
+"""A ``.png`` or ``.svg`` file in a folder that exists."""
 
 
 def choice_pattern(*forms: str) -> Callable[[str], str]:
