@@ -59,6 +59,17 @@ def test_quick_cli_end_to_end_json_and_png(tmp_path: Any, capsys: pytest.Capture
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plot_explains_floor_target_and_load(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    plot = tmp_path / "bench.svg"
+    assert main(["bench", "--quick", "--batch-sizes", "2", "--plot", str(plot)]) == 0
+    capsys.readouterr()
+    svg = plot.read_text()
+    for text in ("floor = the same tensor copies with no bookkeeping", "target = omni_cache reaches at least 50%",
+                 "target: 50% of the floor", "as % of the floor", "1-min load average", "machine: ",
+                 "no verdict (--quick smoke run)"):
+        assert text in svg.replace("&gt;", ">").replace("&amp;", "&"), text
+
+
 def test_quick_cli_tables_and_async(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "--quick", "--async", "--batch-sizes", "3"]) == 0
     out = capsys.readouterr().out

@@ -136,6 +136,7 @@ def write_plot(result: BenchResult, path: str | Path) -> Path:
     and the target are; a footnote gives the workload, the machine, the load
     average before and after the run, and the command.
     """
+    import os
     import time
 
     import matplotlib
@@ -203,16 +204,21 @@ def write_plot(result: BenchResult, path: str | Path) -> Path:
              "size. Both run step by step in the same pass, alternating which goes first; every row is checked "
              "against ground truth.", ha="center", va="top", fontsize=8.5, wrap=True)
     load = cfg.get("load_avg_1min") or [None, None]
-    load_text = ("1-min load average {} before, {} after the run (the machine was shared with other jobs; "
-                 "the ratio moves under load)".format(*("?" if v is None else f"{v:.2f}" for v in load)))
-    fig.text(0.01, 0.012,
+    load_text = "1-min load average {} before, {} after the run".format(
+        *("?" if v is None else f"{v:.2f}" for v in load))
+    cpus = os.cpu_count() or 1
+    if any(v is not None and v > cpus / 2 for v in load):  # more runnable work than half the CPUs
+        load_text += ": other work competed with the run, so every figure is slowed and the ratio moves"
+    when = cfg.get("measured_at") or time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    fig.text(0.01, 0.01,
              f"workload: hidden {cfg['hidden_width']} + {cfg['mm_key']} {cfg['mm_width']} {cfg['dtype']}, block "
              f"{cfg['block_size']}, {cfg['num_blocks']} blocks, {cfg['prompt_tokens']}-token prompts (half hit "
              f"{cfg['hit_tokens']}), {cfg['decode_steps']} decode steps, torch threads "
-             f"{cfg.get('torch_threads', '?')}.\nmachine: {cfg.get('machine', '?')}; {load_text}. "
-             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. command: {cfg.get('command') or 'omni-cache bench'}",
+             f"{cfg.get('torch_threads', '?')}.\nmachine: {cfg.get('machine', '?')}; {load_text}.\n"
+             f"measured {when}: {cfg.get('command') or 'omni-cache bench'}",
              ha="left", va="bottom", fontsize=7.5, color="0.25")
-    fig.tight_layout(rect=(0, 0.07, 1, 0.86))
-    fig.savefig(path, format=fmt, dpi=110)
+    fig.tight_layout(rect=(0, 0.09, 1, 0.86))
+    with matplotlib.rc_context({"svg.fonttype": "none"}):  # SVG keeps its text as text (searchable)
+        fig.savefig(path, format=fmt, dpi=110)
     plt.close(fig)
     return path

@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from typing import Any
 
 from omni_cache.cli.args import EXIT_FAILED, EXIT_INCOMPLETE, int_list, int_range, non_negative_int, plot_path
@@ -146,6 +147,7 @@ def _run_engine(args: argparse.Namespace, console: Any) -> int:
     result.config["torch_threads"] = torch.get_num_threads()
     result.config["machine"] = report.machine_description()
     result.config["load_avg_1min"] = [load_before, _load()]
+    result.config["measured_at"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     result.config["command"] = "omni-cache bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else [])
     result.config["quick"] = bool(args.quick)
     if not args.no_verify:
