@@ -62,6 +62,7 @@ USAGE_ERRORS = [
     (["bench", "--plot", "no/such/folder/x.png"], "usage: omni-cache bench", "folder 'no/such/folder' does not exist"),
     (["diagram", "--write", "--path", "no/such/folder/state_machines.md"], "usage: omni-cache diagram",
      "argument --path: folder 'no/such/folder' does not exist"),
+    (["verify", "--tla-dir", "no/such/tla"], "usage: omni-cache verify", "argument --tla-dir: wants an existing folder"),
     (["verify", "--jobs", "0"], "usage: omni-cache verify", "argument --jobs: wants an integer from 1 to 64, got 0"),
     (["verify", "--timeout", "0"], "usage: omni-cache verify", "argument --timeout: wants a number > 0"),
     (["verify", "--expect", "STARTED"], "usage: omni-cache verify", "argument --expect: wants one of ok, deadlock"),

@@ -139,6 +139,14 @@ plot_path = file_in_existing_folder(*PLOT_SUFFIXES)
 """A ``.png`` or ``.svg`` file in a folder that exists."""
 
 
+def existing_folder(text: str) -> Path:
+    """A folder that exists."""
+    path = Path(text)
+    if not path.is_dir():
+        raise argparse.ArgumentTypeError(f"wants an existing folder, got {text!r}")
+    return path
+
+
 def choice_pattern(*forms: str) -> Callable[[str], str]:
     """One of ``forms``; a form ending in ``:`` takes a non-empty name after the colon."""
     shown = ", ".join(f + "<Name>" if f.endswith(":") else f for f in forms)

@@ -20,7 +20,14 @@ import sys
 import time
 from pathlib import Path
 
-from omni_cache.cli.args import EXIT_FAILED, EXIT_USAGE, choice_pattern, float_range, int_range
+from omni_cache.cli.args import (
+    EXIT_FAILED,
+    EXIT_USAGE,
+    choice_pattern,
+    existing_folder,
+    float_range,
+    int_range,
+)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -41,7 +48,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                         help="TLC processes at a time, 1 to 64 (each -workers 1; default 2)")
     parser.add_argument("--timeout", type=float_range(0, 86_400, lo_open=True), default=300.0,
                         help="seconds per TLC run, > 0 (default 300)")
-    parser.add_argument("--tla-dir", type=Path, default=None, help="the tla/ folder (default: this checkout's)")
+    parser.add_argument("--tla-dir", type=existing_folder, default=None, help="the tla/ folder (default: this checkout's)")
     parser.add_argument(
         "--cfg", type=Path, default=None,
         help="check one alternative cfg (e.g. larger constants) instead of the manifest",
