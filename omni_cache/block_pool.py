@@ -15,7 +15,7 @@ import threading
 
 import torch
 
-from omni_cache.errors import OmniPrefixCacheUnmatchError
+from omni_cache.errors import PHRASE_SLOT_MAPPING, OmniPrefixCacheUnmatchError
 from omni_cache.interface import TensorName
 from omni_cache.validation import check_same_rows
 
@@ -72,15 +72,16 @@ class PrefixBlockPool:
         self._check_shape(key, tensor, rows)
         return tensor
 
-    def check_slots(self, slots: torch.Tensor) -> None:
-        """Raise unless every slot is in ``[0, num_slots)``."""
+    def check_slots(self, slots: torch.Tensor, *, where: str = "block pool") -> None:
+        """Raise unless every slot is in ``[0, num_slots)`` (the message starts with ``where``)."""
         if not slots.numel():
             return
         view = slots.numpy()
         low, high = int(view.min()), int(view.max())
         if low < 0 or high >= self.num_slots:
             raise OmniPrefixCacheUnmatchError(
-                f"KV slots out of range [0, {self.num_slots}): min {low}, max {high}"
+                f"{where}: the {PHRASE_SLOT_MAPPING} KV slots out of range [0, {self.num_slots}) "
+                f"(num_blocks x block_size): min {low}, max {high}"
             )
 
     def write(self, key: TensorName, slots: torch.Tensor, rows: torch.Tensor) -> None:

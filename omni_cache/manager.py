@@ -228,7 +228,7 @@ class OmniPrefixCacheManager:
         n = num_tokens_unpadded
         slots = validate_save(self.config, self.policy, hidden_states, mm_outputs, n,
                               num_tokens_padded, write_layout)
-        self.pool.check_slots(slots)
+        self.pool.check_slots(slots, where="save_outputs")
         with self._lock:
             policy = self.policy
             scheduled = self._scheduled  # cleared only by a save that succeeds

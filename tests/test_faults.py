@@ -424,7 +424,7 @@ BAD_INPUTS: dict[str, tuple[Callable[[OmniPrefixCacheManager], object], type[Exc
     "slot mapping too short": (lambda m: _save(m, _layout([("x", 0, 2, 0)], [60])),
                                OmniPrefixCacheUnmatchError, PHRASE_SLOT_MAPPING),
     "slot out of range": (lambda m: _save(m, _layout([("x", 0, 1, 0)], [64])),
-                          OmniPrefixCacheUnmatchError, "out of range"),
+                          OmniPrefixCacheUnmatchError, "save_outputs: the slot mapping covers KV slots out of range"),
     "overlapping rows": (lambda m: _save(m, _layout([("x", 0, 2, 0), ("y", 1, 3, 0)], [60, 61, 62])),
                          OmniPrefixCacheUnmatchError, "overlaps another"),
     "a request twice": (lambda m: _save(m, _layout([("x", 0, 1, 0), ("x", 1, 2, 1)], [60, 61])),

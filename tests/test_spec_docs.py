@@ -144,6 +144,7 @@ def test_diagram_machine_selects_one(machine: str, table: StateTable, capsys: py
 
 def test_diagram_write_then_check(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     target = tmp_path / "spec" / "state_machines.md"
+    target.parent.mkdir()  # --path must name a file in an existing folder (nothing else is created)
     assert _run_diagram(["--check", "--path", str(target)]) == 1
     assert "is missing" in capsys.readouterr().err
     assert _run_diagram(["--write", "--path", str(target)]) == 0

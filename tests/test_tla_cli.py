@@ -54,8 +54,11 @@ def test_verify_no_match_and_bad_expect(capsys: pytest.CaptureFixture[str]) -> N
     assert main(["verify", "--only", "no-such-model"]) == 2
     assert "no manifest entry matches" in capsys.readouterr().err
     cfg = TLA / "staging" / "MCStaging.cfg"
-    assert main(["verify", "--cfg", str(cfg), "--expect", "fine"]) == 2
-    assert "is not ok, deadlock" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:  # refused at parse time, with verify's usage
+        main(["verify", "--cfg", str(cfg), "--expect", "fine"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage: omni-cache verify" in err and "argument --expect: wants one of ok, deadlock" in err
 
 
 def test_verify_without_java_exits_2(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:

@@ -135,7 +135,7 @@ class BenchResult:
             "decode_overhead_us_per_step": {str(b): self.overhead_us_per_step(b) for b in self.batch_sizes},
             "decode_overhead_growth_us_per_request": self.overhead_growth_us_per_request(),
             "target_ratio": self.target_ratio,
-            "pass": self.passed,
+            "pass": None if self.config.get("quick") else self.passed,  # --quick: no verdict
             "ground_truth": self.ground_truth,
             "manager_stats": {str(b): s for b, s in self.manager_stats.items()},
         }

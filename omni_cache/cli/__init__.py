@@ -3,7 +3,11 @@
 Owns: argument parsing and dispatch. Each subcommand lives in its own module
 ``omni_cache.cli.<name>`` exposing ``register(subparsers)``, which adds its parser
 and sets ``func(args) -> int``. Modules are imported only to build the parser;
-heavy imports happen inside ``func``.
+heavy imports happen inside ``func``. Validation of arguments lives in
+``omni_cache.cli.args`` (exit codes there): a user mistake gets one line and the
+usage of the (sub)command it belongs to, exit 2, never a traceback. A runtime
+error that escapes a subcommand is one line too (exit 1); the hidden ``--debug``
+flag shows its traceback.
 """
 
 from __future__ import annotations
@@ -13,25 +17,57 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from omni_cache.cli.args import EXIT_FAILED, CliParser, add_debug_flag
+
 # Subcommands, in the order ``omni-cache --help`` lists them.
 SUBCOMMANDS: tuple[str, ...] = ("selfcheck", "diagram", "simulate", "bench", "verify")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CliParser(
         prog="omni-cache",
         description="A formally specified prefix cache for multi-stage (omni) model serving.",
+        epilog="Exit codes: 0 ok; 1 a check failed; 2 bad arguments; 3 ran, but did less than asked "
+        "or missed its target. `omni-cache COMMAND --help` describes each command.",
     )
-    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_debug_flag(parser, top_level=True)
+    # Not required here: main() reports a missing command itself, so `omni-cache --bogus` names --bogus.
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=CliParser)
     for name in SUBCOMMANDS:
         importlib.import_module(f"omni_cache.cli.{name}").register(subparsers)
+    for sub in subparsers.choices.values():
+        add_debug_flag(sub, top_level=False)
+    parser.set_defaults(_subparsers=subparsers.choices)
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse like ``omni-cache`` does: every error exits 2 with the right parser's usage."""
     parser = build_parser()
-    args = parser.parse_args(argv)
-    return int(args.func(args) or 0)
+    args, extras = parser.parse_known_args(argv)
+    if args.command is None:
+        if extras:
+            parser.error(f"unrecognized arguments: {' '.join(extras)} (a COMMAND comes first: "
+                         f"{', '.join(SUBCOMMANDS)})")
+        parser.error(f"a COMMAND is required: one of {', '.join(SUBCOMMANDS)}")
+    if extras:
+        args._subparsers[args.command].error(f"unrecognized arguments: {' '.join(extras)}")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print(f"omni-cache {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        if args.debug:
+            raise
+        print(f"omni-cache {args.command}: error: {type(exc).__name__}: {exc} (--debug shows the traceback)",
+              file=sys.stderr)
+        return EXIT_FAILED
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
+
+from omni_cache.cli.args import file_in_existing_folder
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -42,7 +43,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     )
     parser.add_argument(
         "--path",
-        type=Path,
+        type=file_in_existing_folder(".md"),
         default=None,
         help="the spec file for --write/--check (default: spec/state_machines.md of this checkout)",
     )

@@ -1,10 +1,14 @@
 """``omni-cache simulate``: run a simulated omni serving workload through the cache.
 
 Owns: the subcommand's arguments, the progress bar and the exit code. The
-simulation itself lives in ``omni_cache.sim``. Exit 0 only if every output
-handed to the next stage matched the ground truth and the manager raised no
-contract error; 1 otherwise (with a report naming step, request, key and
-position); 2 for bad arguments.
+simulation itself lives in ``omni_cache.sim``. Exit 0 only if every request
+asked for ran and every output handed to the next stage matched the ground
+truth with no contract error; 1 on a mismatch or contract error (with a
+report naming step, request, key and position); 2 for bad arguments or a
+configuration that cannot run one request (the message names the smallest
+that can); 3 when the run was clean but did less than asked (requests dropped
+as too long for the KV cache, or steps cut by ``--steps-limit``) unless
+``--allow-incomplete`` says that is intended.
 
 Invariants: none enforced here (see ``omni_cache.sim``: the run checks I1, I2,
 I4-I7 and I9 from the outside).
@@ -17,6 +21,14 @@ import json
 import sys
 from typing import Any
 
+from omni_cache.cli.args import (
+    EXIT_FAILED,
+    EXIT_INCOMPLETE,
+    float_range,
+    int_range,
+    non_negative_int,
+    positive_int,
+)
 from omni_cache.sim.workload import PRESETS
 
 
@@ -32,35 +44,45 @@ def register(subparsers: Any) -> None:
             "thread and every output is checked against the ground truth. Deterministic from --seed. "
             f"Presets: {presets}. Unset options take the preset's defaults."
         ),
+        epilog="Exit codes: 0 every request asked ran and was verified; 1 a mismatch or contract error; "
+        "2 bad arguments, or a configuration that cannot run one request; 3 clean but incomplete "
+        "(requests dropped or steps cut; --allow-incomplete makes that 0).",
     )
     parser.add_argument("--preset", choices=sorted(PRESETS), default="chat", help="workload (default: chat)")
-    parser.add_argument("--requests", type=int, help="number of requests (multiturn: turns)")
-    parser.add_argument("--max-batched-tokens", type=int, help="scheduler token budget per step")
-    parser.add_argument("--num-blocks", type=int, help="KV cache blocks")
-    parser.add_argument("--block-size", type=int, help="tokens per KV block")
-    parser.add_argument("--max-num-seqs", type=int, help="most running requests")
-    parser.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
-    parser.add_argument("--steps-limit", type=int, help="stop after this many engine steps")
+    parser.add_argument("--requests", type=positive_int, help="number of requests, >= 1 (multiturn: turns)")
+    parser.add_argument("--max-batched-tokens", type=int_range(1, 1 << 20),
+                        help="scheduler token budget per step, 1 to 1,048,576")
+    parser.add_argument("--num-blocks", type=int_range(1, 1 << 24), help="KV cache blocks (a request may use half)")
+    parser.add_argument("--block-size", type=int_range(1, 4096), help="tokens per KV block, 1 to 4096")
+    parser.add_argument("--max-num-seqs", type=int_range(1, 1 << 16), help="most running requests, >= 1")
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="workload seed, >= 0 (default: 0)")
+    parser.add_argument("--steps-limit", type=positive_int,
+                        help="stop after this many engine steps (a cut run exits 3 unless --allow-incomplete)")
+    parser.add_argument("--allow-incomplete", action="store_true",
+                        help="exit 0 even when requests were dropped or steps were cut (still reported)")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--eager", dest="eager", action="store_true", default=True,
                       help="manager copies inline (default)")
     mode.add_argument("--async", dest="eager", action="store_false",
                       help="manager eager=False: a committer thread lands pool writes")
-    parser.add_argument("--hidden-width", type=int, help="hidden row width (default 64)")
-    parser.add_argument("--embeds-width", type=int, help="width of the deferred audio.embeds key")
+    parser.add_argument("--hidden-width", type=int_range(1, 1 << 16), help="hidden row width (default 64)")
+    parser.add_argument("--embeds-width", type=int_range(1, 1 << 16), help="width of the deferred audio.embeds key")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="hidden/embeds dtype")
-    parser.add_argument("--gpu-staging-bytes", type=int, help="deferred-key GPU budget before forced flushes")
-    parser.add_argument("--staging-depth", type=int, help="staging pages per key (unconsumed step ids)")
-    parser.add_argument("--builder-delay-ms", type=float, help="extra latency before each materialize")
+    parser.add_argument("--gpu-staging-bytes", type=non_negative_int,
+                        help="deferred-key GPU budget before forced flushes, >= 0")
+    parser.add_argument("--staging-depth", type=int_range(1, 1024),
+                        help="staging pages per key (unconsumed step ids), 1 to 1024")
+    parser.add_argument("--builder-delay-ms", type=float_range(0, 60_000),
+                        help="extra latency before each materialize, 0 to 60,000 ms")
     parser.add_argument(
         "--publish", choices=["forward", "schedule"],
-        help="when the KV allocator publishes a full block: after its forward (default; vLLM v0) or "
-        "when scheduled (vLLM v1: same-step hits)",
+        help="when the KV allocator publishes a full block: when scheduled (default; vLLM v1: same-step "
+        "hits) or after its forward (vLLM v0)",
     )
     parser.add_argument("--device", choices=["cpu", "cuda"],
                         help="where the thinker's outputs live (cuda: the manager's stream path)")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON (no table, no bar)")
-    parser.set_defaults(func=run)
+    parser.set_defaults(func=run, error=parser.error)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -72,7 +94,6 @@ def run(args: argparse.Namespace) -> int:
     from omni_cache.sim.report import render, summarize
 
     delay = None if args.builder_delay_ms is None else args.builder_delay_ms / 1e3
-    err = Console(stderr=True)
     try:
         cfg = SimConfig.from_preset(
             args.preset,
@@ -103,8 +124,7 @@ def run(args: argparse.Namespace) -> int:
         sim_kwargs["on_progress"] = lambda done, created: progress.update(task, completed=done)
         sim = Simulation(cfg, **sim_kwargs)
     except (ValueError, TypeError) as exc:
-        err.print(f"omni-cache simulate: {exc}", markup=False)
-        return 2
+        args.error(str(exc))  # the subcommand's usage, one line, exit 2
     with progress:
         result = sim.run()
     summary = summarize(result)
@@ -112,4 +132,15 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(summary, indent=2, sort_keys=False, default=str))
     else:
         render(summary, Console())
-    return 0 if result.ok else 1
+    if not result.ok:
+        return EXIT_FAILED
+    if not result.complete:
+        for reason in result.incomplete_reasons():
+            what = "note" if args.allow_incomplete else "warning"
+            print(f"omni-cache simulate: {what}: {reason}", file=sys.stderr)
+        if not args.allow_incomplete:
+            print(f"omni-cache simulate: exit {EXIT_INCOMPLETE} (incomplete: {result.talker_completed} of "
+                  f"{result.requests_asked} requests asked were verified whole); pass --allow-incomplete if "
+                  "that is intended", file=sys.stderr)
+            return EXIT_INCOMPLETE
+    return 0

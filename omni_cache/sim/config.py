@@ -18,7 +18,10 @@ import torch
 from omni_cache.interface import PrefixCacheConfig
 from omni_cache.sim.scheduler import PUBLISH_MODES
 from omni_cache.sim.truth import TruthSpec
-from omni_cache.sim.workload import PRESETS, Preset
+from omni_cache.sim.workload import PRESETS, Preset, Workload
+
+HOST_BYTES_LIMIT = 8 << 30
+"""The most host memory a simulation may plan to allocate (a typo should not allocate 25 GB)."""
 
 
 @dataclass(frozen=True)
@@ -60,8 +63,24 @@ class SimConfig:
             raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda: no CUDA device is available")
-        if self.requests < 0:
-            raise ValueError("--requests must be >= 0")
+        if self.requests < 1:
+            raise ValueError(f"--requests must be >= 1, got {self.requests}: a run that asks for nothing verifies nothing")
+        if self.max_model_len is None and self.model_len < Workload.shortest_request_tokens(self.preset_obj):
+            raise ValueError(
+                f"--num-blocks {self.num_blocks} x --block-size {self.block_size} cannot run a single {self.preset} "
+                f"request: the shortest needs {Workload.shortest_request_tokens(self.preset_obj)} tokens and a request "
+                f"may use at most half the KV cache ({self.model_len} tokens); the smallest that can is "
+                f"--num-blocks {self.smallest_num_blocks()}")
+        need = self.host_bytes_estimate()
+        if need > HOST_BYTES_LIMIT:
+            raise ValueError(
+                f"this configuration needs about {need / 2**30:.1f} GiB of host memory ((1 + --staging-depth) x "
+                f"--max-batched-tokens + --num-blocks x --block-size rows of {need // max(1, self._rows()):,} bytes); "
+                f"the simulator refuses above {HOST_BYTES_LIMIT >> 30} GiB: lower --max-batched-tokens, "
+                "--num-blocks, --hidden-width or --embeds-width")
+
+    def _rows(self) -> int:
+        return (1 + self.staging_depth) * self.capacity_tokens + self.num_blocks * self.block_size
 
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> SimConfig:
@@ -102,7 +121,18 @@ class SimConfig:
         """Longest request: at most half the KV cache, so two always fit."""
         if self.max_model_len is not None:
             return self.max_model_len
-        return max(self.block_size * 2, self.num_blocks * self.block_size // 2)
+        return self.num_blocks * self.block_size // 2
+
+    def smallest_num_blocks(self) -> int:
+        """The fewest KV blocks (at this block size) with which the preset's shortest request can run."""
+        need = Workload.shortest_request_tokens(self.preset_obj)
+        return -(-2 * need // self.block_size)
+
+    def host_bytes_estimate(self) -> int:
+        """Host memory the run allocates up front or at most: thinker buffers, staging pages, block pool."""
+        spec = self.truth_spec()
+        row = sum(spec.row_bytes(k) for k in spec.per_token_keys)
+        return (1 + self.staging_depth) * self.capacity_tokens * row + self.num_blocks * self.block_size * row
 
     def truth_spec(self) -> TruthSpec:
         return TruthSpec(hidden_width=self.hidden_width, dtype=self.dtype, embeds_width=self.embeds_width)

@@ -54,6 +54,10 @@ class SimResult:
     saves: int = 0
     computed_tokens: int = 0
     requests_created: int = 0
+    requests_dropped_too_long: int = 0
+    """Asked for, but longer than the model length this KV cache allows: never run."""
+    requests_skipped_after_abort: int = 0
+    """Later turns of a conversation whose turn the workload aborted: never asked of the engine."""
     mismatches: list[Mismatch] = field(default_factory=list)
     stopped_by_steps_limit: bool = False
     allocator: AllocatorStats = field(default_factory=AllocatorStats)
@@ -70,7 +74,38 @@ class SimResult:
 
     @property
     def ok(self) -> bool:
+        """No mismatch and no contract error in what ran (see ``complete`` for what did not run)."""
         return not self.mismatches
+
+    @property
+    def requests_asked(self) -> int:
+        return self.config.requests
+
+    @property
+    def requests_not_reached(self) -> int:
+        """Asked for, but never created because the steps limit stopped the run first."""
+        return max(0, self.requests_asked - self.requests_created - self.requests_dropped_too_long
+                   - self.requests_skipped_after_abort)
+
+    @property
+    def complete(self) -> bool:
+        """Every request asked for ran to its end: none dropped, no step cut by the steps limit."""
+        return not self.requests_dropped_too_long and not self.stopped_by_steps_limit and not self.requests_not_reached
+
+    def incomplete_reasons(self) -> list[str]:
+        """One line per way the run did less than asked (empty when ``complete``)."""
+        reasons = []
+        if self.requests_dropped_too_long:
+            cfg = self.config
+            reasons.append(
+                f"{self.requests_dropped_too_long} of {self.requests_asked} requests were dropped: longer than the "
+                f"{cfg.model_len}-token model length that --num-blocks {cfg.num_blocks} x --block-size "
+                f"{cfg.block_size} allows (half the KV cache); raise --num-blocks")
+        if self.stopped_by_steps_limit or self.requests_not_reached:
+            reasons.append(
+                f"--steps-limit {self.config.steps_limit} stopped the run with requests unfinished "
+                f"({self.requests_not_reached} of {self.requests_asked} never started)")
+        return reasons
 
 
 def build_events(out: SchedulerOutput) -> list[PrefixCacheRequestEvent]:
@@ -112,6 +147,7 @@ class Simulation:
             config.preset_obj, config.requests, seed=config.seed, block_size=config.block_size,
             max_model_len=config.model_len, vocab_size=self.spec.vocab_size,
         )
+        self.scheduler.on_abort = self.workload.on_aborted
         self.thinker = Thinker(
             self.spec, config.capacity_tokens, pad_multiple=config.pad_multiple,
             pad_probability=config.pad_probability, seed=config.seed, device=config.device,
@@ -235,3 +271,5 @@ class Simulation:
         res.builder_lag_s = list(self.builder.lags_s)
         res.materialize_s = list(self.builder.materialize_s)
         res.requests_created = self.workload.created
+        res.requests_dropped_too_long = self.workload.dropped_too_long
+        res.requests_skipped_after_abort = self.workload.skipped_after_abort

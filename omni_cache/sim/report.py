@@ -43,13 +43,19 @@ def summarize(res: SimResult) -> dict[str, Any]:
     written = {k: res.computed_tokens * spec.row_bytes(k) for k in spec.per_token_keys}
     return {
         "ok": res.ok,
+        "complete": res.complete,
+        "incomplete_reasons": res.incomplete_reasons(),
         "preset": cfg.preset,
         "seed": cfg.seed,
         "mode": "eager" if cfg.eager else "async",
         "publish": cfg.publish,
         "config": cfg.as_dict(),
         "requests": {
+            "asked": res.requests_asked,
             "created": res.requests_created,
+            "dropped_too_long": res.requests_dropped_too_long,
+            "skipped_after_abort": res.requests_skipped_after_abort,
+            "not_reached": res.requests_not_reached,
             "finished": sched.finished,
             "aborted": sched.aborted,
             "preemptions": sched.preemptions,
@@ -98,6 +104,29 @@ def _bytes(n: float) -> str:
     return f"{n:.1f} GiB"  # pragma: no cover
 
 
+def _not_run(r: dict[str, Any]) -> str:
+    parts = [f"{r[k]} {what}" for k, what in (("dropped_too_long", "dropped (too long)"),
+                                              ("skipped_after_abort", "later turns skipped after an abort"),
+                                              ("not_reached", "not reached (steps limit)")) if r[k]]
+    return f"; {', '.join(parts)}" if parts else ""
+
+
+def result_line(s: dict[str, Any]) -> str:
+    """The verdict in one plain line: OK / INCOMPLETE / FAILED with requests asked vs verified."""
+    r = s["requests"]
+    counts = (f"{r['asked']} requests asked, {r['created']} run, {r['verified_by_talker']} finished and verified "
+              f"whole, {r['aborted']} aborted by the workload" + _not_run(r))
+    if not s["ok"]:
+        return f"FAILED: {s['num_mismatches']} mismatch(es) ({counts})"
+    return f"{'OK' if s['complete'] else 'INCOMPLETE'}: {counts}"
+
+
+def _result(s: dict[str, Any]) -> str:
+    if not s["ok"]:
+        return f"[red]FAILED: {s['num_mismatches']} mismatch(es)[/]"
+    return "[green]OK[/]" if s["complete"] else "[yellow]INCOMPLETE (see below)[/]"
+
+
 def render(summary: dict[str, Any], console: Console) -> None:
     """The summary table, then the mismatch report if the run failed."""
     s = summary
@@ -107,7 +136,8 @@ def render(summary: dict[str, Any], console: Console) -> None:
     table.add_column("value", justify="right")
     r, st, tk, pc, sg = s["requests"], s["steps"], s["tokens"], s["prefix_cache"], s["staging"]
     rows = [
-        ("requests", f"{r['created']}: {r['finished']} finished, {r['aborted']} aborted"),
+        ("requests asked / run", f"{r['asked']} / {r['created']}: {r['finished']} finished, {r['aborted']} aborted"
+         + _not_run(r)),
         ("preempted / resumed", f"{r['preemptions']} / {r['resumes']}"),
         ("verified at finish (talker)", f"{r['verified_by_talker']} requests"),
         ("steps", f"{st['run']} ({st['saved']} saved, {st['padded']} padded)"
@@ -128,11 +158,12 @@ def render(summary: dict[str, Any], console: Console) -> None:
     rows += [
         ("wall time", f"{s['wall_s']:.2f} s"),
         ("tokens/s (end to end, verified)", f"{s['tokens_per_s']:,.0f}"),
-        ("result", "[green]OK[/]" if s["ok"] else f"[red]FAILED: {s['num_mismatches']} mismatch(es)[/]"),
+        ("result", _result(s)),
     ]
     for name, value in rows:
         table.add_row(name, value)
     console.print(table)
+    console.print(f"result: {result_line(s)}", markup=False, highlight=False, soft_wrap=True)
     if not s["ok"]:
         console.print("[red bold]Mismatches and contract errors (first of each run):[/]")
         for m in s["mismatches"]:

@@ -32,6 +32,7 @@ still in flight).
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from omni_cache.adapter import PrefixCacheEventKind
@@ -115,6 +116,8 @@ class Scheduler:
         self._terminal: list[tuple[SimRequest, PrefixCacheEventKind]] = []
         self._published_now: set[int] = set()
         self.stats = SchedulerStats()
+        self.on_abort: Callable[[SimRequest], None] | None = None
+        """Called with every aborted request (the workload ends its conversation)."""
 
     # ---- requests ----------------------------------------------------------------
     def add_request(self, req: SimRequest) -> None:
@@ -143,6 +146,8 @@ class Scheduler:
             self.waiting.remove(req)
         req.status = RequestStatus.ABORTED
         self.stats.aborted += 1
+        if self.on_abort is not None:
+            self.on_abort(req)
         if req.started:
             self._terminal.append((req, PrefixCacheEventKind.ABORTED))
         else:

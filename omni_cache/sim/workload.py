@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import random
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from omni_cache.sim.request import SimRequest
@@ -100,7 +101,16 @@ PRESETS: dict[str, Preset] = {
 
 
 class Workload:
-    """The request stream of a preset: arrivals by step, follow-up turns on finish."""
+    """The request stream of a preset: arrivals by step, follow-up turns on finish.
+
+    Arrivals are generated lazily, in step order, as the engine asks for them, so
+    a huge ``num_requests`` costs nothing up front. The first turns come from
+    ``random.Random(seed)`` in the same order as before they were lazy (a run's
+    first turns do not depend on when they are drawn); follow-up turns draw
+    from their own generator. Requests that cannot run are counted, never hidden:
+    ``dropped_too_long`` (prompt + output longer than ``max_model_len``) and
+    ``skipped_after_abort`` (later turns of a conversation whose turn was aborted).
+    """
 
     def __init__(
         self,
@@ -120,42 +130,75 @@ class Workload:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self._rng = random.Random(seed)
+        self._turn_rng = random.Random(f"{seed}/follow-up turns")
         rng = self._rng
         # Token ids 0..99 are never drawn for user/audio tokens, so prompts differ after the system prompt.
         self._system_prompts = [[rng.randrange(100, vocab_size) for _ in range(n)] for n in preset.system_prompt_lens]
         self._pending: dict[int, list[SimRequest]] = defaultdict(list)
         self._created = 0
+        self.dropped_too_long = 0
+        self.skipped_after_abort = 0
         self._conv_turns_left: dict[int, int] = {}
-        step = 0.0
-        conv = 0
-        planned = 0
-        while planned < num_requests:
-            step += rng.expovariate(preset.arrivals_per_step)
-            for _ in range(rng.randint(*preset.burst)):
-                if planned >= num_requests:
-                    break
-                turns = min(rng.randint(*preset.turns), num_requests - planned)
-                planned += turns
-                self._conv_turns_left[conv] = turns - 1
-                system = rng.choices(self._system_prompts, weights=preset.system_prompt_weights)[0]
-                self._add(system + self._user_tokens(), int(step), conv, 0)
-                conv += 1
+        self._planner = self._plan_first_turns()
+        self._next_first: SimRequest | None = None
+        self._planner_done = num_requests == 0
+        self._advance_planner()
+
+    @staticmethod
+    def shortest_request_tokens(preset: Preset) -> int:
+        """Prompt + output tokens of the shortest request the preset can draw."""
+        return min(preset.system_prompt_lens) + preset.user_len[0] + preset.max_tokens[0]
 
     @property
     def created(self) -> int:
         return self._created
 
-    def _user_tokens(self) -> list[int]:
-        lo, hi = self.preset.user_len
-        return [self._rng.randrange(100, self.vocab_size) for _ in range(self._rng.randint(lo, hi))]
+    def _plan_first_turns(self) -> Iterator[SimRequest | None]:
+        """First turns in arrival order; None for one dropped as too long."""
+        rng, preset = self._rng, self.preset
+        step = 0.0
+        conv = 0
+        planned = 0
+        while planned < self.num_requests:
+            step += rng.expovariate(preset.arrivals_per_step)
+            for _ in range(rng.randint(*preset.burst)):
+                if planned >= self.num_requests:
+                    break
+                turns = min(rng.randint(*preset.turns), self.num_requests - planned)
+                planned += turns
+                system = rng.choices(self._system_prompts, weights=preset.system_prompt_weights)[0]
+                req = self._make(system + self._user_tokens(rng), int(step), conv, 0, rng)
+                if req is None:
+                    self.dropped_too_long += turns
+                else:
+                    self._conv_turns_left[conv] = turns - 1
+                yield req
+                conv += 1
 
-    def _add(self, prompt: list[int], step: int, conv: int, turn: int) -> SimRequest | None:
-        max_tokens = self._rng.randint(*self.preset.max_tokens)
+    def _advance_planner(self) -> None:
+        """Hold the next first turn that will run (or none when the plan is exhausted)."""
+        self._next_first = None
+        while not self._planner_done:
+            try:
+                req = next(self._planner)
+            except StopIteration:
+                self._planner_done = True
+                return
+            if req is not None:
+                self._next_first = req
+                return
+
+    def _user_tokens(self, rng: random.Random) -> list[int]:
+        lo, hi = self.preset.user_len
+        return [rng.randrange(100, self.vocab_size) for _ in range(rng.randint(lo, hi))]
+
+    def _make(self, prompt: list[int], step: int, conv: int, turn: int, rng: random.Random) -> SimRequest | None:
+        max_tokens = rng.randint(*self.preset.max_tokens)
         if len(prompt) + max_tokens > self.max_model_len:
             return None
         abort_at = None
-        if self._rng.random() < self.preset.abort_rate:
-            abort_at = step + self._rng.randint(1, 24)
+        if rng.random() < self.preset.abort_rate:
+            abort_at = step + rng.randint(1, 24)
         req = SimRequest(
             req_id=f"req-{self._created}" if self.preset.turns == (1, 1) else f"req-{self._created}-c{conv}t{turn}",
             prompt=prompt,
@@ -166,12 +209,14 @@ class Workload:
             conversation=conv,
             turn=turn,
         )
-        self._pending[step].append(req)
         self._created += 1
         return req
 
     def arrivals(self, step: int) -> list[SimRequest]:
         """Requests arriving at ``step`` (and any earlier ones not yet taken)."""
+        while self._next_first is not None and self._next_first.arrival_step <= step:
+            self._pending[self._next_first.arrival_step].append(self._next_first)
+            self._advance_planner()
         due = sorted(s for s in self._pending if s <= step)
         out: list[SimRequest] = []
         for s in due:
@@ -179,7 +224,10 @@ class Workload:
         return out
 
     def next_arrival_step(self) -> int | None:
-        return min(self._pending) if self._pending else None
+        steps = list(self._pending)
+        if self._next_first is not None:
+            steps.append(self._next_first.arrival_step)
+        return min(steps) if steps else None
 
     def on_finished(self, req: SimRequest, step: int) -> None:
         """A finished turn may start the conversation's next turn (multiturn)."""
@@ -187,5 +235,15 @@ class Workload:
         if conv is None or self._conv_turns_left.get(conv, 0) <= 0:
             return
         self._conv_turns_left[conv] -= 1
-        gap = self._rng.randint(*self.preset.turn_gap_steps)
-        self._add(req.prompt + req.output + self._user_tokens(), step + 1 + gap, conv, req.turn + 1)
+        rng = self._turn_rng
+        gap = rng.randint(*self.preset.turn_gap_steps)
+        nxt = self._make(req.prompt + req.output + self._user_tokens(rng), step + 1 + gap, conv, req.turn + 1, rng)
+        if nxt is None:
+            self.dropped_too_long += 1 + self._conv_turns_left.pop(conv)
+        else:
+            self._pending[nxt.arrival_step].append(nxt)
+
+    def on_aborted(self, req: SimRequest) -> None:
+        """An aborted turn ends its conversation: its later turns are never asked."""
+        if req.conversation is not None:
+            self.skipped_after_abort += self._conv_turns_left.pop(req.conversation, 0)
