@@ -1,0 +1,211 @@
+"""The logic behind the vLLM worker/model-runner subclasses (``vllm_worker``).
+
+Owns: ``VllmRunnerBridge`` -- one engine stage's ``PrefixCacheRunnerHooks``,
+the per-step state between ``execute_model`` and the forward (the scheduler
+output, the engine step number), the queue of saved step ids handed to the
+consumer (the next stage), and ``ForwardRecord``, what an observer sees of each
+real forward (the engine's own positions, token ids and slot mapping, read
+independently of the cache). The subclasses in ``vllm_worker`` only call into
+this class, so everything here runs without vLLM on duck-typed objects.
+
+Where the calls sit in vLLM's runner (the places vLLM-Omni's runner uses):
+``on_model_loaded`` after ``load_model``; ``on_kv_cache_initialized`` (the
+config gate, I5) at the top of ``initialize_kv_cache``, so a refused
+configuration fails at engine start, before any step; ``begin_step`` at the top
+of ``execute_model``, before vLLM drops finished requests (also for steps that
+schedule zero tokens: their finished ids still reach the cache);
+``after_forward`` right after the model forward, with the forward's hidden
+states and the runner's block table (V1: ``runner.input_batch``; Model Runner
+V2: ``runner.block_tables`` and its per-step ``InputBatch``). Upholds I1 on
+the producer side: every saved step id is published exactly once on
+``step_ids`` (the consumer must materialize or discard it exactly once).
+"""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from omni_cache.integration.block_table import BlockTableView
+from omni_cache.integration.runner_hooks import PrefixCacheRunnerHooks
+from omni_cache.interface import ModelCachePolicy, ReqId, StepId
+
+__all__ = ["CONFIG_KEY", "ForwardRecord", "PublishedStep", "VllmRunnerBridge"]
+
+CONFIG_KEY = "omni_cache"
+"""``vllm_config.additional_config[CONFIG_KEY]``: the stage's settings (a dict)."""
+
+
+@dataclass(frozen=True)
+class PublishedStep:
+    """What the consumer receives for one saved step."""
+
+    step_id: StepId
+    engine_step: int
+    req_ids: tuple[ReqId, ...]
+    spans: tuple[tuple[ReqId, int, int], ...]
+
+
+@dataclass(frozen=True)
+class ForwardRecord:
+    """One real forward as the engine ran it (tensors are the engine's own
+    buffers: an observer that keeps them must copy)."""
+
+    engine_step: int
+    step_id: StepId | None
+    req_ids: tuple[ReqId, ...]
+    spans: tuple[tuple[ReqId, int, int], ...]
+    hidden_states: torch.Tensor
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    mm_outputs: dict[str, Any]
+    scheduler_output: Any = field(repr=False, default=None)
+
+
+class _PolicyCarrier:
+    """The legacy per-model attributes ``ModelCachePolicy.from_model`` reads."""
+
+    def __init__(self, policy: ModelCachePolicy) -> None:
+        self.requires_full_prefix_cached_hidden_states = policy.needs_full_hidden_states
+        self.deferred_prefix_cache_mm_keys = tuple(sorted(policy.deferred_keys))
+        self.mm_outputs_written_in_sample = policy.mm_outputs_written_in_sample
+
+
+class VllmRunnerBridge:
+    """The omni prefix cache of one vLLM engine stage (see the module docstring).
+
+    ``settings`` (from ``additional_config["omni_cache"]``): ``deferred_keys``
+    (list of mm keys written on finish), ``eager`` (bool, manager mode).
+    ``mm_outputs_fn(hidden_states, record_spans) -> dict`` stands in for a
+    model's per-token mm outputs; ``observer(ForwardRecord)`` sees every real
+    forward. Both may be set after the engine is built, before its first step.
+    """
+
+    def __init__(self, settings: dict[str, Any] | None = None, *, hooks: PrefixCacheRunnerHooks | None = None) -> None:
+        settings = dict(settings or {})
+        unknown = set(settings) - {"deferred_keys", "eager", "needs_full_hidden_states"}
+        if unknown:
+            raise ValueError(f"VllmRunnerBridge: unknown additional_config['{CONFIG_KEY}'] keys {sorted(unknown)}")
+        self._policy_override: ModelCachePolicy | None = None
+        if "deferred_keys" in settings or "needs_full_hidden_states" in settings:
+            self._policy_override = ModelCachePolicy(
+                needs_full_hidden_states=bool(settings.get("needs_full_hidden_states", True)),
+                deferred_keys=frozenset(settings.get("deferred_keys", ())),
+            )
+        kwargs: dict[str, Any] = {}
+        if "eager" in settings:
+            kwargs["eager"] = bool(settings["eager"])
+        self.hooks = hooks if hooks is not None else PrefixCacheRunnerHooks(**kwargs)
+        self.mm_outputs_fn: Callable[[torch.Tensor], dict[str, Any]] | None = None
+        self.observer: Callable[[ForwardRecord], None] | None = None
+        self.step_ids: queue.Queue[PublishedStep] = queue.Queue()
+        self.engine_step = 0
+        self.preemptions = 0
+        self._scheduler_output: Any = None
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config: Any) -> VllmRunnerBridge:
+        extra = getattr(vllm_config, "additional_config", None) or {}
+        return cls(extra.get(CONFIG_KEY) if isinstance(extra, dict) else None)
+
+    # ------------------------------------------------------------- set-up
+    def on_model_loaded(self, model: Any) -> ModelCachePolicy:
+        carrier = model if self._policy_override is None else _PolicyCarrier(self._policy_override)
+        return self.hooks.on_model_loaded(carrier)
+
+    def on_kv_cache_initialized(self, vllm_config: Any, kv_cache_config: Any) -> None:
+        """The config gate on the engine's real configs; raises before any step."""
+        self.hooks.on_kv_cache_initialized(vllm_config, kv_cache_config)
+
+    @property
+    def active(self) -> bool:
+        return self.hooks.manager is not None
+
+    # ------------------------------------------------------------- per step
+    def begin_step(self, scheduler_output: Any) -> None:
+        """Top of ``execute_model``: every real step, zero scheduled tokens included."""
+        self.engine_step += 1
+        self.preemptions += len(getattr(scheduler_output, "preempted_req_ids", None) or ())
+        self._scheduler_output = scheduler_output
+        self.hooks.begin_step(scheduler_output)
+
+    def after_forward_v1(
+        self, runner: Any, hidden_states: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor
+    ) -> StepId | None:
+        """After the forward of V1's runner: the view is ``runner.input_batch``."""
+        so = self._take_scheduler_output()
+        if so is None:
+            return None
+        input_batch = runner.input_batch
+        view = BlockTableView.from_input_batch(input_batch, block_size=self._block_size())
+        slot_mapping = input_batch.block_table.block_tables[0].slot_mapping.cpu
+        return self._save(so, view, hidden_states, input_ids, positions, slot_mapping)
+
+    def after_forward_v2(
+        self, runner: Any, input_batch: Any, hidden_states: torch.Tensor, slot_mapping: torch.Tensor | None = None
+    ) -> StepId | None:
+        """After the forward of Model Runner V2: the view is built from
+        ``runner.block_tables`` and the step's ``InputBatch``."""
+        so = self._take_scheduler_output()
+        if so is None:
+            return None
+        view = BlockTableView.from_v2(runner.block_tables, input_batch, block_size=self._block_size())
+        positions = input_batch.positions
+        input_ids = input_batch.input_ids
+        if slot_mapping is None:
+            slot_mapping = torch.full_like(torch.as_tensor(positions), -1)
+        return self._save(so, view, hidden_states, input_ids, positions, slot_mapping)
+
+    # ------------------------------------------------------------- internals
+    def _take_scheduler_output(self) -> Any:
+        so, self._scheduler_output = self._scheduler_output, None
+        if so is None or not self.active:
+            return None
+        return so
+
+    def _block_size(self) -> int:
+        config = self.hooks.config
+        assert config is not None, "bridge active without a config: the gate must have run"
+        return config.block_size
+
+    def _save(
+        self, so: Any, view: BlockTableView, hidden_states: torch.Tensor, input_ids: Any, positions: Any, slot_mapping: Any
+    ) -> StepId | None:
+        num_unpadded = int(so.total_num_scheduled_tokens)
+        num_padded = int(hidden_states.shape[0])
+        counts = {rid: int(n) for rid, n in so.num_scheduled_tokens.items()}
+        spans = tuple(
+            (rid, start, start + counts[rid])
+            for rid, start in zip(view.req_ids, view.num_computed_tokens, strict=True)
+            if counts.get(rid, 0) > 0
+        )
+        mm = self.mm_outputs_fn(hidden_states) if self.mm_outputs_fn is not None else {}
+        step_id = self.hooks.after_forward(
+            hidden_states, mm, view=view, num_tokens_unpadded=num_unpadded, num_tokens_padded=num_padded
+        )
+        if self.observer is not None:
+            self.observer(
+                ForwardRecord(
+                    engine_step=self.engine_step,
+                    step_id=step_id,
+                    req_ids=view.req_ids,
+                    spans=spans,
+                    hidden_states=hidden_states[:num_unpadded],
+                    input_ids=torch.as_tensor(input_ids[:num_unpadded]),
+                    positions=torch.as_tensor(positions[:num_unpadded]),
+                    slot_mapping=torch.as_tensor(slot_mapping[:num_unpadded]),
+                    mm_outputs=mm,
+                    scheduler_output=so,
+                )
+            )
+        if step_id is not None:
+            self.step_ids.put(PublishedStep(step_id, self.engine_step, tuple(r for r, _, _ in spans), spans))
+        return step_id
+
+    def shutdown(self) -> dict[StepId, str]:
+        return self.hooks.shutdown()
