@@ -17,6 +17,7 @@ import json
 import sys
 from typing import Any
 
+from omni_cache.cli import simulate_vllm
 from omni_cache.sim.workload import PRESETS
 
 
@@ -33,7 +34,8 @@ def register(subparsers: Any) -> None:
             f"Presets: {presets}. Unset options take the preset's defaults."
         ),
     )
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="chat", help="workload (default: chat)")
+    parser.add_argument("--preset", choices=sorted(set(PRESETS) | set(simulate_vllm.PRESETS)),
+                        help="workload (default: chat; --engine vllm: mixed)")
     parser.add_argument("--requests", type=int, help="number of requests (multiturn: turns)")
     parser.add_argument("--max-batched-tokens", type=int, help="scheduler token budget per step")
     parser.add_argument("--num-blocks", type=int, help="KV cache blocks")
@@ -60,10 +62,18 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"],
                         help="where the thinker's outputs live (cuda: the manager's stream path)")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON (no table, no bar)")
+    simulate_vllm.add_arguments(parser)
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.engine == "vllm":
+        return simulate_vllm.run_vllm(args)
+    if args.preset is None:
+        args.preset = "chat"
+    elif args.preset not in PRESETS:
+        print(f"omni-cache simulate: preset {args.preset!r} needs --engine vllm", file=sys.stderr)
+        return 2
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 

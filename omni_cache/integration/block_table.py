@@ -146,6 +146,11 @@ class BlockTableView:
                 f"BlockTableView: request {req_id!r} is not in the batch {list(self.req_ids)}"
             ) from None
 
+    def blocks_of(self, req_id: ReqId) -> tuple[int, ...]:
+        """The request's allocated block ids (its row, up to its block count)."""
+        row = self.row_of(req_id)
+        return tuple(int(b) for b in self._table[row, : int(self._blocks_per_row[row])].tolist())
+
     def slots_for_spans(self, spans: Sequence[tuple[ReqId, int, int]]) -> torch.Tensor:
         """KV slots of positions ``[start, end)`` of each request, concatenated
         in the order given (int64, CPU)."""

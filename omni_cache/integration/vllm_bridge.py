@@ -64,6 +64,7 @@ class ForwardRecord:
     positions: torch.Tensor
     slot_mapping: torch.Tensor
     mm_outputs: dict[str, Any]
+    block_ids: dict[ReqId, tuple[int, ...]] = field(default_factory=dict)
     scheduler_output: Any = field(repr=False, default=None)
 
 
@@ -200,6 +201,7 @@ class VllmRunnerBridge:
                     positions=torch.as_tensor(positions[:num_unpadded]),
                     slot_mapping=torch.as_tensor(slot_mapping[:num_unpadded]),
                     mm_outputs=mm,
+                    block_ids={rid: view.blocks_of(rid) for rid, _, _ in spans},
                     scheduler_output=so,
                 )
             )
