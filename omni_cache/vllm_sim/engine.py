@@ -156,12 +156,12 @@ class VllmSimResult:
 
 
 class VllmSimulation:
-    def __init__(self, config: VllmSimConfig) -> None:
+    def __init__(self, config: VllmSimConfig, plan: list[PlannedRequest] | None = None) -> None:
         self.config = config
         preset = PRESETS[config.preset]
         self.preset = preset
-        self.plan: list[PlannedRequest] = plan_requests(preset, seed=config.seed, requests=config.requests,
-                                                        block_size=BLOCK_SIZE)
+        self.plan: list[PlannedRequest] = plan if plan is not None else plan_requests(
+            preset, seed=config.seed, requests=config.requests, block_size=BLOCK_SIZE)
         self.capture = ForwardCapture(BLOCK_SIZE)
         self._consumed: Counter[int] = Counter()
         self._published: list[int] = []
@@ -202,18 +202,41 @@ class VllmSimulation:
             finally:
                 bridge.step_ids.task_done()
 
-    def run(self) -> VllmSimResult:
+    def attach(self, llm: Any) -> Any:
+        """A fresh cache for ``llm``'s runner (on an idle engine with an emptied KV prefix cache)."""
+        from omni_cache.integration.vllm_bridge import VllmRunnerBridge
+
+        if not llm.llm_engine.reset_prefix_cache():
+            raise RuntimeError("reset_prefix_cache refused: the engine is not idle")
+        runner = self.runner_of(llm)
+        old = getattr(runner, "omni_cache", None)
+        if old is not None and old.active:
+            old.shutdown()
+        bridge = VllmRunnerBridge.from_vllm_config(runner.vllm_config)
+        bridge.hooks = type(bridge.hooks)(eager=self.config.eager)
+        bridge.on_model_loaded(runner.get_model())
+        bridge.on_kv_cache_initialized(runner.vllm_config, runner.kv_cache_config)
+        runner.omni_cache = bridge
+        return bridge
+
+    def run(self, llm: Any = None) -> VllmSimResult:
+        """Build an engine (or reuse ``llm``, given a fresh cache) and run the workload and the checks."""
         res = VllmSimResult(self.config)
         t0 = time.perf_counter()
+        owned = llm is None
         with stdout_to_stderr():
             import vllm
 
             res.vllm_version = vllm.__version__
-            llm = self.build_llm()
+            if owned:
+                llm = self.build_llm()
+                bridge = self.runner_of(llm).omni_cache
+            else:
+                bridge = self.attach(llm)
             res.engine_start_s = time.perf_counter() - t0
-            bridge = self.runner_of(llm).omni_cache
             bridge.mm_outputs_fn = derive_mm
             bridge.observer = self._observe_with(bridge)
+            self.bridge = bridge
             consumer = threading.Thread(target=self._consume, args=(bridge, res), name="omni-consumer", daemon=True)
             consumer.start()
             try:
@@ -231,8 +254,9 @@ class VllmSimulation:
             self._check_exactly_once(bridge, res)
             res.preemptions = bridge.preemptions
             res.steps = bridge.engine_step
-            with contextlib.suppress(Exception):
-                llm.llm_engine.engine_core.shutdown()
+            if owned:
+                with contextlib.suppress(Exception):
+                    llm.llm_engine.engine_core.shutdown()
         cap = self.capture
         res.mismatches[:0] = cap.mismatches
         res.hit_tokens, res.same_step_hits = cap.hit_tokens, cap.same_step_hits
