@@ -106,7 +106,7 @@ def _pressure_plan() -> list[PlannedRequest]:
 
 
 def test_preemption_resume_and_abort(llm) -> None:
-    sim, res = _run(llm, _pressure_plan())
+    _, res = _run(llm, _pressure_plan())
     assert res.ok, [str(m) for m in res.mismatches]
     assert res.preemptions > 0 and res.aborted == 1
     assert res.served_from_cache > 0 and res.rows_verified > 0

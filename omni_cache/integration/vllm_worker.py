@@ -21,7 +21,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-__all__ = ["OmniCPUModelRunner", "OmniCPUWorker"]
+_LAZY = ("OmniCPUModelRunner", "OmniCPUWorker")  # built by __getattr__ on first access
+__all__: list[str] = []
 
 
 @functools.cache
@@ -78,6 +79,6 @@ def _build_classes() -> dict[str, type]:
 
 
 def __getattr__(name: str) -> Any:
-    if name in __all__:
+    if name in _LAZY:
         return _build_classes()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
