@@ -24,6 +24,7 @@ from omni_cache.interface import (
     Tid,
     WriteSchedule,
     is_hidden_key,
+    mm_of_request,
     without_hidden,
 )
 from omni_cache.manager import OmniPrefixCacheManager
@@ -59,5 +60,6 @@ __all__ = [
     "WriteSchedule",
     "__version__",
     "is_hidden_key",
+    "mm_of_request",
     "without_hidden",
 ]

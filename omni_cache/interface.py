@@ -37,6 +37,7 @@ __all__ = [
     "Tid",
     "WriteSchedule",
     "is_hidden_key",
+    "mm_of_request",
     "without_hidden",
 ]
 
@@ -157,16 +158,32 @@ class PrefixCacheConfig:
         )
 
 
+def mm_of_request(mm_outputs: dict[TensorName, dict[ReqId, Any]] | None, req_id: ReqId) -> dict[TensorName, Any]:
+    """One request's mm values ``{key: value}`` from key-major ``mm_outputs[key][req]``.
+
+    The one accessor for code that thinks per request: it is the only place
+    that knows the nesting order.
+    """
+    return {key: per_req[req_id] for key, per_req in (mm_outputs or {}).items() if req_id in per_req}
+
+
 class StageCacheOutputs(NamedTuple):
     """Plain value object: per-request merged stage outputs.
 
     ``hidden_states[req]`` is the cached prefix rows followed by this step's rows
-    (``None`` when the policy opts out of hidden); ``mm_outputs[req][key]`` is the
-    same for per-token mm keys, and the host copy of a leftover value otherwise.
+    (``None`` when the policy opts out of hidden). ``mm_outputs`` is KEY-MAJOR, as
+    in the reference: ``mm_outputs[key][req]`` ("tensor name -> req -> payload
+    element"); for a per-token key it is the same merge as hidden, for a leftover
+    key the host copy taken at save. ``mm_for(req)`` gives one request's
+    ``{key: value}``.
     """
 
     hidden_states: dict[ReqId, Any] | None
-    mm_outputs: dict[ReqId, dict[TensorName, Any]]
+    mm_outputs: dict[TensorName, dict[ReqId, Any]]
+
+    def mm_for(self, req_id: ReqId) -> dict[TensorName, Any]:
+        """One request's mm values ``{key: value}`` (see ``mm_of_request``)."""
+        return mm_of_request(self.mm_outputs, req_id)
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,9 @@ forward -> ``save_outputs`` -> exactly one of ``materialize`` / ``discard_step``
 (possibly on another thread while the engine saves the next steps).
 
 Upholds: I1 (through ``StagingPool.consume``), I2/I3/I10 (staging), I4 (the step
-context), I5 (``new_step_starts`` validates hits), I6/I7 (tenancy reads), I8
+context), I5 (``new_step_starts`` validates hits), I12 (request identity: events
+are applied per admission, planned by ``admissions.plan_events``), I13 (a step
+whose ``sequence`` is not above the last applied one changes nothing), I6/I7 (tenancy reads), I8
 (every entry checks the sticky failure), I9 (finish/abort push open writes to
 the queue's front), I11 (the state lock is held only for dictionary
 bookkeeping: never across a wait, a copy or a budget flush; the ``on_blocking``
@@ -29,11 +31,11 @@ import numpy as np
 import torch
 
 from omni_cache.adapter import (
-    PrefixCacheEventKind,
     PrefixCacheRequestEvent,
     PrefixCacheStep,
     PrefixCacheWriteLayout,
 )
+from omni_cache.admissions import Admission, lookup_of, plan_events
 from omni_cache.block_pool import PrefixBlockPool
 from omni_cache.copier import Committer, CopyEngine
 from omni_cache.errors import (
@@ -61,15 +63,14 @@ from omni_cache.writes import PoolWrite, WriteBook
 
 log = logging.getLogger(__name__)
 
-_TERMINAL = (PrefixCacheEventKind.FINISHED, PrefixCacheEventKind.ABORTED)
-_HIT_KINDS = (PrefixCacheEventKind.STARTED, PrefixCacheEventKind.RESUMED)
-
 
 @dataclass
 class _Request:
     """A live request. Mutated only under the manager's state lock."""
 
     req_id: ReqId
+    # Owner of this admission and its lookup (I12).
+    admission: Admission = field(default_factory=Admission)
     # Deferred writes holding this request's rows (pushed to the front at finish/abort, I9).
     open_deferred: list[PoolWrite] = field(default_factory=list)
 
@@ -125,6 +126,7 @@ class OmniPrefixCacheManager:
         self._contexts: dict[StepId, StepContext] = {}
         self._scheduled: dict[ReqId, int] = {}
         self._next_step_id: StepId = 1
+        self._last_sequence: int | None = None  # of the last applied PrefixCacheStep (I13)
         self._last_immediate: PoolWrite | None = None
         self._deferred_open: dict[int, PoolWrite] = {}
         self._deferred_bytes = 0
@@ -132,7 +134,8 @@ class OmniPrefixCacheManager:
         self._hit_keys_cache: dict[tuple[str, ...], tuple[ModelCachePolicy, tuple[str, ...]]] = {}
         self._shut_down = False
         self.counters = {"hits": 0, "hit_tokens": 0, "misses": 0, "saved": 0,
-                         "materialized": 0, "discarded": 0, "budget_flushes": 0}
+                         "materialized": 0, "discarded": 0, "budget_flushes": 0,
+                         "replayed_steps": 0, "stale_events": 0}
 
     # ------------------------------------------------------------------ API --
     def register_policy(self, policy: ModelCachePolicy) -> None:
@@ -153,47 +156,55 @@ class OmniPrefixCacheManager:
         *,
         num_scheduled_tokens: dict[ReqId, int] | None = None,
     ) -> None:
-        """Register hits of started/resumed requests; push finished requests' writes."""
+        """Apply one step's events per admission (I12): end admissions (finished, aborted,
+        replaced) and push their open writes to the queue's front (I9), admit new ones,
+        register lookups (hits of started/resumed requests, I5). A replayed step (same
+        ``sequence``) changes nothing (I13); an error changes nothing."""
         self._check_usable("new_step_starts")
         step = events if isinstance(events, PrefixCacheStep) else PrefixCacheStep(tuple(events))
         scheduled = {**step.scheduled_tokens, **(num_scheduled_tokens or {})}
-        terminal: list[PrefixCacheRequestEvent] = []
-        others: list[PrefixCacheRequestEvent] = []
-        for event in step:
-            (terminal if event.kind in _TERMINAL else others).append(event)
-        ending = {e.req_id for e in terminal}
         with self._lock:
-            live = set(self._requests) - ending
-        for event in others:  # validate everything first: an error changes nothing
-            if event.kind == PrefixCacheEventKind.STARTED and event.req_id in live:
-                raise OmniPrefixCacheUnmatchError(
-                    f"new_step_starts: STARTED for request {event.req_id!r}, which is still live "
-                    "(no FINISHED/ABORTED since it started); the adapter must send EXTENDED or RESUMED"
-                )
-            if event.kind in _HIT_KINDS and (event.hit_end or event.hit_start):
-                validate_hit(event, self.config)
+            if step.sequence is not None and self._last_sequence is not None \
+                    and step.sequence <= self._last_sequence:
+                self.counters["replayed_steps"] += 1
+                return
+            live = {rid: r.admission for rid, r in self._requests.items()}
+        plan = plan_events(step.events, live, self.config.block_size)
+        for op, _, event in plan.changes:  # validate everything first: an error changes nothing
+            if op == "lookup" and (event.hit_end or event.hit_start):  # type: ignore[union-attr]
+                validate_hit(event, self.config)  # type: ignore[arg-type]
         to_flush: list[PoolWrite] = []
         with self._lock:
-            for event in terminal:
-                self._pending_hits.pop(event.req_id, None)
-                request = self._requests.pop(event.req_id, None)
-                if request is not None:
-                    to_flush.extend(request.open_deferred)
-            for event in others:
-                if event.req_id not in self._requests:
-                    self._requests[event.req_id] = _Request(event.req_id)
-                if event.kind in _HIT_KINDS:
-                    if event.hit_end > 0:
-                        blocks = event.group0_block_ids[: event.hit_end // self.config.block_size]
-                        self._pending_hits[event.req_id] = (event.hit_end, blocks)
-                        self.counters["hits"] += 1
-                        self.counters["hit_tokens"] += event.hit_end
-                    else:
-                        self._pending_hits.pop(event.req_id, None)
-                        self.counters["misses"] += 1
+            for op, req_id, arg in plan.changes:
+                if op == "end":
+                    self._pending_hits.pop(req_id, None)
+                    request = self._requests.pop(req_id, None)
+                    if request is not None:
+                        to_flush.extend(request.open_deferred)
+                elif op == "admit":
+                    self._pending_hits.pop(req_id, None)
+                    self._requests[req_id] = _Request(req_id, arg)  # type: ignore[arg-type]
+                else:
+                    self._install_lookup(req_id, arg)  # type: ignore[arg-type]
             self._scheduled = scheduled
+            self.counters["stale_events"] += plan.stale
+            if step.sequence is not None:
+                self._last_sequence = step.sequence
         if to_flush:
-            self._flush(to_flush, front=True, why="finished/aborted requests' open writes (I9)")
+            self._flush(to_flush, front=True, why="finished/aborted/replaced requests' open writes (I9)")
+
+    def _install_lookup(self, req_id: ReqId, event: PrefixCacheRequestEvent) -> None:
+        """A lookup's hit (or miss) for the request's current admission. Caller holds the lock."""
+        request = self._requests[req_id]
+        request.admission = Admission(request.admission.owner, lookup_of(event, self.config.block_size))
+        if event.hit_end > 0:
+            blocks = event.group0_block_ids[: event.hit_end // self.config.block_size]
+            self._pending_hits[req_id] = (event.hit_end, blocks)
+            self.counters["hits"] += 1
+            self.counters["hit_tokens"] += event.hit_end
+        else:
+            self._pending_hits.pop(req_id, None)
+            self.counters["misses"] += 1
 
     def save_outputs(
         self,

@@ -61,7 +61,8 @@ class StepReader:
         for event in ctx.host_events:
             self.copies.wait(event)
         hidden: dict[ReqId, torch.Tensor] | None = {} if ctx.caches_hidden else None
-        mm: dict[ReqId, dict[str, Any]] = {}
+        # Key-major, as in the reference: mm[key][req].
+        mm: dict[str, dict[ReqId, Any]] = {}
         # A private copy of the step's rows (the page is reused once released). Small steps
         # (decode): one clone per key, split into per-request views -- O(1) calls per step.
         # Large steps (prefill): one clone per request, which measured faster than one huge
@@ -85,9 +86,11 @@ class StepReader:
             if hit is not None:
                 for key in ctx.hit_keys:
                     rows[key] = torch.cat([self._read_hit(ctx, req_id, hit, key), rows[key]])
-            per_req = {k: v for k, v in rows.items() if k != HIDDEN_KEY}
-            per_req.update(ctx.leftover)
-            mm[req_id] = per_req
+            for key, value in rows.items():
+                if key != HIDDEN_KEY:
+                    mm.setdefault(key, {})[req_id] = value
+            for key, value in ctx.leftover.items():
+                mm.setdefault(key, {})[req_id] = value
             if hidden is not None and HIDDEN_KEY in rows:
                 hidden[req_id] = rows[HIDDEN_KEY]
         return StageCacheOutputs(hidden, mm)

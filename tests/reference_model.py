@@ -203,11 +203,12 @@ def check_outputs(exp: StepExpect, req_ids: Sequence[str], out: StageCacheOutput
         assert out.hidden_states is None, f"{tag}: hidden opt-out policy but hidden_states is not None"
     else:
         assert set(out.hidden_states) == set(req_ids), f"{tag}: hidden for {sorted(out.hidden_states)}"
-    assert set(out.mm_outputs) == set(req_ids), f"{tag}: mm for {sorted(out.mm_outputs)} != {sorted(req_ids)}"
+    for key, per_req in out.mm_outputs.items():  # key-major: mm_outputs[key][req]
+        assert set(per_req) == set(req_ids), f"{tag}: mm key {key!r} for {sorted(per_req)} != {sorted(req_ids)}"
     for rid in req_ids:
         span = exp.spans[rid]
         want = {k: v[span.out_start:span.out_end] for k, v in span.req.rows.items()}
-        got_mm = out.mm_outputs[rid]
+        got_mm = out.mm_for(rid)
         assert set(got_mm) == set(PER_TOKEN_KEYS) | set(exp.leftover), (
             f"{tag}: request {rid} mm keys {sorted(got_mm)}")
         pairs = [(k, got_mm[k]) for k in PER_TOKEN_KEYS]

@@ -110,7 +110,7 @@ def test_checker_catches_a_corrupted_row() -> None:
     with pytest.raises(GroundTruthError, match=r"step 0 .*'req-1' key 'hidden': row 7 \(position 7\)"):
         check_outputs(w, step, out)
     step, out = w.steps[-1], outs[-1]
-    out.mm_outputs["req-3"][MM_KEY][0, 0] = -out.mm_outputs["req-3"][MM_KEY][0, 0] - 1
+    out.mm_outputs[MM_KEY]["req-3"][0, 0] = -out.mm_outputs[MM_KEY]["req-3"][0, 0] - 1
     with pytest.raises(GroundTruthError, match=r"'req-3' key 'mm.codes': row 0"):
         check_outputs(w, step, out)
 

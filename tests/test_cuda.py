@@ -37,14 +37,14 @@ def test_cuda_async_hits_merge_and_pages_are_pinned() -> None:
     s1, rows_a = _save(m, "a", [1, 2], 0, 8)
     out = m.materialize(s1, ["a"])
     assert torch.equal(out.hidden_states["a"], rows_a)
-    assert torch.equal(out.mm_outputs["a"]["audio.embeds"], rows_a[:, :3] * 2)
+    assert torch.equal(out.mm_outputs["audio.embeds"]["a"], rows_a[:, :3] * 2)
     m.new_step_starts([PrefixCacheRequestEvent("a", E.FINISHED), started("b", hit_end=8, blocks=[1, 2, 3])])
     s2, rows_b = _save(m, "b", [1, 2, 3], 8, 12)
     out = m.materialize(s2, ["b"])
     merged = torch.cat([rows_a, rows_b])
     assert torch.equal(out.hidden_states["b"], merged)
-    assert torch.equal(out.mm_outputs["b"]["audio.codes"], -merged[:, :2])
-    assert torch.equal(out.mm_outputs["b"]["audio.embeds"], merged[:, :3] * 2)
+    assert torch.equal(out.mm_outputs["audio.codes"]["b"], -merged[:, :2])
+    assert torch.equal(out.mm_outputs["audio.embeds"]["b"], merged[:, :3] * 2)
     assert m.pool.pin_memory and m.staging.pin_memory
     assert m.shutdown() == {}
 

@@ -486,7 +486,7 @@ def test_rows_of_an_unannounced_request_still_land() -> None:
     rows = torch.arange(8, dtype=torch.float32).reshape(2, 4)
     step = _save(m, _layout([("ghost", 0, 2, 0)], [8, 9]), mm={EMBEDS: rows[:, :3].clone()})
     out = m.materialize(step, ["ghost"])  # type: ignore[arg-type]
-    assert torch.equal(out.mm_outputs["ghost"][EMBEDS], rows[:, :3])
+    assert torch.equal(out.mm_outputs[EMBEDS]["ghost"], rows[:, :3])
     assert m.stats()["deferred_open"] == 1
     m.new_step_starts([PrefixCacheRequestEvent("ghost", PrefixCacheEventKind.FINISHED)])
     assert m.stats()["deferred_open"] == 0 and m.stats()["writes_in_flight"] == 0

@@ -1,10 +1,12 @@
 """PrefixCacheSchedulerAdapter over fakes that mirror vLLM's SchedulerOutput.
 
-Checks the event translation rules of issue 7 (STARTED / EXTENDED / RESUMED /
-FINISHED / ABORTED, terminal first, never an inferred abort, re-STARTED after a
-terminal in the same step), that events and layouts are immutable snapshots
-(I4's input; I5's block ids are copied), and that the write layout packs rows
-in batch order with the view's slots.
+Checks the event translation rules of issue 7, in the reference's order since
+issue 10 (controls, new, resumed then other cached requests, terminal last;
+STARTED / EXTENDED / RESUMED / FINISHED / ABORTED, never an inferred abort,
+re-STARTED after a terminal in the same step), that events and layouts are
+immutable snapshots (I4's input; I5's block ids are copied), and that the write
+layout packs rows in batch order with the view's slots, zero-row writes for
+idle requests.
 """
 
 from __future__ import annotations
@@ -94,11 +96,13 @@ def test_new_request_without_an_id_raises() -> None:
         PrefixCacheSchedulerAdapter().translate_scheduler_output(_so(new=[NoId()]))
 
 
-def test_a_live_id_sent_as_new_again_is_extended_without_a_hit() -> None:
+def test_a_live_id_sent_as_new_again_is_extended() -> None:
+    # As the reference: EXTENDED carries num_computed_tokens as hit_end; the manager reads it only
+    # as the delayed first lookup of a new owner (I12), never as a hit of a live admission.
     a = PrefixCacheSchedulerAdapter()
     a.translate_scheduler_output(_so(new=[NewRequestData("r", [1] * 20, ([1],), 0)], scheduled={"r": 16}))
     (ev,) = a.translate_scheduler_output(_so(new=[NewRequestData("r", [1] * 20, ([1, 2],), 16)], scheduled={"r": 4}))
-    assert (ev.kind, ev.hit_start, ev.hit_end, ev.scheduled_tokens) == (K.EXTENDED, 0, 0, 4)
+    assert (ev.kind, ev.hit_start, ev.hit_end, ev.scheduled_tokens) == (K.EXTENDED, 0, 16, 4)
 
 
 def test_cached_requests_are_extended_or_resumed() -> None:
@@ -110,8 +114,8 @@ def test_cached_requests_are_extended_or_resumed() -> None:
         cached=_cached([("x", 17, ([5],), 1), ("y", 32, ([6, 7, 8],), 3)], resumed={"y"}),
         scheduled={"x": 1, "y": 2},
     )
-    ex, ry = a.translate_scheduler_output(so)
-    assert ex == PrefixCacheRequestEvent("x", K.EXTENDED, 0, 0, ((5,),), 1, 1)
+    ry, ex = a.translate_scheduler_output(so)  # resumed first, as the reference
+    assert ex == PrefixCacheRequestEvent("x", K.EXTENDED, 0, 17, ((5,),), 1, 1)
     assert ry == PrefixCacheRequestEvent("y", K.RESUMED, 0, 32, ((6, 7, 8),), 2, 3)
 
 
@@ -123,21 +127,25 @@ def test_older_resumed_from_preemption_flags_are_read() -> None:
             self.num_computed_tokens = [5, 16]
             self.new_block_ids = [None, ([4, 9],)]
 
-    ea, eb = PrefixCacheSchedulerAdapter().translate_scheduler_output(
+    eb, ea = PrefixCacheSchedulerAdapter().translate_scheduler_output(
         _so(cached=OlderCached(), scheduled={"a": 1, "b": 3})
     )
-    assert (ea.kind, ea.block_ids, ea.num_output_tokens) == (K.EXTENDED, (), 0)
+    assert (ea.kind, ea.block_ids, ea.num_output_tokens, ea.hit_end) == (K.EXTENDED, (), 0, 5)
     assert (eb.kind, eb.hit_end, eb.block_ids) == (K.RESUMED, 16, ((4, 9),))
 
 
-def test_cached_rows_of_mismatched_length_raise() -> None:
-    bad = _cached([("a", 1, None, 0)])
-    bad.num_computed_tokens = []
-    with pytest.raises(ValueError, match="1 req_ids but 0 num_computed_tokens"):
-        PrefixCacheSchedulerAdapter().translate_scheduler_output(_so(cached=bad))
+def test_cached_rows_shorter_than_their_ids_read_as_a_miss() -> None:
+    # Issue 10 item 5: the reference reads missing per-request entries as 0 / no blocks.
+    short = _cached([("a", 1, None, 0), ("r", 8, ([4, 5],), 2)], resumed={"r"})
+    short.num_computed_tokens = [1]
+    short.new_block_ids = [None]
+    short.num_output_tokens = []
+    er, ea = PrefixCacheSchedulerAdapter().translate_scheduler_output(_so(cached=short))
+    assert (er.req_id, er.kind, er.hit_end, er.block_ids, er.num_output_tokens) == ("r", K.RESUMED, 0, (), 0)
+    assert (ea.req_id, ea.kind, ea.hit_end) == ("a", K.EXTENDED, 1)
 
 
-def test_terminal_events_come_first_and_abort_is_reported_once() -> None:
+def test_terminal_events_come_last_and_abort_is_reported_once() -> None:
     a = PrefixCacheSchedulerAdapter()
     so = _so(
         new=[NewRequestData("n", [1], ([1],), 0)],
@@ -146,10 +154,10 @@ def test_terminal_events_come_first_and_abort_is_reported_once() -> None:
         aborted={"ab", "only_aborted"},
     )
     assert _kinds(a.translate_scheduler_output(so)) == [
+        ("n", K.STARTED),
         ("ab", K.ABORTED),
         ("f", K.FINISHED),
         ("only_aborted", K.ABORTED),
-        ("n", K.STARTED),
     ]
 
 
@@ -167,7 +175,7 @@ def test_terminal_and_new_in_one_step_is_started_again() -> None:
     events = a.translate_scheduler_output(
         _so(new=[NewRequestData("r", [2] * 9, ([2],), 0)], scheduled={"r": 9}, finished={"r"})
     )
-    assert _kinds(events) == [("r", K.FINISHED), ("r", K.STARTED)]
+    assert _kinds(events) == [("r", K.STARTED), ("r", K.FINISHED)]  # the manager applies terminals first
     # after a plain finish the id is terminal: the next new request with it starts again
     a.translate_scheduler_output(_so(finished={"r"}))
     assert "r" not in a.live_req_ids
@@ -203,6 +211,7 @@ def test_layout_packs_rows_in_batch_order_with_view_slots() -> None:
     assert [(w.req_id, w.row_start, w.row_end, w.token_start, w.token_end) for w in layout.writes] == [
         ("b", 0, 3, 6, 9),
         ("a", 3, 6, 0, 3),
+        ("idle", 6, 6, 3, 3),  # a zero-row write: rows do not advance (issue 10 item 2)
     ]
     assert layout.total_rows == 6
     # b: p6, p7 in its 2nd block (2) -> 10, 11; p8 in its 3rd block (6) -> 24; a: block 5 -> 20..22
@@ -210,11 +219,11 @@ def test_layout_packs_rows_in_batch_order_with_view_slots() -> None:
     assert layout.slots_cpu.dtype == torch.int64
 
 
-def test_layout_accepts_per_row_counts_and_skips_idle_rows() -> None:
+def test_layout_accepts_per_row_counts_and_keeps_idle_rows_as_zero_row_writes() -> None:
     a = PrefixCacheSchedulerAdapter()
     view = _view(["x", "y"], [0, 4], [[1, 0], [2, 3]])
     layout = a.build_write_layout(view, num_scheduled_tokens=np.array([0, 2]))
-    assert layout.req_ids == ("y",)
+    assert layout.req_ids == ("x", "y") and layout.writes[0].num_rows == 0
     assert layout.slots_cpu.tolist() == [12, 13]
     with pytest.raises(ValueError, match="3 per-row counts for a batch of 2"):
         a.build_write_layout(view, num_scheduled_tokens=[1, 1, 1])

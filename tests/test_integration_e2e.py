@@ -97,11 +97,11 @@ class Engine:
         out = self.hooks.materialize(step_id)
         assert self.hooks.save_time_req_ids(step_id) is None
         assert isinstance(out, StageCacheOutputs) and out.hidden_states is not None
-        assert set(out.hidden_states) == set(expect) == set(out.mm_outputs)
+        assert set(out.hidden_states) == set(expect) == set(out.mm_outputs[MM])
         for req_id, e in expect.items():
             torch.testing.assert_close(out.hidden_states[req_id], truth_rows(e.prompt, e.start, e.end))
-            torch.testing.assert_close(out.mm_outputs[req_id][MM], truth_codes(e.prompt, e.start, e.end))
-            assert out.mm_outputs[req_id]["meta.batch_size"] == [len(order)]
+            torch.testing.assert_close(out.mm_outputs[MM][req_id], truth_codes(e.prompt, e.start, e.end))
+            assert out.mm_outputs["meta.batch_size"][req_id] == [len(order)]
             self.checked_rows += e.end - e.start
 
 

@@ -31,7 +31,7 @@ def test_miss_returns_just_this_steps_rows(eager: bool) -> None:
     step, rows = save(m, [("a", [0, 1], 0, 6), ("b", [2], 0, 3)], padded=12)
     out = m.materialize(step, ["b", "a"])
     assert torch.equal(out.hidden_states["a"], rows[:6]) and torch.equal(out.hidden_states["b"], rows[6:])
-    assert set(out.mm_outputs) == {"a", "b"} and out.mm_outputs["a"] == {}
+    assert out.mm_outputs == {} and out.mm_for("a") == {}
     assert m.stats()["misses"] == 2 and m.stats()["hits"] == 0
     m.shutdown()
 
@@ -48,7 +48,7 @@ def test_hit_merges_prefix_then_step_rows_for_hidden_and_mm(eager: bool) -> None
     out = m.materialize(s2, ["b"])
     merged = torch.cat([rows_a[:8], rows_b1])
     assert torch.equal(out.hidden_states["b"], merged)
-    assert torch.equal(out.mm_outputs["b"]["audio.codes"], -merged[:, :2])
+    assert torch.equal(out.mm_outputs["audio.codes"]["b"], -merged[:, :2])
     m.new_step_starts([PrefixCacheRequestEvent("b", E.EXTENDED)])
     s3, rows_b2 = save(m, [("b", [4, 5, 9, 10], 12, 16)], mm_key="audio.codes")
     assert torch.equal(m.materialize(s3, ["b"]).hidden_states["b"], rows_b2)
@@ -77,7 +77,7 @@ def test_deferred_keys_stay_open_until_finish_then_serve_hits(eager: bool) -> No
     layout = PrefixCacheWriteLayout.packed([("a", 0, 8)], slots([1, 2], 0, 8))
     s1 = m.save_outputs(hidden, {"audio.embeds": hidden * 2}, num_tokens_unpadded=8, num_tokens_padded=8,
                         write_layout=layout)
-    assert torch.equal(m.materialize(s1, ["a"]).mm_outputs["a"]["audio.embeds"], hidden * 2)
+    assert torch.equal(m.materialize(s1, ["a"]).mm_outputs["audio.embeds"]["a"], hidden * 2)
     assert m.stats()["deferred_open"] == 1
     assert not m.pool.has_key("audio.embeds")  # not landed while the request runs
     # a hit while "a" still runs needs a's deferred rows: the save pushes them out
@@ -87,7 +87,7 @@ def test_deferred_keys_stay_open_until_finish_then_serve_hits(eager: bool) -> No
     s2 = m.save_outputs(rows_b, {"audio.embeds": rows_b * 2}, num_tokens_unpadded=4, num_tokens_padded=4,
                         write_layout=layout)
     out = m.materialize(s2, ["b"])
-    assert torch.equal(out.mm_outputs["b"]["audio.embeds"], torch.cat([hidden, rows_b]) * 2)
+    assert torch.equal(out.mm_outputs["audio.embeds"]["b"], torch.cat([hidden, rows_b]) * 2)
     m.new_step_starts([PrefixCacheRequestEvent("a", E.FINISHED), PrefixCacheRequestEvent("b", E.FINISHED)])
     settle(m)
     assert m.stats()["deferred_open"] == 0
@@ -120,7 +120,7 @@ def test_leftover_shapes_are_preserved_per_request(eager: bool) -> None:
                    mm={"codes.list": [[1, 2], [3]], "pooled": per_request, "scalar": scalar, "vec": one_d})
     out = m.materialize(step, ["a", "b"])
     for req in ("a", "b"):
-        got = out.mm_outputs[req]
+        got = out.mm_for(req)
         assert got["codes.list"] == [[1, 2], [3]]
         assert got["pooled"].shape == (2, 3) and torch.equal(got["pooled"], per_request)
         assert got["scalar"].shape == () and got["vec"].shape == (7,)
@@ -136,7 +136,7 @@ def test_padded_token_major_mm_is_sliced_to_unpadded(eager: bool) -> None:
     step, rows = save(m, [("a", [0, 1, 2], 0, 10)], padded=16, mm={"audio.codes": padded_mm})
     out = m.materialize(step, ["a"])
     assert torch.equal(out.hidden_states["a"], rows)
-    assert torch.equal(out.mm_outputs["a"]["audio.codes"], padded_mm[:10])
+    assert torch.equal(out.mm_outputs["audio.codes"]["a"], padded_mm[:10])
     m.shutdown()
 
 
@@ -162,14 +162,14 @@ def test_hidden_opt_out_still_serves_mm(eager: bool) -> None:
     s1 = m.save_outputs(None, {"audio.codes": codes}, num_tokens_unpadded=8, num_tokens_padded=8,
                         write_layout=layout)
     out = m.materialize(s1, ["a"])
-    assert out.hidden_states is None and torch.equal(out.mm_outputs["a"]["audio.codes"], codes)
+    assert out.hidden_states is None and torch.equal(out.mm_outputs["audio.codes"]["a"], codes)
     m.new_step_starts([started("b", hit_end=8, blocks=[0, 1, 2])])
     more = truth("b", range(8, 10))[:, :3]
     layout = PrefixCacheWriteLayout.packed([("b", 8, 10)], slots([0, 1, 2], 8, 10))
     s2 = m.save_outputs(torch.zeros(2, WIDTH), {"audio.codes": more}, num_tokens_unpadded=2,
                         num_tokens_padded=2, write_layout=layout)
     out = m.materialize(s2, ["b"])
-    assert out.hidden_states is None and torch.equal(out.mm_outputs["b"]["audio.codes"], torch.cat([codes, more]))
+    assert out.hidden_states is None and torch.equal(out.mm_outputs["audio.codes"]["b"], torch.cat([codes, more]))
     assert not m.pool.has_key(HIDDEN_KEY)
     m.shutdown()
 

@@ -131,9 +131,9 @@ def test_I4_materialize_reads_save_snapshot(eager: bool) -> None:
         m.materialize(step, ["a", "b"])
     out = m.materialize(step, ["a"])  # the failed call consumed nothing
     assert torch.equal(out.hidden_states["a"], expect_hidden)
-    assert torch.equal(out.mm_outputs["a"]["audio.codes"], expect_codes)
-    assert torch.equal(out.mm_outputs["a"]["audio.embeds"], expect_embeds)
-    meta = out.mm_outputs["a"]["meta"]
+    assert torch.equal(out.mm_outputs["audio.codes"]["a"], expect_codes)
+    assert torch.equal(out.mm_outputs["audio.embeds"]["a"], expect_embeds)
+    meta = out.mm_outputs["meta"]["a"]
     assert len(meta) == 2 and torch.equal(meta[0], torch.ones(3)) and meta[1] == "text"
     m.shutdown()
 
@@ -187,7 +187,7 @@ def test_I7_delayed_read_never_returns_newer_tenant(eager: bool) -> None:
     settle(m)  # every queued write has landed: c's rows are in the pool
     out = m.materialize(s2, ["b"])
     assert torch.equal(out.hidden_states["b"], torch.cat([rows_a, rows_b]))
-    assert torch.equal(out.mm_outputs["b"]["audio.codes"], -torch.cat([rows_a, rows_b])[:, :2])
+    assert torch.equal(out.mm_outputs["audio.codes"]["b"], -torch.cat([rows_a, rows_b])[:, :2])
     assert m.stats()["preserved_rows"] == 0  # dropped once no planned read needs them
     # the newest tenant wins for later hits
     if eager:

@@ -102,7 +102,7 @@ def test_delayed_hit_survives_newer_tenant_pushed_ahead_async() -> None:
             time.sleep(0.01)
         out = m.materialize(s2, ["C"])
         want = torch.cat([rows("Aaudio", 0, 4, 4), rows("Caudio", 4, 6, 4)])
-        assert torch.equal(out.mm_outputs["C"]["audio"], want)
+        assert torch.equal(out.mm_outputs["audio"]["C"], want)
     finally:
         gate.release.set()
         m.shutdown()

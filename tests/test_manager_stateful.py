@@ -476,8 +476,8 @@ def test_newer_tenant_pushed_to_the_front_does_not_strand_a_planned_read(read: s
         assert not reader.is_alive() and "out" in box, f"the read failed or hung: {box}"
         out = box["out"]  # type: ignore[assignment]
     # the delayed hit read: r1's rows for [0, 8), then r2's row 8
-    assert torch.equal(out.mm_outputs["r2"][CODES], a[CODES][:9])  # type: ignore[union-attr]
-    assert torch.equal(out.mm_outputs["r2"][EMBEDS], a[EMBEDS][:9])  # type: ignore[union-attr]
+    assert torch.equal(out.mm_outputs[CODES]["r2"], a[CODES][:9])  # type: ignore[union-attr]
+    assert torch.equal(out.mm_outputs[EMBEDS]["r2"], a[EMBEDS][:9])  # type: ignore[union-attr]
     settle()
     assert m.stats()["preserved_rows"] == 0
     m.shutdown()

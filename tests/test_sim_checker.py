@@ -23,7 +23,7 @@ def _good(exp: StepExpectation) -> StageCacheOutputs:
     rows = {k: SPEC.rows(k, HASHES[req.out_start:req.token_end]) for k in SPEC.per_token_keys}
     mm = {k: v for k, v in rows.items() if k != HIDDEN_KEY}
     mm[LEFTOVER_LIST_KEY] = [7, 1, 2]
-    return StageCacheOutputs({"r1": rows[HIDDEN_KEY]}, {"r1": mm})
+    return StageCacheOutputs({"r1": rows[HIDDEN_KEY]}, {k: {"r1": v} for k, v in mm.items()})  # key-major
 
 
 def test_correct_outputs_pass_and_count_cached_rows() -> None:
@@ -49,8 +49,8 @@ def test_zeros_wrong_shape_and_dtype_are_reported() -> None:
     checker = OutputChecker(SPEC)
     exp = _exp()
     out = _good(exp)
-    out.mm_outputs["r1"][EMBEDS_KEY][5] = 0  # a silent miss in this step's deferred row
-    out.mm_outputs["r1"][CODES_KEY] = out.mm_outputs["r1"][CODES_KEY][4:]  # only this step's rows after a hit
+    out.mm_outputs[EMBEDS_KEY]["r1"][5] = 0  # a silent miss in this step's deferred row
+    out.mm_outputs[CODES_KEY]["r1"] = out.mm_outputs[CODES_KEY]["r1"][4:]  # only this step's rows after a hit
     out.hidden_states["r1"] = out.hidden_states["r1"].to(torch.bfloat16)
     found = {m.key: m for m in checker.check_step(exp, out)}
     assert found[EMBEDS_KEY].position == 5 and "zeros" in found[EMBEDS_KEY].detail
@@ -63,8 +63,8 @@ def test_leftovers_missing_keys_and_extra_keys_are_reported() -> None:
     checker = OutputChecker(SPEC)
     exp = _exp(out_start=4)
     out = _good(exp)
-    out.mm_outputs["r1"][LEFTOVER_LIST_KEY] = [8, 1, 2]  # a later step's value (not snapshotted)
-    out.mm_outputs["r1"]["step.stale"] = [1]
+    out.mm_outputs[LEFTOVER_LIST_KEY]["r1"] = [8, 1, 2]  # a later step's value (not snapshotted)
+    out.mm_outputs["step.stale"] = {"r1": [1]}
     found = checker.check_step(exp, out)
     assert {m.key for m in found} == {LEFTOVER_LIST_KEY, "step.stale"}
     missing = checker.check_step(exp, StageCacheOutputs(None, {}))

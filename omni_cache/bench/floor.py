@@ -49,7 +49,7 @@ class RawCopyFloor:
     def materialize(self, step: Step) -> StageCacheOutputs:
         assert self._step is step, "floor: materialize of a step that was not the last saved"
         hidden: dict[ReqId, torch.Tensor] = {}
-        mm: dict[ReqId, dict[TensorName, torch.Tensor]] = {}
+        mm: dict[TensorName, dict[ReqId, torch.Tensor]] = {}  # key-major, as materialize
         for w in step.layout.writes:
             hit = step.hit_slots.get(w.req_id)
             rows: dict[TensorName, torch.Tensor] = {}
@@ -57,6 +57,7 @@ class RawCopyFloor:
                 mine = self.staging[key][w.row_start : w.row_end]
                 rows[key] = mine.clone() if hit is None else torch.cat([self.pool[key].index_select(0, hit), mine])
             hidden[w.req_id] = rows.pop(HIDDEN_KEY)
-            mm[w.req_id] = rows
+            for key, value in rows.items():
+                mm.setdefault(key, {})[w.req_id] = value
         self._step = None
         return StageCacheOutputs(hidden, mm)

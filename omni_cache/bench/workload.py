@@ -248,7 +248,7 @@ def check_outputs(workload: Workload, step: Step, out: StageCacheOutputs, *, who
         for key in workload.spec.keys:
             where = f"{who}: step {step.index} ({step.phase}) request {req_id!r} key {key!r}"
             try:
-                got = out.hidden_states[req_id] if key == HIDDEN_KEY else out.mm_outputs[req_id][key]
+                got = out.hidden_states[req_id] if key == HIDDEN_KEY else out.mm_outputs[key][req_id]
             except (KeyError, TypeError) as exc:
                 raise GroundTruthError(f"{where}: missing from the materialized outputs ({exc!r})") from exc
             want = workload.truth[key][r, start:end]

@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     good = got is not None and torch.equal(got, hidden_a)
     ok &= good
     print(f"step {step}: A miss, saved 48 rows -> materialize hidden {tuple(got.shape) if got is not None else None} "
-          f"{'OK' if good else 'MISMATCH'}; mm keys {sorted(out.mm_outputs['A'])}")
+          f"{'OK' if good else 'MISMATCH'}; mm keys {sorted(out.mm_for('A'))}")
     # 2. A finishes (its deferred rows land); B hits A's first 32 tokens and computes 8 more
     manager.new_step_starts([
         PrefixCacheRequestEvent("A", PrefixCacheEventKind.FINISHED),
@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
         "audio.codes": torch.cat([codes_a[:32], codes_b]),
         "audio.embeds": torch.cat([embeds_a[:32], embeds_b]),
     }
-    got_all = {"hidden": out.hidden_states["B"] if out.hidden_states else None, **out.mm_outputs["B"]}
+    got_all = {"hidden": out.hidden_states["B"] if out.hidden_states else None, **out.mm_for("B")}
     for key, want in expect.items():
         value = got_all.get(key)
         good = isinstance(value, torch.Tensor) and torch.equal(value, want)

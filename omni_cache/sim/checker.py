@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from omni_cache.interface import HIDDEN_KEY, StageCacheOutputs, TensorName
+from omni_cache.interface import HIDDEN_KEY, StageCacheOutputs, TensorName, mm_of_request
 from omni_cache.sim.truth import TruthSpec
 
 
@@ -159,8 +159,12 @@ class OutputChecker:
                 m = self.check_rows(exp, req, HIDDEN_KEY, got_h)
                 if m is not None:
                     found.append(m)
-                req_mm = (mm or {}).get(req.req_id)
-                if not isinstance(req_mm, dict):
+                if not isinstance(mm, dict) or not all(isinstance(v, dict) for v in mm.values()):
+                    found.append(Mismatch(exp.step, exp.step_id, req.req_id, None, None,
+                                          "mm outputs are not key-major mm[key][req]"))
+                    continue
+                req_mm = mm_of_request(mm, req.req_id)
+                if not req_mm and len(self.spec.per_token_keys) > 1:
                     found.append(Mismatch(exp.step, exp.step_id, req.req_id, None, None, "no mm outputs for the request"))
                     continue
                 for key in self.spec.per_token_keys[1:]:
