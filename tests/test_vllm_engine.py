@@ -12,15 +12,15 @@ output. Gate refusals on real configs are in ``test_vllm_gate.py``.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 import torch
 from vllm_support import require_vllm, shutdown_llm, small_llm
 
-from omni_cache.adapter import PrefixCacheSchedulerAdapter
+from omni_cache.adapter import PrefixCacheEventKind, PrefixCacheSchedulerAdapter
 from omni_cache.integration.runner_hooks import PrefixCacheRunnerHooks
-from omni_cache.interface import StageCacheOutputs
 from omni_cache.vllm_sim.engine import DEFAULT_TOLERANCE, VllmSimConfig, VllmSimulation
 from omni_cache.vllm_sim.truth import IMMEDIATE_KEY
 from omni_cache.vllm_sim.workload import PRESETS, PlannedRequest, plan_requests
@@ -78,7 +78,7 @@ def test_check_a_names_a_wrong_hit_row(llm, monkeypatch) -> None:
                 rows = rows.clone()
                 rows[5, 0] += 1.0
                 out.hidden_states[rid] = rows
-        return StageCacheOutputs(out.hidden_states, out.mm_outputs)
+        return out
 
     monkeypatch.setattr(PrefixCacheRunnerHooks, "materialize", corrupt)
     sim, res = _run(llm, _round_trip_plan())
@@ -115,16 +115,16 @@ def test_preemption_resume_and_abort(llm) -> None:
 
 def test_a_resume_served_without_its_prefix_is_caught(llm, monkeypatch) -> None:
     """The Model Runner V2 failure mode: a resumed request translated as EXTENDED (no hit)."""
-    real = PrefixCacheSchedulerAdapter._translate_cached
+    real = PrefixCacheSchedulerAdapter.translate_scheduler_output
 
-    def forget_resumes(self, cached, scheduled):
-        class NoResume:
-            def __getattr__(self, name):
-                return [] if name == "resumed_req_ids" else getattr(cached, name)
+    def forget_resumes(self, so):
+        return tuple(
+            dataclasses.replace(e, kind=PrefixCacheEventKind.EXTENDED, hit_end=0)
+            if e.kind is PrefixCacheEventKind.RESUMED else e
+            for e in real(self, so)
+        )
 
-        return real(self, NoResume(), scheduled)
-
-    monkeypatch.setattr(PrefixCacheSchedulerAdapter, "_translate_cached", forget_resumes)
+    monkeypatch.setattr(PrefixCacheSchedulerAdapter, "translate_scheduler_output", forget_resumes)
     _, res = _run(llm, _pressure_plan())
     assert not res.ok
     assert any("new or resumed" in m.detail and m.req_id for m in res.mismatches), [str(m) for m in res.mismatches[:3]]

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from omni_cache.integration.vllm_bridge import ForwardRecord
-from omni_cache.interface import StageCacheOutputs
+from omni_cache.interface import StageCacheOutputs, mm_of_request
 from omni_cache.sim.checker import Mismatch
 
 __all__ = ["DEFERRED_KEY", "IMMEDIATE_KEY", "LEFTOVER_KEY", "ForwardCapture", "derive_mm", "mm_of"]
@@ -48,8 +48,8 @@ def derive_mm(hidden: torch.Tensor) -> dict[str, Any]:
 
 
 def mm_of(outputs: StageCacheOutputs, req_id: str) -> dict[str, Any]:
-    """One request's mm values (the one place that knows the nesting)."""
-    return outputs.mm_outputs.get(req_id, {})
+    """One request's mm values (through the interface's one accessor)."""
+    return mm_of_request(outputs.mm_outputs, req_id)
 
 
 def _fresh_ids(so: Any) -> set[str]:
