@@ -28,13 +28,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from omni_cache.integration.block_table import BlockTableView
 from omni_cache.integration.runner_hooks import PrefixCacheRunnerHooks
 from omni_cache.interface import ModelCachePolicy, ReqId, StepId
 
-__all__ = ["CONFIG_KEY", "ForwardRecord", "PublishedStep", "VllmRunnerBridge"]
+__all__ = ["CONFIG_KEY", "ForwardRecord", "PublishedStep", "V2BlockTableMirror", "VllmRunnerBridge"]
 
 CONFIG_KEY = "omni_cache"
 """``vllm_config.additional_config[CONFIG_KEY]``: the stage's settings (a dict)."""
@@ -66,6 +67,63 @@ class ForwardRecord:
     mm_outputs: dict[str, Any]
     block_ids: dict[ReqId, tuple[int, ...]] = field(default_factory=dict)
     scheduler_output: Any = field(repr=False, default=None)
+
+
+class V2BlockTableMirror:
+    """A CPU copy of group 0 of Model Runner V2's ``BlockTables``.
+
+    V2 keeps block ids only on the device (staged writes applied by a kernel).
+    ``install`` wraps the instance's ``append_block_ids(req_index,
+    new_block_ids, overwrite)`` -- the one door through which the runner
+    changes a row -- so every row change is applied here too, from the same
+    arguments; the block counts are V2's own CPU ``num_blocks.np``, checked
+    against the mirror's at every view.
+    """
+
+    def __init__(self, block_tables: Any, max_num_reqs: int, max_num_blocks: int) -> None:
+        self.block_tables = block_tables
+        self.block_size = int(block_tables.block_sizes[0])
+        self.table = np.zeros((max_num_reqs, max_num_blocks), dtype=np.int64)
+        self.counts = np.zeros(max_num_reqs, dtype=np.int64)
+
+    @classmethod
+    def install(cls, block_tables: Any) -> V2BlockTableMirror:
+        if getattr(block_tables, "omni_cache_mirror", None) is not None:
+            return block_tables.omni_cache_mirror
+        counts = np.asarray(block_tables.num_blocks.np)
+        max_blocks = int(block_tables.block_tables[0].gpu.shape[1])
+        mirror = cls(block_tables, int(counts.shape[1]), max_blocks)
+        real = block_tables.append_block_ids
+
+        def append_block_ids(req_index: int, new_block_ids: Any, overwrite: bool) -> None:
+            real(req_index, new_block_ids, overwrite)
+            mirror.append(req_index, new_block_ids, overwrite)
+
+        block_tables.append_block_ids = append_block_ids
+        block_tables.omni_cache_mirror = mirror
+        return mirror
+
+    def append(self, req_index: int, new_block_ids: Any, overwrite: bool) -> None:
+        ids = [int(b) for b in new_block_ids[0]]
+        start = 0 if overwrite else int(self.counts[req_index])
+        end = start + len(ids)
+        if end > self.table.shape[1]:
+            raise ValueError(f"V2BlockTableMirror: row {req_index} overflows ({end} > {self.table.shape[1]} blocks)")
+        self.table[req_index, start:end] = ids
+        self.counts[req_index] = end
+
+    def view(self, input_batch: Any, *, block_size: int) -> BlockTableView:
+        engine_counts = np.asarray(self.block_tables.num_blocks.np)[0]
+        num_reqs = int(input_batch.num_reqs)
+        states = np.asarray(input_batch.idx_mapping_np)[:num_reqs]
+        if not np.array_equal(engine_counts[states], self.counts[states]):
+            raise RuntimeError(
+                f"V2BlockTableMirror: block counts {self.counts[states].tolist()} differ from the runner's "
+                f"{engine_counts[states].tolist()} (a row changed outside append_block_ids)"
+            )
+        return BlockTableView.from_v2_input_batch(
+            input_batch, self.table, self.counts, table_block_size=self.block_size, block_size=block_size
+        )
 
 
 class _PolicyCarrier:
@@ -108,6 +166,7 @@ class VllmRunnerBridge:
         self.engine_step = 0
         self.preemptions = 0
         self._scheduler_output: Any = None
+        self.v2_mirror: V2BlockTableMirror | None = None
 
     @classmethod
     def from_vllm_config(cls, vllm_config: Any) -> VllmRunnerBridge:
@@ -147,20 +206,31 @@ class VllmRunnerBridge:
         slot_mapping = input_batch.block_table.block_tables[0].slot_mapping.cpu
         return self._save(so, view, hidden_states, input_ids, positions, slot_mapping)
 
-    def after_forward_v2(
-        self, runner: Any, input_batch: Any, hidden_states: torch.Tensor, slot_mapping: torch.Tensor | None = None
-    ) -> StepId | None:
-        """After the forward of Model Runner V2: the view is built from
-        ``runner.block_tables`` and the step's ``InputBatch``."""
+    def install_v2_block_mirror(self, block_tables: Any) -> V2BlockTableMirror:
+        """Model Runner V2, after ``initialize_kv_cache``: mirror its device-only
+        block table on the CPU (group 0) so views never read the device."""
+        self.v2_mirror = V2BlockTableMirror.install(block_tables)
+        return self.v2_mirror
+
+    def after_forward_v2(self, runner: Any, input_batch: Any, hidden_states: torch.Tensor) -> StepId | None:
+        """After the forward of Model Runner V2 (``execute_model_state``): the
+        view is the step's ``InputBatch`` over the CPU mirror of
+        ``runner.block_tables``."""
         so = self._take_scheduler_output()
         if so is None:
             return None
-        view = BlockTableView.from_v2(runner.block_tables, input_batch, block_size=self._block_size())
-        positions = input_batch.positions
-        input_ids = input_batch.input_ids
-        if slot_mapping is None:
-            slot_mapping = torch.full_like(torch.as_tensor(positions), -1)
-        return self._save(so, view, hidden_states, input_ids, positions, slot_mapping)
+        mirror = self.v2_mirror
+        if mirror is None or mirror.block_tables is not runner.block_tables:
+            raise RuntimeError(
+                "VllmRunnerBridge.after_forward_v2: runner.block_tables has no CPU mirror; call "
+                "install_v2_block_mirror(runner.block_tables) after initialize_kv_cache"
+            )
+        view = mirror.view(input_batch, block_size=self._block_size())
+        slots = view.slots_for_spans(
+            [(rid, int(c), int(c) + int(n)) for rid, c, n in
+             zip(view.req_ids, view.num_computed_tokens, input_batch.num_scheduled_tokens, strict=False) if n]
+        )
+        return self._save(so, view, hidden_states, input_batch.input_ids, input_batch.positions, slots)
 
     # ------------------------------------------------------------- internals
     def _take_scheduler_output(self) -> Any:
