@@ -31,7 +31,8 @@ def validate_hit(event: PrefixCacheRequestEvent, config: PrefixCacheConfig) -> N
         f"hit [{event.hit_start}, {event.hit_end})"
     )
     if event.hit_start % bs or event.hit_end % bs:
-        raise OmniPrefixCacheUnmatchError(f"{where} is {PHRASE_NOT_ALIGNED} (block_size {bs}) (I5)")
+        # "prefix hit not block aligned": the reference's wording, which callers match on.
+        raise OmniPrefixCacheUnmatchError(f"{where}: prefix hit {PHRASE_NOT_ALIGNED} (block_size {bs}) (I5)")
     if event.hit_start != 0 or event.hit_end < 0:
         raise OmniPrefixCacheUnmatchError(f"{where}: a prefix hit must start at position 0 (I5)")
     blocks = event.group0_block_ids

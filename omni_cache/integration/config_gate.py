@@ -10,8 +10,9 @@ Upholds I5 and I6 at their root: the cache is keyed by the KV cache's slots and
 trusts the engine's ``num_computed_tokens`` to be a block-aligned *local*
 prefix hit. Every configuration under which that is false is refused here:
 tokens received through a KV connector (consumer stages), speculative decoding
-(rejected draft rows would be written), sub-block prefix matching (unaligned
-hits), several KV-cache groups or a group that is not full attention (there is
+(rejected draft rows would be written), decode context parallel (tokens are
+striped across ranks, so one rank's slots do not hold the prefix; refused as the
+reference does), sub-block prefix matching (unaligned hits), several KV-cache groups or a group that is not full attention (there is
 no single slot space, or slots do not cover the whole prefix).
 """
 
@@ -51,6 +52,18 @@ def _is_kv_consumer(kv_transfer_config: Any) -> bool:
     )
 
 
+def _dcp_world_size(vllm_config: Any) -> int:
+    """vLLM's decode-context-parallel world size (``parallel_config.decode_context_parallel_size``,
+    or a ``dcp_world_size`` attribute); 1 when absent."""
+    parallel = getattr(vllm_config, "parallel_config", None)
+    for source, attr in ((parallel, "decode_context_parallel_size"), (parallel, "dcp_world_size"),
+                         (vllm_config, "dcp_world_size")):
+        value = getattr(source, attr, None) if source is not None else None
+        if value is not None:
+            return int(value)
+    return 1
+
+
 def _is_full_attention(spec: Any) -> bool:
     """True for vLLM's ``FullAttentionSpec`` and its subclasses (e.g. MLA)."""
     return any(cls.__name__ == "FullAttentionSpec" for cls in type(spec).__mro__)
@@ -62,13 +75,14 @@ def stage_prefix_cache_config(vllm_config: Any, kv_cache_config: Any) -> PrefixC
     Reads ``vllm_config.cache_config.enable_prefix_caching`` /
     ``hash_block_size``, ``vllm_config.model_config.runner_type`` /
     ``pooler_config`` / ``max_model_len``, ``vllm_config.scheduler_config``,
-    ``vllm_config.speculative_config``, ``vllm_config.kv_transfer_config``
+    ``vllm_config.speculative_config``, ``vllm_config.parallel_config``
+    (``decode_context_parallel_size``), ``vllm_config.kv_transfer_config``
     (``kv_connector``, ``kv_role``) and ``kv_cache_config.num_blocks`` /
     ``kv_cache_groups[i].kv_cache_spec`` (``block_size``).
 
     Returns ``None`` when prefix caching is off or the stage is a pooling
     model. Raises ``OmniPrefixCacheUnmatchError`` for a KV-consumer stage,
-    speculative decoding, sub-block prefix matching, more than one KV-cache
+    speculative decoding, decode context parallel, sub-block prefix matching, more than one KV-cache
     group or a group that is not full attention, and ``ValueError`` when
     ``kv_cache_config`` lacks what sizing needs.
     """
@@ -91,6 +105,15 @@ def stage_prefix_cache_config(vllm_config: Any, kv_cache_config: Any) -> PrefixC
         raise _refuse(
             "speculative decoding is enabled (speculative_config is set): draft tokens that the "
             "verifier rejects would be written to the cache as if they were the request's tokens"
+        )
+
+    dcp = _dcp_world_size(vllm_config)
+    if dcp > 1:
+        raise _refuse(
+            f"decode context parallel is enabled (parallel_config.decode_context_parallel_size={dcp}): "
+            "each rank holds only a stripe of every block's tokens, so this rank's KV slots do not "
+            "address the prefix's rows. Run the stage with decode_context_parallel_size=1 or disable "
+            "prefix caching on it"
         )
 
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
