@@ -29,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"extra; presets {', '.join(sorted(PRESETS))}, default mixed)",
     )
     parser.add_argument("--tolerance", type=float,
-                        help="--engine vllm: max |diff| of check (b) against the recomputation (default 1e-4)")
+                        help="--engine vllm: check (b) tolerance, max |diff| over the row's max |value| (default 1e-5)")
 
 
 def run_vllm(args: argparse.Namespace) -> int:

@@ -41,7 +41,8 @@ def summarize(res: VllmSimResult) -> dict[str, Any]:
             "a_bit_exact_rows": res.rows_verified,
             "b_recompute": {"requests": res.recompute_requests, "rows": res.recompute_rows,
                             "bit_identical_rows": res.recompute_exact_rows,
-                            "max_abs_diff": res.recompute_max_abs_diff, "tolerance": cfg.tolerance},
+                            "max_abs_diff": res.recompute_max_abs_diff,
+                            "max_rel_diff": res.recompute_max_rel_diff, "tolerance_rel": cfg.tolerance},
             "c_step_ids": {"published": res.published, "consumed": res.consumed,
                            "unconsumed_at_shutdown": len(res.unconsumed),
                            "second_materialize_refused": res.double_consume_refused},
@@ -69,7 +70,8 @@ def render(s: dict[str, Any], console: Console) -> None:
         ("rows served from the cache", str(s["served_from_cache_tokens"])),
         ("(a) rows verified bit for bit (all keys)", str(s["rows_verified"])),
         ("(b) prompts vs recomputation", f"{b['requests']} prompts, {b['rows']} rows, max |diff| "
-         f"{b['max_abs_diff']:.3g} (tolerance {b['tolerance']:g}), {b['bit_identical_rows']} bit-identical"),
+         f"{b['max_abs_diff']:.3g} ({b['max_rel_diff']:.3g} of the row's max, tolerance {b['tolerance_rel']:g}), "
+         f"{b['bit_identical_rows']} bit-identical"),
         ("(c) step ids consumed once", f"{c['consumed']} of {c['published']}, {c['unconsumed_at_shutdown']} "
          f"left, second materialize {'refused' if c['second_materialize_refused'] else 'NOT refused'}"),
         ("engine start / wall time", f"{s['engine_start_s']:.1f} s / {s['wall_s']:.1f} s"),
