@@ -154,7 +154,7 @@ def test_the_v2_view_reads_slots_from_the_cpu_mirror(v2) -> None:
     runner = _Runner(v2, bridge)
     bt = runner.block_tables
     so = _so(v2, new=[_new(v2, "A", 40, 0, [7, 3]), _new(v2, "B", 10, 0, [9])], scheduled={"A": 40, "B": 10})
-    runner.step(so, ["B", "A"], {"A": 0, "B": 0})
+    sid = runner.step(so, ["B", "A"], {"A": 0, "B": 0})
     assert [w[2] for w in bt.staged] == [[7, 3], [9]]  # vLLM's own append_block_ids ran
     batch = _input_batch(v2, ["B", "A"], runner.state_of, {"A": 32, "B": 8}, {"A": 8, "B": 2})
     view = bridge.v2_mirror.view(batch, block_size=BS)
@@ -166,8 +166,8 @@ def test_the_v2_view_reads_slots_from_the_cpu_mirror(v2) -> None:
     with pytest.raises(ValueError, match="block size mismatch"):
         BlockTableView.from_v2_input_batch(batch, bridge.v2_mirror.table, bridge.v2_mirror.counts,
                                            table_block_size=16, block_size=BS)
-    bridge.hooks.discard(list(bridge.hooks._save_req_ids)[0])
-    bridge.shutdown()
+    bridge.hooks.discard(sid)
+    assert bridge.shutdown() == {}
 
 
 def test_a_zero_token_step_still_passes_finished_ids(v2) -> None:

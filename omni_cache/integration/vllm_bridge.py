@@ -35,7 +35,8 @@ from omni_cache.integration.block_table import BlockTableView
 from omni_cache.integration.runner_hooks import PrefixCacheRunnerHooks
 from omni_cache.interface import ModelCachePolicy, ReqId, StepId
 
-__all__ = ["CONFIG_KEY", "ForwardRecord", "PublishedStep", "V2BlockTableMirror", "VllmRunnerBridge"]
+__all__ = ["CONFIG_KEY", "ForwardRecord", "PublishedStep", "V2BlockTableMirror", "VllmRunnerBridge", "bridge_of",
+           "runner_of"]
 
 CONFIG_KEY = "omni_cache"
 """``vllm_config.additional_config[CONFIG_KEY]``: the stage's settings (a dict)."""
@@ -67,6 +68,22 @@ class ForwardRecord:
     mm_outputs: dict[str, Any]
     block_ids: dict[ReqId, tuple[int, ...]] = field(default_factory=dict)
     scheduler_output: Any = field(repr=False, default=None)
+
+
+def runner_of(llm: Any) -> Any:
+    """The model runner of an in-process ``vllm.LLM`` (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
+    core = llm.llm_engine.engine_core
+    core = getattr(core, "engine_core", core)
+    return core.model_executor.driver_worker.worker.model_runner
+
+
+def bridge_of(llm: Any) -> VllmRunnerBridge:
+    """The cache of an in-process ``vllm.LLM`` built with an omni ``worker_cls``."""
+    bridge = getattr(runner_of(llm), "omni_cache", None)
+    if not isinstance(bridge, VllmRunnerBridge):
+        raise ValueError("bridge_of: this engine's runner has no omni cache; build it with worker_cls="
+                         "'omni_cache.integration.vllm_worker.OmniCPUWorker' (or OmniGPUWorker)")
+    return bridge
 
 
 class V2BlockTableMirror:

@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from omni_cache.errors import OmniPrefixCacheUnmatchError
+from omni_cache.integration.vllm_bridge import runner_of
 from omni_cache.sim.checker import Mismatch
 from omni_cache.vllm_sim.truth import DEFERRED_KEY, ForwardCapture, derive_mm
 from omni_cache.vllm_sim.workload import PRESETS, PlannedRequest, plan_requests
@@ -180,9 +181,7 @@ class VllmSimulation:
 
     @staticmethod
     def runner_of(llm: Any) -> Any:
-        core = llm.llm_engine.engine_core
-        core = getattr(core, "engine_core", core)
-        return core.model_executor.driver_worker.worker.model_runner
+        return runner_of(llm)
 
     # ------------------------------------------------------------------ consumer
     def _consume(self, bridge: Any, res: VllmSimResult) -> None:
@@ -199,7 +198,7 @@ class VllmSimulation:
                 self.capture.check_step(ps.engine_step, ps.step_id, ps.spans, out)
             except Exception as exc:  # a contract error is a finding, reported with the step
                 res.mismatches.append(Mismatch(ps.engine_step, ps.step_id, None, None, None,
-                                               f"materialize raised {type(exc).__name__}: {exc}"))
+                                               f"materialize or its check raised {type(exc).__name__}: {exc}"))
             finally:
                 bridge.step_ids.task_done()
 
@@ -281,6 +280,7 @@ class VllmSimulation:
         le = llm.llm_engine
         arrivals = sorted(self.plan, key=lambda r: r.arrive_step)
         aborts = {r.name: r.abort_step for r in self.plan if r.abort_step is not None}
+        aborted: set[str] = set()
         self._internal: dict[str, str] = {}
         self._finished: list[PlannedRequest] = []
         by_name = {r.name: r for r in self.plan}
@@ -299,9 +299,10 @@ class VllmSimulation:
                 if at <= step and name in self._internal:
                     le.abort_request([name])
                     del aborts[name]
+                    aborted.add(name)
                     res.aborted += 1
             for out in le.step():
-                if out.finished and out.request_id in by_name and out.request_id not in aborts:
+                if out.finished and out.request_id in by_name and out.request_id not in aborted:
                     self._finished.append(by_name[out.request_id])
             step += 1
             if step >= self.config.steps_limit:
