@@ -13,13 +13,16 @@ output. Gate refusals on real configs are in ``test_vllm_gate.py``.
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
+import re
 
 import pytest
 import torch
 from vllm_support import require_vllm, shutdown_llm, small_llm
 
 from omni_cache.adapter import PrefixCacheEventKind, PrefixCacheSchedulerAdapter
+from omni_cache.cli import main
 from omni_cache.integration.runner_hooks import PrefixCacheRunnerHooks
 from omni_cache.vllm_sim.engine import DEFAULT_TOLERANCE, VllmSimConfig, VllmSimulation
 from omni_cache.vllm_sim.truth import IMMEDIATE_KEY
@@ -128,3 +131,27 @@ def test_a_resume_served_without_its_prefix_is_caught(llm, monkeypatch) -> None:
     _, res = _run(llm, _pressure_plan())
     assert not res.ok
     assert any("new or resumed" in m.detail and m.req_id for m in res.mismatches), [str(m) for m in res.mismatches[:3]]
+
+
+def test_the_cli_reports_json_and_names_a_mismatch(llm, monkeypatch, capsys) -> None:
+    real_run = VllmSimulation.run
+    monkeypatch.setattr(VllmSimulation, "run", lambda self, _llm=None: real_run(self, llm))
+    assert main(["simulate", "--engine", "vllm", "--requests", "4", "--seed", "2", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["ok"] and summary["engine"] == "vllm" and summary["vllm_version"] == "0.32.0"
+    assert summary["rows_verified"] > 0 and summary["checks"]["c_step_ids"]["unconsumed_at_shutdown"] == 0
+    assert {"hit_tokens", "preemptions", "mismatches", "num_mismatches"} <= set(summary)
+
+    real = PrefixCacheRunnerHooks.materialize
+
+    def corrupt(self, step_id):
+        out = real(self, step_id)
+        for rid, rows in out.hidden_states.items():
+            out.hidden_states[rid] = rows + 1.0
+        return out
+
+    monkeypatch.setattr(PrefixCacheRunnerHooks, "materialize", corrupt)
+    assert main(["simulate", "--engine", "vllm", "--requests", "4", "--seed", "2"]) == 1
+    text = capsys.readouterr().out
+    assert "FAILED" in text and "Mismatches" in text
+    assert re.search(r"step \d+ \(step id \d+\), request \S+, key hidden, position \d+: row differs", text), text[-800:]

@@ -87,6 +87,6 @@ def render(s: dict[str, Any], console: Console) -> None:
             for label, k in (("request", "request"), ("key", "key"), ("position", "position")):
                 if m[k] is not None:
                     parts.append(f"{label} {m[k]}")
-            console.print(f"  {', '.join(parts)}: {m['detail']}", markup=False, highlight=False)
+            console.print(f"  {', '.join(parts)}: {m['detail']}", markup=False, highlight=False, soft_wrap=True)
         if s["num_mismatches"] > len(s["mismatches"]):
             console.print(f"  ... {s['num_mismatches'] - len(s['mismatches'])} more", markup=False)
