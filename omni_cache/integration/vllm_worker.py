@@ -11,7 +11,8 @@ importing this module never imports vLLM ("no vLLM import at module scope"
 holds) and vLLM's own ``worker_cls`` lookup (``import_module`` + ``getattr``)
 still finds them.
 
-Upholds the DESIGN section 2 call order on the real runners: the gate at
+Upholds I5 (the config gate runs on the engine's real configs) and the DESIGN
+section 2 call order on the real runners: the gate at
 KV-cache initialisation (before the KV cache is allocated, so a refused
 configuration fails at engine start), ``begin_step`` before the runner drops
 finished requests (also for steps with zero scheduled tokens), ``after_forward``
