@@ -204,7 +204,7 @@ class VllmSimulation:
 
     def attach(self, llm: Any) -> Any:
         """A fresh cache for ``llm``'s runner (on an idle engine with an emptied KV prefix cache)."""
-        from omni_cache.integration.vllm_bridge import VllmRunnerBridge
+        from omni_cache.integration.vllm_bridge import CONFIG_KEY, VllmRunnerBridge
 
         if not llm.llm_engine.reset_prefix_cache():
             raise RuntimeError("reset_prefix_cache refused: the engine is not idle")
@@ -212,8 +212,8 @@ class VllmSimulation:
         old = getattr(runner, "omni_cache", None)
         if old is not None and old.active:
             old.shutdown()
-        bridge = VllmRunnerBridge.from_vllm_config(runner.vllm_config)
-        bridge.hooks = type(bridge.hooks)(eager=self.config.eager)
+        settings = dict((getattr(runner.vllm_config, "additional_config", None) or {}).get(CONFIG_KEY) or {})
+        bridge = VllmRunnerBridge({**settings, "eager": self.config.eager})
         bridge.on_model_loaded(runner.get_model())
         bridge.on_kv_cache_initialized(runner.vllm_config, runner.kv_cache_config)
         runner.omni_cache = bridge
