@@ -457,9 +457,9 @@ class PrefixCacheSchedulerAdapter:
             start, end = (int(v) for v in view.token_range(req_id, n))
             writes.append(PrefixCacheWrite(req_id, row, row + n, start, end))
             row += n
-        slots = view.step_slots_cpu(list(req_ids), num_scheduled_tokens if isinstance(num_scheduled_tokens, Mapping)
-                                    else counts)
-        return PrefixCacheWriteLayout(tuple(writes), row, slots)
+        # The caller's mapping itself, as the reference passes it; per-row counts as a mapping.
+        given = num_scheduled_tokens if isinstance(num_scheduled_tokens, Mapping) else counts
+        return PrefixCacheWriteLayout(tuple(writes), row, view.step_slots_cpu(list(req_ids), given))
 
 
 class _SpanViewAsReference:

@@ -168,7 +168,8 @@ class OmniPrefixCacheManager:
                     and step.sequence <= self._last_sequence:
                 self.counters["replayed_steps"] += 1
                 return
-            live = {rid: r.admission for rid, r in self._requests.items()}
+            # only the ids this step names: O(events), not O(live requests)
+            live = {e.req_id: r.admission for e in step.events if (r := self._requests.get(e.req_id)) is not None}
         plan = plan_events(step.events, live, self.config.block_size)
         for op, _, event in plan.changes:  # validate everything first: an error changes nothing
             if op == "lookup" and (event.hit_end or event.hit_start):  # type: ignore[union-attr]

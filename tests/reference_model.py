@@ -12,6 +12,12 @@ the cache: a row is a function of the request's tokens, so a wrong tenant
 (I7), a missing prefix (I6), a wrong position or a torn page (I3, I4) shows up
 as a wrong value.
 
+Request identity (I12, I13): every request is an admission with its own
+``PrefixCacheRequestOwner``; ``reuse_id`` gives a finished or a live request's
+id to a new admission (a live one is REPLACED; a stale terminal of the old owner
+may follow), and every step carries a ``sequence`` so ``replay_last_step`` can
+send it again, which must change nothing.
+
 Used by tests/test_manager_stateful.py (Hypothesis), tests/test_soak.py
 (threads) and tests/test_faults.py (fault injection).
 """
@@ -37,6 +43,7 @@ from omni_cache import (
     PrefixCacheWriteLayout,
     StageCacheOutputs,
 )
+from omni_cache.adapter import PrefixCacheRequestOwner
 
 E = PrefixCacheEventKind
 CODES = "mm.codes"  # per-token int64 (immediate unless the policy defers it)
@@ -154,6 +161,7 @@ class Req:
     blocks: list[int] = field(default_factory=list)
     started: bool = False
     diverged: bool = False
+    owner: PrefixCacheRequestOwner | None = None  # this admission (I12)
 
     @property
     def left(self) -> int:
@@ -252,13 +260,22 @@ class Engine:
         self.terminal: list[PrefixCacheRequestEvent] = []
         self.written = bytearray(config.num_slots)  # slots any save has written (I6 bookkeeping)
         self.n_reqs = 0
+        self.n_admissions = 0
+        self.controls: list[PrefixCacheRequestEvent] = []  # REPLACED controls for the next step (I12)
+        self.late: list[PrefixCacheRequestEvent] = []  # stale terminals, sent once the new admission runs
+        self.admitted: dict[str, PrefixCacheRequestOwner | None] = {}  # the manager's live ids, per I12
+        self.sequence = 0  # of the last step sent (I13)
+        self.last_step: PrefixCacheStep | None = None
         g = prefix_hashes(range(64))
         self.bases = [[(g[i * 7 + j] >> 5) % 5 for j in range(4 * self.bs)] for i in range(3)]
 
     # ---- requests -----------------------------------------------------------
-    def add_request(self, base: int, shared_blocks: int, extra: Sequence[int], decode: int) -> str:
-        rid = f"r{self.n_reqs}"
-        self.n_reqs += 1
+    def add_request(self, base: int, shared_blocks: int, extra: Sequence[int], decode: int,
+                    rid: str | None = None) -> str:
+        if rid is None:
+            rid = f"r{self.n_reqs}"
+            self.n_reqs += 1
+        self.n_admissions += 1
         prompt = self.bases[base % 3][: shared_blocks * self.bs] + list(extra)
         if not prompt:
             prompt = [base % 5]
@@ -266,8 +283,69 @@ class Engine:
         for _ in range(decode):  # greedy: the next token is a function of the prefix
             tokens.append(prefix_hashes(tokens)[-1] % 5)
         hashes = prefix_hashes(tokens)
-        self.reqs[rid] = self.active[rid] = Req(rid, tokens, len(prompt), hashes, truth_rows(hashes))
+        self.reqs[rid] = self.active[rid] = Req(rid, tokens, len(prompt), hashes, truth_rows(hashes),
+                                                owner=PrefixCacheRequestOwner(self.n_admissions))
         return rid
+
+    def reuse_id(self, live: bool, i: int, arrival: tuple[int, int, Sequence[int], int],
+                 stale_terminal: bool) -> str | None:
+        """A new admission takes an existing request id (I12).
+
+        ``live``: the id of a request that has not ended; it is REPLACED (a control
+        with the new owner, lookup pending, goes out with the next step) and its
+        admission ends without a terminal event. Otherwise the id of an ended one;
+        ``stale_terminal`` then re-sends the old admission's terminal with its old
+        owner, which must not end the new admission.
+        """
+        pool = [r for r, q in self.active.items()] if live else \
+            [r for r, q in self.reqs.items() if q.state == "ended"]
+        if not pool:
+            return None
+        rid = pool[i % len(pool)]
+        old = self.reqs[rid]
+        if live:
+            if old.state == "running":
+                self.alloc.release(old.blocks)
+            old.blocks, old.state = [], "ended"
+            self.active.pop(rid, None)
+        self.add_request(*arrival, rid=rid)
+        new = self.reqs[rid]
+        if live:
+            self.controls.append(PrefixCacheRequestEvent(rid, E.REPLACED, owner=new.owner, lookup_complete=False))
+        elif stale_terminal:  # arrives after the new admission started: it must not end it
+            self.late.append(PrefixCacheRequestEvent(rid, E.FINISHED, owner=old.owner))
+        return rid
+
+    def send(self, events: Sequence[PrefixCacheRequestEvent], counts: dict[str, int]) -> None:
+        """``new_step_starts`` of one step, numbered (I13)."""
+        step = PrefixCacheStep(tuple(events), counts, self.sequence + 1)
+        self.m.new_step_starts(step)
+        self.sequence, self.last_step = step.sequence, step  # only once applied
+        self._track_admissions(step.events)
+
+    def _track_admissions(self, events: Sequence[PrefixCacheRequestEvent]) -> None:
+        """The live ids the manager must hold after ``events`` (I12; terminal events first)."""
+        live = self.admitted
+        for e in events:
+            if e.kind in (E.FINISHED, E.ABORTED):
+                cur = live.get(e.req_id)
+                if not (e.owner is not None and cur is not None and e.owner < cur):
+                    live.pop(e.req_id, None)
+        for e in events:
+            if e.kind in (E.FINISHED, E.ABORTED):
+                continue
+            cur = live.get(e.req_id)
+            if e.req_id in live and e.owner is not None and cur is not None and e.owner < cur:
+                continue
+            if e.kind in (E.REPLACED, E.STARTED) or e.req_id not in live:
+                live[e.req_id] = e.owner
+
+    def replay_last_step(self) -> bool:
+        """Send the last step again (same sequence): the manager must change nothing (I13)."""
+        if self.last_step is None:
+            return False
+        self.m.new_step_starts(self.last_step)
+        return True
 
     def live(self, *states: str) -> list[str]:
         return [r for r, q in self.active.items() if q.state in states]
@@ -288,7 +366,7 @@ class Engine:
         q.blocks = []
         q.state = "ended"
         self.active.pop(rid, None)
-        self.terminal.append(PrefixCacheRequestEvent(rid, E.ABORTED if aborted else E.FINISHED))
+        self.terminal.append(PrefixCacheRequestEvent(rid, E.ABORTED if aborted else E.FINISHED, owner=q.owner))
 
     def preempt(self, rid: str) -> None:
         q = self.reqs[rid]
@@ -329,12 +407,12 @@ class Engine:
             budget -= n
             if q.state == "running":
                 q.blocks += self.alloc.allocate(need)
-                event = PrefixCacheRequestEvent(q.rid, E.EXTENDED, scheduled_tokens=n)
+                event = PrefixCacheRequestEvent(q.rid, E.EXTENDED, scheduled_tokens=n, owner=q.owner)
             else:
                 self.alloc.touch(hit_blocks)
                 q.blocks = hit_blocks + self.alloc.allocate(need)
                 kind = E.RESUMED if q.started else E.STARTED
-                event = PrefixCacheRequestEvent(q.rid, kind, 0, start, (tuple(q.blocks),), n)
+                event = PrefixCacheRequestEvent(q.rid, kind, 0, start, (tuple(q.blocks),), n, owner=q.owner)
                 q.started, q.state, q.computed = True, "running", start
             # vLLM caches a block's hash when it is allocated for the tokens that fill it, so a
             # request scheduled later in this very step may already hit it.
@@ -356,15 +434,17 @@ class Engine:
     def prepare(self, picks: Sequence[tuple[int, int]], *, pad: int = 0, leftover: bool = False,
                 padded_mm: bool = False, order: int = 0, forced: Any = None) -> Prepared | None:
         """Schedule, tell the manager (new_step_starts) and run the 'forward' of one step."""
+        late = [e for e in self.late if self.reqs[e.req_id].started]  # before this step schedules
+        self.late = [e for e in self.late if e not in late]
         sched = forced if forced is not None else self.schedule(picks)
-        events = [*self.terminal, *(e for *_, e in sched)]
-        self.terminal = []
+        events = [*self.controls, *self.terminal, *late, *(e for *_, e in sched)]
+        self.terminal, self.controls = [], []
         counts = {q.rid: n for q, _, n, _ in sched}
         if not sched:
             if events:
-                self.m.new_step_starts(PrefixCacheStep(tuple(events), {}))
+                self.send(events, {})
             return None
-        self.m.new_step_starts(PrefixCacheStep(tuple(events), counts))
+        self.send(events, counts)
         if order:  # batch order need not be arrival order
             sched = sched[order % len(sched):] + sched[: order % len(sched)]
         spans = [(q.rid, s, s + n) for q, s, n, _ in sched]
@@ -443,7 +523,7 @@ class Engine:
         """Terminate every request and tell the manager (the end of a run)."""
         for rid in list(self.active):
             self.end(rid, aborted=False)
-        if self.terminal:
-            self.m.new_step_starts(PrefixCacheStep(tuple(self.terminal), {}))
-            self.terminal = []
+        if self.terminal or self.controls or self.late:
+            self.send([*self.controls, *self.terminal, *self.late], {})
+            self.terminal, self.controls, self.late = [], [], []
 

@@ -13,7 +13,9 @@ and checks every materialize against the ground truth, in three variants:
 Rules: arrivals with shared block-aligned prefixes (hits), blocks freed and
 reused (new tenants, I7), prefill/decode steps with several requests, padded
 steps and padded mm, finish/abort/preempt/resume, deferred and leftover mm, the
-hidden opt-out policy, materialize of any pending step in any order (or
+hidden opt-out policy, request ids reused by new admissions (a live one REPLACED,
+a finished one followed by a stale terminal of its old owner: I12) and replayed
+scheduler steps (same sequence: nothing changes, I13), materialize of any pending step in any order (or
 discard), a hit the cache cannot serve (I6), and misuse: double consume and
 unknown ids (I1), requests outside the snapshot (I4), unaligned or blockless
 hits (I5), an oversized step (I10), a save with staging full (I2). Each misuse
@@ -184,6 +186,27 @@ class ManagerMachine(RuleBasedStateMachine):
         else:
             self.engine.end(rids[i % len(rids)], aborted=kind == "abort")
 
+    @rule(live=st.booleans(), i=st.integers(0, 63), arrival=ARRIVAL, stale_terminal=st.booleans())
+    def reuse_id(self, live: bool, i: int, arrival: tuple[int, int, list[int], int], stale_terminal: bool) -> None:
+        """A new admission takes a live (REPLACED) or finished request's id (I12)."""
+        rid = self._rule(lambda: self.engine.reuse_id(live, i, arrival, stale_terminal))
+        if rid is not None:
+            event(f"reuse: a {'live id replaced' if live else 'finished id'}"
+                  + (" + stale terminal" if stale_terminal and not live else ""))
+
+    @rule()
+    def replay_step(self) -> None:
+        """The last scheduler step arrives again (same sequence): the manager changes nothing (I13)."""
+        m = self.m
+        assert m is not None
+        keys = ("live_requests", "hits", "misses", "hit_tokens", "stale_events")
+        before = m.stats()
+        if self._rule(self.engine.replay_last_step):
+            after = m.stats()
+            assert {k: after[k] for k in keys} == {k: before[k] for k in keys}, (before, after)
+            assert after["replayed_steps"] == before["replayed_steps"] + 1
+            event("replay: a step was delivered twice")
+
     @precondition(_can_save)
     @rule(target=pending, n=st.integers(1, 6))
     def diverged_hit(self, n: int) -> object:
@@ -286,6 +309,14 @@ class ManagerMachine(RuleBasedStateMachine):
         else:
             assert set(self.expect) <= unconsumed
         self.ok = True
+
+    @invariant()
+    def live_requests_follow_admissions(self) -> None:
+        """I12: the manager holds exactly the admissions the events leave live (stale ones change nothing)."""
+        if self.m is None:
+            return
+        assert self.m.stats()["live_requests"] == len(self.engine.admitted), (
+            self.m.stats()["live_requests"], sorted(self.engine.admitted))
 
     @invariant()
     def page_held_while_write_reads_it(self) -> None:
