@@ -21,6 +21,7 @@ import json
 import sys
 from typing import Any
 
+from omni_cache.cli import simulate_vllm
 from omni_cache.cli.args import (
     EXIT_FAILED,
     EXIT_INCOMPLETE,
@@ -48,7 +49,8 @@ def register(subparsers: Any) -> None:
         "2 bad arguments, or a configuration that cannot run one request; 3 clean but incomplete "
         "(requests dropped or steps cut; --allow-incomplete makes that 0).",
     )
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="chat", help="workload (default: chat)")
+    parser.add_argument("--preset", choices=sorted(set(PRESETS) | set(simulate_vllm.PRESETS)),
+                        help="workload (default: chat; --engine vllm: mixed)")
     parser.add_argument("--requests", type=positive_int, help="number of requests, >= 1 (multiturn: turns)")
     parser.add_argument("--max-batched-tokens", type=int_range(1, 1 << 20),
                         help="scheduler token budget per step, 1 to 1,048,576")
@@ -82,10 +84,18 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"],
                         help="where the thinker's outputs live (cuda: the manager's stream path)")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON (no table, no bar)")
+    simulate_vllm.add_arguments(parser)
     parser.set_defaults(func=run, error=parser.error)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.engine == "vllm":
+        return simulate_vllm.run_vllm(args)
+    if args.preset is None:
+        args.preset = "chat"
+    elif args.preset not in PRESETS:
+        args.error(f"--preset {args.preset} needs --engine vllm (the simulated engine's presets: "
+                   f"{', '.join(sorted(PRESETS))})")
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 

@@ -138,6 +138,43 @@ class BlockTableView:
             num_blocks_per_row=getattr(block_table, "num_blocks_per_row", None),
         )
 
+    @classmethod
+    def from_v2_input_batch(
+        cls,
+        input_batch: Any,
+        table_cpu: Any,
+        num_blocks_per_state: Any,
+        *,
+        table_block_size: int,
+        block_size: int,
+    ) -> BlockTableView:
+        """Read Model Runner V2's per-step ``InputBatch`` (``req_ids``,
+        ``num_reqs``, ``idx_mapping_np``: batch row -> request-state row,
+        ``num_computed_tokens_np``) against CPU block-table rows indexed by
+        request-state row (``table_cpu``, one KV group) and their block counts
+        (``num_blocks_per_state``, e.g. ``BlockTables.num_blocks.np[0]``). V2
+        keeps its block table on the device only, so ``table_cpu`` is a CPU
+        mirror fed by the same ``append_block_ids`` calls (see
+        ``vllm_bridge.V2BlockTableMirror``).
+        """
+        num_reqs = int(input_batch.num_reqs)
+        req_ids = list(input_batch.req_ids)[:num_reqs]
+        states = np.asarray(input_batch.idx_mapping_np)[:num_reqs].astype(np.int64)
+        table = np.asarray(table_cpu)
+        if states.size and int(states.max()) >= table.shape[0]:
+            raise ValueError(
+                f"BlockTableView.from_v2_input_batch: request-state row {int(states.max())} is outside the "
+                f"mirrored block table of {table.shape[0]} rows"
+            )
+        return cls(
+            req_ids,
+            np.asarray(input_batch.num_computed_tokens_np)[:num_reqs],
+            table[states],
+            block_size=int(table_block_size),
+            expected_block_size=block_size,
+            num_blocks_per_row=np.asarray(num_blocks_per_state)[states],
+        )
+
     def row_of(self, req_id: ReqId) -> int:
         try:
             return self._row_of[req_id]
@@ -145,6 +182,11 @@ class BlockTableView:
             raise ValueError(
                 f"BlockTableView: request {req_id!r} is not in the batch {list(self.req_ids)}"
             ) from None
+
+    def blocks_of(self, req_id: ReqId) -> tuple[int, ...]:
+        """The request's allocated block ids (its row, up to its block count)."""
+        row = self.row_of(req_id)
+        return tuple(int(b) for b in self._table[row, : int(self._blocks_per_row[row])].tolist())
 
     def slots_for_spans(self, spans: Sequence[tuple[ReqId, int, int]]) -> torch.Tensor:
         """KV slots of positions ``[start, end)`` of each request, concatenated

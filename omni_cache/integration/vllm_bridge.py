@@ -1,0 +1,300 @@
+"""The logic behind the vLLM worker/model-runner subclasses (``vllm_worker``).
+
+Owns: ``VllmRunnerBridge`` -- one engine stage's ``PrefixCacheRunnerHooks``,
+the per-step state between ``execute_model`` and the forward (the scheduler
+output, the engine step number), the queue of saved step ids handed to the
+consumer (the next stage), and ``ForwardRecord``, what an observer sees of each
+real forward (the engine's own positions, token ids and slot mapping, read
+independently of the cache). The subclasses in ``vllm_worker`` only call into
+this class, so everything here runs without vLLM on duck-typed objects.
+
+Where the calls sit in vLLM's runner (the places vLLM-Omni's runner uses):
+``on_model_loaded`` after ``load_model``; ``on_kv_cache_initialized`` (the
+config gate, I5) at the top of ``initialize_kv_cache``, so a refused
+configuration fails at engine start, before any step; ``begin_step`` at the top
+of ``execute_model``, before vLLM drops finished requests (also for steps that
+schedule zero tokens: their finished ids still reach the cache);
+``after_forward`` right after the model forward, with the forward's hidden
+states and the runner's block table (V1: ``runner.input_batch``; Model Runner
+V2: ``runner.block_tables`` and its per-step ``InputBatch``). Upholds I1 on
+the producer side: every saved step id is published exactly once on
+``step_ids`` (the consumer must materialize or discard it exactly once).
+"""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from omni_cache.integration.block_table import BlockTableView
+from omni_cache.integration.runner_hooks import PrefixCacheRunnerHooks
+from omni_cache.interface import ModelCachePolicy, ReqId, StepId
+
+__all__ = ["CONFIG_KEY", "ForwardRecord", "PublishedStep", "V2BlockTableMirror", "VllmRunnerBridge", "bridge_of",
+           "runner_of"]
+
+CONFIG_KEY = "omni_cache"
+"""``vllm_config.additional_config[CONFIG_KEY]``: the stage's settings (a dict)."""
+
+
+@dataclass(frozen=True)
+class PublishedStep:
+    """What the consumer receives for one saved step."""
+
+    step_id: StepId
+    engine_step: int
+    req_ids: tuple[ReqId, ...]
+    spans: tuple[tuple[ReqId, int, int], ...]
+
+
+@dataclass(frozen=True)
+class ForwardRecord:
+    """One real forward as the engine ran it (tensors are the engine's own
+    buffers: an observer that keeps them must copy)."""
+
+    engine_step: int
+    step_id: StepId | None
+    req_ids: tuple[ReqId, ...]
+    spans: tuple[tuple[ReqId, int, int], ...]
+    hidden_states: torch.Tensor
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    mm_outputs: dict[str, Any]
+    block_ids: dict[ReqId, tuple[int, ...]] = field(default_factory=dict)
+    scheduler_output: Any = field(repr=False, default=None)
+
+
+def runner_of(llm: Any) -> Any:
+    """The model runner of an in-process ``vllm.LLM`` (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
+    core = llm.llm_engine.engine_core
+    core = getattr(core, "engine_core", core)
+    return core.model_executor.driver_worker.worker.model_runner
+
+
+def bridge_of(llm: Any) -> VllmRunnerBridge:
+    """The cache of an in-process ``vllm.LLM`` built with an omni ``worker_cls``."""
+    bridge = getattr(runner_of(llm), "omni_cache", None)
+    if not isinstance(bridge, VllmRunnerBridge):
+        raise ValueError("bridge_of: this engine's runner has no omni cache; build it with worker_cls="
+                         "'omni_cache.integration.vllm_worker.OmniCPUWorker' (or OmniGPUWorker)")
+    return bridge
+
+
+class V2BlockTableMirror:
+    """A CPU copy of group 0 of Model Runner V2's ``BlockTables``.
+
+    V2 keeps block ids only on the device (staged writes applied by a kernel).
+    ``install`` wraps the instance's ``append_block_ids(req_index,
+    new_block_ids, overwrite)`` -- the one door through which the runner
+    changes a row -- so every row change is applied here too, from the same
+    arguments; the block counts are V2's own CPU ``num_blocks.np``, checked
+    against the mirror's at every view.
+    """
+
+    def __init__(self, block_tables: Any, max_num_reqs: int, max_num_blocks: int) -> None:
+        self.block_tables = block_tables
+        self.block_size = int(block_tables.block_sizes[0])
+        self.table = np.zeros((max_num_reqs, max_num_blocks), dtype=np.int64)
+        self.counts = np.zeros(max_num_reqs, dtype=np.int64)
+
+    @classmethod
+    def install(cls, block_tables: Any) -> V2BlockTableMirror:
+        if getattr(block_tables, "omni_cache_mirror", None) is not None:
+            return block_tables.omni_cache_mirror
+        counts = np.asarray(block_tables.num_blocks.np)
+        max_blocks = int(block_tables.block_tables[0].gpu.shape[1])
+        mirror = cls(block_tables, int(counts.shape[1]), max_blocks)
+        real = block_tables.append_block_ids
+
+        def append_block_ids(req_index: int, new_block_ids: Any, overwrite: bool) -> None:
+            real(req_index, new_block_ids, overwrite)
+            mirror.append(req_index, new_block_ids, overwrite)
+
+        block_tables.append_block_ids = append_block_ids
+        block_tables.omni_cache_mirror = mirror
+        return mirror
+
+    def append(self, req_index: int, new_block_ids: Any, overwrite: bool) -> None:
+        ids = [int(b) for b in new_block_ids[0]]
+        start = 0 if overwrite else int(self.counts[req_index])
+        end = start + len(ids)
+        if end > self.table.shape[1]:
+            raise ValueError(f"V2BlockTableMirror: row {req_index} overflows ({end} > {self.table.shape[1]} blocks)")
+        self.table[req_index, start:end] = ids
+        self.counts[req_index] = end
+
+    def view(self, input_batch: Any, *, block_size: int) -> BlockTableView:
+        engine_counts = np.asarray(self.block_tables.num_blocks.np)[0]
+        num_reqs = int(input_batch.num_reqs)
+        states = np.asarray(input_batch.idx_mapping_np)[:num_reqs]
+        if not np.array_equal(engine_counts[states], self.counts[states]):
+            raise RuntimeError(
+                f"V2BlockTableMirror: block counts {self.counts[states].tolist()} differ from the runner's "
+                f"{engine_counts[states].tolist()} (a row changed outside append_block_ids)"
+            )
+        return BlockTableView.from_v2_input_batch(
+            input_batch, self.table, self.counts, table_block_size=self.block_size, block_size=block_size
+        )
+
+
+class _PolicyCarrier:
+    """The legacy per-model attributes ``ModelCachePolicy.from_model`` reads."""
+
+    def __init__(self, policy: ModelCachePolicy) -> None:
+        self.requires_full_prefix_cached_hidden_states = policy.needs_full_hidden_states
+        self.deferred_prefix_cache_mm_keys = tuple(sorted(policy.deferred_keys))
+        self.mm_outputs_written_in_sample = policy.mm_outputs_written_in_sample
+
+
+class VllmRunnerBridge:
+    """The omni prefix cache of one vLLM engine stage (see the module docstring).
+
+    ``settings`` (from ``additional_config["omni_cache"]``): ``deferred_keys``
+    (list of mm keys written on finish), ``eager`` (bool, manager mode).
+    ``mm_outputs_fn(hidden_states, record_spans) -> dict`` stands in for a
+    model's per-token mm outputs; ``observer(ForwardRecord)`` sees every real
+    forward. Both may be set after the engine is built, before its first step.
+    """
+
+    def __init__(self, settings: dict[str, Any] | None = None, *, hooks: PrefixCacheRunnerHooks | None = None) -> None:
+        settings = dict(settings or {})
+        unknown = set(settings) - {"deferred_keys", "eager", "needs_full_hidden_states"}
+        if unknown:
+            raise ValueError(f"VllmRunnerBridge: unknown additional_config['{CONFIG_KEY}'] keys {sorted(unknown)}")
+        self._policy_override: ModelCachePolicy | None = None
+        if "deferred_keys" in settings or "needs_full_hidden_states" in settings:
+            self._policy_override = ModelCachePolicy(
+                needs_full_hidden_states=bool(settings.get("needs_full_hidden_states", True)),
+                deferred_keys=frozenset(settings.get("deferred_keys", ())),
+            )
+        kwargs: dict[str, Any] = {}
+        if "eager" in settings:
+            kwargs["eager"] = bool(settings["eager"])
+        self.hooks = hooks if hooks is not None else PrefixCacheRunnerHooks(**kwargs)
+        self.mm_outputs_fn: Callable[[torch.Tensor], dict[str, Any]] | None = None
+        self.observer: Callable[[ForwardRecord], None] | None = None
+        self.step_ids: queue.Queue[PublishedStep] = queue.Queue()
+        self.engine_step = 0
+        self.preemptions = 0
+        self._scheduler_output: Any = None
+        self.v2_mirror: V2BlockTableMirror | None = None
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config: Any) -> VllmRunnerBridge:
+        extra = getattr(vllm_config, "additional_config", None) or {}
+        return cls(extra.get(CONFIG_KEY) if isinstance(extra, dict) else None)
+
+    # ------------------------------------------------------------- set-up
+    def on_model_loaded(self, model: Any) -> ModelCachePolicy:
+        carrier = model if self._policy_override is None else _PolicyCarrier(self._policy_override)
+        return self.hooks.on_model_loaded(carrier)
+
+    def on_kv_cache_initialized(self, vllm_config: Any, kv_cache_config: Any) -> None:
+        """The config gate on the engine's real configs; raises before any step."""
+        self.hooks.on_kv_cache_initialized(vllm_config, kv_cache_config)
+
+    @property
+    def active(self) -> bool:
+        return self.hooks.manager is not None
+
+    # ------------------------------------------------------------- per step
+    def begin_step(self, scheduler_output: Any) -> None:
+        """Top of ``execute_model``: every real step, zero scheduled tokens included."""
+        self.engine_step += 1
+        self.preemptions += len(getattr(scheduler_output, "preempted_req_ids", None) or ())
+        self._scheduler_output = scheduler_output
+        self.hooks.begin_step(scheduler_output)
+
+    def after_forward_v1(
+        self, runner: Any, hidden_states: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor
+    ) -> StepId | None:
+        """After the forward of V1's runner: the view is ``runner.input_batch``."""
+        so = self._take_scheduler_output()
+        if so is None:
+            return None
+        input_batch = runner.input_batch
+        view = BlockTableView.from_input_batch(input_batch, block_size=self._block_size())
+        slot_mapping = input_batch.block_table.block_tables[0].slot_mapping.cpu
+        return self._save(so, view, hidden_states, input_ids, positions, slot_mapping)
+
+    def install_v2_block_mirror(self, block_tables: Any) -> V2BlockTableMirror:
+        """Model Runner V2, after ``initialize_kv_cache``: mirror its device-only
+        block table on the CPU (group 0) so views never read the device."""
+        self.v2_mirror = V2BlockTableMirror.install(block_tables)
+        return self.v2_mirror
+
+    def after_forward_v2(self, runner: Any, input_batch: Any, hidden_states: torch.Tensor) -> StepId | None:
+        """After the forward of Model Runner V2 (``execute_model_state``): the
+        view is the step's ``InputBatch`` over the CPU mirror of
+        ``runner.block_tables``."""
+        so = self._take_scheduler_output()
+        if so is None:
+            return None
+        mirror = self.v2_mirror
+        if mirror is None or mirror.block_tables is not runner.block_tables:
+            raise RuntimeError(
+                "VllmRunnerBridge.after_forward_v2: runner.block_tables has no CPU mirror; call "
+                "install_v2_block_mirror(runner.block_tables) after initialize_kv_cache"
+            )
+        view = mirror.view(input_batch, block_size=self._block_size())
+        slots = view.slots_for_spans(
+            [(rid, int(c), int(c) + int(n)) for rid, c, n in
+             zip(view.req_ids, view.num_computed_tokens, input_batch.num_scheduled_tokens, strict=False) if n]
+        )
+        return self._save(so, view, hidden_states, input_batch.input_ids, input_batch.positions, slots)
+
+    # ------------------------------------------------------------- internals
+    def _take_scheduler_output(self) -> Any:
+        so, self._scheduler_output = self._scheduler_output, None
+        if so is None or not self.active:
+            return None
+        return so
+
+    def _block_size(self) -> int:
+        config = self.hooks.config
+        assert config is not None, "bridge active without a config: the gate must have run"
+        return config.block_size
+
+    def _save(
+        self, so: Any, view: BlockTableView, hidden_states: torch.Tensor, input_ids: Any, positions: Any, slot_mapping: Any
+    ) -> StepId | None:
+        num_unpadded = int(so.total_num_scheduled_tokens)
+        num_padded = int(hidden_states.shape[0])
+        counts = {rid: int(n) for rid, n in so.num_scheduled_tokens.items()}
+        spans = tuple(
+            (rid, start, start + counts[rid])
+            for rid, start in zip(view.req_ids, view.num_computed_tokens, strict=True)
+            if counts.get(rid, 0) > 0
+        )
+        mm = self.mm_outputs_fn(hidden_states) if self.mm_outputs_fn is not None else {}
+        step_id = self.hooks.after_forward(
+            hidden_states, mm, view=view, num_tokens_unpadded=num_unpadded, num_tokens_padded=num_padded
+        )
+        if self.observer is not None:
+            self.observer(
+                ForwardRecord(
+                    engine_step=self.engine_step,
+                    step_id=step_id,
+                    req_ids=view.req_ids,
+                    spans=spans,
+                    hidden_states=hidden_states[:num_unpadded],
+                    input_ids=torch.as_tensor(input_ids[:num_unpadded]),
+                    positions=torch.as_tensor(positions[:num_unpadded]),
+                    slot_mapping=torch.as_tensor(slot_mapping[:num_unpadded]),
+                    mm_outputs=mm,
+                    block_ids={rid: view.blocks_of(rid) for rid, _, _ in spans},
+                    scheduler_output=so,
+                )
+            )
+        if step_id is not None:
+            self.step_ids.put(PublishedStep(step_id, self.engine_step, tuple(r for r, _, _ in spans), spans))
+        return step_id
+
+    def shutdown(self) -> dict[StepId, str]:
+        return self.hooks.shutdown()

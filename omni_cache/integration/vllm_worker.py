@@ -1,0 +1,141 @@
+"""vLLM worker and model-runner subclasses that run the omni prefix cache.
+
+Owns: ``OmniCPUWorker`` (install it with ``LLM(..., worker_cls=
+"omni_cache.integration.vllm_worker.OmniCPUWorker")``), ``OmniGPUWorker``
+(same, on GPUs: V1 or Model Runner V2, whichever vLLM picks) and the runner
+subclasses they build: ``OmniCPUModelRunner`` (vLLM's V1 ``CPUModelRunner``)
+and, per runner base, a V1 or V2 subclass. The overrides only call
+``VllmRunnerBridge`` (``omni_cache.integration.vllm_bridge``), where the logic
+is. Classes are built on first attribute access (PEP 562 ``__getattr__``), so
+importing this module never imports vLLM ("no vLLM import at module scope"
+holds) and vLLM's own ``worker_cls`` lookup (``import_module`` + ``getattr``)
+still finds them.
+
+Upholds I5 (the config gate runs on the engine's real configs) and the DESIGN
+section 2 call order on the real runners: the gate at
+KV-cache initialisation (before the KV cache is allocated, so a refused
+configuration fails at engine start), ``begin_step`` before the runner drops
+finished requests (also for steps with zero scheduled tokens), ``after_forward``
+with the real hidden states and block table; warmup and dummy runs are never
+fed.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+_LAZY = ("OmniCPUModelRunner", "OmniCPUWorker", "OmniGPUWorker")  # built by __getattr__ on first access
+__all__: list[str] = ["omni_runner_class"]
+
+
+@functools.cache
+def omni_runner_class(base: type, v2: bool) -> type:
+    """``base`` (a vLLM model-runner class) with the cache wired in; ``v2``: Model Runner V2."""
+    from omni_cache.integration.vllm_bridge import VllmRunnerBridge
+
+    class _OmniRunnerCommon(base):  # type: ignore[misc, valid-type]
+        def __init__(self, vllm_config: Any, device: Any, *args: Any, **kwargs: Any) -> None:
+            super().__init__(vllm_config, device, *args, **kwargs)
+            self.omni_cache = VllmRunnerBridge.from_vllm_config(vllm_config)
+
+        def load_model(self, *args: Any, **kwargs: Any) -> None:
+            super().load_model(*args, **kwargs)
+            self.omni_cache.on_model_loaded(self.get_model())
+
+    if not v2:
+
+        class OmniModelRunnerV1(_OmniRunnerCommon):
+            """V1 runner: ``begin_step`` first in ``execute_model``; the one forward of the step
+            (``_model_forward``) is fed with ``self.input_batch`` as the view."""
+
+            _omni_in_step = False
+
+            def initialize_kv_cache(self, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
+                self.omni_cache.on_kv_cache_initialized(self.vllm_config, kv_cache_config)
+                super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
+
+            def execute_model(self, scheduler_output: Any, intermediate_tensors: Any = None) -> Any:
+                self.omni_cache.begin_step(scheduler_output)
+                self._omni_in_step = True
+                try:
+                    return super().execute_model(scheduler_output, intermediate_tensors)
+                finally:
+                    self._omni_in_step = False
+
+            def _model_forward(self, input_ids: Any = None, positions: Any = None, *args: Any, **kwargs: Any) -> Any:
+                out = super()._model_forward(input_ids, positions, *args, **kwargs)
+                if self._omni_in_step:
+                    self._omni_in_step = False  # one forward per step is fed
+                    self.omni_cache.after_forward_v1(self, out, input_ids, positions)
+                return out
+
+        OmniModelRunnerV1.__name__ = OmniModelRunnerV1.__qualname__ = f"Omni{base.__name__}"
+        return OmniModelRunnerV1
+
+    class OmniModelRunnerV2(_OmniRunnerCommon):
+        """Model Runner V2: block ids live on the device, so a CPU mirror of
+        ``self.block_tables`` is installed at KV-cache initialisation; the step's
+        ``InputBatch`` and hidden states are read from ``execute_model_state``."""
+
+        def initialize_kv_cache(self, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
+            self.omni_cache.on_kv_cache_initialized(self.vllm_config, kv_cache_config)
+            super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
+            self.omni_cache.install_v2_block_mirror(self.block_tables)
+
+        def execute_model(self, scheduler_output: Any, intermediate_tensors: Any = None, *args: Any,
+                          dummy_run: bool = False, **kwargs: Any) -> Any:
+            if dummy_run:
+                return super().execute_model(scheduler_output, intermediate_tensors, *args, dummy_run=True, **kwargs)
+            self.omni_cache.begin_step(scheduler_output)  # before finish_requests drops finished ids
+            before = self.execute_model_state
+            out = super().execute_model(scheduler_output, intermediate_tensors, *args, **kwargs)
+            state = self.execute_model_state
+            if state is not None and state is not before and state.hidden_states is not None:
+                self.omni_cache.after_forward_v2(self, state.input_batch, state.hidden_states)
+            return out
+
+    OmniModelRunnerV2.__name__ = OmniModelRunnerV2.__qualname__ = f"Omni{base.__name__}V2"
+    return OmniModelRunnerV2
+
+
+@functools.cache
+def _build_classes() -> dict[str, type]:
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+    from vllm.v1.worker.cpu_worker import CPUWorker
+    from vllm.v1.worker.gpu_worker import Worker
+
+    cpu_runner = omni_runner_class(CPUModelRunner, False)
+
+    class OmniCPUWorker(CPUWorker):  # type: ignore[misc, valid-type]
+        """vLLM's CPU worker whose model runner is ``OmniCPUModelRunner`` (V1)."""
+
+        def init_device(self) -> None:
+            super().init_device()
+            if getattr(self, "use_v2_model_runner", False):
+                raise RuntimeError(
+                    "OmniCPUWorker: vLLM chose Model Runner V2 on CPU; set VLLM_USE_V2_MODEL_RUNNER=0"
+                )
+            self.model_runner = cpu_runner(self.vllm_config, self.device)
+
+    class OmniGPUWorker(Worker):  # type: ignore[misc, valid-type]
+        """vLLM's GPU worker whose runner (V1, or V2 where vLLM picks it) feeds the cache."""
+
+        def _make_model_runner(self) -> Any:
+            if self.use_v2_model_runner:
+                if self.vllm_config.is_mm_encoder_only:
+                    raise RuntimeError("OmniGPUWorker: an encoder-only stage has no per-token outputs to cache")
+                from vllm.v1.worker.gpu.model_runner import GPUModelRunner as RunnerV2
+
+                return omni_runner_class(RunnerV2, True)(self.vllm_config, self.device)
+            from vllm.v1.worker.gpu_model_runner import GPUModelRunner as RunnerV1
+
+            return omni_runner_class(RunnerV1, False)(self.vllm_config, self.device)
+
+    return {"OmniCPUModelRunner": cpu_runner, "OmniCPUWorker": OmniCPUWorker, "OmniGPUWorker": OmniGPUWorker}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return _build_classes()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,124 @@
+"""The config gate refuses unsound stages on vLLM's real config objects (marker ``vllm``).
+
+Each refusal is tried on a ``VllmConfig`` built by vLLM's own ``EngineArgs``
+(speculative decoding, a KV-consumer role, decode context parallel) or a real
+``KVCacheConfig`` (several KV-cache groups), through the same bridge call the
+model runner makes at KV-cache initialisation; a control config passes. One
+refusal is also tried at a real engine start (in a subprocess): the engine
+fails to start with the gate's message, before any step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from vllm_support import require_vllm
+
+from omni_cache.errors import OmniPrefixCacheUnmatchError
+from omni_cache.integration.vllm_bridge import VllmRunnerBridge
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def base_kwargs():
+    require_vllm()
+    from omni_cache.vllm_sim.engine import engine_kwargs, prepare_vllm_env, tiny_llama_dir
+
+    prepare_vllm_env()
+    kwargs = engine_kwargs(tiny_llama_dir(), kv_blocks=24, max_batched_tokens=256, max_model_len=512)
+    kwargs.pop("worker_cls")
+    return kwargs
+
+
+def _vllm_config(base_kwargs, **extra):
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(**{**base_kwargs, **extra}).create_engine_config()
+
+
+def _kv_cache_config(num_groups: int = 1):
+    import torch
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        SlidingWindowSpec,
+    )
+
+    full = FullAttentionSpec(block_size=32, num_kv_heads=1, head_size=64, dtype=torch.float32)
+    groups = [KVCacheGroupSpec(["model.layers.0.self_attn.attn"], full)]
+    if num_groups > 1:
+        window = SlidingWindowSpec(block_size=32, num_kv_heads=1, head_size=64, dtype=torch.float32,
+                                   sliding_window=64)
+        groups.append(KVCacheGroupSpec(["model.layers.1.self_attn.attn"], window))
+    return KVCacheConfig(num_blocks=24, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+def _gate(vllm_config, kv_cache_config):
+    bridge = VllmRunnerBridge.from_vllm_config(vllm_config)
+    bridge.on_kv_cache_initialized(vllm_config, kv_cache_config)
+    return bridge.hooks.config
+
+
+def test_the_real_control_config_passes(base_kwargs) -> None:
+    config = _gate(_vllm_config(base_kwargs), _kv_cache_config())
+    assert config is not None and (config.block_size, config.num_blocks) == (32, 24)
+    assert config.staging_capacity_tokens == 256  # max_num_batched_tokens, from the real scheduler config
+
+
+@pytest.mark.parametrize(
+    ("extra", "phrase"),
+    [
+        (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3,
+                                  "prompt_lookup_min": 2}), "speculative decoding"),
+        (dict(kv_transfer_config={"kv_connector": "ExampleConnector", "kv_role": "kv_consumer"}), "KV-consumer"),
+        (dict(decode_context_parallel_size=2, tensor_parallel_size=2), "decode context parallel"),
+    ],
+    ids=["speculative-decoding", "kv-consumer", "dcp"],
+)
+def test_the_gate_refuses_real_engine_configs(base_kwargs, extra, phrase) -> None:
+    vllm_config = _vllm_config(base_kwargs, **extra)
+    with pytest.raises(OmniPrefixCacheUnmatchError, match=phrase) as info:
+        _gate(vllm_config, _kv_cache_config())
+    assert "cannot run on this stage" in str(info.value)
+
+
+def test_the_gate_refuses_several_kv_cache_groups(base_kwargs) -> None:
+    vllm_config = _vllm_config(base_kwargs)
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="2 KV-cache groups"):
+        _gate(vllm_config, _kv_cache_config(num_groups=2))
+    one_window = dataclasses.replace(_kv_cache_config(2), kv_cache_groups=_kv_cache_config(2).kv_cache_groups[1:])
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="not full attention"):
+        _gate(vllm_config, one_window)
+
+
+def test_a_refused_config_fails_at_engine_start_before_any_step() -> None:
+    require_vllm()
+    script = textwrap.dedent(
+        """
+        from omni_cache.integration import vllm_bridge
+        from omni_cache.vllm_sim.engine import engine_kwargs, prepare_vllm_env, tiny_llama_dir
+        prepare_vllm_env()
+        steps = []
+        real = vllm_bridge.VllmRunnerBridge.begin_step
+        vllm_bridge.VllmRunnerBridge.begin_step = lambda self, so: (steps.append(so), real(self, so))
+        from vllm import LLM
+        try:
+            LLM(**engine_kwargs(tiny_llama_dir(), kv_blocks=24, max_batched_tokens=256, max_model_len=512,
+                                speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                                    "prompt_lookup_max": 3, "prompt_lookup_min": 2}))
+        except Exception as exc:
+            print("REFUSED", type(exc).__name__, "steps", len(steps), str(exc).splitlines()[0])
+        else:
+            print("STARTED")
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith(("REFUSED", "STARTED"))), proc.stderr[-2000:])
+    assert line.startswith("REFUSED OmniPrefixCacheUnmatchError steps 0"), line
+    assert "speculative decoding is enabled" in line
