@@ -6,7 +6,7 @@ request among ``scheduled_new_reqs`` and names preempted ids in
 (so materialize returns the full prefix: 80 rows, not this step's 16), a step
 that schedules zero tokens still passes its finished ids, and an abort arrives
 as a finished id (0.32 has no ``aborted_req_ids``). I12 (one admission per id).
-Needs vLLM (skipped without it); the objects are vLLM's own dataclasses.
+Needs vLLM (skipped without it outside CI); the objects are vLLM's own dataclasses.
 """
 
 from __future__ import annotations
@@ -14,12 +14,22 @@ from __future__ import annotations
 import pytest
 import torch
 from cache_helpers import manager, save
+from vllm_support import require_vllm
 
 from omni_cache import PrefixCacheEventKind, PrefixCacheSchedulerAdapter
 
 pytestmark = pytest.mark.vllm
-output_mod = pytest.importorskip("vllm.v1.core.sched.output")
-SamplingParams = pytest.importorskip("vllm.sampling_params").SamplingParams
+try:
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.sched import output as output_mod
+except ImportError:  # the autouse fixture skips outside CI and fails under CI=true
+    SamplingParams = output_mod = None
+
+
+@pytest.fixture(autouse=True)
+def _needs_vllm() -> None:
+    require_vllm()
+
 K = PrefixCacheEventKind
 
 
