@@ -55,9 +55,12 @@ def test_plans_are_deterministic_and_exercise_every_path(name) -> None:
 
 
 def test_bad_vllm_arguments_exit_2(capsys) -> None:
-    assert main(["simulate", "--engine", "vllm", "--dtype", "float32"]) == 2
-    assert "only apply to --engine sim" in capsys.readouterr().err
-    assert main(["simulate", "--preset", "pressure"]) == 2  # a vLLM preset on the simulated engine
+    for argv, said in ((["simulate", "--engine", "vllm", "--dtype", "float32"], "only apply to --engine sim"),
+                       (["simulate", "--preset", "pressure"], "needs --engine vllm")):  # a vLLM preset on sim
+        with pytest.raises(SystemExit) as exc:  # the subcommand's usage and one error line
+            main(argv)
+        assert exc.value.code == 2
+        assert said in capsys.readouterr().err
     with pytest.raises(ValueError, match="num-blocks"):
         VllmSimConfig(kv_blocks=4)
     with pytest.raises(ValueError, match="unknown additional_config"):
