@@ -132,7 +132,7 @@ class ManifestEntry:
     why: str = ""
     check_deadlock: bool = True
     # {"table": <StateTable.name>, "variable": <TLA+ variable>, "edges": <edges operator>}
-    conformance: dict[str, str] | None = None
+    conformance: dict[str, Any] | None = None
 
     @property
     def name(self) -> str:
