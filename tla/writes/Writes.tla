@@ -110,13 +110,17 @@ Init ==
     /\ failure = FALSE
     /\ errors = 0
 
-\* Admission a ends: its pending writes go to the queue's front, in order,
-\* ahead of everything queued before (I9).
+\* The orderings of a finite set S (sequences holding each element once).
+\* (WritesTrace narrows this to the order the runtime logged.)
+Orders(S) == {f \in [1..Cardinality(S) -> S] : \A j, k \in DOMAIN f : j # k => f[j] # f[k]}
+
+\* Admission a ends: its pending writes go to the queue's front (in some
+\* order), ahead of everything queued before (I9).
 EndAdmission(a) ==
     LET open == {i \in Writes : own[i] = a /\ w[i] = "pending"}
     IN /\ ended' = ended \cup {a}
        /\ w' = [i \in Writes |-> IF i \in open THEN WAfter(w[i], "enqueue") ELSE w[i]]
-       /\ queue' = SeqOf(open) \o queue
+       /\ \E order \in Orders(open) : queue' = order \o queue
 
 (***************************************************************************)
 (* Scheduler steps (new_step_starts; refused once failed, I8)              *)
