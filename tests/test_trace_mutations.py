@@ -18,9 +18,9 @@ from omni_cache.interface import WriteSchedule
 from omni_cache.staging import StagingPool, StagingSlot
 from omni_cache.trace import TraceEvent, TraceRecorder
 from omni_cache.verify import check_trace_tlc
+from omni_cache.verify.testing import require_tlc
 from omni_cache.verify.traces import check_writes_trace_tlc, writes_trace_data
 from omni_cache.writes import PoolWrite, WriteBook
-from omni_cache.verify.testing import require_tlc
 
 pytestmark = pytest.mark.tlc
 

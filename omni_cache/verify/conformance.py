@@ -18,9 +18,9 @@ checker never checked, and the model cannot check a machine the code lacks.
 from __future__ import annotations
 
 import re
-from typing import Any
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from omni_cache.states import ALL_TABLES, StateTable
 
