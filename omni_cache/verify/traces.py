@@ -170,7 +170,8 @@ def _staging_cfg(constants: dict[str, int]) -> str:
     consts = "\n".join(f"    {k} = {v}" for k, v in constants.items())
     return (
         f"CONSTANTS\n{consts}\nSPECIFICATION TraceSpec\n"
-        "INVARIANTS TypeOK ExactlyOnce BoundedStaging PageExclusive\n"
+        "INVARIANTS TypeOK ExactlyOnce BoundedStaging PageExclusive NoLostPage OnePagePerSave\n"
+        "PROPERTIES RejectChangesNothing TimeoutOnlyWhenFull\n"
     )
 
 
@@ -240,8 +241,8 @@ def _writes_cfg(constants: dict[str, int]) -> str:
     consts = "\n".join(f"    {k} = {v}" for k, v in constants.items())
     return (
         f"CONSTANTS\n{consts}\n    ReqOf <- TraceReqOf\n    Orders <- TraceOrders\nSPECIFICATION TraceSpec\n"
-        "INVARIANTS TypeOK QueueConsistent FailureSticks AdmissionsCounted EndedByOwner\n"
-        "PROPERTIES StickyFailure FrontFirst\n"
+        "INVARIANTS TypeOK QueueConsistent FailureSticks AdmissionsCounted EndedByOwner TerminalsKnown\n"
+        "PROPERTIES StickyFailure FrontFirst SequenceMonotonic OwnerFixed\n"
     )
 
 

@@ -262,6 +262,15 @@ AdmissionsCounted == \A r \in Reqs : gen[r] = Cardinality({a \in admits : a[1] =
 \* admission never ends the new one.
 EndedByOwner == \A a \in ended : a \in terminals \/ a[2] < gen[a[1]]
 
+\* A terminal event names an admission that exists (the current or an older one).
+TerminalsKnown == \A t \in terminals : t[2] <= gen[t[1]]
+
+\* Scheduler steps are applied in sequence order, each once.
+SequenceMonotonic == [][lastSeq' >= lastSeq]_vars
+
+\* A write's owner is fixed at registration.
+OwnerFixed == [][\A i \in Writes : Registered(i) => own'[i] = own[i]]_vars
+
 \* I8: once failed, always failed, and the committer starts no copy any more
 \* (WriteBook.pop returns nothing once failed; a copy already in flight may end).
 StickyFailure ==
