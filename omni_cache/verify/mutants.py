@@ -20,6 +20,7 @@ Upholds (by checking that the models can fail): I1-I3 (Staging), I6/I7
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import json
 import random
 import re
@@ -101,7 +102,9 @@ class Mutant:
 
     @property
     def ident(self) -> str:
-        return f"{self.model.folder}:{self.action}:{self.operator}:{self.line + 1}"
+        """Stable across edits elsewhere in the spec: names the action, operator and the edit."""
+        digest = hashlib.sha1(f"{self.old.strip()}\n{self.new}".encode()).hexdigest()[:8]
+        return f"{self.model.folder}:{self.action}:{self.operator}:{digest}"
 
     def describe(self) -> str:
         after = "(deleted)" if self.new is None else self.new.strip()

@@ -231,7 +231,7 @@ Next == EngineStep \/ BuilderStep \/ CallerStep \/ CommitterStep \/ Terminating
 \* The timeout is deliberately not fair (think of a long timeout).
 EngineFair == /\ WF_vars(\E p \in Pages : claim(p))
               /\ WF_vars(wait)
-              /\ WF_vars(save \/ abort)
+              /\ WF_vars(save)
 BuilderFair == /\ WF_vars(\E i \in StepIds : consume(i))
                /\ WF_vars(\E p \in Pages : done_reading(p))
 CommitterFair == /\ WF_vars(\E i \in StepIds : land(i))

@@ -9,6 +9,6 @@ plan_landed(r, s, k) ==
     /\ want' = [want EXCEPT ![r] = <<s, tag[s], k>>]
     /\ pgen' = [pgen EXCEPT ![r] = rgen[r]]
     /\ pin' = [pin EXCEPT ![r] = <<s, ver[s], k>>]
-    /\ served' = [served EXCEPT ![r] = k \in carry[s][ver[s]]]
+    /\ served' = [served EXCEPT ![r] = Registered(s) /\ k \in carry[s][ver[s]]]
     /\ UNCHANGED <<ver, carry, reg, tag, absent, row, transit, kept, got, rgen, landed>>
 =============================================================================

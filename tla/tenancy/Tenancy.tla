@@ -34,7 +34,8 @@
 (* Invariants: TypeOK, NeverSilentMiss (I6), NoStaleTenant (I7, against    *)
 (* pin), HitServed (I7's preservation, against wrote), NewestLanded (an    *)
 (* older write never overwrites a newer tenant, against landed), HitOwned  *)
-(* (a read is made by the admission that planned it), KeptNeeded.         *)
+(* (a read is made by the admission that planned it), KeptNeeded,         *)
+(* WritesCarryKeys, ReplacedIsNew.                                         *)
 (***************************************************************************)
 EXTENDS Integers, FiniteSets
 
@@ -189,7 +190,7 @@ plan(r, s, k) ==
     /\ want' = [want EXCEPT ![r] = <<s, reg[s][k], k>>]
     /\ pgen' = [pgen EXCEPT ![r] = rgen[r]]
     /\ pin' = [pin EXCEPT ![r] = <<s, ver[s], k>>]
-    /\ served' = [served EXCEPT ![r] = k \in carry[s][ver[s]]]
+    /\ served' = [served EXCEPT ![r] = Registered(s) /\ k \in carry[s][ver[s]]]
     /\ UNCHANGED <<ver, carry, reg, tag, absent, row, transit, kept, got, rgen, landed>>
 
 \* What a read of key k of version v of slot s returns now; Wait while the
@@ -265,6 +266,15 @@ HitServed ==
 \* never overwrites a newer one.
 NewestLanded ==
     \A s \in Slots : tag[s] = IF landed[s] = {} THEN Absent ELSE Max(landed[s])
+
+\* Every registered write carries at least one key (the runtime registers no
+\* empty write), in transit or landed.
+WritesCarryKeys ==
+    \A s \in Slots, v \in Vers : (v \in transit[s] \/ v \in landed[s]) => carry[s][v] # {}
+
+\* A dropped plan belongs to an admission the REPLACED request id has left:
+\* the reader is a new admission now.
+ReplacedIsNew == \A r \in Readers : rstate[r] = "dropped" => pgen[r] < rgen[r]
 
 \* Preserved rows are kept only while a planned read needs them (bounded).
 KeptNeeded == \A c \in kept : Needed(c.slot, c.ver, c.key)
