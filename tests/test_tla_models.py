@@ -168,7 +168,10 @@ def test_parse_error_is_classified(tmp_path: Path) -> None:
 def test_every_run_pins_its_state_counts() -> None:
     """Item 5: each run records distinct/total states and depth, and judge flags a drift."""
     for entry in ALL_ENTRIES:
-        assert entry.states is not None and set(entry.states) == {"distinct", "total", "depth"}, entry.name
+        if entry.states is None:  # only a liveness violation, found at a time-dependent point of the search
+            assert entry.cfg in ("MCStagingLazyBuilder.cfg", "MCWritesDropOnFinish.cfg"), entry.name
+            continue
+        assert set(entry.states) == {"distinct", "total", "depth"}, entry.name
     entry = next(e for e in ENTRIES if e.cfg == "MCStaging.cfg")
     assert entry.states is not None
     same = TLCOutcome("ok", entry.states["distinct"], entry.states["total"], "", entry.states["depth"])
@@ -182,4 +185,5 @@ def test_every_run_pins_its_state_counts() -> None:
 def test_tiers_split_the_manifest() -> None:
     nightly = select(ALL_ENTRIES, None, "nightly")
     assert {e.model for e in nightly} == {"staging", "tenancy", "writes"}
-    assert not set(nightly) & set(ENTRIES) and len(nightly) + len(ENTRIES) == len(ALL_ENTRIES)
+    assert not {e.name for e in nightly} & {e.name for e in ENTRIES}
+    assert len(nightly) + len(ENTRIES) == len(ALL_ENTRIES)
