@@ -60,9 +60,13 @@ class TraceRecorder:
                 TraceEvent(machine, obj, what, state, state, step_id, "note", tuple(sorted(data.items())))
             )
 
-    def events(self, machine: str | None = None) -> list[TraceEvent]:
+    def events(self, machine: str | None = None, *, notes: bool = False) -> list[TraceEvent]:
+        """The fired triggers (of ``machine``), in order; with ``notes`` the notes too."""
         with self._lock:
-            return [e for e in self._events if machine is None or e.machine == machine]
+            return [
+                e for e in self._events
+                if (machine is None or e.machine == machine) and (notes or e.kind == "fire")
+            ]
 
     def clear(self) -> None:
         with self._lock:

@@ -54,3 +54,18 @@ def test_consume_without_its_guard_is_killed_by_an_invariant() -> None:
     [result] = run_mutants(TLA, only=drop.ident, per_model=None, jobs=1)
     assert result.verdict == "killed", result.runs
     assert result.runs[0][1] == 12 and result.runs[0][2] == "invariant:ExactlyOnce", result.runs
+
+
+@pytest.mark.tlc
+def test_cli_prints_the_kill_table(capsys: pytest.CaptureFixture[str]) -> None:
+    """`omni-cache verify --mutants` prints each mutant with its verdict and a summary line."""
+    require_tlc()
+    from omni_cache.cli import main
+
+    drop = next(m for m in _mutants("writes") if m.action == "fail" and m.operator == "skip-update"
+                and "failure'" in m.old)
+    code = main(["verify", "--mutants", "--all-mutants", "--only", drop.ident, "--jobs", "1"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert drop.ident in out and "killed" in out and "invariant:FailureSticks" in out
+    assert "1 mutants: 1 killed by an invariant or property (exit 12/13), 0 equivalent, 0 survived" in out

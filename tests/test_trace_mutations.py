@@ -39,7 +39,7 @@ def _reader_outlives_write() -> list[TraceEvent]:
     pool.done_reading(read)
     pool.save(pool.claim(2), 2, "test:2")
     pool.done_reading(pool.consume(2, caller="discard_step"))
-    return rec.events()
+    return rec.events(notes=True)
 
 
 def _release_ignoring_reader(self: StagingPool, slot: StagingSlot) -> None:
@@ -77,7 +77,7 @@ def _writes_run() -> list[TraceEvent]:
     while (write := book.pop(block=False)) is not None:
         for trigger in ("start_copy", "finish_copy", "commit"):
             book.fire(write, trigger)
-    return rec.events()
+    return rec.events(notes=True)
 
 
 def _pop_newest(self: WriteBook, *, block: bool, timeout_s: float | None = None) -> PoolWrite | None:

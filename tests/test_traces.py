@@ -63,10 +63,10 @@ def _staging_trace() -> list[TraceEvent]:
     pool.done_reading(slot)  # page 0 stays materialized: the write still holds it
     assert pool.slot_states()[0] == "materialized"
     for bad in (1, 99):  # I1: rejected, no transition recorded (only the "reject" note)
-        n = len(rec.events())
+        n = len(rec.events(notes=True))
         with pytest.raises(OmniPrefixCacheUnmatchError, match=PHRASE_NOT_SAVED):
             pool.consume(bad, caller="materialize")
-        assert [(e.kind, e.trigger) for e in rec.events()[n:]] == [("note", "reject")]
+        assert [(e.kind, e.trigger) for e in rec.events(notes=True)[n:]] == [("note", "reject")]
     s = pool.claim(4)  # the free page (slot 1)
     pool.abort(s)
     pool.unhold(s0)  # the write landed: page 0 is released now
@@ -93,7 +93,7 @@ def _staging_trace() -> list[TraceEvent]:
     ids.put(None)
     t.join(5.0)
     assert pool.slot_states() == ["free", "free"]
-    return rec.events()
+    return rec.events(notes=True)
 
 
 @pytest.fixture(scope="module")

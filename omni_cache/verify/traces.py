@@ -48,7 +48,7 @@ class TraceReplayError(AssertionError):
 
 
 def _events(trace: TraceRecorder | Iterable[TraceEvent]) -> list[TraceEvent]:
-    return trace.events() if isinstance(trace, TraceRecorder) else list(trace)
+    return trace.events(notes=True) if isinstance(trace, TraceRecorder) else list(trace)
 
 
 def replay(
