@@ -104,6 +104,7 @@ class StagingPool:
         self.num_claims = 0
         # Claims that had to wait, and how long: a fixed-size histogram (bounded however long the run).
         self._waits = WaitHistogram()
+        self._note(None, "open", None)  # trace validation reads the configured depth here
 
     # ---- lifecycle (the machine's triggers) ---------------------------------
     def claim(self, num_rows: int, *, timeout_s: float | None = None) -> StagingSlot:
@@ -176,6 +177,7 @@ class StagingPool:
             issued = isinstance(step_id, int) and not isinstance(step_id, bool)
             slot = self._by_step.get(step_id) if issued else None
             if slot is None:
+                self._note(None, "reject", step_id)
                 raise OmniPrefixCacheUnmatchError(
                     f"{caller}: step id {step_id} was {PHRASE_NOT_SAVED} (I1); "
                     f"unconsumed step ids: {sorted(self._by_step)}"
@@ -190,18 +192,21 @@ class StagingPool:
         with self._cond:
             assert slot.reading, f"done_reading on {slot.describe()} without a consume: manager bug"
             slot.reading = False
+            self._note(slot, "done_reading", slot.step_id)
             self._release_if_idle_locked(slot)
 
     def hold(self, slot: StagingSlot) -> None:
         """A pool write will read this page (I3)."""
         with self._cond:
             slot.num_write_holds += 1
+            self._note(slot, "hold", slot.step_id)
 
     def unhold(self, slot: StagingSlot) -> None:
         """A pool write no longer reads this page."""
         with self._cond:
             assert slot.num_write_holds > 0, f"unhold without hold on {slot.describe()}: manager bug"
             slot.num_write_holds -= 1
+            self._note(slot, "unhold", slot.step_id)
             self._release_if_idle_locked(slot)
 
     def _release_if_idle_locked(self, slot: StagingSlot) -> None:
@@ -212,6 +217,18 @@ class StagingPool:
             slot.saved_at = None
             slot.num_rows = 0
             self._cond.notify_all()
+
+    def _note(self, slot: StagingSlot | None, what: str, step_id: StepId | None) -> None:
+        """Log bookkeeping for trace validation (holds, reader, rejects); lock held."""
+        recorder = self.machine.recorder
+        if recorder is not None:
+            recorder.note(
+                STAGING_TABLE.name, "pool" if slot is None else f"staging slot {slot.index}", what,
+                "-" if slot is None else slot.state, step_id,
+                depth=self.depth,
+                holds=0 if slot is None else slot.num_write_holds,
+                reading=False if slot is None else slot.reading,
+            )
 
     # ---- page access: only through a slot in the right state ----------------
     def claimed_pages(self, slot: StagingSlot, rows_by_key: dict[TensorName, torch.Tensor]) -> dict[TensorName, torch.Tensor]:

@@ -131,6 +131,8 @@ class WriteBook:
             )
             self._next_tid += 1
             self._live[write.tid] = write
+            self._note("register", f"write tid {write.tid}", write.state, step_id, tid=write.tid,
+                       deferred=schedule is WriteSchedule.JOIN_ON_FINISH)
             return write
 
     def fire(self, write: PoolWrite, trigger: str) -> None:
@@ -149,6 +151,9 @@ class WriteBook:
         """Move pending writes into the queue (at its front for finish/abort, I9)."""
         moved: list[PoolWrite] = []
         with self._cond:
+            writes = list(writes)
+            self._note("enqueue_front" if front else "enqueue_back", "queue", "-", None,
+                       tids=tuple(dict.fromkeys(w.tid for w in writes if w.state == "pending")))
             for write in writes:
                 if write.state == "pending":
                     self._fire_locked(write, "enqueue")
@@ -191,6 +196,12 @@ class WriteBook:
             self._queue.clear()
             self._cond.notify_all()
             return self._failure
+
+    def _note(self, what: str, obj: str, state: str, step_id: StepId | None, **data: object) -> None:
+        """Log bookkeeping for trace validation (registrations, queue pushes); lock held."""
+        recorder = self.machine.recorder
+        if recorder is not None:
+            recorder.note(WRITE_TABLE.name, obj, what, state, step_id, **data)
 
     # ---- waits --------------------------------------------------------------
     def wait(self, write: PoolWrite, states: tuple[str, ...], *, why: str) -> None:

@@ -29,7 +29,8 @@ from omni_cache.verify.tlc import (
 )
 
 TLA = default_tla_dir()
-ENTRIES = load_manifest(TLA)
+ALL_ENTRIES = load_manifest(TLA)
+ENTRIES = select(ALL_ENTRIES, None, "ci")  # the nightly tier runs in `omni-cache verify --tier nightly`
 
 
 def _listing() -> list[str]:
@@ -56,7 +57,7 @@ def test_manifest_run_is_as_expected(results: dict[str, RunResult], entry: Manif
 
 @pytest.mark.tlc
 def test_manifest_is_small(results: dict[str, RunResult]) -> None:
-    """The constants stay small: the largest model stays well under 20k distinct states."""
+    """The CI tier's constants stay small (the nightly tier has no cap)."""
     assert max(r.distinct_states or 0 for r in results.values()) < 20_000
 
 
@@ -80,8 +81,12 @@ def test_manifest_covers_every_model_and_broken_variant() -> None:
         kinds = {e.expect.split(":")[0] for e in ENTRIES if e.model == model}
         assert "ok" in kinds and kinds - {"ok"}, f"{model} needs a correct run and a broken variant"
     rejected = {e.expect for e in ENTRIES}
-    for name in ("ExactlyOnce", "BoundedStaging", "PageExclusive", "NeverSilentMiss", "NoStaleTenant"):
+    for name in ("ExactlyOnce", "BoundedStaging", "PageExclusive", "NeverSilentMiss", "NoStaleTenant",
+                 "HitServed", "NewestLanded", "HitOwned", "FailureSticks", "AdmissionsCounted", "EndedByOwner",
+                 "NoLostPage"):
         assert f"invariant:{name}" in rejected, f"no broken variant is rejected by {name}"
+    for name in ("StickyFailure", "FrontFirst", "AbortsLand"):  # I8/I9 as properties
+        assert f"property:{name}" in rejected, f"no broken variant is rejected by {name}"
     assert "property:SaveCompletes" in rejected and "deadlock" in rejected
     staging_ok = [e for e in ENTRIES if e.model == "staging" and e.expect == "ok"]
     assert all(e.check_deadlock for e in ENTRIES), "every run keeps TLC's deadlock check on"
@@ -89,7 +94,7 @@ def test_manifest_covers_every_model_and_broken_variant() -> None:
 
 
 def test_every_cfg_and_mc_module_is_in_the_manifest() -> None:
-    listed = {(e.model, e.cfg) for e in ENTRIES} | {(e.model, e.spec) for e in ENTRIES}
+    listed = {(e.model, e.cfg) for e in ALL_ENTRIES} | {(e.model, e.spec) for e in ALL_ENTRIES}
     for path in sorted(TLA.glob("*/MC*.*")):
         assert (path.parent.name, path.name) in listed, f"{path} is not run by the manifest"
 
@@ -158,3 +163,27 @@ def test_parse_error_is_classified(tmp_path: Path) -> None:
     assert res.result == "parse-error" and res.exit_code in (150, 151, 152, 153)
     assert not res.ok
     assert sorted(p.name for p in (tmp_path / "m").iterdir()) == ["Bad.cfg", "Bad.tla"]  # nothing written there
+
+
+def test_every_run_pins_its_state_counts() -> None:
+    """Item 5: each run records distinct/total states and depth, and judge flags a drift."""
+    for entry in ALL_ENTRIES:
+        if entry.states is None:  # only a liveness violation, found at a time-dependent point of the search
+            assert entry.cfg in ("MCStagingLazyBuilder.cfg", "MCWritesDropOnFinish.cfg"), entry.name
+            continue
+        assert set(entry.states) == {"distinct", "total", "depth"}, entry.name
+    entry = next(e for e in ENTRIES if e.cfg == "MCStaging.cfg")
+    assert entry.states is not None
+    same = TLCOutcome("ok", entry.states["distinct"], entry.states["total"], "", entry.states["depth"])
+    assert judge(entry, 0, same) == []
+    drifted = TLCOutcome("ok", entry.states["distinct"] + 1, entry.states["total"], "", entry.states["depth"])
+    assert judge(entry, 0, drifted) == [
+        f"state counts drifted (manifest, TLC): distinct {entry.states['distinct']} != {entry.states['distinct'] + 1}"
+    ]
+
+
+def test_tiers_split_the_manifest() -> None:
+    nightly = select(ALL_ENTRIES, None, "nightly")
+    assert {e.model for e in nightly} == {"staging", "tenancy", "writes"}
+    assert not {e.name for e in nightly} & {e.name for e in ENTRIES}
+    assert len(nightly) + len(ENTRIES) == len(ALL_ENTRIES)

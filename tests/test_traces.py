@@ -43,8 +43,8 @@ def _staging_trace() -> list[TraceEvent]:
 
     s0 = pool.claim(4)
     pool.claimed_page(s0, "hidden", rows).copy_(rows)
+    pool.hold(s0)  # a pool write reads page 0 (I3); registered before the id is issued, as the manager does
     pool.save(s0, 1, "test:1")
-    pool.hold(s0)  # a pool write reads page 0 (I3)
     s1 = pool.claim(4)
     pool.save(s1, 2, "test:2")
 
@@ -62,17 +62,16 @@ def _staging_trace() -> list[TraceEvent]:
     slot = pool.consume(1, caller="discard_step")
     pool.done_reading(slot)  # page 0 stays materialized: the write still holds it
     assert pool.slot_states()[0] == "materialized"
-    for bad in (1, 99):  # I1: rejected, and no transition recorded
-        n = len(rec.events())
+    for bad in (1, 99):  # I1: rejected, no transition recorded (only the "reject" note)
+        n = len(rec.events(notes=True))
         with pytest.raises(OmniPrefixCacheUnmatchError, match=PHRASE_NOT_SAVED):
             pool.consume(bad, caller="materialize")
-        assert len(rec.events()) == n
+        assert [(e.kind, e.trigger) for e in rec.events(notes=True)[n:]] == [("note", "reject")]
     s = pool.claim(4)  # the free page (slot 1)
     pool.abort(s)
     pool.unhold(s0)  # the write landed: page 0 is released now
-    a, b = pool.claim(2), pool.claim(2)
-    pool.save(a, 3, "test:3")
-    pool.save(b, 4, "test:4")
+    pool.save(pool.claim(2), 3, "test:3")  # one save at a time: the engine thread saves
+    pool.save(pool.claim(2), 4, "test:4")
     with pytest.raises(OmniPrefixCacheStagingTimeoutError):
         pool.claim(2, timeout_s=0.01)
 
@@ -94,7 +93,7 @@ def _staging_trace() -> list[TraceEvent]:
     ids.put(None)
     t.join(5.0)
     assert pool.slot_states() == ["free", "free"]
-    return rec.events()
+    return rec.events(notes=True)
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +108,7 @@ def _tamper(events: list[TraceEvent], index: int, **changes: object) -> list[Tra
 
 
 def _first(events: list[TraceEvent], trigger: str, nth: int = 0) -> int:
-    return [i for i, e in enumerate(events) if e.trigger == trigger][nth]
+    return [i for i, e in enumerate(events) if e.trigger == trigger and e.kind == "fire"][nth]
 
 
 def tampered_traces(events: list[TraceEvent]) -> dict[str, tuple[list[TraceEvent], int]]:
@@ -117,12 +116,12 @@ def tampered_traces(events: list[TraceEvent]) -> dict[str, tuple[list[TraceEvent
     second_save = _first(events, "save", 1)
     first_release = _first(events, "release", 0)
     consume = _first(events, "consume", 0)
-    other_slot = next(e.obj for e in events if e.obj != events[consume].obj)
+    other_slot = next(e.obj for e in events if e.obj not in (events[consume].obj, "pool"))
     without_release = events[:first_release] + events[first_release + 1 :]
     # After the lost release, the first event on that slot no longer starts from "materialized".
     lost_at = next(
         i for i in range(first_release, len(without_release))
-        if without_release[i].obj == events[first_release].obj
+        if without_release[i].obj == events[first_release].obj and without_release[i].kind == "fire"
     )
     return {
         "reused step id": (_tamper(events, second_save, step_id=events[_first(events, "save")].step_id), second_save),
@@ -133,7 +132,9 @@ def tampered_traces(events: list[TraceEvent]) -> dict[str, tuple[list[TraceEvent
 
 
 def test_real_staging_trace_replays(staging_trace: list[TraceEvent]) -> None:
-    assert {e.trigger for e in staging_trace} == set(STAGING_TABLE.triggers)  # every trigger exercised
+    assert {e.trigger for e in staging_trace if e.kind == "fire"} == set(STAGING_TABLE.triggers)  # every trigger
+    assert {e.trigger for e in staging_trace if e.kind == "note"} == {
+        "open", "hold", "unhold", "done_reading", "reject"}  # and every note the trace spec maps
     final = replay(staging_trace, STAGING_TABLE)
     assert set(final.values()) == {"free"}
     assert validate_trace(staging_trace) == final
@@ -234,7 +235,10 @@ def test_manager_trace_is_valid_for_both_replays() -> None:
 
 
 def test_trace_module_is_plain_tla() -> None:
-    ev = TraceEvent("staging_slot", 'staging slot "0"', "claim", "free", "claimed", None)
-    text = trace_module([ev])
-    assert '"staging slot \\"0\\""' in text  # names are escaped as TLA+ strings
-    assert "step |-> -1" in text and "EXTENDS Integers, Sequences, FiniteSets, StagingSlot" in text
+    ev = TraceEvent("staging_slot", "staging slot 3", "claim", "free", "claimed", None)
+    note = TraceEvent("staging_slot", "staging slot 3", "hold", "claimed", "claimed", 7, "note",
+                      (("holds", 1), ("reading", False)))
+    text = trace_module([ev, note])
+    assert 'ev |-> "claim", slot |-> 3, src |-> "free", dst |-> "claimed", step |-> -1, holds |-> -1' in text
+    assert 'ev |-> "hold", slot |-> 3, src |-> "claimed", dst |-> "claimed", step |-> 7, holds |-> 1, reading |-> 0' in text
+    assert text.startswith("---- MODULE StagingTraceData ----") and "EXTENDS Integers" in text

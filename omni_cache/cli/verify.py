@@ -43,6 +43,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         ),
     )
     parser.add_argument("--only", metavar="SUBSTRING", help="run only entries whose model/spec/cfg contains it")
+    parser.add_argument(
+        "--tier", choices=("ci", "nightly", "all"), default="ci",
+        help="which manifest runs: ci (default; small constants), nightly (larger constants), all",
+    )
+    parser.add_argument(
+        "--mutants", action="store_true",
+        help="instead of the manifest: generate the spec mutants (omni_cache.verify.mutants), check each "
+             "with TLC and print the kill table (a survivor not listed in tla/mutants_equivalent.json: exit 1)",
+    )
+    parser.add_argument(
+        "--all-mutants", action="store_true",
+        help="with --mutants: every generated mutant instead of the fixed-seed sample",
+    )
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     parser.add_argument("--jobs", type=int_range(1, 64), default=2,
                         help="TLC processes at a time, 1 to 64 (each -workers 1; default 2)")
@@ -91,7 +104,46 @@ def _adhoc_entry(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     ), spec.parent.parent
 
 
+def run_mutant_table(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from omni_cache.verify.mutants import PER_MODEL, run_mutants
+    from omni_cache.verify.tlc import TLCUnavailable
+
+    start = time.perf_counter()
+    try:
+        results = run_mutants(args.tla_dir, only=args.only, jobs=args.jobs, timeout_s=args.timeout,
+                              per_model=None if args.all_mutants else PER_MODEL)
+    except TLCUnavailable as exc:
+        print(f"omni-cache verify: {exc}", file=sys.stderr)
+        return 2
+    wall_s = time.perf_counter() - start
+    counts = {v: sum(r.verdict == v for r in results) for v in ("killed", "equivalent", "survived")}
+    if args.json:
+        print(json.dumps({"wall_seconds": round(wall_s, 2), **counts, "mutants": [
+            {"id": r.mutant.ident, "edit": r.mutant.describe(), "verdict": r.verdict, "reason": r.reason,
+             "runs": [{"cfg": c, "exit": e, "result": res} for c, e, res in r.runs]} for r in results]}, indent=2))
+    else:
+        table = Table(title="omni-cache verify --mutants: generated spec mutants against TLC")
+        for col in ("mutant", "edit", "TLC", "verdict"):
+            table.add_column(col, overflow="fold")
+        for r in results:
+            tlc = "; ".join(f"{c}: {res} ({e})" for c, e, res in r.runs)
+            verdict = {"killed": "[green]killed[/green]", "equivalent": f"equivalent: {r.reason}",
+                       "survived": "[bold red]SURVIVED[/bold red]"}[r.verdict]
+            table.add_row(r.mutant.ident, r.mutant.describe(), tlc, verdict)
+        Console(width=200).print(table)
+        scored = counts["killed"] + counts["survived"]
+        print(f"{len(results)} mutants: {counts['killed']} killed by an invariant or property (exit 12/13), "
+              f"{counts['equivalent']} equivalent, {counts['survived']} survived; kill rate "
+              f"{counts['killed']}/{scored} of non-equivalent; {wall_s:.1f} s wall")
+    return 1 if counts["survived"] else 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "mutants", False):
+        return run_mutant_table(args)
     from omni_cache.verify.tlc import (
         ManifestError,
         TLCUnavailable,
@@ -107,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
             entries = [entry]
         else:
             tla_dir = args.tla_dir or default_tla_dir()
-            entries = select(load_manifest(tla_dir), args.only)
+            entries = select(load_manifest(tla_dir), args.only, args.tier)
             if not entries:
                 print(f"omni-cache verify: no manifest entry matches --only {args.only!r}", file=sys.stderr)
                 return EXIT_USAGE

@@ -41,6 +41,7 @@ EXIT_PROPERTY = 13
 EXIT_PARSE = (150, 151, 152, 153)
 
 _EXPECT_EXIT = {"ok": EXIT_OK, "deadlock": EXIT_DEADLOCK, "invariant": EXIT_INVARIANT, "property": EXIT_PROPERTY}
+TIERS = ("ci", "nightly")
 _EXPECT_RE = re.compile(r"^(ok|deadlock|(invariant|property):[A-Za-z_][A-Za-z0-9_]*)$")
 
 
@@ -132,7 +133,11 @@ class ManifestEntry:
     why: str = ""
     check_deadlock: bool = True
     # {"table": <StateTable.name>, "variable": <TLA+ variable>, "edges": <edges operator>}
-    conformance: dict[str, str] | None = None
+    conformance: dict[str, Any] | None = None
+    # "ci" (run by default and by the test suite) or "nightly" (larger constants)
+    tier: str = "ci"
+    # the measured {"distinct": N, "total": M, "depth": D}; a run that differs has drifted
+    states: dict[str, int] | None = None
 
     @property
     def name(self) -> str:
@@ -162,11 +167,14 @@ def load_manifest(tla_dir: Path | None = None) -> list[ManifestEntry]:
                 model=run["model"], spec=run["spec"], cfg=run["cfg"], expect=run["expect"],
                 exit=int(run["exit"]), why=run.get("why", ""),
                 check_deadlock=bool(run.get("check_deadlock", True)),
-                conformance=run.get("conformance"),
+                conformance=run.get("conformance"), tier=run.get("tier", "ci"),
+                states=run.get("states"),
             )
         except KeyError as exc:
             raise ManifestError(f"{where}: missing field {exc}") from exc
         _check_expect(entry.expect, entry.exit, where)
+        if entry.tier not in TIERS:
+            raise ManifestError(f"{where}: tier {entry.tier!r} is not one of {TIERS}")
         for name in (entry.spec, entry.cfg):
             if not (tla_dir / entry.model / name).is_file():
                 raise ManifestError(f"{where}: {tla_dir / entry.model / name} does not exist")
@@ -178,6 +186,7 @@ def load_manifest(tla_dir: Path | None = None) -> list[ManifestEntry]:
 
 # ---- parsing TLC's output ---------------------------------------------------
 _DISTINCT_RE = re.compile(r"^(\d+) states generated, (\d+) distinct states found", re.M)
+_DEPTH_RE = re.compile(r"^The depth of the complete state graph search is (\d+)\.", re.M)
 _INVARIANT_RE = re.compile(r"^Error: Invariant (\S+) is violated", re.M)
 _ACTION_PROP_RE = re.compile(r"^Error: Action property (\S+) is violated", re.M)
 _CFG_PROPS_RE = re.compile(r"^\s*PROPERT(?:Y|IES)\b(.*?)(?=^\s*[A-Z_]{4,}\b|\Z)", re.M | re.S)
@@ -201,32 +210,35 @@ class TLCOutcome:
     distinct_states: int | None
     generated_states: int | None
     detail: str = ""
+    depth: int | None = None
 
 
 def parse_tlc_output(output: str, exit_code: int, cfg_text: str = "") -> TLCOutcome:
     """Classify TLC's output as ok / deadlock / invariant:<N> / property:<N> / parse-error / error."""
     counts = _DISTINCT_RE.findall(output)
     generated, distinct = (int(counts[-1][0]), int(counts[-1][1])) if counts else (None, None)
+    depths = _DEPTH_RE.findall(output)
+    depth = int(depths[-1]) if depths else None
     if exit_code in EXIT_PARSE or "Parsing or semantic analysis failed" in output:
         first = next((ln for ln in output.splitlines() if "rror" in ln), "parse error")
-        return TLCOutcome("parse-error", distinct, generated, first.strip())
+        return TLCOutcome("parse-error", distinct, generated, first.strip(), depth)
     if m := _INVARIANT_RE.search(output):
-        return TLCOutcome(f"invariant:{m.group(1)}", distinct, generated)
+        return TLCOutcome(f"invariant:{m.group(1)}", distinct, generated, "", depth)
     if m := _ACTION_PROP_RE.search(output):
-        return TLCOutcome(f"property:{m.group(1)}", distinct, generated)
+        return TLCOutcome(f"property:{m.group(1)}", distinct, generated, "", depth)
     if "Error: Temporal properties were violated" in output:
         # TLC 2.15 does not name the violated temporal property: attribute it to
         # the cfg's property when there is exactly one.
         props = cfg_properties(cfg_text)
         name = props[0] if len(props) == 1 else "?"
         detail = "" if len(props) == 1 else f"cfg lists properties {props}; TLC does not say which"
-        return TLCOutcome(f"property:{name}", distinct, generated, detail)
+        return TLCOutcome(f"property:{name}", distinct, generated, detail, depth)
     if "Error: Deadlock reached" in output:
-        return TLCOutcome("deadlock", distinct, generated)
+        return TLCOutcome("deadlock", distinct, generated, "", depth)
     if exit_code == EXIT_OK and "Model checking completed. No error has been found." in output:
-        return TLCOutcome("ok", distinct, generated)
+        return TLCOutcome("ok", distinct, generated, "", depth)
     first = next((ln for ln in output.splitlines() if ln.startswith("Error")), f"TLC exit {exit_code}")
-    return TLCOutcome("error", distinct, generated, first.strip())
+    return TLCOutcome("error", distinct, generated, first.strip(), depth)
 
 
 # ---- running TLC --------------------------------------------------------------
@@ -287,6 +299,7 @@ class RunResult:
     detail: str = ""
     problems: list[str] = field(default_factory=list)
     output_tail: str = ""
+    depth: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -298,18 +311,30 @@ class RunResult:
             "expected": self.entry.expect, "expected_exit": self.entry.exit,
             "result": self.result, "exit": self.exit_code,
             "distinct_states": self.distinct_states, "generated_states": self.generated_states,
+            "depth": self.depth, "tier": self.entry.tier,
             "seconds": round(self.seconds, 2), "ok": self.ok, "problems": self.problems,
             "detail": self.detail,
         }
 
 
 def judge(entry: ManifestEntry, exit_code: int, outcome: TLCOutcome) -> list[str]:
-    """Every way the run differs from the manifest (empty: as expected)."""
+    """Every way the run differs from the manifest (empty: as expected), state counts included.
+
+    With ``-workers 1`` TLC's breadth-first search is deterministic, so the distinct and
+    total states and the depth recorded in the manifest must be met exactly: a spec or cfg
+    edit that changes the state space without updating the manifest is a drift.
+    """
     problems: list[str] = []
     if exit_code != entry.exit:
         problems.append(f"TLC exit {exit_code}, manifest expects {entry.exit}")
     if outcome.result != entry.expect:
         problems.append(f"result {outcome.result}, manifest expects {entry.expect}")
+    if entry.states is not None:
+        seen = {"distinct": outcome.distinct_states, "total": outcome.generated_states, "depth": outcome.depth}
+        drift = {k: (v, seen.get(k)) for k, v in entry.states.items() if seen.get(k) != v}
+        if drift:
+            problems.append("state counts drifted (manifest, TLC): " + ", ".join(
+                f"{k} {want} != {got}" for k, (want, got) in sorted(drift.items())))
     return problems
 
 
@@ -342,7 +367,7 @@ def run_entry(
         entry=entry, exit_code=run.exit_code, result=outcome.result,
         distinct_states=outcome.distinct_states, generated_states=outcome.generated_states,
         seconds=run.seconds, detail=outcome.detail, problems=problems,
-        output_tail=run.output[-4000:],
+        output_tail=run.output[-4000:], depth=outcome.depth,
     )
 
 
@@ -371,9 +396,11 @@ def run_manifest(
     return results
 
 
-def select(entries: Sequence[ManifestEntry], only: str | None) -> list[ManifestEntry]:
-    """Entries whose model, spec or cfg contains ``only`` (case-insensitive)."""
+def select(entries: Sequence[ManifestEntry], only: str | None, tier: str | None = None) -> list[ManifestEntry]:
+    """Entries whose model, spec or cfg contains ``only`` (case-insensitive), of ``tier``
+    ("ci", "nightly"; None or "all": every tier)."""
+    chosen = [e for e in entries if tier in (None, "all") or e.tier == tier]
     if not only:
-        return list(entries)
+        return chosen
     needle = only.lower()
-    return [e for e in entries if needle in f"{e.model}/{e.spec}/{e.cfg}".lower()]
+    return [e for e in chosen if needle in f"{e.model}/{e.spec}/{e.cfg}".lower()]

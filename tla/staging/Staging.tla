@@ -24,7 +24,9 @@
 (* condition-variable wait and its OmniPrefixCacheStagingTimeoutError.     *)
 (*                                                                         *)
 (* Invariants: TypeOK, ExactlyOnce (I1), BoundedStaging (I2),              *)
-(* PageExclusive (I3).  Property: SaveCompletes (every waiting save claims *)
+(* PageExclusive (I3), NoLostPage, OnePagePerSave.  Action properties:     *)
+(* RejectChangesNothing (I1: a rejected call changes nothing),             *)
+(* TimeoutOnlyWhenFull (I2).  Property: SaveCompletes (every waiting save claims *)
 (* a page or raises the timeout) under weak fairness of builder and        *)
 (* committer; the timeout itself is NOT assumed fair, so the property says *)
 (* that a live builder and committer alone end every wait.  Deadlock       *)
@@ -65,7 +67,8 @@ Holds(p) == {i \in writes : at[i] = p}
 NoFreePage == \A p \in Pages : page[p] # "free"
 
 \* Fire trigger t on page p: only along an edge of the slot machine.
-Move(p, t) == /\ CanFire(page[p], t)
+Move(p, t) == /\ p \in Pages
+              /\ CanFire(page[p], t)
               /\ page' = [page EXCEPT ![p] = After(page[p], t)]
 
 TypeOK ==
@@ -155,11 +158,15 @@ save ==
 (***************************************************************************)
 (* Builder and misbehaving caller                                          *)
 (***************************************************************************)
+\* The page step id i was saved in (page 1 for an id never saved, so that an
+\* action missing its guard is an invariant violation, not an index error).
+PageOf(i) == IF at[i] \in Pages THEN at[i] ELSE 1
+
 \* materialize(i) or discard_step(i) on a saved, unconsumed step id.
 consume(i) ==
     /\ i \in unconsumed
-    /\ Move(at[i], "consume")
-    /\ reading' = [reading EXCEPT ![at[i]] = TRUE]
+    /\ Move(PageOf(i), "consume")
+    /\ reading' = [reading EXCEPT ![PageOf(i)] = TRUE]
     /\ unconsumed' = unconsumed \ {i}
     /\ delivered' = [delivered EXCEPT ![i] = @ + 1]
     /\ UNCHANGED <<due, at, writes, nextId, engine, mine, attempts, bad>>
@@ -219,9 +226,12 @@ CommitterStep == (\E i \in StepIds : land(i)) \/ (\E p \in Pages : release(p))
 
 Next == EngineStep \/ BuilderStep \/ CallerStep \/ CommitterStep \/ Terminating
 
-\* The engine claims once a page is free; builder and committer keep going.
+\* The engine claims once a page is free, waits when none is, and ends a claimed
+\* save; builder and committer keep going.
 \* The timeout is deliberately not fair (think of a long timeout).
-EngineFair == WF_vars(\E p \in Pages : claim(p))
+EngineFair == /\ WF_vars(\E p \in Pages : claim(p))
+              /\ WF_vars(wait)
+              /\ WF_vars(save)
 BuilderFair == /\ WF_vars(\E i \in StepIds : consume(i))
                /\ WF_vars(\E p \in Pages : done_reading(p))
 CommitterFair == /\ WF_vars(\E i \in StepIds : land(i))
@@ -239,6 +249,16 @@ ExactlyOnce ==
         /\ delivered[i] <= 1
         /\ delivered[i] = 1 => i < nextId
         /\ i < nextId => ((delivered[i] = 1) = (i \notin unconsumed))
+
+\* Each save claims exactly one page: the engine's claimed page is the only
+\* claimed page, and only while its save is in progress.
+OnePagePerSave ==
+    /\ \A p \in Pages : page[p] = "claimed" <=> (engine = "claimed" /\ mine = p)
+
+\* I3's other half: a consumed page that nobody reads and no write holds is
+\* released (its release is due): no page is lost.
+NoLostPage ==
+    \A p \in Pages : (page[p] = "materialized" /\ ~reading[p] /\ Holds(p) = {}) => due[p]
 
 \* I2: at most Depth unconsumed step ids.
 BoundedStaging == Cardinality(unconsumed) <= Depth
@@ -263,4 +283,22 @@ PageExclusive ==
 \* Every save that waits for a page eventually claims one or raises the
 \* timeout (the engine leaves "waiting" only by claim or timeout).
 SaveCompletes == (engine = "waiting") ~> (engine # "waiting")
+
+\* The engine makes every save attempt and each one ends (claimed and saved
+\* or aborted, or timed out): the protocol never gets stuck.
+AllSavesEnd == <>(attempts = MaxSaves /\ engine = "idle")
+
+(***************************************************************************)
+(* Action properties                                                       *)
+(***************************************************************************)
+\* A rejected consume (the misbehaving caller's call) changes nothing but
+\* the count of such calls.
+RejectChangesNothing ==
+    [][bad' # bad => UNCHANGED <<page, reading, due, at, unconsumed, writes, delivered,
+                                 nextId, engine, mine, attempts>>]_vars
+
+\* The staging timeout fires only when no page is free (a waiting save leaves
+\* "waiting" by a claim, or by the timeout when every page is taken).
+TimeoutOnlyWhenFull ==
+    [][(engine = "waiting" /\ engine' = "idle") => NoFreePage]_vars
 =============================================================================

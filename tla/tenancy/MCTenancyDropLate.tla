@@ -1,12 +1,5 @@
---------------------------- MODULE MCTenancyDropLate ---------------------------
-(***************************************************************************)
-(* Broken on purpose: an older write that lands after a newer tenant's     *)
-(* (deferred writes reordered by the queue's front pushes) is skipped      *)
-(* without keeping its rows for the planned read that needs them.  The     *)
-(* read then raises "is not readable" although its rows were written: TLC  *)
-(* must report HitServed violated.  (The bug the threaded stateful test    *)
-(* found; the fix is SlotTenancy._preserve_late_locked.)                   *)
-(***************************************************************************)
+-------------------- MODULE MCTenancyDropLate --------------------
+(* Broken variant: a late older write is dropped, though a planned read needs its rows. *)
 EXTENDS Tenancy
 
 DropLate(s, v) == {}

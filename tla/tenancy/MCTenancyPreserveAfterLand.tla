@@ -1,14 +1,9 @@
---------------------- MODULE MCTenancyPreserveAfterLand ---------------------
-(***************************************************************************)
-(* Broken on purpose: the rows a planned read needs are "preserved" after  *)
-(* the newer tenant's write landed, so the copy set aside under the old    *)
-(* version holds the newer tenant's rows.  TLC must report NoStaleTenant   *)
-(* violated.                                                               *)
-(***************************************************************************)
+-------------------- MODULE MCTenancyPreserveAfterLand --------------------
+(* Broken variant: rows are preserved after the newer tenant's rows overwrote them. *)
 EXTENDS Tenancy
 
 PreservedTooLate(s, old, new) ==
-    IF old # Absent /\ old # new /\ Needed(s, old) /\ KeptFor(s, old) = {}
-       THEN {[slot |-> s, ver |-> old, rows |-> new]}
-       ELSE {}
+    {[slot |-> s, ver |-> old, key |-> k, rows |-> new] :
+        k \in {k2 \in Keys : /\ old # Absent /\ old # new /\ ~absent[s][k2]
+                             /\ Needed(s, old, k2) /\ KeptFor(s, old, k2) = {}}}
 =============================================================================

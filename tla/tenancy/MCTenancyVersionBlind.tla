@@ -1,15 +1,10 @@
------------------------- MODULE MCTenancyVersionBlind ------------------------
-(***************************************************************************)
-(* Broken on purpose: the read checks that the pool row was written (by    *)
-(* anybody) instead of checking its version, so a slot reused by a newer  *)
-(* tenant hands that tenant's rows to the delayed reader.  TLC must report *)
-(* NoStaleTenant violated.                                                 *)
-(***************************************************************************)
+-------------------- MODULE MCTenancyVersionBlind --------------------
+(* Broken variant: a read returns whatever rows the pool holds, whoever wrote them. *)
 EXTENDS Tenancy
 
-ReadWrittenRow(s, v) ==
-    IF KeptFor(s, v) # {} THEN (CHOOSE k \in KeptFor(s, v) : TRUE).rows
-    ELSE IF tag[s] # Absent THEN tag[s]
+ReadWrittenRow(s, v, k) ==
+    IF KeptFor(s, v, k) # {} THEN (CHOOSE c \in KeptFor(s, v, k) : TRUE).rows
+    ELSE IF row[s][k] # Absent THEN row[s][k]
     ELSE IF v \in transit[s] THEN Wait
     ELSE Raised
 =============================================================================

@@ -5,7 +5,7 @@
 (* omni_cache/states.py WRITE_TABLE.edges().  The ASSUME prints WriteEdges *)
 (* so that the table the spec states is compared as well.                  *)
 (***************************************************************************)
-EXTENDS Writes, TLC
+EXTENDS MCWrites, TLC
 
 ASSUME PrintT(<<"WriteEdges", WriteEdges>>)
 =============================================================================

@@ -1,90 +1,184 @@
 -------------------------------- MODULE Writes --------------------------------
 (***************************************************************************)
 (* Pool writes of the omni prefix cache: the write lifecycle, the copy     *)
-(* queue and the sticky failure (DESIGN 3-4, I8, I9).                      *)
+(* queue, request identity and the sticky failure (DESIGN 3-4, I8, I9).    *)
 (*                                                                         *)
-(* Each write belongs to a request and is immediate (enqueued at save) or  *)
-(* deferred (JOIN_ON_FINISH: enqueued when its request finishes or aborts, *)
-(* or early when the GPU-byte budget flushes it).  Writes of a finished or *)
-(* aborted request go to the front of the queue.  One committer pops the   *)
-(* queue head, copies and commits it.  An error fails a write and makes    *)
-(* the manager failed for good: every queued and pending write fails.      *)
+(* A request id is admitted (STARTED), and may be admitted again by a new  *)
+(* admission (REPLACED): gen[r] is its current admission.  Each write is   *)
+(* registered by the current admission of its request (own[i] = <<r, g>>), *)
+(* immediate (enqueued at the back at save) or deferred (JOIN_ON_FINISH:   *)
+(* enqueued when its admission ends, or early at the back by a GPU-byte    *)
+(* budget flush).  An admission ends by FINISHED/ABORTED carrying its      *)
+(* owner, or by a REPLACED of its request id; its open writes go to the    *)
+(* queue's front in that very step (I9: the old admission's rows still     *)
+(* land).  A late terminal event of an old admission ends nothing.  Every  *)
+(* scheduler step carries a sequence number; a replayed step (a sequence   *)
+(* already applied) changes nothing.  One committer pops the queue head,   *)
+(* copies and commits it.  An error fails a write and every queued write   *)
+(* and makes the manager failed for good.                                  *)
 (*                                                                         *)
-(* Actions that move a write are named exactly like WRITE_TABLE's triggers *)
-(* (enqueue, start_copy, finish_copy, commit, fail) and move only along    *)
-(* WriteMachine!WriteEdges.                                                *)
+(* Actions that move a write are named like WRITE_TABLE's triggers         *)
+(* (enqueue, start_copy, finish_copy, commit, fail); finish and admit      *)
+(* fire enqueue on the writes of the admission they end (the manifest's    *)
+(* conformance entry says so).                                             *)
 (*                                                                         *)
-(* Code: omni_cache/writes.py WriteBook (enqueue with front=True for      *)
-(* finished/aborted requests, pop, fire, fail) and the manager's committer.*)
+(* Code: omni_cache/writes.py WriteBook (register, enqueue with front=True *)
+(* for ended admissions, pop, fire, fail), the manager's committer, and    *)
+(* the adapter's request identity (owner, REPLACED, step sequence).        *)
 (*                                                                         *)
-(* Invariants: TypeOK, QueueConsistent.  Properties: StickyFailure (I8,   *)
-(* an action property: once failed, always failed, and no copy starts),    *)
-(* AbortsLand (I9: every write of a finished or aborted request ends,      *)
-(* written or failed) under weak fairness of the committer.                *)
+(* Invariants: TypeOK, QueueConsistent, FailureSticks (I8: a failed write  *)
+(* implies the manager's failure), AdmissionsCounted (a replayed step      *)
+(* admits nobody), EndedByOwner (a late terminal event ends nothing).     *)
+(* Properties: StickyFailure (I8, action), FrontFirst                     *)
+(* (I9 ordering, action), AbortsLand (I9: every write of an ended          *)
+(* admission ends) under weak fairness of the committer alone.             *)
 (***************************************************************************)
 EXTENDS Naturals, Sequences, FiniteSets, WriteMachine
 
 CONSTANTS
     NumWrites,   \* pool writes registered over the run
-    NumReqs,     \* requests they belong to (write i to request ReqOf(i))
+    NumReqs,     \* request ids
+    ReqOf(_),    \* the request id whose admission registers write i
+    MaxGen,      \* admissions per request id (2: one REPLACED reuse)
+    MaxSeq,      \* scheduler steps (sequence numbers 1..MaxSeq)
     MaxErrors    \* spontaneous errors (0 or 1): the first one fails the manager
 
-ASSUME NumWrites \in Nat \ {0} /\ NumReqs \in Nat \ {0} /\ MaxErrors \in Nat
+ASSUME NumWrites \in Nat \ {0} /\ NumReqs \in Nat \ {0} /\ MaxGen \in Nat \ {0}
+ASSUME MaxSeq \in Nat /\ MaxErrors \in Nat
 
 Writes == 1..NumWrites
 Reqs == 1..NumReqs
-ReqOf(i) == ((i - 1) % NumReqs) + 1
+Gens == 1..MaxGen
+Seqs == 1..MaxSeq
+NoOwner == <<0, 0>>
 
 VARIABLES
     w,         \* w[i] \in WriteStates
+    own,       \* own[i]: the admission <<r, g>> that registered write i (NoOwner: not yet)
     deferred,  \* deferred[i]: JOIN_ON_FINISH (fixed at registration)
     queue,     \* the copy queue, a sequence of write ids
     busy,      \* the write the committer is copying/committing (0 = none)
-    finished,  \* finished[r]: request r finished or was aborted
+    gen,       \* gen[r]: the current admission of request id r (0 = never admitted)
+    ended,     \* admissions that ended (finished, aborted or replaced)
+    lastSeq,   \* the newest scheduler step applied
+    admits,    \* ghost: <<r, seq>> of every admission a scheduler step made
+    terminals, \* ghost: the owners <<r, g>> that FINISHED/ABORTED events named
     failure,   \* the sticky failure (I8)
     errors     \* spontaneous errors so far
 
-vars == <<w, deferred, queue, busy, finished, failure, errors>>
+vars == <<w, own, deferred, queue, busy, gen, ended, lastSeq, admits, terminals, failure, errors>>
 
 Range(s) == {s[k] : k \in 1..Len(s)}
 Remove(s, i) == SelectSeq(s, LAMBDA x : x # i)
+Pos(s, x) == CHOOSE k \in 1..Len(s) : s[k] = x
+Registered(i) == own[i] # NoOwner
 
 WMove(i, t) == /\ WCanFire(w[i], t)
                /\ w' = [w EXCEPT ![i] = WAfter(w[i], t)]
 
+\* The sequence of the writes in set S, by id (the order they were registered).
+RECURSIVE SeqOf(_)
+SeqOf(S) == IF S = {} THEN <<>>
+            ELSE LET m == CHOOSE x \in S : \A y \in S : x <= y
+                 IN <<m>> \o SeqOf(S \ {m})
+
 TypeOK ==
     /\ w \in [Writes -> WriteStates]
+    /\ own \in [Writes -> ({NoOwner} \cup (Reqs \X Gens))]
     /\ deferred \in [Writes -> BOOLEAN]
     /\ queue \in Seq(Writes)
     /\ busy \in Writes \cup {0}
-    /\ finished \in [Reqs -> BOOLEAN]
+    /\ gen \in [Reqs -> 0..MaxGen]
+    /\ ended \subseteq Reqs \X Gens
+    /\ lastSeq \in 0..MaxSeq
+    /\ admits \subseteq Reqs \X Seqs
+    /\ terminals \subseteq Reqs \X Gens
     /\ failure \in BOOLEAN
     /\ errors \in 0..MaxErrors
 
 Init ==
     /\ w = [i \in Writes |-> "pending"]
-    /\ deferred \in [Writes -> BOOLEAN]
+    /\ own = [i \in Writes |-> NoOwner]
+    /\ deferred = [i \in Writes |-> FALSE]
     /\ queue = <<>>
     /\ busy = 0
-    /\ finished = [r \in Reqs |-> FALSE]
+    /\ gen = [r \in Reqs |-> 0]
+    /\ ended = {}
+    /\ lastSeq = 0
+    /\ admits = {}
+    /\ terminals = {}
     /\ failure = FALSE
     /\ errors = 0
 
-\* The write must be queued now: immediate, or its request has ended.
-Due(i) == ~deferred[i] \/ finished[ReqOf(i)]
+\* The orderings of a finite set S (sequences holding each element once).
+\* (WritesTrace narrows this to the order the runtime logged.)
+Orders(S) == {f \in [1..Cardinality(S) -> S] : \A j, k \in DOMAIN f : j # k => f[j] # f[k]}
 
-\* Push a pending write into the queue: at the front when its request has
-\* finished or aborted (I9), else at the back (save, or a budget flush).
+\* Admission a ends: its pending writes go to the queue's front (in some
+\* order), ahead of everything queued before (I9).
+EndAdmission(a) ==
+    LET open == {i \in Writes : own[i] = a /\ w[i] = "pending"}
+    IN /\ ended' = ended \cup {a}
+       /\ w' = [i \in Writes |-> IF i \in open THEN WAfter(w[i], "enqueue") ELSE w[i]]
+       /\ \E order \in Orders(open) : queue' = order \o queue
+
+(***************************************************************************)
+(* Scheduler steps (new_step_starts; refused once failed, I8)              *)
+(***************************************************************************)
+\* Step seq admits request id r: STARTED, or REPLACED when r has a live
+\* admission already (that admission ends now; its writes still land).
+admit(r, seq) ==
+    /\ ~failure
+    /\ seq = lastSeq + 1
+    /\ gen[r] < MaxGen
+    /\ gen' = [gen EXCEPT ![r] = @ + 1]
+    /\ lastSeq' = seq
+    /\ admits' = admits \cup {<<r, seq>>}
+    /\ IF gen[r] > 0 /\ <<r, gen[r]>> \notin ended
+          THEN EndAdmission(<<r, gen[r]>>)
+          ELSE UNCHANGED <<w, ended, queue>>
+    /\ UNCHANGED <<own, deferred, busy, terminals, failure, errors>>
+
+\* Step seq carries FINISHED/ABORTED for owner <<r, g>>.  The current live
+\* admission ends; a late terminal event of an older admission ends nothing.
+finish(r, g, seq) ==
+    /\ ~failure
+    /\ seq = lastSeq + 1
+    /\ g \in 1..gen[r]
+    /\ lastSeq' = seq
+    /\ terminals' = terminals \cup {<<r, g>>}
+    /\ IF g = gen[r] /\ <<r, g>> \notin ended
+          THEN EndAdmission(<<r, g>>)
+          ELSE UNCHANGED <<w, ended, queue>>
+    /\ UNCHANGED <<own, deferred, busy, gen, admits, failure, errors>>
+
+\* A scheduler step already applied (same sequence) comes again: no-op.
+replay(seq) ==
+    /\ seq \in 1..lastSeq
+    /\ UNCHANGED vars
+
+(***************************************************************************)
+(* Engine (save_outputs) and committer                                     *)
+(***************************************************************************)
+\* save_outputs registers write i for the live admission of its request.
+register(i) ==
+    /\ ~failure
+    /\ ~Registered(i)
+    /\ gen[ReqOf(i)] > 0
+    /\ <<ReqOf(i), gen[ReqOf(i)]>> \notin ended
+    /\ own' = [own EXCEPT ![i] = <<ReqOf(i), gen[ReqOf(i)]>>]
+    /\ deferred' \in {[deferred EXCEPT ![i] = d] : d \in BOOLEAN}
+    /\ UNCHANGED <<w, queue, busy, gen, ended, lastSeq, admits, terminals, failure, errors>>
+
+\* Push a registered pending write to the back of the queue: an immediate
+\* write at save, or a deferred one flushed early by the GPU-byte budget.
+\* (The engine checked the failure before it saved; the committer may fail
+\* meanwhile, so this may race with the failure.)
 enqueue(i) ==
+    /\ Registered(i)
     /\ WMove(i, "enqueue")
-    /\ queue' = IF finished[ReqOf(i)] THEN <<i>> \o queue ELSE Append(queue, i)
-    /\ UNCHANGED <<deferred, busy, finished, failure, errors>>
-
-\* Request r finishes or is aborted (new_step_starts sees FINISHED/ABORTED).
-finish(r) ==
-    /\ ~finished[r]
-    /\ finished' = [finished EXCEPT ![r] = TRUE]
-    /\ UNCHANGED <<w, deferred, queue, busy, failure, errors>>
+    /\ queue' = Append(queue, i)
+    /\ UNCHANGED <<own, deferred, busy, gen, ended, lastSeq, admits, terminals, failure, errors>>
 
 start_copy(i) ==
     /\ ~failure
@@ -94,43 +188,54 @@ start_copy(i) ==
     /\ WMove(i, "start_copy")
     /\ queue' = Tail(queue)
     /\ busy' = i
-    /\ UNCHANGED <<deferred, finished, failure, errors>>
+    /\ UNCHANGED <<own, deferred, gen, ended, lastSeq, admits, terminals, failure, errors>>
 
 finish_copy(i) ==
     /\ busy = i
     /\ WMove(i, "finish_copy")
-    /\ UNCHANGED <<deferred, queue, busy, finished, failure, errors>>
+    /\ UNCHANGED <<own, deferred, queue, busy, gen, ended, lastSeq, admits, terminals, failure, errors>>
 
 commit(i) ==
     /\ busy = i
     /\ WMove(i, "commit")
     /\ busy' = 0
-    /\ UNCHANGED <<deferred, queue, finished, failure, errors>>
+    /\ UNCHANGED <<own, deferred, queue, gen, ended, lastSeq, admits, terminals, failure, errors>>
 
-\* A live write fails: a spontaneous error (the first), or because the
-\* manager already failed (every queued and pending write follows).
+\* An error on live write i (the committer's copy, or a save that fails after
+\* registering i): i and every queued write fail, the failure is set (I8).
+\* Once failed, a write queued afterwards (an enqueue that raced with the
+\* failure) fails instead of being copied.
 fail(i) ==
-    /\ failure \/ errors < MaxErrors
-    /\ WMove(i, "fail")
-    /\ errors' = IF failure THEN errors ELSE errors + 1
-    /\ failure' = TRUE
-    /\ queue' = Remove(queue, i)
-    /\ busy' = IF busy = i THEN 0 ELSE busy
-    /\ UNCHANGED <<deferred, finished>>
+    /\ Registered(i)
+    /\ w[i] \in LiveStates
+    /\ IF failure
+          THEN /\ w[i] = "queued"
+               /\ WMove(i, "fail")
+               /\ queue' = Remove(queue, i)
+               /\ UNCHANGED <<busy, failure, errors>>
+          ELSE /\ errors < MaxErrors
+               /\ w' = [j \in Writes |-> IF j = i \/ j \in Range(queue) THEN WAfter(w[j], "fail") ELSE w[j]]
+               /\ errors' = errors + 1
+               /\ failure' = TRUE
+               /\ queue' = <<>>
+               /\ busy' = IF busy = i THEN 0 ELSE busy
+    /\ UNCHANGED <<own, deferred, gen, ended, lastSeq, admits, terminals>>
 
+\* Nothing queued or being copied and no scheduler step left: stutter.
 Terminating ==
-    /\ \A i \in Writes : w[i] \in EndStates
+    /\ queue = <<>>
+    /\ busy = 0
     /\ UNCHANGED vars
 
 Next ==
-    \/ \E i \in Writes : enqueue(i) \/ start_copy(i) \/ finish_copy(i) \/ commit(i) \/ fail(i)
-    \/ \E r \in Reqs : finish(r)
+    \/ \E i \in Writes : register(i) \/ enqueue(i) \/ start_copy(i) \/ finish_copy(i)
+                         \/ commit(i) \/ fail(i)
+    \/ \E r \in Reqs, s \in Seqs : admit(r, s) \/ \E g \in Gens : finish(r, g, s)
+    \/ \E s \in Seqs : replay(s)
     \/ Terminating
 
-Fairness ==
-    /\ WF_vars(\E i \in Writes : Due(i) /\ enqueue(i))
-    /\ WF_vars(\E i \in Writes : start_copy(i) \/ finish_copy(i) \/ commit(i))
-    /\ WF_vars(\E i \in Writes : failure /\ fail(i))
+\* Only the committer is fair: nobody has to flush, finish or replace.
+Fairness == WF_vars(\E i \in Writes : start_copy(i) \/ finish_copy(i) \/ commit(i))
 
 Spec == Init /\ [][Next]_vars /\ Fairness
 
@@ -143,6 +248,28 @@ QueueConsistent ==
     /\ Len(queue) = Cardinality(Range(queue))
     /\ \A i \in Writes : (w[i] = "queued") <=> (i \in Range(queue))
     /\ \A i \in Writes : (w[i] \in {"copying", "host_ready"}) <=> (busy = i)
+    /\ \A i \in Writes : ~Registered(i) => w[i] = "pending"
+
+\* I8: a failed write means the manager is failed.
+FailureSticks == (\E i \in Writes : w[i] = "failed") => failure
+
+\* Each admission of a request id was made by its own scheduler step: a
+\* replayed step (same sequence) admits nobody.
+AdmissionsCounted == \A r \in Reqs : gen[r] = Cardinality({a \in admits : a[1] = r})
+
+\* An admission ends only by a terminal event naming it, or by a REPLACED
+\* (a newer admission of its request id): a late terminal event of an old
+\* admission never ends the new one.
+EndedByOwner == \A a \in ended : a \in terminals \/ a[2] < gen[a[1]]
+
+\* A terminal event names an admission that exists (the current or an older one).
+TerminalsKnown == \A t \in terminals : t[2] <= gen[t[1]]
+
+\* Scheduler steps are applied in sequence order, each once.
+SequenceMonotonic == [][lastSeq' >= lastSeq]_vars
+
+\* A write's owner is fixed at registration.
+OwnerFixed == [][\A i \in Writes : Registered(i) => own'[i] = own[i]]_vars
 
 \* I8: once failed, always failed, and the committer starts no copy any more
 \* (WriteBook.pop returns nothing once failed; a copy already in flight may end).
@@ -150,7 +277,14 @@ StickyFailure ==
     [][failure => /\ failure'
                   /\ \A i \in Writes : ~(w[i] = "queued" /\ w'[i] = "copying")]_vars
 
-\* I9: every write of a finished or aborted request ends (written or failed).
+\* I9 ordering: a write queued because its admission ended goes ahead of
+\* every write queued before that step.
+FrontFirst ==
+    [][\A i \in Writes :
+         (w[i] = "pending" /\ w'[i] = "queued" /\ own[i] \in ended')
+            => \A j \in Range(queue) : j \in Range(queue') => Pos(queue', i) < Pos(queue', j)]_vars
+
+\* I9: every write of an ended admission ends (written or failed).
 AbortsLand ==
-    \A i \in Writes : finished[ReqOf(i)] ~> (w[i] \in EndStates)
+    \A i \in Writes : (Registered(i) /\ own[i] \in ended) ~> (w[i] \in EndStates)
 =============================================================================

@@ -1,0 +1,71 @@
+"""Generated spec mutants (omni_cache/verify/mutants.py): the operators, and TLC killing one.
+
+The full kill table is ``omni-cache verify --mutants`` (minutes); here: the
+generator's operators make the edits they claim, the fixed-seed sample is
+stable, every equivalence listed in tla/mutants_equivalent.json names a
+generated mutant, and one mutant (consume without its guard) is killed by an
+invariant, not a crash (item 4 of the spec's guard-robustness).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from omni_cache.verify.mutants import MODELS, all_mutants, generate, load_equivalent, run_mutants
+from omni_cache.verify.testing import require_tlc
+from omni_cache.verify.tlc import default_tla_dir
+
+TLA = default_tla_dir()
+
+
+def _mutants(folder: str):  # type: ignore[no-untyped-def]
+    model = next(m for m in MODELS if m.folder == folder)
+    return generate(model, (TLA / folder / model.spec).read_text())
+
+
+def test_operators_make_their_edits() -> None:
+    staging = _mutants("staging")
+    by_op = {m.operator for m in staging}
+    assert by_op == {"drop-guard", "negate-guard", "skip-update", "flip-comparison", "swap-state"}
+    drop = next(m for m in staging if m.action == "consume" and m.operator == "drop-guard")
+    assert drop.old.strip() == "/\\ i \\in unconsumed" and drop.new is None
+    skip = next(m for m in staging if m.action == "save" and m.operator == "skip-update" and "nextId'" in m.old)
+    assert skip.new is not None and skip.new.strip() == "/\\ UNCHANGED nextId"
+    text = (TLA / "staging" / "Staging.tla").read_text()
+    assert "/\\ i \\in unconsumed" not in drop.apply(text).split("consume(i) ==")[1].split("\n\n")[0]
+
+
+def test_sample_is_fixed_and_large_enough() -> None:
+    first, second = all_mutants(TLA), all_mutants(TLA)
+    assert [m.ident for m in first] == [m.ident for m in second]
+    assert len(first) >= 20 and {m.model.folder for m in first} == {"staging", "tenancy", "writes"}
+
+
+def test_every_listed_equivalent_is_a_generated_mutant() -> None:
+    idents = {m.ident for m in all_mutants(TLA, per_model=None)}
+    for ident in load_equivalent(TLA):
+        assert ident in idents, f"tla/mutants_equivalent.json lists {ident}, which the generator does not make"
+
+
+@pytest.mark.tlc
+def test_consume_without_its_guard_is_killed_by_an_invariant() -> None:
+    require_tlc()
+    drop = next(m for m in _mutants("staging") if m.action == "consume" and m.operator == "drop-guard")
+    [result] = run_mutants(TLA, only=drop.ident, per_model=None, jobs=1)
+    assert result.verdict == "killed", result.runs
+    assert result.runs[0][1] == 12 and result.runs[0][2] == "invariant:ExactlyOnce", result.runs
+
+
+@pytest.mark.tlc
+def test_cli_prints_the_kill_table(capsys: pytest.CaptureFixture[str]) -> None:
+    """`omni-cache verify --mutants` prints each mutant with its verdict and a summary line."""
+    require_tlc()
+    from omni_cache.cli import main
+
+    drop = next(m for m in _mutants("writes") if m.action == "fail" and m.operator == "skip-update"
+                and "failure'" in m.old)
+    code = main(["verify", "--mutants", "--all-mutants", "--only", drop.ident, "--jobs", "1"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert drop.ident in out and "killed" in out and "invariant:FailureSticks" in out
+    assert "1 mutants: 1 killed by an invariant or property (exit 12/13), 0 equivalent, 0 survived" in out
