@@ -1,0 +1,284 @@
+"""Tests that kill mutants which survived the rest of the suite (issue 11 item 9, tools/ast_mutants.py).
+
+Each test names the mutant it was written against; each was checked by applying
+that mutant by hand, seeing the test fail, and restoring the code.
+
+Invariants touched: I2 (timeout message), I3 (abort while a write holds the
+page), I7 (no preserved copy), I10/I11 (checks before the claim, the pool's leaf
+lock), and the budget counter of ``stats()``.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from typing import ClassVar
+
+import numpy as np
+import pytest
+import torch
+from cache_helpers import WIDTH, E, manager, save, settle, started, truth
+
+from omni_cache import (
+    ModelCachePolicy,
+    OmniPrefixCacheStagingTimeoutError,
+    OmniPrefixCacheUnmatchError,
+    PrefixCacheRequestEvent,
+    PrefixCacheWriteLayout,
+    WriteSchedule,
+)
+from omni_cache.block_pool import PrefixBlockPool
+from omni_cache.copier import CopyEngine
+from omni_cache.errors import PHRASE_NOT_READABLE
+from omni_cache.staging import StagingPool
+from omni_cache.tenancy import NotLandedYet, SlotTenancy
+from omni_cache.writes import WriteBook
+
+
+def finished(req: str) -> PrefixCacheRequestEvent:
+    return PrefixCacheRequestEvent(req, E.FINISHED)
+
+
+MODES = [pytest.param(True, id="eager"), pytest.param(False, id="async")]
+
+
+# ---- I3: abort refuses while a pool write holds the page ---------------------------------
+def test_abort_while_a_pool_write_holds_the_page_raises_and_changes_nothing() -> None:
+    """Mutant: delete the raise in ``StagingPool.abort`` (the page would be freed under a write)."""
+    pool = StagingPool(2, 4, 0.05)
+    slot = pool.claim(2)
+    pool.hold(slot)
+    with pytest.raises(OmniPrefixCacheUnmatchError, match=r"cannot abort staging slot 0 .*1 pool write\(s\) still read"):
+        pool.abort(slot)
+    assert pool.slot_states() == ["claimed", "free"] and slot.num_write_holds == 1 and slot.num_rows == 2
+    pool.unhold(slot)  # the write lands: the claimed page is still claimed, and now aborts cleanly
+    pool.abort(slot)
+    assert pool.slot_states() == ["free", "free"]
+
+
+# ---- I10/I11: a key's width/dtype is checked before the claim -----------------------------
+def _wrong_width_save(m, deferred: bool) -> None:  # type: ignore[no-untyped-def]
+    layout = PrefixCacheWriteLayout.packed([("z", 0, 4)], torch.arange(60, 64))
+    hidden = truth("z", range(4)) if deferred else truth("z", range(4), width=WIDTH + 2)
+    mm = {"audio": torch.ones(4, 5)} if deferred else {}
+    m.save_outputs(hidden, mm, num_tokens_unpadded=4, num_tokens_padded=4, write_layout=layout)
+
+
+@pytest.mark.parametrize("deferred", [False, True], ids=["immediate", "deferred"])
+@pytest.mark.parametrize("eager", MODES)
+def test_width_change_is_refused_before_the_claim_even_when_staging_is_full(eager: bool, deferred: bool) -> None:
+    """Mutant: delete the pre-claim ``check_rows`` loops in ``save_outputs``.
+
+    With every page held by an unconsumed step, a save that brings a key with a new
+    width must be refused at once with the shape error -- not wait for a page and
+    time out (the claim comes after the check), and not fail the manager later.
+    """
+    m = manager(eager, staging_depth=2, staging_claim_timeout_s=1.5)
+    m.register_policy(ModelCachePolicy(deferred_keys=frozenset({"audio"})))
+    m.new_step_starts([started("x")])
+    s0, _ = save(m, [("x", [3], 0, 4)], mm={"audio": torch.ones(4, 3)})
+    m.discard_step(s0)
+    m.new_step_starts([finished("x"), started("a"), started("b"), started("z")])  # x's audio lands
+    settle(m)
+    s1, _ = save(m, [("a", [0], 0, 4)], mm={"audio": torch.ones(4, 3)})
+    s2, _ = save(m, [("b", [1], 0, 4)], mm={"audio": torch.ones(4, 3)})
+    claims = m.stats()["staging"]["claims"]
+    assert m.pool.has_key("audio") and m.staging.slot_states() == ["saved", "saved"]
+    t0 = time.perf_counter()
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="width and dtype never change") as info:
+        _wrong_width_save(m, deferred)
+    assert not isinstance(info.value, OmniPrefixCacheStagingTimeoutError)
+    assert time.perf_counter() - t0 < 1.0, "the shape check ran only after waiting for a page"
+    assert m.stats()["failed"] is None
+    assert m.stats()["staging"]["claims"] == claims  # nothing was claimed for the refused save
+    m.discard_step(s1)
+    s3, _ = save(m, [("z", [15], 0, 4)], mm={"audio": torch.ones(4, 3)})
+    assert s3 == s2 + 1  # the refused save burned no step id
+    m.discard_step(s2)
+    m.discard_step(s3)
+    assert m.stats()["failed"] is None
+    m.shutdown()
+
+
+# ---- budget_flushes is an exact count -----------------------------------------------------
+@pytest.mark.parametrize("eager", MODES)
+def test_budget_flushes_counts_each_flush_exactly_once(eager: bool) -> None:
+    """Mutants: ``counters["budget_flushes"] += 1`` deleted or off by one; the budget loop's bounds.
+
+    The budget is exactly one step's deferred bytes: the first save fits, and
+    every later save pushes the total one write over, so exactly the oldest open
+    write is flushed per save.
+    """
+    per_step = 4 * 3 * 4  # 4 rows x 3 float32 columns
+    m = manager(eager, gpu_staging_bytes=per_step, staging_depth=8)
+    m.register_policy(ModelCachePolicy(deferred_keys=frozenset({"audio"})))
+    m.new_step_starts([started("a")])
+    ids = []
+    for i in range(5):
+        step, _ = save(m, [("a", range(5), 4 * i, 4 * i + 4)], mm={"audio": torch.full((4, 3), float(i + 1))})
+        ids.append(step)
+        stats = m.stats()
+        assert stats["budget_flushes"] == i, stats
+        assert stats["deferred_open"] == 1 and stats["deferred_bytes_on_device"] == per_step, stats
+    for step in ids:
+        m.discard_step(step)
+    m.shutdown()
+
+
+def test_no_budget_flush_while_under_budget() -> None:
+    m = manager(True, gpu_staging_bytes=10 * 4 * 3 * 4, staging_depth=8)
+    m.register_policy(ModelCachePolicy(deferred_keys=frozenset({"audio"})))
+    m.new_step_starts([started("a")])
+    for i in range(5):
+        step, _ = save(m, [("a", range(5), 4 * i, 4 * i + 4)], mm={"audio": torch.ones(4, 3)})
+        m.discard_step(step)
+    stats = m.stats()
+    assert stats["budget_flushes"] == 0 and stats["deferred_open"] == 5, stats
+    m.shutdown()
+
+
+# ---- I2: the timeout message's in-flight-writes list --------------------------------------
+def _book_with(n: int) -> WriteBook:
+    book = WriteBook(1.0)
+    for i in range(n):
+        book.register(WriteSchedule.JOIN_ON_FINISH, i + 1, torch.tensor([i]), {"k": torch.zeros(1, 2)})
+    return book
+
+
+def test_in_flight_list_says_none_when_no_write_is_live() -> None:
+    """Mutant: negate ``if not live`` in ``describe_in_flight`` (or drop its return)."""
+    assert _book_with(0).describe_in_flight() == "none"
+    pool = StagingPool(1, 4, 0.05, describe_in_flight=_book_with(0).describe_in_flight)
+    pool.save(pool.claim(1), 1, "engine.py:1")
+    with pytest.raises(OmniPrefixCacheStagingTimeoutError, match=r"in-flight writes: none\. Every step id"):
+        pool.claim(1)
+
+
+@pytest.mark.parametrize(("n", "listed", "more"), [(1, 1, None), (16, 16, None), (17, 16, 1), (40, 16, 24)])
+def test_in_flight_list_names_at_most_16_writes_then_counts_the_rest(n: int, listed: int, more: int | None) -> None:
+    """Mutants: the cap of 16 off by one, its comparison flipped, the "... N more" count wrong."""
+    text = _book_with(n).describe_in_flight()
+    assert text.count("write tid ") == listed, text
+    assert [int(t) for t in re.findall(r"write tid (\d+)", text)] == list(range(1, listed + 1))
+    if more is None:
+        assert "more" not in text
+    else:
+        assert text.endswith(f"; ... {more} more"), text
+
+
+# ---- I7: a planned row overwritten by a newer tenant with no preserved copy ---------------
+def _tenancy() -> tuple[SlotTenancy, np.ndarray]:
+    return SlotTenancy(PrefixBlockPool(8)), np.array([2, 3], dtype=np.int64)
+
+
+def test_read_refuses_newer_rows_when_the_settled_planned_write_left_no_copy() -> None:
+    """Mutants: delete the "no preserved copy" raise, or the ``version not in settled`` guard."""
+    ten, slots = _tenancy()
+    ten.register(["k"], slots, 1)  # the planned version: tid 1, never lands (it failed)
+    plan = ten.plan(["k"], torch.from_numpy(slots))
+    ten.register(["k"], slots, 2)
+    ten.land_all({"k": torch.full((2, 3), 2.0)}, torch.from_numpy(slots), 2)  # a newer tenant lands
+    with pytest.raises(NotLandedYet) as late:  # tid 1 may still land late: wait for it
+        ten.read("k", plan, what="step 5 request 'r'")
+    assert late.value.tids == [1]
+    with pytest.raises(OmniPrefixCacheUnmatchError, match=PHRASE_NOT_READABLE) as info:
+        ten.read("k", plan, what="step 5 request 'r'", settled={1})
+    msg = str(info.value)
+    assert "KV slot 2" in msg and "planned version 1" in msg and "version 2" in msg and "no preserved copy" in msg
+
+
+def test_read_serves_the_planned_rows_when_the_older_write_lands_late() -> None:
+    ten, slots = _tenancy()
+    ten.register(["k"], slots, 1)
+    plan = ten.plan(["k"], torch.from_numpy(slots))
+    ten.register(["k"], slots, 2)
+    ten.land_all({"k": torch.full((2, 3), 2.0)}, torch.from_numpy(slots), 2)
+    ten.land_all({"k": torch.full((2, 3), 1.0)}, torch.from_numpy(slots), 1)  # late: kept for the pin only
+    assert torch.equal(ten.read("k", plan, what="r", settled={1}), torch.full((2, 3), 1.0))
+    assert torch.equal(ten.pool.rows("k", torch.from_numpy(slots)), torch.full((2, 3), 2.0))  # newer stays
+    ten.unplan(plan)
+    assert ten.num_preserved() == 0
+
+
+# ---- I11: tenancy bookkeeping under the pool's leaf lock ----------------------------------
+def _blocks_while_pool_lock_held(ten: SlotTenancy, call) -> None:  # type: ignore[no-untyped-def]
+    done = threading.Event()
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            call()
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+        done.set()
+
+    with ten.pool.lock:
+        worker = threading.Thread(target=run)
+        worker.start()
+        assert not done.wait(0.2), "ran while another thread held the pool lock: it does not take the lock"
+    assert done.wait(5) and not errors, errors
+    worker.join()
+
+
+@pytest.mark.parametrize("what", ["unplan", "plan", "register", "read"])
+def test_tenancy_bookkeeping_waits_for_the_pool_lock(what: str) -> None:
+    """Mutant: ``unplan`` (and its siblings) without ``with self.pool.lock``."""
+    ten, slots = _tenancy()
+    ten.register(["k"], slots, 1)
+    ten.land_all({"k": torch.ones(2, 3)}, torch.from_numpy(slots), 1)
+    plan = ten.plan(["k"], torch.from_numpy(slots))
+    calls = {
+        "unplan": lambda: ten.unplan(plan),
+        "plan": lambda: ten.plan(["k"], torch.from_numpy(slots)),
+        "register": lambda: ten.register(["k"], slots, 2),
+        "read": lambda: ten.read("k", plan, what="r"),
+    }
+    _blocks_while_pool_lock_held(ten, calls[what])
+    if what == "unplan":
+        assert ten._keys["k"].num_pins == 0 and int(ten._keys["k"].pins.sum()) == 0
+
+
+# ---- the chunked synchronous copy ---------------------------------------------------------
+class _CopyLog(torch.Tensor):
+    """A tensor that records the row count of every ``copy_`` into it (or a slice of it)."""
+
+    copies: ClassVar[list[int]] = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func is torch.Tensor.copy_:
+            cls.copies.append(args[0].shape[0] if args[0].dim() else 1)
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+@pytest.mark.parametrize(("rows", "chunk_rows"), [(10, 3), (9, 3), (7, 1), (5, 5), (4, 100)])
+def test_chunked_copy_copies_every_row_in_slices_of_at_most_chunk_bytes(rows: int, chunk_rows: int) -> None:
+    """Mutants: the chunk loop's start, step or slice bounds; the small-copy shortcut."""
+    src = torch.arange(rows * 6, dtype=torch.float32).reshape(rows, 6)
+    row_bytes = 6 * 4
+    engine = CopyEngine(use_cuda=False, chunk_bytes=chunk_rows * row_bytes + row_bytes // 2)
+    _CopyLog.copies = []
+    dst = torch.zeros(rows, 6).as_subclass(_CopyLog)
+    engine._chunked(dst, src)
+    assert torch.equal(dst.as_subclass(torch.Tensor), src)
+    want = [min(chunk_rows, rows - s) for s in range(0, rows, chunk_rows)] if rows > chunk_rows else [rows]
+    assert _CopyLog.copies == want
+
+
+@pytest.mark.parametrize("eager", MODES)
+def test_round_trip_with_a_tiny_copy_chunk(eager: bool) -> None:
+    """Every copy path (staging page, deferred host copy) chunked by a 40-byte ``copy_chunk_bytes``."""
+    m = manager(eager, copy_chunk_bytes=40)
+    m.register_policy(ModelCachePolicy(deferred_keys=frozenset({"audio"})))
+    m.new_step_starts([started("a")])
+    audio = torch.arange(24, dtype=torch.float32).reshape(8, 3)
+    s1, rows = save(m, [("a", [0, 1], 0, 8)], mm={"audio": audio})
+    out = m.materialize(s1, ["a"])
+    assert torch.equal(out.hidden_states["a"], rows) and torch.equal(out.mm_outputs["a"]["audio"], audio)
+    m.new_step_starts([finished("a"), started("b", hit_end=8, blocks=[0, 1, 2])])
+    s2, rows_b = save(m, [("b", [0, 1, 2], 8, 12)], mm={"audio": torch.ones(4, 3)})
+    out = m.materialize(s2, ["b"])
+    assert torch.equal(out.hidden_states["b"], torch.cat([rows, rows_b]))
+    assert torch.equal(out.mm_outputs["b"]["audio"], torch.cat([audio, torch.ones(4, 3)]))
+    m.shutdown()
