@@ -18,7 +18,7 @@ from typing import ClassVar
 import numpy as np
 import pytest
 import torch
-from cache_helpers import WIDTH, E, manager, save, settle, started, truth
+from cache_helpers import WIDTH, E, config, manager, save, settle, started, truth
 
 from omni_cache import (
     ModelCachePolicy,
@@ -31,6 +31,8 @@ from omni_cache import (
 from omni_cache.block_pool import PrefixBlockPool
 from omni_cache.copier import CopyEngine
 from omni_cache.errors import PHRASE_NOT_READABLE
+from omni_cache.faults import FaultHooks
+from omni_cache.manager import OmniPrefixCacheManager
 from omni_cache.staging import StagingPool
 from omni_cache.tenancy import NotLandedYet, SlotTenancy
 from omni_cache.writes import WriteBook
@@ -101,6 +103,45 @@ def test_width_change_is_refused_before_the_claim_even_when_staging_is_full(eage
     m.shutdown()
 
 
+class _HoldCopies(FaultHooks):
+    """Holds every device->host copy until released (the committer thread waits here)."""
+
+    def __init__(self) -> None:
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def before_device_to_host(self, write) -> None:  # type: ignore[no-untyped-def]
+        self.entered.set()
+        assert self.release.wait(10)
+
+
+def test_width_change_is_refused_by_the_staging_page_before_waiting_for_the_previous_write() -> None:
+    """Mutant: delete the pre-claim ``staging.check_rows`` loop (async: the pool has no tensor yet).
+
+    The first step's write is held in the committer, so only the staging page knows
+    hidden's width. A save with another width must be refused at once, not wait for
+    that write (and time out) or claim a page.
+    """
+    hold = _HoldCopies()
+    m = OmniPrefixCacheManager(config(staging_claim_timeout_s=1.5), eager=False, faults=hold)
+    try:
+        m.new_step_starts([started("a"), started("z")])
+        s1, _ = save(m, [("a", [0], 0, 4)])
+        assert hold.entered.wait(5) and not m.pool.has_key("hidden")
+        t0 = time.perf_counter()
+        with pytest.raises(OmniPrefixCacheUnmatchError, match="width and dtype never change"):
+            _wrong_width_save(m, deferred=False)
+        assert time.perf_counter() - t0 < 1.0, "the shape check ran only after waiting for the previous write"
+        assert m.stats()["staging"]["claims"] == 1
+        hold.release.set()
+        m.discard_step(s1)
+        s2, _ = save(m, [("z", [15], 0, 4)])
+        assert s2 == s1 + 1 and m.stats()["failed"] is None
+        m.discard_step(s2)
+    finally:
+        hold.release.set()
+        m.shutdown()
+
+
 # ---- budget_flushes is an exact count -----------------------------------------------------
 @pytest.mark.parametrize("eager", MODES)
 def test_budget_flushes_counts_each_flush_exactly_once(eager: bool) -> None:
@@ -123,6 +164,22 @@ def test_budget_flushes_counts_each_flush_exactly_once(eager: bool) -> None:
         assert stats["deferred_open"] == 1 and stats["deferred_bytes_on_device"] == per_step, stats
     for step in ids:
         m.discard_step(step)
+    m.shutdown()
+
+
+def test_one_byte_over_the_budget_flushes() -> None:
+    """Mutant: ``if over <= 0`` -> ``if over <= 1`` (a write one byte over the budget stays on device)."""
+    per_step = 4 * 3 * 4
+    m = manager(True, gpu_staging_bytes=2 * per_step - 1, staging_depth=8)
+    m.register_policy(ModelCachePolicy(deferred_keys=frozenset({"audio"})))
+    m.new_step_starts([started("a")])
+    step, _ = save(m, [("a", range(2), 0, 4)], mm={"audio": torch.ones(4, 3)})
+    assert m.stats()["budget_flushes"] == 0 and m.stats()["deferred_bytes_on_device"] == per_step
+    step2, _ = save(m, [("a", range(2), 4, 8)], mm={"audio": torch.ones(4, 3)})
+    stats = m.stats()
+    assert stats["budget_flushes"] == 1 and stats["deferred_bytes_on_device"] == per_step, stats
+    m.discard_step(step)
+    m.discard_step(step2)
     m.shutdown()
 
 
@@ -252,18 +309,33 @@ class _CopyLog(torch.Tensor):
         return super().__torch_function__(func, types, args, kwargs or {})
 
 
-@pytest.mark.parametrize(("rows", "chunk_rows"), [(10, 3), (9, 3), (7, 1), (5, 5), (4, 100)])
-def test_chunked_copy_copies_every_row_in_slices_of_at_most_chunk_bytes(rows: int, chunk_rows: int) -> None:
-    """Mutants: the chunk loop's start, step or slice bounds; the small-copy shortcut."""
-    src = torch.arange(rows * 6, dtype=torch.float32).reshape(rows, 6)
-    row_bytes = 6 * 4
-    engine = CopyEngine(use_cuda=False, chunk_bytes=chunk_rows * row_bytes + row_bytes // 2)
+@pytest.mark.parametrize(
+    ("shape", "dtype", "chunk_bytes", "slices"),
+    [
+        ((10, 6), torch.float32, 3 * 24 + 12, [3, 3, 3, 1]),  # 3 rows per slice, a short last one
+        ((9, 6), torch.float32, 3 * 24, [3, 3, 3]),  # exact multiple
+        ((7, 6), torch.float32, 24, [1] * 7),  # one row per slice
+        ((3, 6), torch.float32, 10, [1, 1, 1]),  # a row larger than a chunk: still one row per slice
+        ((2, 1), torch.float32, 4, [1, 1]),  # two rows are split; shape[1] == 1 is not "one row"
+        ((10, 1), torch.float32, 12, [3, 3, 3, 1]),
+        ((10,), torch.float32, 12, [3, 3, 3, 1]),  # 1-D: rows are elements
+        ((5, 6), torch.float32, 5 * 24, [5]),  # fits: one copy
+        ((1, 6), torch.float32, 4, [1]),  # one row: one copy, whatever its size
+        ((), torch.float64, 4, [1]),  # 0-D: one copy, never indexed by rows
+    ],
+    ids=str,
+)
+def test_chunked_copy_copies_every_row_in_slices_of_at_most_chunk_bytes(
+    shape: tuple[int, ...], dtype: torch.dtype, chunk_bytes: int, slices: list[int]
+) -> None:
+    """Mutants: the chunk loop's start, step and slice bounds; the one-copy shortcut's conditions."""
+    src = torch.arange(1, 1 + max(1, int(np.prod(shape))), dtype=dtype).reshape(shape)
+    engine = CopyEngine(use_cuda=False, chunk_bytes=chunk_bytes)
     _CopyLog.copies = []
-    dst = torch.zeros(rows, 6).as_subclass(_CopyLog)
+    dst = torch.zeros(shape, dtype=dtype).as_subclass(_CopyLog)
     engine._chunked(dst, src)
     assert torch.equal(dst.as_subclass(torch.Tensor), src)
-    want = [min(chunk_rows, rows - s) for s in range(0, rows, chunk_rows)] if rows > chunk_rows else [rows]
-    assert _CopyLog.copies == want
+    assert _CopyLog.copies == slices
 
 
 @pytest.mark.parametrize("eager", MODES)
@@ -282,3 +354,57 @@ def test_round_trip_with_a_tiny_copy_chunk(eager: bool) -> None:
     assert torch.equal(out.hidden_states["b"], torch.cat([rows, rows_b]))
     assert torch.equal(out.mm_outputs["b"]["audio"], torch.cat([audio, torch.ones(4, 3)]))
     m.shutdown()
+
+
+# ---- I11: the manager's bookkeeping is touched only under its state lock ------------------
+class _LockedOnly(dict):  # type: ignore[type-arg]
+    """A dict that fails any access from a thread not holding the manager's state lock."""
+
+    def __init__(self, owner: OmniPrefixCacheManager, name: str, data: dict) -> None:  # type: ignore[type-arg]
+        super().__init__(data)
+        self._owner, self._name = owner, name
+        self.misses: list[str] = []
+
+    def _check(self, op: str) -> None:
+        if not self._owner.state_lock_held_by_current_thread():
+            self.misses.append(f"{self._name}.{op}")
+
+
+for _op in ("__getitem__", "__setitem__", "__delitem__", "__contains__", "__iter__", "__len__", "get", "pop",
+            "values", "items", "keys", "update", "setdefault", "clear", "copy"):
+    def _guarded(self, *args, _op=_op, **kwargs):  # type: ignore[no-untyped-def]
+        self._check(_op)
+        return getattr(dict, _op)(self, *args, **kwargs)
+
+    setattr(_LockedOnly, _op, _guarded)
+
+_GUARDED = ("_requests", "_pending_hits", "_contexts", "_deferred_open", "counters")
+
+
+@pytest.mark.parametrize("eager", MODES)
+def test_manager_bookkeeping_is_only_touched_under_the_state_lock(eager: bool) -> None:
+    """Mutants: ``drop_with`` on any ``with self._lock:`` of the manager (bookkeeping read or written bare).
+
+    A workload with hits, deferred writes, budget flushes, finishes, discards and
+    stats runs with the manager's dicts replaced by ones that record any access
+    from a thread that does not hold the state lock.
+    """
+    m = manager(eager, gpu_staging_bytes=48, staging_depth=4)
+    m.register_policy(ModelCachePolicy(deferred_keys=frozenset({"audio"})))
+    guarded = {name: _LockedOnly(m, name, getattr(m, name)) for name in _GUARDED}
+    for name, d in guarded.items():
+        setattr(m, name, d)
+    m.new_step_starts([started("a"), started("b")])
+    s1, rows_a = save(m, [("a", [0, 1], 0, 8)], mm={"audio": torch.ones(8, 3)})
+    s2, _ = save(m, [("b", [2], 0, 4)], mm={"audio": torch.ones(4, 3)})
+    m.materialize(s1, ["a"])
+    m.discard_step(s2)
+    m.new_step_starts([finished("a"), finished("b"), started("c", hit_end=8, blocks=[0, 1, 3])])
+    s3, rows_c = save(m, [("c", [0, 1, 3], 8, 12)], mm={"audio": torch.ones(4, 3)})
+    out = m.materialize(s3, ["c"])
+    assert torch.equal(out.hidden_states["c"], torch.cat([rows_a, rows_c]))
+    m.stats()
+    m.shutdown()
+    misses = [miss for d in guarded.values() for miss in d.misses]
+    assert not misses, f"manager state touched without the state lock (I11): {sorted(set(misses))}"
+    assert m.counters["budget_flushes"] >= 1 and m.counters["hits"] == 1
