@@ -45,6 +45,7 @@ import argparse
 import ast
 import difflib
 import hashlib
+import importlib
 import json
 import os
 import shutil
@@ -357,6 +358,76 @@ def run_tests(dest: Path, tests: tuple[str, ...], deselect: tuple[str, ...], tes
     return {0: "pass", 1: "fail"}.get(proc.returncode, "error"), dt, out
 
 
+_PRELOAD = ("numpy", "torch", "hypothesis", "pytest", "transitions")
+
+
+def run_tests_forked(dest: Path, tests: tuple[str, ...], deselect: tuple[str, ...], test_timeout_s: float,
+                     run_timeout_s: float) -> tuple[str, float, str]:
+    """``run_tests`` in a forked child of this process, which has imported torch & co. once.
+
+    ``omni_cache`` is never imported here, so each child imports the (mutated) copy
+    afresh. Saves the interpreter and torch start-up (seconds on a loaded machine)
+    per mutant. POSIX only; ``--spawn`` uses fresh interpreters instead.
+    """
+    os.environ["CI"] = "true"  # before hypothesis is imported: it reads CI once
+    for name in _PRELOAD:
+        importlib.import_module(name)
+    assert "omni_cache" not in sys.modules, "the runner must not import the package it mutates"
+    args = ["-x", "-q", "-rfE", "-p", "no:cacheprovider", "-o", "addopts=", "--timeout", str(int(test_timeout_s)),
+            *tests, *(f"--deselect={d}" for d in deselect)]
+    with tempfile.TemporaryFile(mode="w+") as out:
+        t0 = time.perf_counter()
+        pid = os.fork()
+        if pid == 0:  # child: never returns
+            code = 3
+            try:
+                os.setsid()
+                os.dup2(out.fileno(), 1)
+                os.dup2(out.fileno(), 2)
+                os.chdir(dest)
+                os.environ.update(CI="true", PYTHONPATH=str(dest), PYTHONDONTWRITEBYTECODE="1",
+                                  HYPOTHESIS_PROFILE="mutation")
+                sys.dont_write_bytecode = True
+                sys.path.insert(0, str(dest))
+                import pytest
+
+                code = int(pytest.main(args))
+            except BaseException:
+                import traceback
+
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        try:
+            deadline = time.monotonic() + run_timeout_s
+            while True:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    break
+                if time.monotonic() > deadline:
+                    os.killpg(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+                    out.seek(0)
+                    return "error", time.perf_counter() - t0, f"the whole run exceeded {run_timeout_s:.0f}s\n{out.read()}"
+                time.sleep(0.05)
+        except BaseException:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            except (ProcessLookupError, ChildProcessError):
+                pass
+            raise
+        dt = time.perf_counter() - t0
+        code = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        text = out.read()
+    if code == 1 and "Timeout (" in text:
+        return "timeout", dt, text
+    return {0: "pass", 1: "fail"}.get(code, "error"), dt, text
+
+
 def check_imports_copy(dest: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(dest), "PYTHONDONTWRITEBYTECODE": "1"}
     probe = subprocess.run([sys.executable, "-c", "import omni_cache; print(omni_cache.__file__)"],
@@ -375,7 +446,7 @@ def first_failure(output: str) -> str:
 
 def run(mutants: list[Mutant], *, root: Path, tests: tuple[str, ...], deselect: tuple[str, ...],
         timeout_s: float, run_timeout_s: float, equivalent: dict[str, str], keep: bool = False,
-        log=print) -> list[dict[str, object]]:  # type: ignore[no-untyped-def]
+        log=print, fork: bool = False) -> list[dict[str, object]]:  # type: ignore[no-untyped-def]
     """Run the baseline, then each mutant against one temporary copy (restored after each)."""
     base = Path(tempfile.mkdtemp(prefix="omni-ast-mutants-"))
     results: list[dict[str, object]] = []
@@ -383,7 +454,8 @@ def run(mutants: list[Mutant], *, root: Path, tests: tuple[str, ...], deselect: 
         copy = base / "repo"
         make_copy(copy, root)
         check_imports_copy(copy)
-        status, dt, out = run_tests(copy, tests, deselect, timeout_s, run_timeout_s)
+        runner = run_tests_forked if fork else run_tests
+        status, dt, out = runner(copy, tests, deselect, timeout_s, run_timeout_s)
         log(f"baseline (unmutated copy): {status} in {dt:.1f}s")
         if status != "pass":
             raise RuntimeError(f"the unmutated copy must pass the fast tests first:\n{out[-4000:]}")
@@ -392,7 +464,7 @@ def run(mutants: list[Mutant], *, root: Path, tests: tuple[str, ...], deselect: 
             original = (root / m.path).read_text()
             target.write_text(m.apply(original))
             try:
-                status, dt, out = run_tests(copy, tests, deselect, timeout_s, run_timeout_s)
+                status, dt, out = runner(copy, tests, deselect, timeout_s, run_timeout_s)
             finally:
                 target.write_text(original)
             verdict = {"fail": "killed", "timeout": "killed (timeout)", "pass": "survived"}.get(status, "error")
@@ -461,6 +533,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--list", action="store_true", help="list the sampled mutants with their diffs; run nothing")
     ap.add_argument("--json", type=Path, help="also write the per-mutant results to this file")
     ap.add_argument("--keep", action="store_true", help="keep the temporary copy")
+    ap.add_argument("--spawn", action="store_true",
+                    help="run each mutant's pytest in a fresh interpreter instead of a fork of this one")
     args = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: kill the pytest group, drop the copy
     everything = all_mutants(ROOT, tuple(args.modules))
@@ -487,7 +561,7 @@ def main(argv: list[str] | None = None) -> int:
     deselect = () if args.tests else FAST_DESELECT
     try:
         results = run(chosen, root=ROOT, tests=tests, deselect=deselect, timeout_s=args.timeout,
-                      run_timeout_s=args.run_timeout,
+                      run_timeout_s=args.run_timeout, fork=not args.spawn and hasattr(os, "fork"),
                       equivalent=equivalent, keep=args.keep, log=lambda s: print(s, flush=True))
     except RuntimeError as exc:
         print(exc, file=sys.stderr)
