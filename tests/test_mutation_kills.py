@@ -408,3 +408,28 @@ def test_manager_bookkeeping_is_only_touched_under_the_state_lock(eager: bool) -
     misses = [miss for d in guarded.values() for miss in d.misses]
     assert not misses, f"manager state touched without the state lock (I11): {sorted(set(misses))}"
     assert m.counters["budget_flushes"] >= 1 and m.counters["hits"] == 1
+
+
+# ---- slot range: the first and last legal KV slot, and one past each ----------------------
+def test_check_slots_accepts_exactly_zero_to_num_slots_minus_one() -> None:
+    """Mutants: ``low < 0`` -> ``low < -1`` / ``low < 1`` in ``PrefixBlockPool.check_slots``."""
+    pool = PrefixBlockPool(8)
+    pool.check_slots(torch.tensor([0, 7]))
+    pool.check_slots(torch.tensor([], dtype=torch.int64))
+    for bad in ([-1, 3], [3, 8]):
+        with pytest.raises(OmniPrefixCacheUnmatchError, match=r"KV slots out of range \[0, 8\)"):
+            pool.check_slots(torch.tensor(bad))
+
+
+@pytest.mark.parametrize("eager", MODES)
+def test_a_negative_slot_is_refused_at_save_and_changes_nothing(eager: bool) -> None:
+    m = manager(eager)
+    m.new_step_starts([started("a")])
+    layout = PrefixCacheWriteLayout.packed([("a", 0, 4)], torch.tensor([-1, 0, 1, 2]))
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="KV slots out of range"):
+        m.save_outputs(truth("a", range(4)), {}, num_tokens_unpadded=4, num_tokens_padded=4, write_layout=layout)
+    stats = m.stats()
+    assert stats["failed"] is None and stats["staging"]["claims"] == 0 and stats["writes_in_flight"] == 0
+    step, rows = save(m, [("a", [0], 0, 4)])
+    assert torch.equal(m.materialize(step, ["a"]).hidden_states["a"], rows)
+    m.shutdown()
