@@ -389,8 +389,9 @@ def test_manager_bookkeeping_is_only_touched_under_the_state_lock(eager: bool) -
     stats runs with the manager's dicts replaced by ones that record any access
     from a thread that does not hold the state lock.
     """
-    m = manager(eager, gpu_staging_bytes=48, staging_depth=4)
+    m = manager(eager, gpu_staging_bytes=48, staging_depth=4, staging_claim_timeout_s=0.2)
     m.register_policy(ModelCachePolicy(deferred_keys=frozenset({"audio"})))
+    m.new_step_starts([started(r) for r in "efgh"])
     guarded = {name: _LockedOnly(m, name, getattr(m, name)) for name in _GUARDED}
     for name, d in guarded.items():
         setattr(m, name, d)
@@ -403,11 +404,20 @@ def test_manager_bookkeeping_is_only_touched_under_the_state_lock(eager: bool) -
     s3, rows_c = save(m, [("c", [0, 1, 3], 8, 12)], mm={"audio": torch.ones(4, 3)})
     out = m.materialize(s3, ["c"])
     assert torch.equal(out.hidden_states["c"], torch.cat([rows_a, rows_c]))
+    # a save that times out on the claim restores its hit under the lock (the except path)
+    m.new_step_starts([finished("c"), started("d", hit_end=4, blocks=[0, 5])])
+    held = [save(m, [(r, [6 + i], 0, 4)])[0] for i, r in enumerate("efgh")]
+    with pytest.raises(OmniPrefixCacheStagingTimeoutError):
+        save(m, [("d", [0, 5], 4, 8)])
+    for step in held:
+        m.discard_step(step)
+    step, _ = save(m, [("d", [0, 5], 4, 8)])
+    assert m.materialize(step, ["d"]).hidden_states["d"].shape[0] == 8
     m.stats()
     m.shutdown()
     misses = [miss for d in guarded.values() for miss in d.misses]
     assert not misses, f"manager state touched without the state lock (I11): {sorted(set(misses))}"
-    assert m.counters["budget_flushes"] >= 1 and m.counters["hits"] == 1
+    assert m.counters["budget_flushes"] >= 1 and m.counters["hits"] == 2
 
 
 # ---- slot range: the first and last legal KV slot, and one past each ----------------------
@@ -432,4 +442,80 @@ def test_a_negative_slot_is_refused_at_save_and_changes_nothing(eager: bool) -> 
     assert stats["failed"] is None and stats["staging"]["claims"] == 0 and stats["writes_in_flight"] == 0
     step, rows = save(m, [("a", [0], 0, 4)])
     assert torch.equal(m.materialize(step, ["a"]).hidden_states["a"], rows)
+    m.shutdown()
+
+
+# ---- I5: hit block ids inside [0, num_blocks) ---------------------------------------------
+@pytest.mark.parametrize("blocks", [[31, 32], [-1, 0], [0, 32, 1]], ids=["past-end", "negative", "middle"])
+def test_a_hit_on_a_block_outside_the_pool_is_refused_and_changes_nothing(blocks: list[int]) -> None:
+    """Mutants: the "outside [0, num_blocks)" raise of ``validate_hit`` and its bounds (num_blocks 32)."""
+    m = manager(True)
+    before = m.stats()
+    with pytest.raises(OmniPrefixCacheUnmatchError, match=r"are outside \[0, 32\) \(I5\)"):
+        m.new_step_starts([started("a", hit_end=4 * len(blocks), blocks=blocks)])
+    after = m.stats()
+    assert (after["hits"], after["live_requests"]) == (before["hits"], before["live_requests"]) == (0, 0)
+    m.new_step_starts([started("a", hit_end=8, blocks=[0, 31])])  # the first and last block are fine
+    assert m.stats()["hits"] == 1
+    m.shutdown()
+
+
+# ---- stats() counters are exact -----------------------------------------------------------
+@pytest.mark.parametrize("eager", MODES)
+def test_stats_counters_count_each_event_once(eager: bool) -> None:
+    """Mutants: any counter increment deleted or off by one (saved, materialized, discarded, hits...)."""
+    m = manager(eager)
+    m.new_step_starts([started("a"), started("b")])
+    s1, _ = save(m, [("a", [0, 1], 0, 8)])
+    s2, _ = save(m, [("b", [2], 0, 4)])
+    m.materialize(s1, ["a"])
+    m.discard_step(s2)
+    m.new_step_starts([finished("a"), finished("b"), started("c", hit_end=8, blocks=[0, 1, 4]), started("d")])
+    s3, _ = save(m, [("c", [0, 1, 4], 8, 12), ("d", [5], 0, 4)])
+    m.materialize(s3, ["c", "d"])
+    stats = m.stats()
+    got = {k: stats[k] for k in ("saved", "materialized", "discarded", "hits", "hit_tokens", "misses", "budget_flushes")}
+    assert got == {"saved": 3, "materialized": 2, "discarded": 1, "hits": 1, "hit_tokens": 8, "misses": 3,
+                   "budget_flushes": 0}, got
+    assert stats["staging"]["claims"] == 3 and stats["live_requests"] == 2
+    m.shutdown()
+
+
+# ---- I2: an aborted claim wakes a waiting save --------------------------------------------
+def test_abort_wakes_a_save_waiting_for_a_page() -> None:
+    """Mutant: delete ``notify_all`` in ``StagingPool.abort`` (the waiter would sleep to its timeout)."""
+    pool = StagingPool(1, 4, 5.0)
+    slot = pool.claim(1)
+    got: list[object] = []
+    waiter = threading.Thread(target=lambda: got.append(pool.claim(1)))
+    waiter.start()
+    time.sleep(0.1)  # the waiter is now in the condition wait
+    t0 = time.perf_counter()
+    pool.abort(slot)
+    waiter.join(4)
+    assert not waiter.is_alive() and got and time.perf_counter() - t0 < 2.0, "the waiter was not woken"
+    assert pool.slot_states() == ["claimed"] and pool.stats()["claim_waits"] == 1
+
+
+# ---- the on_blocking seam sees every blocking point of a save ------------------------------
+def test_on_blocking_sees_the_claim_and_the_wait_for_the_previous_write() -> None:
+    """Mutant: delete ``faults.on_blocking("save claims a staging slot")`` (an I11 check point lost)."""
+
+    class Seen(FaultHooks):
+        def __init__(self) -> None:
+            self.points: list[tuple[str, bool]] = []
+            self.m: OmniPrefixCacheManager | None = None
+
+        def on_blocking(self, what: str) -> None:
+            assert self.m is not None
+            self.points.append((what, self.m.state_lock_held_by_current_thread()))
+
+    seen = Seen()
+    m = OmniPrefixCacheManager(config(), eager=True, faults=seen)
+    seen.m = m
+    m.new_step_starts([started("a")])
+    step, _ = save(m, [("a", [0], 0, 4)])
+    assert ("save claims a staging slot", False) in seen.points
+    assert all(not held for _, held in seen.points), seen.points
+    m.discard_step(step)
     m.shutdown()
