@@ -28,9 +28,11 @@ the original and mutated source of the site, so ids survive unrelated edits
 the first ``--sample`` ids ordered by a keyed hash of (seed, id): adding or
 removing other mutants barely changes which ones are picked.
 
-``tools/equivalent_mutants.json`` lists survivors judged equivalent (no test
-can tell them apart from the original), keyed by mutant id, each with the
-reason. The kill rate is killed / (sampled - listed equivalent).
+``tools/equivalent_mutants.json`` lists survivors judged equivalent, keyed by
+mutant id, each with the reason and a kind: ``equivalent`` (no test can tell
+it from the original) or ``cpu-unreachable`` (only a CUDA device runs that
+code; the machine the suite runs on has none). The kill rate is
+killed / (sampled - listed).
 
 Exit status: 0 the rate meets ``--target`` and every survivor is listed;
 1 otherwise; 2 the baseline failed or the tests could not run.
@@ -313,7 +315,7 @@ def load_equivalent(path: Path = EQUIVALENT_FILE) -> dict[str, str]:
     if not path.exists():
         return {}
     data = json.loads(path.read_text())
-    return {mid: entry["reason"] for mid, entry in data.items()}
+    return {mid: f"[{entry.get('kind', 'equivalent')}] {entry['reason']}" for mid, entry in data.items()}
 
 
 # ---- running ---------------------------------------------------------------------
