@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 import threading
 import time
+from types import SimpleNamespace
 from typing import ClassVar
 
 import numpy as np
@@ -30,9 +31,10 @@ from omni_cache import (
 )
 from omni_cache.block_pool import PrefixBlockPool
 from omni_cache.copier import CopyEngine
-from omni_cache.errors import PHRASE_NOT_READABLE
+from omni_cache.errors import PHRASE_NOT_READABLE, PHRASE_WRITE_FAILED
 from omni_cache.faults import FaultHooks
 from omni_cache.manager import OmniPrefixCacheManager
+from omni_cache.reader import StepReader
 from omni_cache.staging import StagingPool
 from omni_cache.tenancy import NotLandedYet, SlotTenancy
 from omni_cache.writes import WriteBook
@@ -519,3 +521,97 @@ def test_on_blocking_sees_the_claim_and_the_wait_for_the_previous_write() -> Non
     assert all(not held for _, held in seen.points), seen.points
     m.discard_step(step)
     m.shutdown()
+
+
+# ---- I8: a hit whose planned write failed raises the sticky failure -----------------------
+def _reader_for(book: WriteBook, tenancy: SlotTenancy) -> StepReader:
+    return StepReader(None, tenancy, book, CopyEngine(use_cuda=False, chunk_bytes=1 << 20),  # type: ignore[arg-type]
+                      FaultHooks(), lambda writes, why: None)
+
+
+def test_a_hit_whose_planned_write_failed_raises_write_failed_not_a_tenancy_bug() -> None:
+    """Mutant: delete ``self.book.check_failed(what)`` in ``StepReader._read_hit``.
+
+    The planned write failed (it is terminal, so the book no longer lists it) and its
+    rows never landed: the read must raise the sticky "write failed" error at once,
+    not retry 10,000 times and report a tenancy bug.
+    """
+    ten, slots = _tenancy()
+    book = WriteBook(1.0)
+    write = book.register(WriteSchedule.JOIN_ON_FINISH, 1, torch.from_numpy(slots), {"k": torch.ones(2, 3)})
+    ten.register(["k"], slots, write.tid)
+    plan = ten.plan(["k"], torch.from_numpy(slots))
+    book.fail(write, RuntimeError("disk on fire"), where="the committer")
+    assert book.get(write.tid) is None
+    ctx = SimpleNamespace(step_id=7, saved_at="engine.py:3")
+    with pytest.raises(OmniPrefixCacheUnmatchError, match=PHRASE_WRITE_FAILED) as info:
+        _reader_for(book, ten)._read_hit(ctx, "r", plan, "k")  # type: ignore[arg-type]
+    assert "step 7" in str(info.value) and "disk on fire" in str(info.value)
+
+
+def test_a_read_that_never_converges_raises_instead_of_returning_nothing() -> None:
+    """Mutant: delete the final ``raise AssertionError`` of ``_read_hit`` (it would return None as rows)."""
+
+    class NeverLands(SlotTenancy):
+        def read(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            raise NotLandedYet([99])
+
+    class Forgetful(WriteBook):
+        def get(self, tid):  # type: ignore[no-untyped-def]
+            return None
+
+    ten = NeverLands(PrefixBlockPool(8))
+    plan = SlotTenancy(PrefixBlockPool(8)).plan(["k"], torch.tensor([0]))
+    ctx = SimpleNamespace(step_id=7, saved_at="engine.py:3")
+    with pytest.raises(AssertionError, match="never landed: tenancy bug"):
+        _reader_for(Forgetful(1.0), ten)._read_hit(ctx, "r", plan, "k")  # type: ignore[arg-type]
+
+
+# ---- I11: the manager's scalar state is touched only under its state lock -----------------
+_GUARDED_ATTRS = ("_num_saved", "_next_step_id", "_scheduled", "_last_immediate", "_deferred_bytes")
+
+
+def _guard_attributes(m: OmniPrefixCacheManager) -> list[str]:
+    """Swap ``m``'s class for a subclass whose guarded attributes record lockless access."""
+    values = {name: m.__dict__.pop(name) for name in (*_GUARDED_ATTRS, "_shut_down", "policy")}
+    misses: list[str] = []
+
+    def guarded(name: str, check_get: bool = True) -> property:
+        def get(self):  # type: ignore[no-untyped-def]
+            if check_get and not self.state_lock_held_by_current_thread():
+                misses.append(f"read {name}")
+            return values[name]
+
+        def put(self, value):  # type: ignore[no-untyped-def]
+            if not self.state_lock_held_by_current_thread():
+                misses.append(f"write {name}")
+            values[name] = value
+
+        return property(get, put)
+
+    props = {name: guarded(name) for name in _GUARDED_ATTRS}
+    # Lockless reads allowed: the shut-down flag (a bool), and the policy, which validate_save reads
+    # before the snapshot (it only changes before the first save; writes still need the lock).
+    props["_shut_down"] = guarded("_shut_down", check_get=False)
+    props["policy"] = guarded("policy", check_get=False)
+    m.__class__ = type("LockCheckedManager", (OmniPrefixCacheManager,), props)
+    return misses
+
+
+@pytest.mark.parametrize("eager", MODES)
+def test_manager_scalars_are_only_touched_under_the_state_lock(eager: bool) -> None:
+    """Mutants: ``drop_with`` on the state lock in register_policy, save_outputs (step id, snapshot) and shutdown."""
+    m = manager(eager, gpu_staging_bytes=48)
+    misses = _guard_attributes(m)
+    m.register_policy(ModelCachePolicy(deferred_keys=frozenset({"audio"})))
+    m.new_step_starts([started("a")], num_scheduled_tokens={"a": 8})
+    s1, rows = save(m, [("a", [0, 1], 0, 8)], mm={"audio": torch.ones(8, 3)})
+    s2, _ = save(m, [("a", [0, 1, 2], 8, 12)], mm={"audio": torch.ones(4, 3)})
+    assert torch.equal(m.materialize(s1, ["a"]).hidden_states["a"], rows)
+    m.discard_step(s2)
+    m.new_step_starts([finished("a")])
+    m.stats()
+    m.shutdown()
+    m.shutdown()
+    assert not misses, f"manager state touched without the state lock (I11): {sorted(set(misses))}"
+    assert s2 == s1 + 1
