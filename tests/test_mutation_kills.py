@@ -280,7 +280,7 @@ def _blocks_while_pool_lock_held(ten: SlotTenancy, call) -> None:  # type: ignor
     worker.join()
 
 
-@pytest.mark.parametrize("what", ["unplan", "plan", "register", "read"])
+@pytest.mark.parametrize("what", ["unplan", "plan", "register", "read", "land_all"])
 def test_tenancy_bookkeeping_waits_for_the_pool_lock(what: str) -> None:
     """Mutant: ``unplan`` (and its siblings) without ``with self.pool.lock``."""
     ten, slots = _tenancy()
@@ -292,6 +292,7 @@ def test_tenancy_bookkeeping_waits_for_the_pool_lock(what: str) -> None:
         "plan": lambda: ten.plan(["k"], torch.from_numpy(slots)),
         "register": lambda: ten.register(["k"], slots, 2),
         "read": lambda: ten.read("k", plan, what="r"),
+        "land_all": lambda: ten.land_all({"k": torch.full((2, 3), 2.0)}, torch.from_numpy(slots), 2),
     }
     _blocks_while_pool_lock_held(ten, calls[what])
     if what == "unplan":
