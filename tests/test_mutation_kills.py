@@ -280,9 +280,9 @@ def _blocks_while_pool_lock_held(ten: SlotTenancy, call) -> None:  # type: ignor
     worker.join()
 
 
-@pytest.mark.parametrize("what", ["unplan", "plan", "register", "read", "land_all"])
+@pytest.mark.parametrize("what", ["unplan", "plan", "register", "read", "land_all", "num_preserved"])
 def test_tenancy_bookkeeping_waits_for_the_pool_lock(what: str) -> None:
-    """Mutant: ``unplan`` (and its siblings) without ``with self.pool.lock``."""
+    """Mutants: ``unplan`` (and its siblings, and the stats count) without ``with self.pool.lock``."""
     ten, slots = _tenancy()
     ten.register(["k"], slots, 1)
     ten.land_all({"k": torch.ones(2, 3)}, torch.from_numpy(slots), 1)
@@ -293,6 +293,7 @@ def test_tenancy_bookkeeping_waits_for_the_pool_lock(what: str) -> None:
         "register": lambda: ten.register(["k"], slots, 2),
         "read": lambda: ten.read("k", plan, what="r"),
         "land_all": lambda: ten.land_all({"k": torch.full((2, 3), 2.0)}, torch.from_numpy(slots), 2),
+        "num_preserved": ten.num_preserved,
     }
     _blocks_while_pool_lock_held(ten, calls[what])
     if what == "unplan":
