@@ -617,3 +617,18 @@ def test_manager_scalars_are_only_touched_under_the_state_lock(eager: bool) -> N
     m.shutdown()
     assert not misses, f"manager state touched without the state lock (I11): {sorted(set(misses))}"
     assert s2 == s1 + 1
+
+
+# ---- I7: a planned version that has not landed is waited for, never read early -------------
+def test_read_before_the_planned_write_lands_says_not_landed_yet() -> None:
+    """Mutant: delete ``raise NotLandedYet`` for rows behind the planned version (stale rows served)."""
+    ten, slots = _tenancy()
+    ten.register(["k"], slots, 1)
+    ten.land_all({"k": torch.full((2, 3), 1.0)}, torch.from_numpy(slots), 1)
+    ten.register(["k"], slots, 2)  # a newer tenant is registered, not landed
+    plan = ten.plan(["k"], torch.from_numpy(slots))  # the hit plans version 2
+    with pytest.raises(NotLandedYet) as late:
+        ten.read("k", plan, what="r")
+    assert late.value.tids == [2]
+    ten.land_all({"k": torch.full((2, 3), 2.0)}, torch.from_numpy(slots), 2)
+    assert torch.equal(ten.read("k", plan, what="r"), torch.full((2, 3), 2.0))
