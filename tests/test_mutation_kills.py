@@ -632,3 +632,36 @@ def test_read_before_the_planned_write_lands_says_not_landed_yet() -> None:
     assert late.value.tids == [2]
     ten.land_all({"k": torch.full((2, 3), 2.0)}, torch.from_numpy(slots), 2)
     assert torch.equal(ten.read("k", plan, what="r"), torch.full((2, 3), 2.0))
+
+
+def test_materialize_waits_for_a_held_planned_write_and_serves_its_rows() -> None:
+    """The same I7 mutant through the manager (async): the hit's deferred write is held in the committer."""
+
+    class HoldDeferred(FaultHooks):
+        def __init__(self) -> None:
+            self.entered, self.release = threading.Event(), threading.Event()
+
+        def before_device_to_host(self, write) -> None:  # type: ignore[no-untyped-def]
+            if write.schedule is WriteSchedule.JOIN_ON_FINISH:
+                self.entered.set()
+                assert self.release.wait(10)
+
+    hold = HoldDeferred()
+    m = OmniPrefixCacheManager(config(), eager=False, faults=hold)
+    # audio only (no hidden): b's step has no write of its own to wait for before reading its hit
+    m.register_policy(ModelCachePolicy(needs_full_hidden_states=False, deferred_keys=frozenset({"audio"})))
+    try:
+        audio_a = torch.arange(24, dtype=torch.float32).reshape(8, 3) + 1
+        m.new_step_starts([started("a")])
+        s1, _ = save(m, [("a", [0, 1], 0, 8)], mm={"audio": audio_a})
+        m.discard_step(s1)
+        m.new_step_starts([finished("a"), started("b", hit_end=8, blocks=[0, 1, 2])])
+        assert hold.entered.wait(5)  # a's audio write is in the committer, held before its copy
+        s2, _ = save(m, [("b", [0, 1, 2], 8, 12)], mm={"audio": torch.ones(4, 3)})
+        threading.Timer(0.3, hold.release.set).start()
+        out = m.materialize(s2, ["b"])
+        assert torch.equal(out.mm_outputs["b"]["audio"], torch.cat([audio_a, torch.ones(4, 3)]))
+        assert out.hidden_states is None
+    finally:
+        hold.release.set()
+        m.shutdown()
