@@ -360,7 +360,7 @@ def run_tests(dest: Path, tests: tuple[str, ...], deselect: tuple[str, ...], tes
     return {0: "pass", 1: "fail"}.get(proc.returncode, "error"), dt, out
 
 
-_PRELOAD = ("numpy", "torch", "hypothesis", "pytest", "transitions")
+_PRELOAD = ("numpy", "torch", "transitions")  # not pytest or its plugins: they must load (and rewrite) in the child
 
 
 def run_tests_forked(dest: Path, tests: tuple[str, ...], deselect: tuple[str, ...], test_timeout_s: float,
