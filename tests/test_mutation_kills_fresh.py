@@ -93,31 +93,33 @@ def test_shutdown_closes_the_queue_so_a_blocking_pop_returns_at_once(eager: bool
 
 
 # ---- I8: a save that fails after registering its writes ----------------------------------
-@pytest.mark.parametrize("deferred_only", [False, True], ids=["with-hidden", "deferred-only"])
+@pytest.mark.parametrize("keys", ["hidden", "hidden+audio", "audio"])
 @pytest.mark.parametrize("eager", MODES)
 def test_a_failure_after_registration_surfaces_as_itself_and_leaves_no_half_state(
-    eager: bool, deferred_only: bool, monkeypatch: pytest.MonkeyPatch
+    eager: bool, keys: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Mutants: delete ``registered.append(imm)`` / ``registered.append(deferred)`` in ``save_outputs``.
 
     A failure after the writes are registered (planning the hit runs out of memory)
     must raise that error (or one chained from it) and leave either the sticky
-    failure set, or nothing behind: no claimed page, no live write.
+    failure set, or nothing behind: no claimed page, no live write. ``audio`` is a
+    deferred key; "hidden" alone has only an immediate write, "audio" only a deferred one.
     """
     m = manager(eager)
-    policy = ModelCachePolicy(needs_full_hidden_states=not deferred_only, deferred_keys=frozenset({"audio"}))
-    m.register_policy(policy)
+    m.register_policy(ModelCachePolicy(needs_full_hidden_states="hidden" in keys, deferred_keys=frozenset({"audio"})))
+    mm = (lambda n: {"audio": torch.ones(n, 3)}) if "audio" in keys else (lambda n: {})
     m.new_step_starts([started("a")])
-    s1, _ = save(m, [("a", [0, 1], 0, 8)], mm={"audio": torch.ones(8, 3)})
+    s1, _ = save(m, [("a", [0, 1], 0, 8)], mm=mm(8))
     m.discard_step(s1)
-    m.new_step_starts([PrefixCacheRequestEvent("a", PrefixCacheEventKind.FINISHED), started("b", hit_end=8, blocks=[0, 1, 2])])
+    m.new_step_starts([PrefixCacheRequestEvent("a", PrefixCacheEventKind.FINISHED),
+                       started("b", hit_end=8, blocks=[0, 1, 2])])
 
     def out_of_memory(*args, **kwargs):  # type: ignore[no-untyped-def]
         raise MemoryError("no memory for the planned read")
 
     monkeypatch.setattr(m.tenancy, "plan", out_of_memory)
     with pytest.raises(BaseException) as info:
-        save(m, [("b", [0, 1, 2], 8, 12)], mm={"audio": torch.ones(4, 3)})
+        save(m, [("b", [0, 1, 2], 8, 12)], mm=mm(4))
     err = info.value
     assert isinstance(err, MemoryError) or isinstance(err.__cause__, MemoryError), repr(err)
     stats = m.stats()
