@@ -71,7 +71,11 @@ def test_compiled_dispatch_equals_the_library_trigger_path(table) -> None:  # ty
                     assert obj.state == state
                     outcomes.append(f"illegal: {exc}")
             assert outcomes[0] == outcomes[1], (state, trigger, outcomes)
-            assert outcomes[0] == (table.next_state(state, trigger) or outcomes[0])
+            expected = table.next_state(state, trigger)
+            if expected is None:  # an illegal pair must be refused by both paths, not silently kept
+                assert outcomes[0].startswith("illegal: "), (state, trigger, outcomes)
+            else:
+                assert outcomes[0] == expected, (state, trigger, outcomes)
 
 
 def test_library_trigger_env(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -12,7 +12,13 @@ from __future__ import annotations
 import threading
 
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from omni_cache import (
     STAGING_TABLE,
@@ -24,6 +30,8 @@ from omni_cache.errors import PHRASE_NOT_SAVED
 from omni_cache.staging import StagingPool
 
 DEPTH = 3
+# Slots an abort was tried on while a write held them (I3); a test checks the ci profile gets here.
+ABORTS_WHILE_HELD: list[int] = []
 
 
 class StagingMachine(RuleBasedStateMachine):
@@ -79,18 +87,27 @@ class StagingMachine(RuleBasedStateMachine):
         self._claim(True)
 
     # ---- legal lifecycle ------------------------------------------------
-    @rule(i=st.integers(0, DEPTH - 1))
-    def abort_or_save(self, i: int) -> None:
-        if self.state[i] != "claimed":
-            return
-        if self.next_step % 3 == 0:
+    def _pick(self, states: tuple[str, ...], pick: int) -> int | None:
+        """One slot index in ``states`` (by ``pick``), or None: every draw hits an eligible slot."""
+        eligible = [i for i, s in enumerate(self.state) if s in states]
+        return eligible[pick % len(eligible)] if eligible else None
+
+    @precondition(lambda self: "claimed" in self.state)
+    @rule(pick=st.integers(0, 50), abort=st.booleans())
+    def abort_or_save(self, pick: int, abort: bool) -> None:
+        i = self._pick(("claimed",), pick)
+        assert i is not None
+        if abort:
             if self.holds[i]:  # a registered write reads the page: abort must refuse (I3)
+                ABORTS_WHILE_HELD.append(i)
+                before = (self.pool.slot_states(), self.slots[i].num_write_holds)
                 try:
                     self.pool.abort(self.slots[i])
                 except OmniPrefixCacheUnmatchError as exc:
                     assert "still read" in str(exc)
                 else:
                     raise AssertionError(f"I3: slot {i} aborted while a write holds it")
+                assert (self.pool.slot_states(), self.slots[i].num_write_holds) == before
                 return
             self.pool.abort(self.slots[i])
             self.state[i] = "free"
@@ -134,12 +151,13 @@ class StagingMachine(RuleBasedStateMachine):
             self.reading[i] = False
             self._maybe_release(i)
 
-    @precondition(lambda self: any(s in ("saved", "materialized") for s in self.state))
-    @rule(i=st.integers(0, DEPTH - 1))
-    def write_holds_page(self, i: int) -> None:
-        if self.state[i] in ("claimed", "saved", "materialized"):
-            self.pool.hold(self.slots[i])
-            self.holds[i] += 1
+    @precondition(lambda self: any(s in ("claimed", "saved", "materialized") for s in self.state))
+    @rule(pick=st.integers(0, 50))
+    def write_holds_page(self, pick: int) -> None:
+        i = self._pick(("claimed", "saved", "materialized"), pick)
+        assert i is not None
+        self.pool.hold(self.slots[i])
+        self.holds[i] += 1
 
     @rule(i=st.integers(0, DEPTH - 1))
     def write_lands(self, i: int) -> None:
@@ -178,3 +196,10 @@ class StagingMachine(RuleBasedStateMachine):
 
 
 TestStagingMachine = StagingMachine.TestCase
+
+
+def test_the_machine_reaches_abort_while_a_write_holds_the_page() -> None:
+    """The refusal above is exercised, not just written: run the machine and count the attempts."""
+    ABORTS_WHILE_HELD.clear()
+    run_state_machine_as_test(StagingMachine)
+    assert ABORTS_WHILE_HELD, "no run tried to abort a claimed page that a write holds (I3 unexercised)"
