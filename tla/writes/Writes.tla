@@ -204,12 +204,14 @@ commit(i) ==
 \* An error on live write i (the committer's copy, or a save that fails after
 \* registering i): i and every queued write fail, the failure is set (I8).
 \* Once failed, a write queued afterwards (an enqueue that raced with the
-\* failure) fails instead of being copied.
+\* failure) fails instead of being copied, and so does a write still pending
+\* (a deferred write whose admission can no longer end: every later step is
+\* refused), so no write stays open after the failure.
 fail(i) ==
     /\ Registered(i)
     /\ w[i] \in LiveStates
     /\ IF failure
-          THEN /\ w[i] = "queued"
+          THEN /\ w[i] \in {"pending", "queued"}
                /\ WMove(i, "fail")
                /\ queue' = Remove(queue, i)
                /\ UNCHANGED <<busy, failure, errors>>
