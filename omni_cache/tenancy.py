@@ -22,6 +22,10 @@ Upholds:
       overwrites them, and ``read`` returns exactly the planned version (from
       the pool or from the preserved copy) or raises -- never a newer tenant's
       rows. ``land`` also never lets an older write overwrite a newer one.
+
+With a ``TraceRecorder``, register/land/plan/read log notes (under the pool
+lock, so in the lock's order; a read logs the version it really served per
+slot) that ``omni_cache.verify.tenancy_trace`` maps onto the Tenancy spec.
 """
 
 from __future__ import annotations
