@@ -107,7 +107,7 @@ class OmniPrefixCacheManager:
         self.faults = faults or FaultHooks()
         self.recorder = recorder
         self.pool = PrefixBlockPool(config.num_slots, pin_memory=self.use_cuda)
-        self.tenancy = SlotTenancy(self.pool)
+        self.tenancy = SlotTenancy(self.pool, recorder)
         self.book = WriteBook(config.staging_claim_timeout_s, recorder)
         self.staging = StagingPool(
             config.staging_depth,

@@ -22,6 +22,10 @@ Upholds:
       overwrites them, and ``read`` returns exactly the planned version (from
       the pool or from the preserved copy) or raises -- never a newer tenant's
       rows. ``land`` also never lets an older write overwrite a newer one.
+
+With a ``TraceRecorder``, register/land/plan/read log notes (under the pool
+lock, so in the lock's order; a read logs the version it really served per
+slot) that ``omni_cache.verify.tenancy_trace`` maps onto the Tenancy spec.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import torch
 from omni_cache.block_pool import PrefixBlockPool
 from omni_cache.errors import PHRASE_NOT_READABLE, OmniPrefixCacheUnmatchError
 from omni_cache.interface import TensorName, Tid
+from omni_cache.trace import TraceRecorder
 
 
 @dataclass
@@ -44,6 +49,7 @@ class PlannedRead:
     slots: torch.Tensor
     slots_np: np.ndarray
     expected: dict[TensorName, np.ndarray]
+    plan_id: int = 0  # names the plan in tenancy trace notes (0: not traced)
 
 
 class NotLandedYet(Exception):
@@ -75,8 +81,11 @@ class _KeyVersions:
 class SlotTenancy:
     """Versions and preserved rows for the block pool's KV slots."""
 
-    def __init__(self, pool: PrefixBlockPool) -> None:
+    def __init__(self, pool: PrefixBlockPool, recorder: TraceRecorder | None = None) -> None:
         self.pool = pool
+        # Trace notes for tla/tenancy/TenancyTrace.tla (register, land, plan, read); None: off.
+        self.recorder = recorder
+        self._num_plans = 0
         # key -> versions; guarded by pool.lock.
         self._keys: dict[TensorName, _KeyVersions] = {}
         # slot -> step id of the newest write registered on it, whatever its keys (the tenant).
@@ -123,7 +132,14 @@ class SlotTenancy:
                         older_tids.update(np.unique(older[behind]).tolist())
                 v.registered[slots] = tid
                 v.tenant[slots] = step_id
+            if self.recorder is not None:
+                self._note("register", step_id, tid=tid, keys=tuple(keys), slots=tuple(slots.tolist()))
         return older_tids
+
+    def _note(self, what: str, step_id: int | None, **data: object) -> None:
+        """Log a tenancy event for trace validation (pool lock held: notes keep the lock's order)."""
+        assert self.recorder is not None, "tenancy note without a recorder: tenancy bug"
+        self.recorder.note("tenancy", "tenancy", what, "-", step_id, **data)
 
     def plan(self, keys: list[TensorName], slots: torch.Tensor) -> PlannedRead:
         """Pin ``slots`` for ``keys`` at their current registered versions.
@@ -140,7 +156,13 @@ class SlotTenancy:
                 expected[key] = np.where(v.tenant[slots_np] == tenant, v.registered[slots_np], 0)
                 v.pins[slots_np] += 1
                 v.num_pins += len(slots_np)
-        return PlannedRead(slots, slots_np, expected)
+            plan = PlannedRead(slots, slots_np, expected)
+            if self.recorder is not None:
+                self._num_plans += 1
+                plan.plan_id = self._num_plans
+                self._note("plan", None, plan=plan.plan_id, slots=tuple(slots_np.tolist()),
+                           expected=tuple((k, tuple(e.tolist())) for k, e in expected.items()))
+        return plan
 
     def unplan(self, read: PlannedRead) -> None:
         """Drop the pins of ``read``; forget preserved rows nobody needs any more."""
@@ -186,6 +208,8 @@ class SlotTenancy:
                     self._preserve_locked(v, tensor, slots, slots_np, current)
                 tensor.index_copy_(0, slots, rows)
                 v.landed[slots_np] = tid
+            if self.recorder is not None:
+                self._note("land", None, tid=tid, keys=tuple(rows_by_key), slots=tuple(all_np.tolist()))
 
     def _preserve_late_locked(
         self, v: _KeyVersions, rows: torch.Tensor, slots_np: np.ndarray, late: np.ndarray, tid: Tid
@@ -226,6 +250,9 @@ class SlotTenancy:
         absent = expected == 0
         if absent.any():
             first = int(np.flatnonzero(absent)[0])
+            if self.recorder is not None:
+                with self.pool.lock:
+                    self._note("read", None, plan=read.plan_id, key=key, slot=int(slots_np[first]), raised=True)
             raise OmniPrefixCacheUnmatchError(
                 f"{what}: key {key!r} at KV slot {int(slots_np[first])} {PHRASE_NOT_READABLE}: "
                 f"{int(absent.sum())} of {len(slots_np)} hit rows are absent (never written, or the "
@@ -241,6 +268,7 @@ class SlotTenancy:
             tensor = self.pool.tensor_locked(key)
             assert tensor is not None, f"{key!r} has landed versions but no pool tensor: tenancy bug"
             rows = tensor.index_select(0, read.slots)
+            served = current.copy()  # the version of the rows returned, per slot (trace notes)
             ahead = current > expected
             if ahead.any():
                 for j in np.flatnonzero(ahead).tolist():
@@ -249,12 +277,17 @@ class SlotTenancy:
                     if row is None and version not in settled:
                         raise NotLandedYet([version])
                     if row is None:
+                        if self.recorder is not None:
+                            self._note("read", None, plan=read.plan_id, key=key, slot=slot, raised=True)
                         raise OmniPrefixCacheUnmatchError(
                             f"{what}: key {key!r} at KV slot {slot} {PHRASE_NOT_READABLE}: the hit "
                             f"planned version {version}, a newer tenant (version {int(current[j])}) "
                             "overwrote it and no preserved copy exists (I7) -- refusing the newer rows"
                         )
                     rows[j] = row
+                    served[j] = version
+            if self.recorder is not None:
+                self._note("read", None, plan=read.plan_id, key=key, served=tuple(served.tolist()))
         return rows
 
     def num_preserved(self) -> int:

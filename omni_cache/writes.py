@@ -9,7 +9,8 @@ failed from any live state (``states.WRITE_TABLE``); only ``WriteBook.fire``
 moves it.
 
 Upholds:
-  I8  sticky failure: the first failed write records an error; every later
+  I8  sticky failure: the first failed write records an error and fails every
+      open write (queued or pending), so no copy starts after it; every later
       ``check_failed`` and every waiter raises "write failed".
   I9  ``push_front`` puts a finished/aborted request's open writes at the head
       of the queue; nothing drops a write.
@@ -179,7 +180,7 @@ class WriteBook:
             return self._queue.popleft()
 
     def fail(self, write: PoolWrite | None, error: BaseException, *, where: str) -> str:
-        """Record the sticky failure (I8); fail ``write`` and every queued write."""
+        """Record the sticky failure (I8); fail ``write``, every queued and every pending write."""
         with self._cond:
             if self._failure is None:
                 what = write.describe() if write is not None else "the copy path"
@@ -188,7 +189,11 @@ class WriteBook:
                     "the omni prefix cache is failed for good (I8): every later call raises"
                 )
                 self._failure_cause = error
-            for w in ([write] if write is not None else []) + list(self._queue):
+            # The write, every queued write, then every write still pending (a deferred write
+            # whose request can no longer finish: every later entry raises): all end failed,
+            # so nothing is left open and nothing is queued for a copy after the failure (I8).
+            pending = [w for w in self._live.values() if w.state == "pending"]
+            for w in ([write] if write is not None else []) + list(self._queue) + pending:
                 if w.state not in WRITE_TABLE.terminal:
                     w.error = error
                     self._fire_locked(w, "fail")

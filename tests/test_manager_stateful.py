@@ -405,8 +405,9 @@ TestThreadedManager.settings = _scaled(4, 2)
 
 
 class TestManagerTracesWithTLC(TLCTracedMachine.TestCase):  # type: ignore[name-defined,misc]
-    """Trace validation by TLC: each run's staging-slot trace, as a generated TLA+ module, must be
-    accepted by the staging model (one TLC run per example, so only a few examples)."""
+    """Trace validation by TLC: each run's staging, write and (when every step registers one
+    write: no deferred keys) tenancy traces, as generated TLA+ modules, must be accepted by the
+    trace specs extending Staging, Writes and Tenancy (TLC runs per example, so only a few)."""
 
     # No shrink phase: each shrink step would run TLC again (a failure is reported as found).
     settings = settings(settings.default, max_examples=3, stateful_step_count=30, deadline=None,

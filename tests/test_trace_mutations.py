@@ -14,10 +14,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from omni_cache.block_pool import PrefixBlockPool
+from omni_cache.errors import OmniPrefixCacheUnmatchError
 from omni_cache.interface import WriteSchedule
 from omni_cache.staging import StagingPool, StagingSlot
+from omni_cache.tenancy import NotLandedYet, PlannedRead, SlotTenancy
 from omni_cache.trace import TraceEvent, TraceRecorder
 from omni_cache.verify import check_trace_tlc
+from omni_cache.verify.tenancy_trace import check_tenancy_trace_tlc, tenancy_trace_data
 from omni_cache.verify.testing import require_tlc
 from omni_cache.verify.traces import check_writes_trace_tlc, writes_trace_data
 from omni_cache.writes import PoolWrite, WriteBook
@@ -97,3 +101,69 @@ def test_writes_landing_out_of_order_fail_trace_validation(monkeypatch: pytest.M
     records = [ln for ln in writes_trace_data(events)[0].splitlines() if ln.strip().startswith("[ev")]
     assert bad.result == "deadlock" and bad.stuck_at is not None, bad.explain()
     assert records[bad.stuck_at].strip().startswith('[ev |-> "start_copy", tid |-> 1,'), records[bad.stuck_at]
+
+
+def _tenancy_run() -> list[TraceEvent]:
+    """Step 1 writes KV slots 0 and 1; a hit plans them; step 2 takes slot 1 (reuse) and lands
+    before the delayed read, which must serve step 1's rows of slot 1 from the preserved copy."""
+    rec = TraceRecorder()
+    tenancy = SlotTenancy(PrefixBlockPool(4), rec)
+    both, one = torch.tensor([0, 1]), torch.tensor([1])
+    tenancy.register(["hidden"], both.numpy(), 1, step_id=1)
+    tenancy.land_all({"hidden": torch.full((2, 3), 1.0)}, both, 1)
+    hit = tenancy.plan(["hidden"], both)
+    tenancy.register(["hidden"], one.numpy(), 2, step_id=2)
+    tenancy.land_all({"hidden": torch.full((1, 3), 2.0)}, one, 2)
+    rows = tenancy.read("hidden", hit, what="test read")
+    tenancy.unplan(hit)
+    assert rows.shape == (2, 3)
+    return rec.events(notes=True)
+
+
+def _read_landed(self: SlotTenancy, key: str, read: PlannedRead, *, what: str,
+                 settled: object = frozenset()) -> torch.Tensor:
+    """Mutant of SlotTenancy.read: serves the landed (newest) rows, ignoring the pinned version
+    and the preserved copy -- a stale tenant (I7). It logs what it really served."""
+    with self.pool.lock:
+        v = self._versions_locked(key)
+        current = v.landed[read.slots_np]
+        if (current < read.expected[key]).any():
+            raise NotLandedYet([])
+        tensor = self.pool.tensor_locked(key)
+        assert tensor is not None
+        if self.recorder is not None:
+            self._note("read", None, plan=read.plan_id, key=key, served=tuple(current.tolist()))
+        return tensor.index_select(0, read.slots)
+
+
+def test_serving_a_stale_tenant_fails_trace_validation(monkeypatch: pytest.MonkeyPatch) -> None:
+    require_tlc()
+    good = check_tenancy_trace_tlc(_tenancy_run())
+    assert good.accepted, good.explain() + good.output
+    monkeypatch.setattr(SlotTenancy, "read", _read_landed)
+    events = _tenancy_run()
+    bad = check_tenancy_trace_tlc(events)
+    assert not bad.accepted, "TLC accepted a trace whose read served the newer tenant's rows (I7)"
+    records = [ln.strip() for ln in tenancy_trace_data(events)[0].splitlines() if ln.strip().startswith("[ev")]
+    assert bad.stuck_at is not None and records[bad.stuck_at].startswith('[ev |-> "read", slot |-> 2,'), (
+        bad.explain(), records)
+
+
+def test_a_read_of_an_absent_key_is_traced_as_raised() -> None:
+    """A key the slot's tenant did not write raises "is not readable"; the trace says Raised and TLC
+    accepts it (NeverSilentMiss along the trace)."""
+    require_tlc()
+    rec = TraceRecorder()
+    tenancy = SlotTenancy(PrefixBlockPool(2), rec)
+    slot = torch.tensor([0])
+    tenancy.register(["hidden", "mm.a"], slot.numpy(), 1, step_id=1)
+    tenancy.land_all({"hidden": torch.ones(1, 2), "mm.a": torch.ones(1, 2)}, slot, 1)
+    tenancy.register(["hidden"], slot.numpy(), 2, step_id=2)  # a new tenant without mm.a
+    tenancy.land_all({"hidden": torch.ones(1, 2)}, slot, 2)
+    hit = tenancy.plan(["mm.a"], slot)
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="is not readable"):
+        tenancy.read("mm.a", hit, what="test read")
+    events = rec.events(notes=True)
+    assert any(e.trigger == "read" and e.get("raised") for e in events)
+    verdict = check_tenancy_trace_tlc(events)
+    assert verdict.accepted, verdict.explain() + verdict.output

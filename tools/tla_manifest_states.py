@@ -1,6 +1,6 @@
 """Measure and record the state counts of every tla/manifest.json run.
 
-Usage: ``python tools/tla_manifest_states.py [--tier ci|nightly|all] [--jobs 2]``.
+Usage: ``python tools/tla_manifest_states.py [--tier ci|nightly|all] [--jobs 2] [--only writes]``.
 Runs TLC on the selected entries (``-workers 1``: deterministic breadth-first
 search) and writes each run's ``{"distinct", "total", "depth"}`` into the
 manifest's ``states`` field, which ``omni-cache verify`` (and
@@ -21,9 +21,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--tier", default="all", choices=("ci", "nightly", "all"))
     parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--only", default=None, help="only runs whose model/spec/cfg contains this")
     args = parser.parse_args(argv)
     tla = default_tla_dir()
-    entries = [e for e in select(load_manifest(tla), None, args.tier)]
+    entries = [e for e in select(load_manifest(tla), args.only, args.tier)]
     entries = [e.__class__(**{**e.__dict__, "states": None}) for e in entries]  # measure, don't judge
     results = run_manifest(entries, tla, jobs=args.jobs, timeout_s=1800)
     path = tla / "manifest.json"

@@ -57,8 +57,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         help="with --mutants: every generated mutant instead of the fixed-seed sample",
     )
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
-    parser.add_argument("--jobs", type=int_range(1, 64), default=2,
-                        help="TLC processes at a time, 1 to 64 (each -workers 1; default 2)")
+    parser.add_argument("--jobs", type=int_range(1, 64), default=None,
+                        help="TLC processes at a time, 1 to 64 (each -workers 1; default: one per core)")
     parser.add_argument("--timeout", type=float_range(0, 86_400, lo_open=True), default=300.0,
                         help="seconds per TLC run, > 0 (default 300)")
     parser.add_argument("--tla-dir", type=existing_folder, default=None, help="the tla/ folder (default: this checkout's)")
@@ -147,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
     from omni_cache.verify.tlc import (
         ManifestError,
         TLCUnavailable,
+        default_jobs,
         default_tla_dir,
         load_manifest,
         run_manifest,
@@ -176,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(doc, indent=2))
     else:
         title = "omni-cache verify: TLC ad-hoc run" if args.cfg else "omni-cache verify: TLC on tla/manifest.json"
-        _print_table(results, title, wall_s, args.jobs)
+        _print_table(results, title, wall_s, args.jobs or default_jobs())
         for r in surprises:
             print(f"SURPRISE {r.entry.name}: {'; '.join(r.problems)}", file=sys.stderr)
             if r.detail:

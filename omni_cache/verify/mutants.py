@@ -33,6 +33,7 @@ from pathlib import Path
 from omni_cache.verify.tlc import (
     EXIT_INVARIANT,
     EXIT_PROPERTY,
+    default_jobs,
     default_tla_dir,
     find_java,
     find_tla2tools,
@@ -250,7 +251,7 @@ def run_mutants(
     *,
     only: str | None = None,
     per_model: int | None = PER_MODEL,
-    jobs: int = 2,
+    jobs: int | None = None,
     timeout_s: float = 120.0,
     on_result: Callable[[MutantResult], None] | None = None,
 ) -> list[MutantResult]:
@@ -260,7 +261,7 @@ def run_mutants(
     mutants = [m for m in all_mutants(tla_dir, per_model=per_model) if not only or only in m.ident]
     java, jar = find_java(), find_tla2tools()
     results: list[MutantResult] = []
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs or default_jobs()) as pool:
         futures = [pool.submit(_check, m, tla_dir, java, jar, timeout_s) for m in mutants]
         for mutant, fut in zip(mutants, futures, strict=True):
             runs = fut.result()

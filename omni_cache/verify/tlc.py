@@ -371,16 +371,27 @@ def run_entry(
     )
 
 
+def default_jobs() -> int:
+    """TLC processes at a time: one per core this process may use (each runs ``-workers 1``,
+    and most of a small run is JVM start and parsing, which does not parallelise within one run)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - not Linux
+        return max(1, os.cpu_count() or 1)
+
+
 def run_manifest(
     entries: Iterable[ManifestEntry],
     tla_dir: Path | None = None,
     *,
-    jobs: int = 2,
+    jobs: int | None = None,
     timeout_s: float = 300.0,
     on_result: Callable[[RunResult], None] | None = None,
 ) -> list[RunResult]:
-    """Run entries (``jobs`` TLC processes at a time, each ``-workers 1``), in manifest order."""
+    """Run entries (``jobs`` TLC processes at a time, default one per core, each ``-workers 1``),
+    in manifest order."""
     entries = list(entries)
+    jobs = jobs or default_jobs()
     java, jar = find_java(), find_tla2tools()
     tla_dir = tla_dir or default_tla_dir()
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:

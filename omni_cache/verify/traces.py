@@ -327,7 +327,9 @@ def check_writes_trace_tlc(
 def validate_trace(
     trace: TraceRecorder | Iterable[TraceEvent], *, tlc: bool = False, tla_dir: Path | None = None
 ) -> dict[tuple[str, str], str]:
-    """Assert a recorded trace is valid: Python replay of every table, and TLC if ``tlc``.
+    """Assert a recorded trace is valid: Python replay of every table, and TLC if ``tlc``
+    (staging and writes always; tenancy when the trace has tenancy notes and each tenant one
+    write, ``tenancy_trace.tenancy_trace_supported``).
 
     For other test suites: ``validate_trace(recorder)`` after driving the
     runtime with ``recorder=TraceRecorder()``. Raises ``TraceReplayError`` or
@@ -336,7 +338,12 @@ def validate_trace(
     events = _events(trace)
     final = replay(events)
     if tlc:
-        for check in (check_trace_tlc, check_writes_trace_tlc):
+        from omni_cache.verify.tenancy_trace import check_tenancy_trace_tlc, tenancy_trace_supported
+
+        checks = [check_trace_tlc, check_writes_trace_tlc]
+        if tenancy_trace_supported(events):  # tenancy notes, one write per tenant (the model's scope)
+            checks.append(check_tenancy_trace_tlc)
+        for check in checks:
             verdict = check(events, tla_dir=tla_dir)
             if not verdict.accepted:
                 raise AssertionError(f"{check.__name__}: " + verdict.explain() + "\n" + verdict.output[-1500:])

@@ -31,7 +31,8 @@
 (* admits nobody), EndedByOwner (a late terminal event ends nothing).     *)
 (* Properties: StickyFailure (I8, action), FrontFirst                     *)
 (* (I9 ordering, action), AbortsLand (I9: every write of an ended          *)
-(* admission ends) under weak fairness of the committer alone.             *)
+(* admission ends) under weak fairness of the committer alone, and         *)
+(* FailureEndsAll (I8: once failed, every registered write ends).          *)
 (***************************************************************************)
 EXTENDS Naturals, Sequences, FiniteSets, WriteMachine
 
@@ -204,12 +205,14 @@ commit(i) ==
 \* An error on live write i (the committer's copy, or a save that fails after
 \* registering i): i and every queued write fail, the failure is set (I8).
 \* Once failed, a write queued afterwards (an enqueue that raced with the
-\* failure) fails instead of being copied.
+\* failure) fails instead of being copied, and so does a write still pending
+\* (a deferred write whose admission can no longer end: every later step is
+\* refused), so no write stays open after the failure.
 fail(i) ==
     /\ Registered(i)
     /\ w[i] \in LiveStates
     /\ IF failure
-          THEN /\ w[i] = "queued"
+          THEN /\ w[i] \in {"pending", "queued"}
                /\ WMove(i, "fail")
                /\ queue' = Remove(queue, i)
                /\ UNCHANGED <<busy, failure, errors>>
@@ -234,8 +237,11 @@ Next ==
     \/ \E s \in Seqs : replay(s)
     \/ Terminating
 
-\* Only the committer is fair: nobody has to flush, finish or replace.
-Fairness == WF_vars(\E i \in Writes : start_copy(i) \/ finish_copy(i) \/ commit(i))
+\* Only the committer is fair: nobody has to flush, finish or replace.  Once
+\* failed, the failure itself ends the open writes (WriteBook.fail fails every
+\* queued and pending write in the same call).
+Fairness == /\ WF_vars(\E i \in Writes : start_copy(i) \/ finish_copy(i) \/ commit(i))
+            /\ WF_vars(\E i \in Writes : failure /\ fail(i))
 
 Spec == Init /\ [][Next]_vars /\ Fairness
 
@@ -283,6 +289,11 @@ FrontFirst ==
     [][\A i \in Writes :
          (w[i] = "pending" /\ w'[i] = "queued" /\ own[i] \in ended')
             => \A j \in Range(queue) : j \in Range(queue') => Pos(queue', i) < Pos(queue', j)]_vars
+
+\* I8: once failed, every registered write ends (no write stays open: a
+\* deferred write whose admission can never end fails too).
+FailureEndsAll ==
+    failure ~> \A i \in Writes : Registered(i) => w[i] \in EndStates
 
 \* I9: every write of an ended admission ends (written or failed).
 AbortsLand ==

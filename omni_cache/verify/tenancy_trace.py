@@ -1,0 +1,155 @@
+"""Trace validation of the KV-slot tenancy by TLC (tla/tenancy/TenancyTrace.tla).
+
+Owns: mapping the tenancy notes a ``TraceRecorder`` holds (``SlotTenancy``'s
+register, land, plan and read) onto the actions of the real Tenancy spec --
+runtime KV slots and keys to the model's, per slot the k-th tenant (step) that
+registers to version k, each (planned read, slot, key) to one model reader --
+and ``check_tenancy_trace_tlc``, which runs TLC on the generated module.
+
+The mapping only renames identities; what the runtime pinned and served is
+compared with what the spec computes (``TracePlan``/``TraceRead``), and TLC
+checks NeverSilentMiss (I6), NoStaleTenant and HitServed (I7, against the
+spec's ghost history) along the trace.
+
+Scope: the model plans hits only on slots some tenant registered a write for
+(a hit refers to a block its tenant computed); a runtime hit on a slot no write
+was ever registered for (a diverged KV cache, which the runtime refuses with "is
+not readable", I6: tests/test_manager_*) is left out of the trace, with its
+reads. The model gives each tenant ONE write. A runtime step with deferred
+keys registers two writes per slot (immediate + deferred); such a trace raises
+``TenancyTraceUnsupported`` (the model needs the two-writes generalisation).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from omni_cache.trace import TraceEvent, TraceRecorder
+from omni_cache.verify.tlc import default_tla_dir
+from omni_cache.verify.traces import TraceCheck, _run_trace_spec, _tla_string
+
+MACHINE = "tenancy"
+RAISED = -1
+_UNKNOWN = 10**6  # a version no tenant has: the spec rejects it
+
+
+class TenancyTraceUnsupported(ValueError):
+    """The trace holds something the Tenancy model does not cover (two writes of one tenant)."""
+
+
+def _record(ev: str, slot: int, ver: int = 0, keys: Iterable[int] = (), r: int = 0, key: int = 0,
+            got: int = 0) -> str:
+    ks = ", ".join(map(str, sorted(keys)))
+    return (f"[ev |-> {_tla_string(ev)}, slot |-> {slot}, ver |-> {ver}, keys |-> {{{ks}}}, "
+            f"r |-> {r}, key |-> {key}, got |-> {got}]")
+
+
+def tenancy_trace_data(events: Sequence[TraceEvent], name: str = "TenancyTraceData") -> tuple[str, dict[str, int]]:
+    """The generated module (``Trace``) and Tenancy's constants for the tenancy notes of a trace."""
+    slot_ix: dict[int, int] = {}
+    key_ix: dict[str, int] = {}
+    tenants: dict[int, list[int]] = {}        # runtime slot -> the steps that registered on it, in order
+    version: dict[tuple[int, int], int] = {}  # (runtime slot, tid) -> the model version
+    plans: dict[int, tuple[int, ...]] = {}    # plan id -> its runtime slots
+    reader: dict[tuple[int, int, str], int | None] = {}  # None: a hit on a never-written slot
+    records: list[str] = []
+
+    def s_of(slot: int) -> int:
+        return slot_ix.setdefault(slot, len(slot_ix) + 1)
+
+    def k_of(key: str) -> int:
+        return key_ix.setdefault(key, len(key_ix) + 1)
+
+    for e in events:
+        if e.machine != MACHINE or e.kind != "note":
+            continue
+        if e.trigger == "register":
+            tid, keys = int(e.get("tid")), [k_of(k) for k in e.get("keys")]  # type: ignore[arg-type,union-attr]
+            for slot in e.get("slots"):  # type: ignore[union-attr]
+                steps = tenants.setdefault(slot, [])
+                if steps and steps[-1] == e.step_id:
+                    raise TenancyTraceUnsupported(
+                        f"step {e.step_id} registers a second write (tid {tid}) on KV slot {slot}: the Tenancy "
+                        "model gives each tenant one write (deferred keys are not modelled yet)")
+                steps.append(e.step_id)  # type: ignore[arg-type]
+                version[(slot, tid)] = len(steps)
+                records.append(_record("register", s_of(slot), len(steps), keys))
+        elif e.trigger == "land":
+            tid = int(e.get("tid"))  # type: ignore[arg-type]
+            for slot in e.get("slots"):  # type: ignore[union-attr]
+                records.append(_record("land", s_of(slot), version.get((slot, tid), _UNKNOWN)))
+        elif e.trigger == "plan":
+            pid, slots = int(e.get("plan")), tuple(e.get("slots"))  # type: ignore[arg-type,arg-type]
+            plans[pid] = slots
+            for key, expected in e.get("expected"):  # type: ignore[union-attr]
+                for j, (slot, tid) in enumerate(zip(slots, expected, strict=True)):
+                    if slot not in tenants:  # outside the model: see the module docstring
+                        reader[(pid, j, key)] = None
+                        continue
+                    r = reader[(pid, j, key)] = 1 + sum(1 for x in reader.values() if x is not None)
+                    ver = 0 if tid == 0 else version.get((slot, tid), _UNKNOWN)
+                    records.append(_record("plan", s_of(slot), ver, r=r, key=k_of(key)))
+        elif e.trigger == "read":
+            pid, key = int(e.get("plan")), str(e.get("key"))  # type: ignore[arg-type]
+            slots = plans.get(pid, ())
+            if e.get("raised"):
+                j = slots.index(e.get("slot"))
+                if (r := reader[(pid, j, key)]) is not None:
+                    records.append(_record("read", s_of(slots[j]), r=r, got=RAISED))
+                continue
+            for j, (slot, tid) in enumerate(zip(slots, e.get("served"), strict=True)):  # type: ignore[arg-type]
+                if (r := reader[(pid, j, key)]) is not None:
+                    got = 0 if tid == 0 else version.get((slot, tid), _UNKNOWN)
+                    records.append(_record("read", s_of(slot), r=r, got=got))
+    body = ",\n    ".join(records)
+    text = f"""---- MODULE {name} ----
+\\* Generated by omni_cache.verify.tenancy_trace from a recorded runtime trace
+\\* ({len(records)} per-slot tenancy events), for tla/tenancy/TenancyTrace.tla.
+EXTENDS Integers
+Trace == <<
+    {body}
+    >>
+====
+"""
+    constants = {"NumSlots": max(1, len(slot_ix)), "MaxVer": max([len(t) for t in tenants.values()] or [1]),
+                 "NumKeys": max(1, len(key_ix)),
+                 "NumReaders": max(1, sum(1 for r in reader.values() if r is not None)), "MaxGen": 1}
+    return text, constants
+
+
+def _tenancy_cfg(constants: dict[str, int]) -> str:
+    consts = "\n".join(f"    {k} = {v}" for k, v in constants.items())
+    return (
+        f"CONSTANTS\n{consts}\nSPECIFICATION TraceSpec\n"
+        "INVARIANTS TypeOK NeverSilentMiss NoStaleTenant HitServed NewestLanded HitOwned KeptNeeded "
+        "WritesCarryKeys ReplacedIsNew\n"
+    )
+
+
+def tenancy_trace_supported(events: TraceRecorder | Iterable[TraceEvent]) -> bool:
+    """The trace has tenancy notes and the model covers it (no tenant with two writes)."""
+    evs = events.events(notes=True) if isinstance(events, TraceRecorder) else list(events)
+    if not any(e.machine == MACHINE for e in evs):
+        return False
+    try:
+        tenancy_trace_data(evs)
+    except TenancyTraceUnsupported:
+        return False
+    return True
+
+
+def check_tenancy_trace_tlc(
+    events: TraceRecorder | Iterable[TraceEvent], *, tla_dir: Path | None = None, timeout_s: float = 120.0
+) -> TraceCheck:
+    """Check the tenancy notes of a trace with TLC against tla/tenancy/TenancyTrace.tla.
+
+    Accepted iff exit 0; ``stuck_at`` indexes the generated ``Trace`` records (0-based).
+    Raises ``TenancyTraceUnsupported`` for a trace with two writes of one tenant.
+    """
+    evs = events.events(notes=True) if isinstance(events, TraceRecorder) else list(events)
+    data, constants = tenancy_trace_data(evs)
+    return _run_trace_spec(
+        (tla_dir or default_tla_dir()) / "tenancy", ("Tenancy.tla", "TenancyTrace.tla"),
+        "TenancyTrace", data, _tenancy_cfg(constants), data.count("[ev |->"), timeout_s,
+    )
