@@ -18,6 +18,8 @@ import json
 import sys
 from typing import Any
 
+from omni_cache.bench.perfcli import add_arguments as add_perf_arguments
+
 QUICK = {"batch_sizes": "2,4", "decode_steps": 6, "repeats": 1, "hidden_width": 256, "mm_width": 64,
          "num_blocks": 128, "prompt_tokens": 64, "hit_tokens": 32}
 
@@ -65,6 +67,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                         help="measure the state-machine cost (issue 2) instead of the engine")
     parser.add_argument("--profile", action="store_true",
                         help="also profile the manager (cProfile + section timers) at the largest batch size")
+    add_perf_arguments(parser)  # --preset, --sweep, --memory (omni_cache.bench.perfcli)
     parser.set_defaults(func=run)
 
 
@@ -126,6 +129,11 @@ def _run_engine(args: argparse.Namespace, console: Any) -> int:
     sizes = args.batch_sizes or _batch_sizes(QUICK["batch_sizes"] if args.quick else "8,32")
     repeats = args.repeats if args.repeats is not None else (QUICK["repeats"] if args.quick else 5)
     kwargs = _engine_kwargs(args)
+    from omni_cache.bench.perfcli import run_breakdown, run_extra
+
+    extra = run_extra(args, console, sizes, repeats, kwargs)
+    if extra is not None:
+        return extra
     progress = None if args.json else (lambda line: console.print(f"[dim]{line}[/dim]"))
     try:
         result = run_bench(sizes, repeats=repeats, eager=not args.async_, check=not args.no_verify,
@@ -150,7 +158,8 @@ def _run_engine(args: argparse.Namespace, console: Any) -> int:
         sections, smeta = section_times(spec, eager=not args.async_)
         meta.update(smeta)
         profile = {"meta": meta, "by_own": [vars(r) for r in by_own], "by_cum": [vars(r) for r in by_cum],
-                   "sections": [vars(r) for r in sections]}
+                   "sections": [vars(r) for r in sections],
+                   "breakdown": run_breakdown(args, console, sizes, kwargs)}
     if args.plot:
         path = report.write_plot(result, args.plot)
         if not args.json:
