@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import torch
 
 from omni_cache.errors import OmniPrefixCacheUnmatchError
@@ -72,16 +73,17 @@ class PrefixBlockPool:
         self._check_shape(key, tensor, rows)
         return tensor
 
-    def check_slots(self, slots: torch.Tensor) -> None:
-        """Raise unless every slot is in ``[0, num_slots)``."""
-        if not slots.numel():
-            return
+    def check_slots(self, slots: torch.Tensor) -> np.ndarray:
+        """Raise unless every slot is in ``[0, num_slots)``; return the slots as a numpy view."""
         view = slots.numpy()
+        if not len(view):
+            return view
         low, high = int(view.min()), int(view.max())
         if low < 0 or high >= self.num_slots:
             raise OmniPrefixCacheUnmatchError(
                 f"KV slots out of range [0, {self.num_slots}): min {low}, max {high}"
             )
+        return view
 
     def write(self, key: TensorName, slots: torch.Tensor, rows: torch.Tensor) -> None:
         """Scatter ``rows`` into ``key`` at ``slots`` (int64, CPU)."""

@@ -96,6 +96,8 @@ class SlotTenancy:
         The manager calls this before a save claims anything: a ``MemoryError`` of a
         huge pool's per-slot bookkeeping then surfaces with nothing to undo.
         """
+        if all(key in self._keys for key in keys):  # keys are only ever added
+            return
         with self.pool.lock:
             for key in keys:
                 self._versions_locked(key)

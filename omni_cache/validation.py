@@ -62,7 +62,7 @@ def check_capacity(num_rows: int, capacity_tokens: int) -> None:
 
 def check_same_rows(what: str, held_shape: tuple[int, ...], held_dtype: torch.dtype, rows: torch.Tensor) -> None:
     """A key's row shape and dtype never change: ``rows`` must match what ``what`` holds."""
-    if tuple(held_shape) != tuple(rows.shape[1:]) or held_dtype != rows.dtype:
+    if held_dtype != rows.dtype or tuple(held_shape) != rows.shape[1:]:
         raise OmniPrefixCacheUnmatchError(
             f"{what} holds rows of shape {tuple(held_shape)} {held_dtype}; this step brought rows of "
             f"shape {tuple(rows.shape[1:])} {rows.dtype}: a key's width and dtype never change"
@@ -74,7 +74,7 @@ def check_slot_mapping(slots: Any, n: int) -> torch.Tensor:
     problem = None
     if not isinstance(slots, torch.Tensor):
         problem = "is missing" if slots is None else f"is a {type(slots).__name__}, not a tensor"
-    elif slots.device.type != "cpu":
+    elif slots.is_cuda or slots.device.type != "cpu":
         problem = f"is on device {slots.device}, not the CPU"
     elif slots.dtype != torch.int64:
         problem = f"has dtype {slots.dtype}, not an integer dtype"
@@ -87,7 +87,7 @@ def check_slot_mapping(slots: Any, n: int) -> torch.Tensor:
             f"save_outputs: the {PHRASE_SLOT_MAPPING} the step's {n} rows only as a 1-D integer CPU "
             f"tensor of at least {n} KV slots; slots_cpu {problem}"
         )
-    return slots[:n]
+    return slots if slots.shape[0] == n else slots[:n]
 
 
 def validate_save(

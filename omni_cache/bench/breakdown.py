@@ -61,8 +61,9 @@ _METHODS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
                             "queue_length")),
     ("write book", "committer", ("kick", "drain", "process")),
     ("output assembly", "reader", ("build_outputs", "_read_hit")),
-    ("manager glue", "", ("new_step_starts", "save_outputs", "materialize", "_take_hits", "_register",
-                          "_after_save", "_flush", "_finish_consume", "_hit_keys")),
+    ("manager glue", "", ("new_step_starts", "save_outputs", "materialize", "_register",
+                          "_after_save", "_flush", "_finish_consume")),
+    ("manager glue", "_hits", ("take", "hit_keys", "slots_of")),
 )
 # Module globals of omni_cache.manager, patched for the pass only.
 _MANAGER_GLOBALS: tuple[tuple[str, str], ...] = (
