@@ -34,6 +34,10 @@ class PendingHits:
         # per-token key tuple -> (policy, its hit keys); engine thread only.
         self._hit_keys: dict[tuple[str, ...], tuple[ModelCachePolicy, tuple[str, ...]]] = {}
 
+    def __bool__(self) -> bool:
+        """Any hit pending (installed and taken only on the engine thread)."""
+        return bool(self._pending)
+
     def install(self, req_id: ReqId, event: PrefixCacheRequestEvent) -> bool:
         """The lookup of ``event``: a hit is pending from now on, a miss drops any. Caller holds the lock."""
         if event.hit_end > 0:

@@ -228,21 +228,20 @@ class OmniPrefixCacheManager:
         """Claim a staging slot, copy this step's rows, register writes; return the step id."""
         self._check_usable("save_outputs")
         n = num_tokens_unpadded
-        slots = validate_save(self.config, self.policy, hidden_states, mm_outputs, n,
-                              num_tokens_padded, write_layout)
+        slots, spans = validate_save(self.config, self.policy, hidden_states, mm_outputs, n,
+                                     num_tokens_padded, write_layout)
         slots_np = self.pool.check_slots(slots)
         with self._lock:
             policy = self.policy
             scheduled = self._scheduled  # cleared only by a save that succeeds
             prev = self._last_immediate
-        if scheduled:
-            in_layout = {w.req_id: w.num_rows for w in write_layout.writes}
-            for req_id, count in scheduled.items():
-                if count and in_layout.get(req_id, 0) != count:
-                    raise OmniPrefixCacheUnmatchError(
-                        f"save_outputs: request {req_id!r} was scheduled {count} tokens but the "
-                        f"{PHRASE_SLOT_MAPPING} {in_layout.get(req_id, 0)} rows for it"
-                    )
+        for req_id, count in scheduled.items():
+            w = spans.get(req_id)
+            if count and (w.row_end - w.row_start if w is not None else 0) != count:
+                raise OmniPrefixCacheUnmatchError(
+                    f"save_outputs: request {req_id!r} was scheduled {count} tokens but the "
+                    f"{PHRASE_SLOT_MAPPING} {w.num_rows if w is not None else 0} rows for it"
+                )
         split = classify_outputs(policy, hidden_states, mm_outputs or {}, n, num_tokens_padded)
         for key, rows in split.immediate.items():  # a key's row shape and dtype never change
             self.staging.check_rows(key, rows)
@@ -257,8 +256,10 @@ class OmniPrefixCacheManager:
             self.book.wait(prev, ("written",), why=f"save_outputs waits for {prev.describe()}")
         compute_event = self.copies.record_compute_event()
         saved_at = caller_location()
-        with self._lock:
-            hits = self._hits.take(write_layout)  # raises (taking nothing) if a hit is not continued (I5)
+        hits = {}
+        if self._hits:  # only the engine thread (this one) installs hits: no lock needed to see none
+            with self._lock:
+                hits = self._hits.take(write_layout)  # raises (taking nothing) if one is not continued (I5)
         step_id: StepId | None = None
         plans: list[PlannedRead] = []
         registered: list[PoolWrite] = []
@@ -278,7 +279,7 @@ class OmniPrefixCacheManager:
                 deferred_host[key], event = self.copies.to_host(rows, compute_event)
                 host_events.append(event)
             hit_keys = self._hits.hit_keys(policy, (*split.immediate, *split.deferred))
-            req_ids = tuple(w.req_id for w in write_layout.writes)
+            req_ids = tuple(spans)
             # Registration: from here on a failure cannot be rolled back (versions are
             # published), so it fails the manager for good (I8) instead.
             imm, older = self._register(WriteSchedule.JOIN_NEXT_STEP, step_id, slots, slots_np, views, slot,
@@ -297,7 +298,6 @@ class OmniPrefixCacheManager:
                 for req_id, (_, blocks) in hits.items():
                     planned[req_id] = self.tenancy.plan(list(hit_keys), self._hits.slots_of(blocks))
                     plans.append(planned[req_id])
-            spans = {w.req_id: w for w in write_layout.writes}
             ctx = StepContext(step_id, slot, saved_at, spans, planned, tuple(split.immediate), imm,
                               deferred_host, leftover, hit_keys, policy.hidden_key is not None, host_events)
             self.staging.save(slot, step_id, saved_at)
@@ -439,13 +439,14 @@ class OmniPrefixCacheManager:
 
     def _after_save(self, imm: PoolWrite | None, older: set[int], plans: list[PlannedRead]) -> None:
         """Queue what must land: older tenants first, writes a planned read needs, this step, budget."""
-        needed = set(older)
-        for plan in plans:
-            for versions in plan.expected.values():
-                needed.update(np.unique(versions).tolist())
-        front = [w for t in sorted(needed) if (w := self.book.get(t)) is not None and w.state == "pending"]
-        if front:
-            self._flush(front, front=True, why="writes a planned read or a new tenant needs first")
+        if older or plans:
+            needed = set(older)
+            for plan in plans:
+                for versions in plan.expected.values():
+                    needed.update(np.unique(versions).tolist())
+            front = [w for t in sorted(needed) if (w := self.book.get(t)) is not None and w.state == "pending"]
+            if front:
+                self._flush(front, front=True, why="writes a planned read or a new tenant needs first")
         if imm is not None:
             self.book.enqueue([imm])
             self.committer.kick()
