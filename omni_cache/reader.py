@@ -78,26 +78,35 @@ class StepReader:
             sizes = [w.row_end - w.row_start for w in wanted]
             contiguous = sum(sizes) == hi - lo and all(
                 a.row_end == b.row_start for a, b in itertools.pairwise(wanted))
+        # A request's first step after a hit: its cached prefix rows, then this step's rows, in one
+        # ``cat`` (a fresh tensor: the page is not cloned first).
+        hit_reqs = {r: ctx.hits[r] for r in req_ids if r in ctx.hits} if ctx.hits else {}
         # Key-major, as in the reference: out[key][req].
         out: dict[str, dict[ReqId, Any]] = {}
         for key, page in self.staging.pages_rows(ctx.staging_slot, ctx.immediate_keys, lo, hi).items():
-            if contiguous and page.nbytes <= _ONE_CLONE_MAX_BYTES:
+            if hit_reqs and key in ctx.hit_keys:
+                parts = [self._merge_hit(ctx, r, hit_reqs[r], key, page[w.row_start - lo : w.row_end - lo])
+                         if r in hit_reqs else page[w.row_start - lo : w.row_end - lo].clone()
+                         for r, w in zip(req_ids, wanted, strict=True)]
+            elif contiguous and page.nbytes <= _ONE_CLONE_MAX_BYTES:
                 parts = page.clone().split_with_sizes(sizes)
             else:
                 parts = [page[w.row_start - lo : w.row_end - lo].clone() for w in wanted]
             out[key] = dict(zip(req_ids, parts, strict=True))
         for key, rows in ctx.deferred_rows.items():  # already a private host copy
-            out[key] = {r: rows[w.row_start : w.row_end] for r, w in zip(req_ids, wanted, strict=True)}
-        if ctx.hits:
-            for req_id in req_ids:
-                hit = ctx.hits.get(req_id)
-                if hit is not None:
-                    for key in ctx.hit_keys:
-                        out[key][req_id] = torch.cat([self._read_hit(ctx, req_id, hit, key), out[key][req_id]])
+            merge = hit_reqs and key in ctx.hit_keys
+            out[key] = {r: self._merge_hit(ctx, r, hit_reqs[r], key, rows[w.row_start : w.row_end])
+                        if merge and r in hit_reqs else rows[w.row_start : w.row_end]
+                        for r, w in zip(req_ids, wanted, strict=True)}
         hidden = out.pop(HIDDEN_KEY, {}) if ctx.caches_hidden else None
         for key, value in ctx.leftover.items():
             out[key] = dict.fromkeys(req_ids, value)
         return StageCacheOutputs(hidden, out)
+
+    def _merge_hit(self, ctx: StepContext, req_id: str, hit: PlannedRead, key: str,
+                   rows: torch.Tensor) -> torch.Tensor:
+        """The hit's cached rows of ``key`` followed by this step's ``rows`` (a new tensor)."""
+        return torch.cat([self._read_hit(ctx, req_id, hit, key), rows])
 
     def _read_hit(self, ctx: StepContext, req_id: str, hit: PlannedRead, key: str) -> torch.Tensor:
         what = f"materialize step {ctx.step_id} (saved at {ctx.saved_at}) request {req_id!r}"
