@@ -78,7 +78,11 @@ class PrefixBlockPool:
         view = slots.numpy()
         if not len(view):
             return view
-        low, high = int(view.min()), int(view.max())
+        if len(view) <= 64:  # a decode step: Python's min/max of a short list beat two numpy reductions
+            values = view.tolist()
+            low, high = min(values), max(values)
+        else:
+            low, high = int(view.min()), int(view.max())
         if low < 0 or high >= self.num_slots:
             raise OmniPrefixCacheUnmatchError(
                 f"KV slots out of range [0, {self.num_slots}): min {low}, max {high}"
