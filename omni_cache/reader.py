@@ -105,15 +105,21 @@ class StepReader:
 
     def _merge_hit(self, ctx: StepContext, req_id: str, hit: PlannedRead, key: str,
                    rows: torch.Tensor) -> torch.Tensor:
-        """The hit's cached rows of ``key`` followed by this step's ``rows`` (a new tensor)."""
-        return torch.cat([self._read_hit(ctx, req_id, hit, key), rows])
+        """The hit's cached rows of ``key`` followed by this step's ``rows``, in one new tensor:
+        the pool rows are gathered straight into its head (one copy per row, no ``cat``)."""
+        cached = len(hit.slots_np)
+        merged = torch.empty((cached + rows.shape[0], *rows.shape[1:]), dtype=rows.dtype)
+        self._read_hit(ctx, req_id, hit, key, out=merged[:cached])
+        merged[cached:].copy_(rows)
+        return merged
 
-    def _read_hit(self, ctx: StepContext, req_id: str, hit: PlannedRead, key: str) -> torch.Tensor:
+    def _read_hit(self, ctx: StepContext, req_id: str, hit: PlannedRead, key: str,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
         what = f"materialize step {ctx.step_id} (saved at {ctx.saved_at}) request {req_id!r}"
         settled: set[int] = set()  # planned writes seen terminal (landed or failed)
         for _ in range(_MAX_READ_RETRIES):
             try:
-                return self.tenancy.read(key, hit, what=what, settled=settled)
+                return self.tenancy.read(key, hit, what=what, settled=settled, out=out)
             except NotLandedYet as late:
                 for tid in late.tids:
                     write = self.book.get(tid)

@@ -213,9 +213,10 @@ class SlotTenancy:
 
     # ---- reader -------------------------------------------------------------
     def read(
-        self, key: TensorName, read: PlannedRead, *, what: str, settled: Set[Tid] = frozenset()
+        self, key: TensorName, read: PlannedRead, *, what: str, settled: Set[Tid] = frozenset(),
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Rows of ``read.slots`` at the planned versions of ``key``.
+        """Rows of ``read.slots`` at the planned versions of ``key`` (written into ``out`` if given).
 
         Raises ``NotLandedYet`` when a planned version is still in flight, or when a
         newer tenant landed first and the planned version's write is not known to be
@@ -242,7 +243,8 @@ class SlotTenancy:
                 raise NotLandedYet(np.unique(expected[behind]).tolist())
             tensor = self.pool.tensor_locked(key)
             assert tensor is not None, f"{key!r} has landed versions but no pool tensor: tenancy bug"
-            rows = tensor.index_select(0, read.slots)
+            rows = tensor.index_select(0, read.slots) if out is None else torch.index_select(
+                tensor, 0, read.slots, out=out)
             ahead = current > expected
             if ahead.any():
                 for j in np.flatnonzero(ahead).tolist():
