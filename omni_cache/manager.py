@@ -1,6 +1,7 @@
 """OmniPrefixCacheManager: the per-step protocol of the omni prefix cache.
 
-Owns: the live requests and their pending hits, the unconsumed step contexts,
+Owns: the live requests (their pending hits are a ``hits.PendingHits`` it guards
+with its state lock), the unconsumed step contexts,
 the step ids it took from the process-wide counter (another manager's id is never
 one of ours), the open deferred writes and their GPU-byte budget, and
 the state lock over all of those. It composes the staging pool (pages), the

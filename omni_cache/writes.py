@@ -77,7 +77,7 @@ class PoolWrite:
         self.host: dict[TensorName, torch.Tensor] | None = None
         self.staging_slot = staging_slot
         self.req_ids = frozenset(req_ids)
-        self.nbytes = sum(t.numel() * t.element_size() for t in source.values())
+        self.nbytes = sum(t.nbytes for t in source.values())
         self.copy_event: Any = None
         self.error: BaseException | None = None
 

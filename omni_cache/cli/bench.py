@@ -7,8 +7,11 @@ ground truth (I4, I6, I7; I1/I2 at shutdown) and prints a rich table, the
 omni_cache/floor tokens/s ratio and PASS/FAIL against the 50% target (exit 1
 only with ``--check``, or on a ground-truth failure). ``--machine`` measures the
 staging-slot machine instead (issue 2); ``--profile`` adds cProfile and section
-timers at the largest batch size. ``--json`` prints one JSON document instead of
+timers at the largest batch size, and the per-category breakdown of a decode step
+at each batch size. ``--json`` prints one JSON document instead of
 tables; ``--plot FILE.png`` draws tokens/s and µs per step against batch size.
+``--preset``, ``--sweep`` and ``--memory`` (issue 13) live in
+``omni_cache.bench.perfcli``.
 """
 
 from __future__ import annotations
