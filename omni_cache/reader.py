@@ -68,9 +68,9 @@ class StepReader:
             return StageCacheOutputs({} if ctx.caches_hidden else None, {})
         spans = ctx.spans
         if list(spans) == req_ids:  # every request, in row order: the rows [0, n) of the step
-            lo, hi = 0, max((w.row_end for w in spans.values()), default=0)
-            sizes, contiguous = [w.row_end - w.row_start for w in spans.values()], True
             wanted = list(spans.values())
+            sizes, contiguous = [w.row_end - w.row_start for w in wanted], True
+            lo, hi = 0, sum(sizes)
         else:
             wanted = [spans[r] for r in req_ids]
             lo = min((w.row_start for w in wanted), default=0)
