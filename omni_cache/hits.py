@@ -16,6 +16,7 @@ failure path, that a refused save loses no hit (``restore``).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from omni_cache.errors import OmniPrefixCacheUnmatchError
@@ -76,8 +77,8 @@ class PendingHits:
     def slots_of(self, blocks: tuple[int, ...]) -> torch.Tensor:
         """The KV slots of ``blocks``, in order."""
         bs = self.block_size
-        ids = torch.tensor(blocks, dtype=torch.int64)
-        return (ids[:, None] * bs + torch.arange(bs, dtype=torch.int64)).flatten()
+        ids = np.fromiter(blocks, dtype=np.int64, count=len(blocks))
+        return torch.from_numpy((ids[:, None] * bs + np.arange(bs, dtype=np.int64)).ravel())
 
     def hit_keys(self, policy: ModelCachePolicy, keys: tuple[str, ...]) -> tuple[str, ...]:
         """``policy.get_hit_keys`` of this step's per-token keys, memoised per key set."""
