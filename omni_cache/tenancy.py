@@ -72,6 +72,13 @@ class _KeyVersions:
         self.tensor: torch.Tensor | None = None
 
 
+def _all_below(values: np.ndarray, bound: int) -> bool:
+    """Every value < ``bound`` (short arrays, as a decode step's, without numpy reductions)."""
+    if len(values) <= 64:
+        return max(values.tolist(), default=-1) < bound
+    return bool((values < bound).all())
+
+
 class SlotTenancy:
     """Versions and preserved rows for the block pool's KV slots."""
 
@@ -178,8 +185,8 @@ class SlotTenancy:
                 v.tensor = tensor = tensors[key]
                 slots, slots_np = all_slots, all_np
                 current = v.landed[slots_np]
-                newer = current < tid
-                if not newer.all():  # never let an older write overwrite a newer one
+                newer = None if _all_below(current, tid) else current < tid
+                if newer is not None:  # never let an older write overwrite a newer one
                     if v.num_pins:  # ...but keep its rows for a planned read of this version (I7)
                         self._preserve_late_locked(v, rows, slots_np, ~newer, tid)
                     mask = torch.from_numpy(newer)
