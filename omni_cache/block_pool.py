@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import torch
 
 from omni_cache.errors import PHRASE_SLOT_MAPPING, OmniPrefixCacheUnmatchError
@@ -57,6 +58,8 @@ class PrefixBlockPool:
             self._check_shape(key, tensor, rows)
 
     def _check_shape(self, key: TensorName, tensor: torch.Tensor, rows: torch.Tensor) -> None:
+        if tensor.dtype == rows.dtype and tensor.shape[1:] == rows.shape[1:]:
+            return  # the common case, without building the error's description
         check_same_rows(f"block pool key {key!r}", tensor.shape[1:], tensor.dtype, rows)
 
     def _tensor_for(self, key: TensorName, rows: torch.Tensor) -> torch.Tensor:
@@ -72,17 +75,23 @@ class PrefixBlockPool:
         self._check_shape(key, tensor, rows)
         return tensor
 
-    def check_slots(self, slots: torch.Tensor, *, where: str = "block pool") -> None:
-        """Raise unless every slot is in ``[0, num_slots)`` (the message starts with ``where``)."""
-        if not slots.numel():
-            return
+    def check_slots(self, slots: torch.Tensor, *, where: str = "block pool") -> np.ndarray:
+        """Raise unless every slot is in ``[0, num_slots)`` (the message starts with ``where``);
+        return the slots as a numpy view."""
         view = slots.numpy()
-        low, high = int(view.min()), int(view.max())
+        if not len(view):
+            return view
+        if len(view) <= 64:  # a decode step: Python's min/max of a short list beat two numpy reductions
+            values = view.tolist()
+            low, high = min(values), max(values)
+        else:
+            low, high = int(view.min()), int(view.max())
         if low < 0 or high >= self.num_slots:
             raise OmniPrefixCacheUnmatchError(
                 f"{where}: the {PHRASE_SLOT_MAPPING} KV slots out of range [0, {self.num_slots}) "
                 f"(num_blocks x block_size): min {low}, max {high}"
             )
+        return view
 
     def write(self, key: TensorName, slots: torch.Tensor, rows: torch.Tensor) -> None:
         """Scatter ``rows`` into ``key`` at ``slots`` (int64, CPU)."""

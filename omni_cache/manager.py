@@ -1,6 +1,7 @@
 """OmniPrefixCacheManager: the per-step protocol of the omni prefix cache.
 
-Owns: the live requests and their pending hits, the unconsumed step contexts,
+Owns: the live requests (their pending hits are a ``hits.PendingHits`` it guards
+with its state lock), the unconsumed step contexts,
 the step ids it took from the process-wide counter (another manager's id is never
 one of ours), the open deferred writes and their GPU-byte budget, and
 the state lock over all of those. It composes the staging pool (pages), the
@@ -48,6 +49,7 @@ from omni_cache.errors import (
     OmniPrefixCacheUnmatchError,
 )
 from omni_cache.faults import FaultHooks
+from omni_cache.hits import PendingHits
 from omni_cache.interface import (
     ModelCachePolicy,
     PrefixCacheConfig,
@@ -129,7 +131,7 @@ class OmniPrefixCacheManager:
         self._num_saved = 0
         self._requests: dict[ReqId, _Request] = {}
         # req -> (hit_end, group-0 block ids) from STARTED/RESUMED, served by its next save.
-        self._pending_hits: dict[ReqId, tuple[int, tuple[int, ...]]] = {}
+        self._hits = PendingHits(config.block_size)
         self._contexts: dict[StepId, StepContext] = {}
         self._scheduled: dict[ReqId, int] = {}
         self._last_sequence: int | None = None  # of the last applied PrefixCacheStep (I13)
@@ -137,8 +139,6 @@ class OmniPrefixCacheManager:
         self._last_immediate: PoolWrite | None = None
         self._deferred_open: dict[int, PoolWrite] = {}
         self._deferred_bytes = 0
-        # per-token key tuple -> (policy, its hit keys); engine thread only.
-        self._hit_keys_cache: dict[tuple[str, ...], tuple[ModelCachePolicy, tuple[str, ...]]] = {}
         self._shut_down = False
         self.counters = {"hits": 0, "hit_tokens": 0, "misses": 0, "saved": 0,
                          "materialized": 0, "discarded": 0, "budget_flushes": 0,
@@ -169,11 +169,17 @@ class OmniPrefixCacheManager:
         ``sequence``) changes nothing (I13); an error changes nothing."""
         self._check_usable("new_step_starts")
         step = events if isinstance(events, PrefixCacheStep) else PrefixCacheStep(tuple(events))
-        scheduled = {**step.scheduled_tokens, **(num_scheduled_tokens or {})}
+        scheduled = {**step.scheduled_tokens, **num_scheduled_tokens} if num_scheduled_tokens \
+            else dict(step.scheduled_tokens)
         with self._lock:
             if step.sequence is not None and self._last_sequence is not None \
                     and step.sequence <= self._last_sequence:
                 self.counters["replayed_steps"] += 1
+                return
+            if not step.events:  # a decode step: no admission changes, nothing to validate (I12)
+                self._scheduled = scheduled
+                if step.sequence is not None:
+                    self._last_sequence = step.sequence
                 return
             # only the ids this step names: O(events), not O(live requests)
             live = {e.req_id: r.admission for e in step.events if (r := self._requests.get(e.req_id)) is not None}
@@ -185,12 +191,12 @@ class OmniPrefixCacheManager:
         with self._lock:
             for op, req_id, arg in plan.changes:
                 if op == "end":
-                    self._pending_hits.pop(req_id, None)
+                    self._hits.drop(req_id)
                     request = self._requests.pop(req_id, None)
                     if request is not None:
                         to_flush.extend(request.open_deferred)
                 elif op == "admit":
-                    self._pending_hits.pop(req_id, None)
+                    self._hits.drop(req_id)
                     self._requests[req_id] = _Request(req_id, arg)  # type: ignore[arg-type]
                 else:
                     self._install_lookup(req_id, arg)  # type: ignore[arg-type]
@@ -205,13 +211,10 @@ class OmniPrefixCacheManager:
         """A lookup's hit (or miss) for the request's current admission. Caller holds the lock."""
         request = self._requests[req_id]
         request.admission = Admission(request.admission.owner, lookup_of(event, self.config.block_size))
-        if event.hit_end > 0:
-            blocks = event.group0_block_ids[: event.hit_end // self.config.block_size]
-            self._pending_hits[req_id] = (event.hit_end, blocks)
+        if self._hits.install(req_id, event):
             self.counters["hits"] += 1
             self.counters["hit_tokens"] += event.hit_end
         else:
-            self._pending_hits.pop(req_id, None)
             self.counters["misses"] += 1
 
     def save_outputs(
@@ -226,21 +229,20 @@ class OmniPrefixCacheManager:
         """Claim a staging slot, copy this step's rows, register writes; return the step id."""
         self._check_usable("save_outputs")
         n = num_tokens_unpadded
-        slots = validate_save(self.config, self.policy, hidden_states, mm_outputs, n,
-                              num_tokens_padded, write_layout)
-        self.pool.check_slots(slots, where="save_outputs")
+        slots, spans = validate_save(self.config, self.policy, hidden_states, mm_outputs, n,
+                                     num_tokens_padded, write_layout)
+        slots_np = self.pool.check_slots(slots, where="save_outputs")
         with self._lock:
             policy = self.policy
             scheduled = self._scheduled  # cleared only by a save that succeeds
             prev = self._last_immediate
-        if scheduled:
-            in_layout = {w.req_id: w.num_rows for w in write_layout.writes}
-            for req_id, count in scheduled.items():
-                if count and in_layout.get(req_id, 0) != count:
-                    raise OmniPrefixCacheUnmatchError(
-                        f"save_outputs: request {req_id!r} was scheduled {count} tokens but the "
-                        f"{PHRASE_SLOT_MAPPING} {in_layout.get(req_id, 0)} rows for it"
-                    )
+        for req_id, count in scheduled.items():
+            w = spans.get(req_id)
+            if count and (w.row_end - w.row_start if w is not None else 0) != count:
+                raise OmniPrefixCacheUnmatchError(
+                    f"save_outputs: request {req_id!r} was scheduled {count} tokens but the "
+                    f"{PHRASE_SLOT_MAPPING} {w.num_rows if w is not None else 0} rows for it"
+                )
         split = classify_outputs(policy, hidden_states, mm_outputs or {}, n, num_tokens_padded)
         for key, rows in split.immediate.items():  # a key's row shape and dtype never change
             self.staging.check_rows(key, rows)
@@ -249,13 +251,16 @@ class OmniPrefixCacheManager:
         # Per-slot bookkeeping of new keys is allocated before anything is claimed (a MemoryError
         # here has nothing to undo), so registration below allocates nothing.
         self.tenancy.prepare_keys([*split.immediate, *split.deferred])
-        leftover = copy_leftovers(split.leftover)  # refused before a claim or an id (I4)
+        leftover = copy_leftovers(split.leftover) if split.leftover else {}  # refused before a claim (I4)
         if prev is not None and prev.state != "written":
             self.faults.on_blocking("save waits for the previous step's pool writes")
             self.book.wait(prev, ("written",), why=f"save_outputs waits for {prev.describe()}")
         compute_event = self.copies.record_compute_event()
         saved_at = caller_location()
-        hits = self._take_hits(write_layout)
+        hits = {}
+        if self._hits:  # only the engine thread (this one) installs hits: no lock needed to see none
+            with self._lock:
+                hits = self._hits.take(write_layout)  # raises (taking nothing) if one is not continued (I5)
         step_id: StepId | None = None
         plans: list[PlannedRead] = []
         registered: list[PoolWrite] = []
@@ -274,16 +279,16 @@ class OmniPrefixCacheManager:
             for key, rows in split.deferred.items():
                 deferred_host[key], event = self.copies.to_host(rows, compute_event)
                 host_events.append(event)
-            hit_keys = self._hit_keys(policy, (*split.immediate, *split.deferred))
-            req_ids = tuple(w.req_id for w in write_layout.writes)
+            hit_keys = self._hits.hit_keys(policy, (*split.immediate, *split.deferred))
+            req_ids = tuple(spans)
             # Registration: from here on a failure cannot be rolled back (versions are
             # published), so it fails the manager for good (I8) instead.
-            imm, older = self._register(WriteSchedule.JOIN_NEXT_STEP, step_id, slots, views, slot, req_ids,
-                                        registered)
+            imm, older = self._register(WriteSchedule.JOIN_NEXT_STEP, step_id, slots, slots_np, views, slot,
+                                        req_ids, registered)
             if imm is not None:
                 imm.copy_event = copy_event
             deferred, older_deferred = self._register(
-                WriteSchedule.JOIN_ON_FINISH, step_id, slots, deferred_dev, None, req_ids, registered)
+                WriteSchedule.JOIN_ON_FINISH, step_id, slots, slots_np, deferred_dev, None, req_ids, registered)
             if deferred is not None:
                 deferred.copy_event = self.copies.record_compute_event()  # after the clones
             # Plan hit reads after this step's writes are registered: vLLM publishes block
@@ -292,9 +297,8 @@ class OmniPrefixCacheManager:
             planned: dict[ReqId, PlannedRead] = {}
             if hit_keys:
                 for req_id, (_, blocks) in hits.items():
-                    planned[req_id] = self.tenancy.plan(list(hit_keys), self._hit_slots(blocks))
+                    planned[req_id] = self.tenancy.plan(list(hit_keys), self._hits.slots_of(blocks))
                     plans.append(planned[req_id])
-            spans = {w.req_id: w for w in write_layout.writes}
             ctx = StepContext(step_id, slot, saved_at, spans, planned, tuple(split.immediate), imm,
                               deferred_host, leftover, hit_keys, policy.hidden_key is not None, host_events)
             self.staging.save(slot, step_id, saved_at)
@@ -308,7 +312,7 @@ class OmniPrefixCacheManager:
             for plan in plans:
                 self.tenancy.unplan(plan)
             with self._lock:
-                self._pending_hits.update(hits)
+                self._hits.restore(hits)
             if slot is not None and slot.state == "claimed":
                 self.staging.abort(slot)
             raise
@@ -339,7 +343,7 @@ class OmniPrefixCacheManager:
         req_ids = list(req_ids)
         with self._lock:  # a bool or float id never finds a context (the consume below refuses it)
             ctx = self._contexts.get(step_id) if type(step_id) is int else None
-        if ctx is not None:
+        if ctx is not None and list(ctx.spans) != req_ids:  # the usual call names every request in order
             outside = [r for r in req_ids if r not in ctx.spans]
             if outside:
                 raise OmniPrefixCacheUnmatchError(
@@ -413,31 +417,7 @@ class OmniPrefixCacheManager:
         if not self.committer.alive:
             raise OmniPrefixCacheUnmatchError(f"cannot {what}: the committer thread is not running")
 
-    def _take_hits(self, layout: PrefixCacheWriteLayout) -> dict[ReqId, tuple[int, tuple[int, ...]]]:
-        """Pop the pending hits this step serves (restored by the caller if the save fails)."""
-        hits: dict[ReqId, tuple[int, tuple[int, ...]]] = {}
-        with self._lock:
-            pending = self._pending_hits
-            if not pending:
-                return hits
-            for w in layout.writes:
-                hit = pending.get(w.req_id)
-                if hit is not None and hit[0] != w.token_start:
-                    raise OmniPrefixCacheUnmatchError(
-                        f"save_outputs: request {w.req_id!r} has a hit of {hit[0]} tokens "
-                        f"but this step's rows start at position {w.token_start}; they must continue the hit")
-            for w in layout.writes:
-                hit = pending.pop(w.req_id, None)
-                if hit is not None:
-                    hits[w.req_id] = hit
-        return hits
-
-    def _hit_slots(self, blocks: tuple[int, ...]) -> torch.Tensor:
-        bs = self.config.block_size
-        ids = torch.tensor(blocks, dtype=torch.int64)
-        return (ids[:, None] * bs + torch.arange(bs, dtype=torch.int64)).flatten()
-
-    def _register(self, schedule: WriteSchedule, step_id: StepId, slots: torch.Tensor,
+    def _register(self, schedule: WriteSchedule, step_id: StepId, slots: torch.Tensor, slots_np: np.ndarray,
                   source: dict[str, torch.Tensor], staging_slot: Any,
                   req_ids: tuple[ReqId, ...], registered: list[PoolWrite]) -> tuple[PoolWrite | None, set[int]]:
         """Register one write for ``source``'s keys; also return older unlanded tids on its slots.
@@ -454,30 +434,25 @@ class OmniPrefixCacheManager:
         # Immediate writes land in order (each save waits for the previous one), so only
         # deferred writes can leave an older tenant unlanded behind them.
         return write, self.tenancy.register(
-            list(source), slots.numpy(), write.tid, step_id=step_id,
+            list(source), slots_np, write.tid, step_id=step_id,
             scan_older=schedule is WriteSchedule.JOIN_ON_FINISH,
         )
 
-    def _hit_keys(self, policy: ModelCachePolicy, keys: tuple[str, ...]) -> tuple[str, ...]:
-        """``policy.get_hit_keys`` of this step's per-token keys, memoised per key set."""
-        cached = self._hit_keys_cache.get(keys)
-        if cached is None or cached[0] is not policy:
-            cached = (policy, tuple(policy.get_hit_keys(keys)) if keys else ())
-            self._hit_keys_cache[keys] = cached
-        return cached[1]
-
     def _after_save(self, imm: PoolWrite | None, older: set[int], plans: list[PlannedRead]) -> None:
         """Queue what must land: older tenants first, writes a planned read needs, this step, budget."""
-        needed = set(older)
-        for plan in plans:
-            for versions in plan.expected.values():
-                needed.update(np.unique(versions).tolist())
-        front = [w for t in sorted(needed) if (w := self.book.get(t)) is not None and w.state == "pending"]
-        if front:
-            self._flush(front, front=True, why="writes a planned read or a new tenant needs first")
+        if older or plans:
+            needed = set(older)
+            for plan in plans:
+                for versions in plan.expected.values():
+                    needed.update(np.unique(versions).tolist())
+            front = [w for t in sorted(needed) if (w := self.book.get(t)) is not None and w.state == "pending"]
+            if front:
+                self._flush(front, front=True, why="writes a planned read or a new tenant needs first")
         if imm is not None:
             self.book.enqueue([imm])
             self.committer.kick()
+        if not self._deferred_open:  # only this (engine) thread adds to it: nothing over budget
+            return
         with self._lock:
             over = self._deferred_bytes - self.config.gpu_staging_bytes
             oldest: list[PoolWrite] = []

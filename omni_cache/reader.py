@@ -60,47 +60,66 @@ class StepReader:
             self.book.wait(imm, ("host_ready", "written"), why=f"materialize step {ctx.step_id}")
         for event in ctx.host_events:
             self.copies.wait(event)
-        hidden: dict[ReqId, torch.Tensor] | None = {} if ctx.caches_hidden else None
-        # Key-major, as in the reference: mm[key][req].
-        mm: dict[str, dict[ReqId, Any]] = {}
         # A private copy of the step's rows (the page is reused once released). Small steps
         # (decode): one clone per key, split into per-request views -- O(1) calls per step.
         # Large steps (prefill): one clone per request, which measured faster than one huge
         # allocation (``omni-cache bench``).
-        spans = [ctx.spans[r] for r in req_ids]
-        lo = min((s.row_start for s in spans), default=0)
-        hi = max((s.row_end for s in spans), default=0)
-        sizes = [s.row_end - s.row_start for s in spans]
-        contiguous = sum(sizes) == hi - lo and all(a.row_end == b.row_start for a, b in itertools.pairwise(spans))
-        pieces: dict[str, Any] = {}
+        if not req_ids:
+            return StageCacheOutputs({} if ctx.caches_hidden else None, {})
+        spans = ctx.spans
+        if list(spans) == req_ids:  # every request, in row order: the rows [0, n) of the step
+            wanted = list(spans.values())
+            sizes, contiguous = [w.row_end - w.row_start for w in wanted], True
+            lo, hi = 0, sum(sizes)
+        else:
+            wanted = [spans[r] for r in req_ids]
+            lo = min((w.row_start for w in wanted), default=0)
+            hi = max((w.row_end for w in wanted), default=0)
+            sizes = [w.row_end - w.row_start for w in wanted]
+            contiguous = sum(sizes) == hi - lo and all(
+                a.row_end == b.row_start for a, b in itertools.pairwise(wanted))
+        # A request's first step after a hit: its cached prefix rows, then this step's rows, in one
+        # ``cat`` (a fresh tensor: the page is not cloned first).
+        hit_reqs = {r: ctx.hits[r] for r in req_ids if r in ctx.hits} if ctx.hits else {}
+        # Key-major, as in the reference: out[key][req].
+        out: dict[str, dict[ReqId, Any]] = {}
         for key, page in self.staging.pages_rows(ctx.staging_slot, ctx.immediate_keys, lo, hi).items():
-            if contiguous and page.nbytes <= _ONE_CLONE_MAX_BYTES:
-                pieces[key] = page.clone().split_with_sizes(sizes)
+            if hit_reqs and key in ctx.hit_keys:
+                parts = [self._merge_hit(ctx, r, hit_reqs[r], key, page[w.row_start - lo : w.row_end - lo])
+                         if r in hit_reqs else page[w.row_start - lo : w.row_end - lo].clone()
+                         for r, w in zip(req_ids, wanted, strict=True)]
+            elif contiguous and page.nbytes <= _ONE_CLONE_MAX_BYTES:
+                parts = page.clone().split_with_sizes(sizes)
             else:
-                pieces[key] = [page[s.row_start - lo : s.row_end - lo].clone() for s in spans]
+                parts = [page[w.row_start - lo : w.row_end - lo].clone() for w in wanted]
+            out[key] = dict(zip(req_ids, parts, strict=True))
         for key, rows in ctx.deferred_rows.items():  # already a private host copy
-            pieces[key] = [rows[s.row_start : s.row_end] for s in spans]
-        for i, req_id in enumerate(req_ids):
-            rows = {k: v[i] for k, v in pieces.items()}
-            hit = ctx.hits.get(req_id)
-            if hit is not None:
-                for key in ctx.hit_keys:
-                    rows[key] = torch.cat([self._read_hit(ctx, req_id, hit, key), rows[key]])
-            for key, value in rows.items():
-                if key != HIDDEN_KEY:
-                    mm.setdefault(key, {})[req_id] = value
-            for key, value in ctx.leftover.items():
-                mm.setdefault(key, {})[req_id] = value
-            if hidden is not None and HIDDEN_KEY in rows:
-                hidden[req_id] = rows[HIDDEN_KEY]
-        return StageCacheOutputs(hidden, mm)
+            merge = hit_reqs and key in ctx.hit_keys
+            out[key] = {r: self._merge_hit(ctx, r, hit_reqs[r], key, rows[w.row_start : w.row_end])
+                        if merge and r in hit_reqs else rows[w.row_start : w.row_end]
+                        for r, w in zip(req_ids, wanted, strict=True)}
+        hidden = out.pop(HIDDEN_KEY, {}) if ctx.caches_hidden else None
+        for key, value in ctx.leftover.items():
+            out[key] = dict.fromkeys(req_ids, value)
+        return StageCacheOutputs(hidden, out)
 
-    def _read_hit(self, ctx: StepContext, req_id: str, hit: PlannedRead, key: str) -> torch.Tensor:
+    def _merge_hit(self, ctx: StepContext, req_id: str, hit: PlannedRead, key: str,
+                   rows: torch.Tensor) -> torch.Tensor:
+        """The hit's cached rows of ``key`` followed by this step's ``rows``, in one new tensor:
+        the pool rows are gathered straight into its head (one copy per row, no ``cat``)."""
+        cached = len(hit.slots_np)
+        merged = torch.empty((cached + rows.shape[0], *rows.shape[1:]), dtype=rows.dtype)
+        self._read_hit(ctx, req_id, hit, key, out=merged[:cached])
+        merged[cached:].copy_(rows)
+        return merged
+
+    def _read_hit(self, ctx: StepContext, req_id: str, hit: PlannedRead, key: str,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
         what = f"materialize step {ctx.step_id} (saved at {ctx.saved_at}) request {req_id!r}"
         settled: set[int] = set()  # planned writes seen terminal (landed or failed)
         for _ in range(_MAX_READ_RETRIES):
             try:
-                return self.tenancy.read(key, hit, what=what, settled=settled)
+                return self.tenancy.read(key, hit, what=what, settled=settled, out=out)
             except NotLandedYet as late:
                 for tid in late.tids:
                     write = self.book.get(tid)

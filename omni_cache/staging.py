@@ -45,6 +45,9 @@ from omni_cache.states import STAGING_TABLE, TableMachine
 from omni_cache.trace import TraceRecorder
 from omni_cache.validation import check_capacity, check_same_rows
 
+# Slot states through which a page may be read (the step's consumer, or its pool write).
+_READABLE = ("saved", "materialized")
+
 
 class StagingSlot:
     """One page index of the pool and its lifecycle state.
@@ -89,7 +92,8 @@ class StagingPool:
         self.capacity_tokens = capacity_tokens
         self.claim_timeout_s = claim_timeout_s
         self.pin_memory = pin_memory
-        self.machine = TableMachine(STAGING_TABLE, recorder, library_triggers=library_triggers)
+        self.machine = TableMachine(STAGING_TABLE, recorder, library_triggers=library_triggers,
+                                    name_of=lambda s: f"staging slot {s.index}")
         self._describe_in_flight = describe_in_flight or (lambda: "none")
         # Protects every field below and every slot's fields.
         self._lock = threading.Lock()
@@ -99,6 +103,10 @@ class StagingPool:
         self._by_step: dict[StepId, StagingSlot] = {}
         # key -> tensor [depth, capacity, *row_shape]; the page storage itself.
         self._pages: dict[TensorName, torch.Tensor] = {}
+        # key -> per staging slot, the view of its page (one slice per access instead of two indexings).
+        self._slot_pages: dict[TensorName, list[torch.Tensor]] = {}
+        # Claims waiting on the condition: a release notifies only when one waits.
+        self._num_waiting = 0
         # Set once when the manager fails (I8): claims and waiters raise it.
         self._failure: str | None = None
         self.num_claims = 0
@@ -111,23 +119,23 @@ class StagingPool:
         """Find a free slot and claim it, atomically; wait for one if none is free."""
         self.check_capacity(num_rows)
         timeout_s = self.claim_timeout_s if timeout_s is None else timeout_s
-        start = time.perf_counter()
-        waited = False
-        with self._cond:
+        start: float | None = None  # set when the first look finds no free slot
+        with self._lock:
             while True:
                 if self._failure is not None:
                     raise OmniPrefixCacheUnmatchError(self._failure)
                 slot = next((s for s in self._slots if s.state == "free"), None)
                 if slot is not None:
-                    self.machine.fire(slot, "claim", what=f"staging slot {slot.index}")
+                    self.machine.fire(slot, "claim")
                     slot.num_rows = num_rows
                     self.num_claims += 1
-                    if waited:
+                    if start is not None:
                         self._waits.record(time.perf_counter() - start)
                     return slot
-                waited = True
+                if start is None:
+                    start = time.perf_counter()
                 remaining = timeout_s - (time.perf_counter() - start)
-                if remaining <= 0 or not self._cond.wait(remaining):
+                if remaining <= 0 or not self._wait_locked(remaining):
                     if any(s.state == "free" for s in self._slots):
                         continue
                     unconsumed = self._describe_unconsumed_locked()
@@ -145,26 +153,28 @@ class StagingPool:
 
     def abort(self, slot: StagingSlot) -> None:
         """The save failed after claiming: give the page back unused."""
-        with self._cond:
+        with self._lock:
             if slot.num_write_holds:
                 raise OmniPrefixCacheUnmatchError(
                     f"cannot abort {slot.describe()}: {slot.num_write_holds} pool write(s) still read "
                     "its page (I3); a save that registered writes cannot be aborted"
                 )
-            self.machine.fire(slot, "abort", what=f"staging slot {slot.index}")
+            self.machine.fire(slot, "abort")
             slot.num_rows = 0
             # A refused save fixes no key's row shape: only a saved step's keys keep their pages.
             for key in slot.new_keys:
                 del self._pages[key]
+                del self._slot_pages[key]
             slot.new_keys = []
-            self._cond.notify_all()
+            if self._num_waiting:
+                self._cond.notify_all()
 
     def save(self, slot: StagingSlot, step_id: StepId, saved_at: str) -> None:
         """Issue ``step_id`` for the claimed slot."""
-        with self._cond:
+        with self._lock:
             if step_id in self._by_step:
                 raise AssertionError(f"step id {step_id} issued twice: a bug in the manager's counter")
-            self.machine.fire(slot, "save", what=f"staging slot {slot.index}", step_id=step_id)
+            self.machine.fire(slot, "save", step_id=step_id)
             slot.step_id = step_id
             slot.saved_at = saved_at
             slot.new_keys = []
@@ -172,7 +182,7 @@ class StagingPool:
 
     def consume(self, step_id: StepId, *, caller: str) -> StagingSlot:
         """Take ``step_id`` exactly once (I1); the caller then reads the page."""
-        with self._cond:
+        with self._lock:
             # Only a real int is an id (True == 1 and 1.0 == 1 would find step 1's slot).
             issued = isinstance(step_id, int) and not isinstance(step_id, bool)
             slot = self._by_step.get(step_id) if issued else None
@@ -182,14 +192,14 @@ class StagingPool:
                     f"{caller}: step id {step_id} was {PHRASE_NOT_SAVED} (I1); "
                     f"unconsumed step ids: {sorted(self._by_step)}"
                 )
-            self.machine.fire(slot, "consume", what=f"staging slot {slot.index}", step_id=step_id)
+            self.machine.fire(slot, "consume", step_id=step_id)
             del self._by_step[step_id]
             slot.reading = True
             return slot
 
     def done_reading(self, slot: StagingSlot) -> None:
         """The consumer is done with the page; release it if no write reads it."""
-        with self._cond:
+        with self._lock:
             assert slot.reading, f"done_reading on {slot.describe()} without a consume: manager bug"
             slot.reading = False
             self._note(slot, "done_reading", slot.step_id)
@@ -197,13 +207,13 @@ class StagingPool:
 
     def hold(self, slot: StagingSlot) -> None:
         """A pool write will read this page (I3)."""
-        with self._cond:
+        with self._lock:
             slot.num_write_holds += 1
             self._note(slot, "hold", slot.step_id)
 
     def unhold(self, slot: StagingSlot) -> None:
         """A pool write no longer reads this page."""
-        with self._cond:
+        with self._lock:
             assert slot.num_write_holds > 0, f"unhold without hold on {slot.describe()}: manager bug"
             slot.num_write_holds -= 1
             self._note(slot, "unhold", slot.step_id)
@@ -212,11 +222,20 @@ class StagingPool:
     def _release_if_idle_locked(self, slot: StagingSlot) -> None:
         if slot.state == "materialized" and not slot.reading and slot.num_write_holds == 0:
             step_id = slot.step_id
-            self.machine.fire(slot, "release", what=f"staging slot {slot.index}", step_id=step_id)
+            self.machine.fire(slot, "release", step_id=step_id)
             slot.step_id = None
             slot.saved_at = None
             slot.num_rows = 0
-            self._cond.notify_all()
+            if self._num_waiting:
+                self._cond.notify_all()
+
+    def _wait_locked(self, timeout_s: float) -> bool:
+        """Wait on the condition (lock released meanwhile), counted so releases know to notify."""
+        self._num_waiting += 1
+        try:
+            return self._cond.wait(timeout_s)
+        finally:
+            self._num_waiting -= 1
 
     def _note(self, slot: StagingSlot | None, what: str, step_id: StepId | None) -> None:
         """Log bookkeeping for trace validation (holds, reader, rejects); lock held."""
@@ -234,12 +253,13 @@ class StagingPool:
     def claimed_pages(self, slot: StagingSlot, rows_by_key: dict[TensorName, torch.Tensor]) -> dict[TensorName, torch.Tensor]:
         """``claimed_page`` for every key of a step, with one state check."""
         with self._lock:
-            self._require(slot, ("claimed",), f"stage rows of {sorted(rows_by_key)}")
+            if slot.state != "claimed":
+                raise self._refusal(slot, ("claimed",), f"stage rows of {sorted(rows_by_key)}")
         views = {}
         for key, like in rows_by_key.items():
             if like.shape[0] > slot.num_rows:
                 raise AssertionError(f"staging {like.shape[0]} rows into {slot.describe()}: manager bug")
-            views[key] = self._page(key, like, slot)[slot.index, : like.shape[0]]
+            views[key] = self._page(key, like, slot)[slot.index][: like.shape[0]]
         return views
 
     def claimed_page(self, slot: StagingSlot, key: TensorName, like: torch.Tensor) -> torch.Tensor:
@@ -253,23 +273,25 @@ class StagingPool:
     def pages_rows(self, slot: StagingSlot, keys: tuple[TensorName, ...], start: int, end: int) -> dict[TensorName, torch.Tensor]:
         """``page_rows`` of several keys with one state check."""
         with self._lock:
-            self._require(slot, ("saved", "materialized"), f"read rows of {keys}")
-            pages = {key: self._pages[key] for key in keys}
-        return {key: page[slot.index, start:end] for key, page in pages.items()}
+            if slot.state not in _READABLE:
+                raise self._refusal(slot, _READABLE, f"read rows of {keys}")
+            pages = [(key, self._slot_pages[key][slot.index]) for key in keys]
+        return {key: page[start:end] for key, page in pages}
 
     def page_rows(self, slot: StagingSlot, key: TensorName, start: int, end: int) -> torch.Tensor:
         """A view of rows [start, end) of ``slot``'s page; slot saved or materialized."""
         with self._lock:
-            self._require(slot, ("saved", "materialized"), f"read rows of {key!r}")
-            page = self._pages[key]
-        return page[slot.index, start:end]
+            if slot.state not in _READABLE:
+                raise self._refusal(slot, _READABLE, f"read rows of {key!r}")
+            page = self._slot_pages[key][slot.index]
+        return page[start:end]
 
-    def _require(self, slot: StagingSlot, states: tuple[str, ...], action: str) -> None:
-        if slot.state not in states:
-            raise OmniPrefixCacheUnmatchError(
-                f"cannot {action} through {slot.describe()}: the staging-slot machine allows it "
-                f"only in states {states} (I3)"
-            )
+    def _refusal(self, slot: StagingSlot, states: tuple[str, ...], action: str) -> OmniPrefixCacheUnmatchError:
+        """The error for a page access through a slot in the wrong state (I3)."""
+        return OmniPrefixCacheUnmatchError(
+            f"cannot {action} through {slot.describe()}: the staging-slot machine allows it "
+            f"only in states {states} (I3)"
+        )
 
     def check_rows(self, key: TensorName, like: torch.Tensor) -> None:
         """Raise unless ``like`` matches the row shape and dtype of ``key``'s pages (if any)."""
@@ -278,14 +300,16 @@ class StagingPool:
             self._check_page(key, page, like)
 
     def _check_page(self, key: TensorName, page: torch.Tensor, like: torch.Tensor) -> None:
+        if page.dtype == like.dtype and page.shape[2:] == like.shape[1:]:
+            return  # the common case, without building the error's description
         check_same_rows(f"staging page of {key!r}", page.shape[2:], page.dtype, like)
 
-    def _page(self, key: TensorName, like: torch.Tensor, slot: StagingSlot) -> torch.Tensor:
-        row_shape = tuple(like.shape[1:])
+    def _page(self, key: TensorName, like: torch.Tensor, slot: StagingSlot) -> list[torch.Tensor]:
+        """The per-slot page views of ``key`` (allocated on first use), checked against ``like``."""
         page = self._pages.get(key)
         if page is None:
             fresh = torch.empty(
-                (self.depth, self.capacity_tokens, *row_shape),
+                (self.depth, self.capacity_tokens, *like.shape[1:]),
                 dtype=like.dtype,
                 pin_memory=self.pin_memory,
             )
@@ -293,8 +317,9 @@ class StagingPool:
                 page = self._pages.setdefault(key, fresh)
                 if page is fresh:
                     slot.new_keys.append(key)
+                    self._slot_pages[key] = list(fresh.unbind(0))
         self._check_page(key, page, like)
-        return page
+        return self._slot_pages[key]
 
     # ---- introspection ------------------------------------------------------
     def _describe_unconsumed_locked(self) -> str:
@@ -353,7 +378,7 @@ class StagingPool:
 
     def set_failed(self, message: str) -> None:
         """The manager failed (I8): every claim, waiting or not, raises ``message``."""
-        with self._cond:
+        with self._lock:
             if self._failure is None:
                 self._failure = message
             self._cond.notify_all()

@@ -19,6 +19,7 @@ with ``OMNI_CACHE_LIBRARY_TRIGGERS=1``, ``machine.events[name].trigger(obj)``.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -153,8 +154,11 @@ class TableMachine:
         recorder: TraceRecorder | None = None,
         *,
         library_triggers: bool | None = None,
+        name_of: Callable[[Any], str] | None = None,
     ) -> None:
         self.table = table
+        # Names an object in errors and traces when ``fire`` is given no ``what`` (built only then).
+        self._name_of = name_of or (lambda obj: f"{table.name} {obj!r}")
         # Set once by the owner (tests and trace validation); read on every fire.
         self.recorder = recorder
         self._machine = Machine(
@@ -179,21 +183,25 @@ class TableMachine:
             for source, transitions in event.transitions.items()
         }
 
-    def fire(self, obj: Any, trigger: str, *, what: str, step_id: int | None = None) -> None:
-        """Fire ``trigger`` on ``obj``; an illegal trigger raises and changes nothing."""
+    def fire(self, obj: Any, trigger: str, *, what: str | None = None, step_id: int | None = None) -> None:
+        """Fire ``trigger`` on ``obj``; an illegal trigger raises and changes nothing.
+
+        ``what`` names ``obj`` in the error and the trace; without it the machine's
+        ``name_of`` builds the name, only when one of those needs it.
+        """
         source = obj.state
         if self.library_triggers:
             try:
                 self._events[trigger].trigger(obj)
             except (MachineError, KeyError) as exc:
-                raise self._illegal(source, trigger, what, step_id) from exc
+                raise self._illegal(source, trigger, what or self._name_of(obj), step_id) from exc
         else:
             dest = self.dispatch.get((source, trigger))
             if dest is None:
-                raise self._illegal(source, trigger, what, step_id)
+                raise self._illegal(source, trigger, what or self._name_of(obj), step_id)
             obj.state = dest
         if self.recorder is not None:
-            self.recorder.record(self.table.name, what, trigger, source, obj.state, step_id)
+            self.recorder.record(self.table.name, what or self._name_of(obj), trigger, source, obj.state, step_id)
 
     def _illegal(self, source: str, trigger: str, what: str, step_id: int | None) -> OmniPrefixCacheUnmatchError:
         legal = sorted(t for (s, t) in self.dispatch if s == source)

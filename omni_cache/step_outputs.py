@@ -54,14 +54,20 @@ def classify_outputs(
     """Split a step's outputs; per-token rows are detached: no autograd through the cache."""
     split = SplitOutputs()
     if policy.hidden_key is not None and hidden_states is not None:
-        split.immediate[policy.hidden_key] = hidden_states[:num_unpadded].detach()
+        split.immediate[policy.hidden_key] = _unpadded_rows(hidden_states, num_unpadded)
     for key, value in mm_outputs.items():
         if is_token_major(value, num_unpadded, num_padded):
             target = split.deferred if key in policy.deferred_keys else split.immediate
-            target[key] = value[:num_unpadded].detach()
+            target[key] = _unpadded_rows(value, num_unpadded)
         else:
             split.leftover[key] = value
     return split
+
+
+def _unpadded_rows(value: torch.Tensor, n: int) -> torch.Tensor:
+    """The first ``n`` rows, detached from autograd (no slice or detach when there is nothing to drop)."""
+    rows = value if value.shape[0] == n else value[:n]
+    return rows.detach() if rows.requires_grad else rows
 
 
 def host_copy(value: Any) -> Any:

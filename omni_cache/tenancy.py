@@ -78,6 +78,13 @@ class _KeyVersions:
         self.tensor: torch.Tensor | None = None
 
 
+def _all_below(values: np.ndarray, bound: int) -> bool:
+    """Every value < ``bound`` (short arrays, as a decode step's, without numpy reductions)."""
+    if len(values) <= 64:
+        return max(values.tolist(), default=-1) < bound
+    return bool((values < bound).all())
+
+
 class SlotTenancy:
     """Versions and preserved rows for the block pool's KV slots."""
 
@@ -105,6 +112,8 @@ class SlotTenancy:
         The manager calls this before a save claims anything: a ``MemoryError`` of a
         huge pool's per-slot bookkeeping then surfaces with nothing to undo.
         """
+        if all(key in self._keys for key in keys):  # keys are only ever added
+            return
         with self.pool.lock:
             for key in keys:
                 self._versions_locked(key)
@@ -198,8 +207,8 @@ class SlotTenancy:
                 v.tensor = tensor = tensors[key]
                 slots, slots_np = all_slots, all_np
                 current = v.landed[slots_np]
-                newer = current < tid
-                if not newer.all():  # never let an older write overwrite a newer one
+                newer = None if _all_below(current, tid) else current < tid
+                if newer is not None:  # never let an older write overwrite a newer one
                     if v.num_pins:  # ...but keep its rows for a planned read of this version (I7)
                         self._preserve_late_locked(v, rows, slots_np, ~newer, tid)
                     mask = torch.from_numpy(newer)
@@ -235,9 +244,10 @@ class SlotTenancy:
 
     # ---- reader -------------------------------------------------------------
     def read(
-        self, key: TensorName, read: PlannedRead, *, what: str, settled: Set[Tid] = frozenset()
+        self, key: TensorName, read: PlannedRead, *, what: str, settled: Set[Tid] = frozenset(),
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Rows of ``read.slots`` at the planned versions of ``key``.
+        """Rows of ``read.slots`` at the planned versions of ``key`` (written into ``out`` if given).
 
         Raises ``NotLandedYet`` when a planned version is still in flight, or when a
         newer tenant landed first and the planned version's write is not known to be
@@ -267,7 +277,8 @@ class SlotTenancy:
                 raise NotLandedYet(np.unique(expected[behind]).tolist())
             tensor = self.pool.tensor_locked(key)
             assert tensor is not None, f"{key!r} has landed versions but no pool tensor: tenancy bug"
-            rows = tensor.index_select(0, read.slots)
+            rows = tensor.index_select(0, read.slots) if out is None else torch.index_select(
+                tensor, 0, read.slots, out=out)
             served = current.copy()  # the version of the rows returned, per slot (trace notes)
             ahead = current > expected
             if ahead.any():

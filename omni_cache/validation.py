@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from omni_cache.adapter import PrefixCacheRequestEvent, PrefixCacheWriteLayout
+from omni_cache.adapter import PrefixCacheRequestEvent, PrefixCacheWrite, PrefixCacheWriteLayout
 from omni_cache.errors import (
     PHRASE_CAPACITY,
     PHRASE_NO_BLOCK_IDS,
@@ -62,7 +62,7 @@ def check_capacity(num_rows: int, capacity_tokens: int) -> None:
 
 def check_same_rows(what: str, held_shape: tuple[int, ...], held_dtype: torch.dtype, rows: torch.Tensor) -> None:
     """A key's row shape and dtype never change: ``rows`` must match what ``what`` holds."""
-    if tuple(held_shape) != tuple(rows.shape[1:]) or held_dtype != rows.dtype:
+    if held_dtype != rows.dtype or tuple(held_shape) != rows.shape[1:]:
         raise OmniPrefixCacheUnmatchError(
             f"{what} holds rows of shape {tuple(held_shape)} {held_dtype}; this step brought rows of "
             f"shape {tuple(rows.shape[1:])} {rows.dtype}: a key's width and dtype never change"
@@ -74,7 +74,7 @@ def check_slot_mapping(slots: Any, n: int) -> torch.Tensor:
     problem = None
     if not isinstance(slots, torch.Tensor):
         problem = "is missing" if slots is None else f"is a {type(slots).__name__}, not a tensor"
-    elif slots.device.type != "cpu":
+    elif slots.is_cuda or slots.device.type != "cpu":
         problem = f"is on device {slots.device}, not the CPU"
     elif slots.dtype != torch.int64:
         problem = f"has dtype {slots.dtype}, not an integer dtype"
@@ -87,7 +87,7 @@ def check_slot_mapping(slots: Any, n: int) -> torch.Tensor:
             f"save_outputs: the {PHRASE_SLOT_MAPPING} the step's {n} rows only as a 1-D integer CPU "
             f"tensor of at least {n} KV slots; slots_cpu {problem}"
         )
-    return slots[:n]
+    return slots if slots.shape[0] == n else slots[:n]
 
 
 def validate_save(
@@ -98,8 +98,9 @@ def validate_save(
     n: int,
     padded: int,
     layout: PrefixCacheWriteLayout,
-) -> torch.Tensor:
-    """Check a save's inputs; return the KV slots of its ``n`` rows."""
+) -> tuple[torch.Tensor, dict[ReqId, PrefixCacheWrite]]:
+    """Check a save's inputs; return the KV slots of its ``n`` rows and each request's write,
+    in row order (the writes cover the ``n`` rows exactly once)."""
     if (
         isinstance(n, bool)
         or not isinstance(n, int)
@@ -122,29 +123,9 @@ def validate_save(
             f"save_outputs: the {PHRASE_SLOT_MAPPING} {layout.total_rows} rows (layout total_rows); "
             f"the step has {n} unpadded tokens"
         )
-    rows_seen = 0
-    seen: set[ReqId] = set()
-    writes = layout.writes
-    if any(a.row_start > b.row_start for a, b in itertools.pairwise(writes)):
-        writes = tuple(sorted(writes, key=lambda w: w.row_start))
-    for w in writes:
-        if w.row_start < rows_seen or w.row_end > n or w.req_id in seen:
-            raise OmniPrefixCacheUnmatchError(
-                f"save_outputs: write {w} overlaps another, repeats a request, or exceeds the "
-                f"{n} rows the {PHRASE_SLOT_MAPPING}"
-            )
-        if w.row_start > rows_seen:
-            raise OmniPrefixCacheUnmatchError(
-                f"save_outputs: rows [{rows_seen}, {w.row_start}) belong to no request: the "
-                f"{PHRASE_SLOT_MAPPING} every row of the step exactly once (write {w})"
-            )
-        rows_seen = w.row_end
-        seen.add(w.req_id)
-    if rows_seen != n:
-        raise OmniPrefixCacheUnmatchError(
-            f"save_outputs: rows [{rows_seen}, {n}) belong to no request: the {PHRASE_SLOT_MAPPING} "
-            f"every row of the step exactly once (writes {list(layout.writes)})"
-        )
+    spans = _tiling_spans(layout.writes, n)
+    if spans is None:
+        spans = _checked_spans(layout.writes, n)  # raises unless the writes tile the rows out of order
     if mm and HIDDEN_KEY in mm:
         raise OmniPrefixCacheUnmatchError(
             f"save_outputs: mm_outputs uses the reserved key {HIDDEN_KEY!r}; pass hidden as hidden_states"
@@ -158,4 +139,43 @@ def validate_save(
             raise OmniPrefixCacheUnmatchError(
                 f"save_outputs: hidden_states has {hidden.shape[0]} rows; the step has {n} unpadded tokens"
             )
-    return slots
+    return slots, spans
+
+
+def _tiling_spans(writes: tuple[PrefixCacheWrite, ...], n: int) -> dict[ReqId, PrefixCacheWrite] | None:
+    """req -> write when ``writes``, in the given order, tile rows ``[0, n)`` exactly once; else None."""
+    rows_seen = 0
+    spans: dict[ReqId, PrefixCacheWrite] = {}
+    for w in writes:
+        if w.row_start != rows_seen or w.row_end > n or w.req_id in spans:
+            return None
+        rows_seen = w.row_end
+        spans[w.req_id] = w
+    return spans if rows_seen == n else None
+
+
+def _checked_spans(writes: tuple[PrefixCacheWrite, ...], n: int) -> dict[ReqId, PrefixCacheWrite]:
+    """The full check, in row order: raises naming the first overlap, repeat, excess or gap."""
+    rows_seen = 0
+    spans: dict[ReqId, PrefixCacheWrite] = {}
+    if any(a.row_start > b.row_start for a, b in itertools.pairwise(writes)):
+        writes = tuple(sorted(writes, key=lambda w: w.row_start))
+    for w in writes:
+        if w.row_start < rows_seen or w.row_end > n or w.req_id in spans:
+            raise OmniPrefixCacheUnmatchError(
+                f"save_outputs: write {w} overlaps another, repeats a request, or exceeds the "
+                f"{n} rows the {PHRASE_SLOT_MAPPING}"
+            )
+        if w.row_start > rows_seen:
+            raise OmniPrefixCacheUnmatchError(
+                f"save_outputs: rows [{rows_seen}, {w.row_start}) belong to no request: the "
+                f"{PHRASE_SLOT_MAPPING} every row of the step exactly once (write {w})"
+            )
+        rows_seen = w.row_end
+        spans[w.req_id] = w
+    if rows_seen != n:
+        raise OmniPrefixCacheUnmatchError(
+            f"save_outputs: rows [{rows_seen}, {n}) belong to no request: the {PHRASE_SLOT_MAPPING} "
+            f"every row of the step exactly once (writes {list(writes)})"
+        )
+    return spans

@@ -78,7 +78,7 @@ class PoolWrite:
         self.host: dict[TensorName, torch.Tensor] | None = None
         self.staging_slot = staging_slot
         self.req_ids = frozenset(req_ids)
-        self.nbytes = sum(t.numel() * t.element_size() for t in source.values())
+        self.nbytes = sum(t.nbytes for t in source.values())
         self.copy_event: Any = None
         self.error: BaseException | None = None
 
@@ -97,7 +97,7 @@ class WriteBook:
     """Registry, queue and waits of pool writes; one lock, one condition."""
 
     def __init__(self, wait_timeout_s: float, recorder: TraceRecorder | None = None) -> None:
-        self.machine = TableMachine(WRITE_TABLE, recorder)
+        self.machine = TableMachine(WRITE_TABLE, recorder, name_of=lambda w: f"write tid {w.tid}")
         self.wait_timeout_s = wait_timeout_s
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
@@ -110,6 +110,8 @@ class WriteBook:
         self._failure: str | None = None
         self._failure_cause: BaseException | None = None
         self._closed = False
+        # Threads waiting on the condition: a transition notifies only when someone waits.
+        self._num_waiting = 0
         self.num_written = 0
         self.num_failed = 0
 
@@ -124,7 +126,7 @@ class WriteBook:
         staging_slot: Any = None,
         req_ids: Iterable[ReqId] = (),
     ) -> PoolWrite:
-        with self._cond:
+        with self._lock:
             self._raise_if_failed_locked("register a write")
             write = PoolWrite(
                 self._next_tid, schedule, step_id, slots, source,
@@ -137,16 +139,17 @@ class WriteBook:
             return write
 
     def fire(self, write: PoolWrite, trigger: str) -> None:
-        with self._cond:
+        with self._lock:
             self._fire_locked(write, trigger)
 
     def _fire_locked(self, write: PoolWrite, trigger: str) -> None:
-        self.machine.fire(write, trigger, what=f"write tid {write.tid}", step_id=write.step_id)
+        self.machine.fire(write, trigger, step_id=write.step_id)
         if write.state in WRITE_TABLE.terminal:
             self._live.pop(write.tid, None)
             if write.state == "written":
                 self.num_written += 1
-        self._cond.notify_all()
+        if self._num_waiting:
+            self._cond.notify_all()
 
     def enqueue(self, writes: Iterable[PoolWrite], *, front: bool = False) -> list[PoolWrite]:
         """Move pending writes into the queue (at its front for finish/abort, I9)."""
@@ -163,20 +166,21 @@ class WriteBook:
                 self._queue.extendleft(reversed(moved))
             else:
                 self._queue.extend(moved)
-            self._cond.notify_all()
+            if self._num_waiting:
+                self._cond.notify_all()
         return moved
 
     def pop(self, *, block: bool, timeout_s: float | None = None) -> PoolWrite | None:
         """Next queued write (committer side); None when closed or nothing queued."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        with self._cond:
+        with self._lock:
             while not self._queue:
                 if not block or self._closed or self._failure is not None:
                     return None
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     return None
-                self._cond.wait(remaining)
+                self._wait_locked(remaining)
             return self._queue.popleft()
 
     def fail(self, write: PoolWrite | None, error: BaseException, *, where: str) -> str:
@@ -212,7 +216,7 @@ class WriteBook:
     def wait(self, write: PoolWrite, states: tuple[str, ...], *, why: str) -> None:
         """Block until ``write`` reaches one of ``states``; failure or timeout raise."""
         deadline = time.monotonic() + self.wait_timeout_s
-        with self._cond:
+        with self._lock:
             while write.state not in states:
                 if write.state == "failed" or self._failure is not None:
                     self._raise_if_failed_locked(why)
@@ -225,7 +229,15 @@ class WriteBook:
                         f"timed out after {self.wait_timeout_s:.3f}s while {why}: {write.describe()} "
                         f"is stuck in state {write.state!r} (waiting for {states})"
                     )
-                self._cond.wait(remaining)
+                self._wait_locked(remaining)
+
+    def _wait_locked(self, timeout_s: float | None) -> None:
+        """Wait on the condition (lock released meanwhile), counted so transitions know to notify."""
+        self._num_waiting += 1
+        try:
+            self._cond.wait(timeout_s)
+        finally:
+            self._num_waiting -= 1
 
     # ---- failure and introspection -----------------------------------------
     def check_failed(self, what: str) -> None:
@@ -239,20 +251,20 @@ class WriteBook:
 
     @property
     def failure(self) -> str | None:
-        with self._cond:
+        with self._lock:
             return self._failure
 
     def close(self) -> None:
-        with self._cond:
+        with self._lock:
             self._closed = True
             self._cond.notify_all()
 
     def get(self, tid: Tid) -> PoolWrite | None:
-        with self._cond:
+        with self._lock:
             return self._live.get(tid)
 
     def live(self) -> list[PoolWrite]:
-        with self._cond:
+        with self._lock:
             return list(self._live.values())
 
     def describe_in_flight(self) -> str:
@@ -264,5 +276,5 @@ class WriteBook:
         )
 
     def queue_length(self) -> int:
-        with self._cond:
+        with self._lock:
             return len(self._queue)

@@ -10,6 +10,13 @@ Owns nothing at run time; ``omni-cache bench`` (``omni_cache.cli.bench``) drives
 - ``machine``: the staging-slot machine's cost next to a dict-table baseline.
 - ``profiling``: cProfile and section timers of the manager's hot path.
 - ``report``: rich tables and the matplotlib plot.
+- ``preset``: named workloads with their targets (``decode13``: issue 13).
+- ``breakdown``: exclusive µs per decode step by category (validation, state
+  machine, locks, staging slots, tenancy, write book, copies, output assembly).
+- ``sweep``: bookkeeping per decode step over requests x num_blocks, plotted.
+- ``memory``: pool + staging + tenancy bytes vs the formula vs peak RSS.
+- ``perfcli``: the ``--preset`` / ``--sweep`` / ``--memory`` options (and the
+  breakdown ``--profile`` prints).
 """
 
 from omni_cache.bench.machine import MachineBenchResult, run_machine_bench

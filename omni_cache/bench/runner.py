@@ -334,5 +334,7 @@ def run_bench(
 
 
 def build_steps_hint(spec: WorkloadSpec) -> range:
-    """The steps of a run: prefill of the misses, prefill of the hits, decodes."""
+    """The steps of a run: prefill of the misses, prefill of the hits (or one per request), decodes."""
+    if spec.staggered:
+        return range(spec.batch_size + spec.decode_steps)
     return range(1 + (1 if spec.num_hits else 0) + spec.decode_steps)

@@ -25,6 +25,7 @@ well as any plain bug in the merge.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -58,6 +59,9 @@ class WorkloadSpec:
     hit_tokens: int = 256
     decode_steps: int = 200
     seed: int = 0
+    # The issue-13 shape: one prefill step per request, in order; request i (odd i) hits
+    # ``hit_tokens`` of request i-1's blocks. False: all misses prefill in step 0, all hits in step 1.
+    staggered: bool = False
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
@@ -97,6 +101,8 @@ class WorkloadSpec:
     @property
     def max_step_tokens(self) -> int:
         """The largest step (the misses' prefill): the staging capacity it needs."""
+        if self.staggered:
+            return max(self.prompt_tokens, self.batch_size)
         return max(
             self.num_misses * self.prompt_tokens,
             self.num_hits * (self.prompt_tokens - self.hit_tokens),
@@ -174,8 +180,14 @@ def build_workload(spec: WorkloadSpec) -> Workload:
     gen = torch.Generator().manual_seed(spec.seed)
     b, bs = spec.batch_size, spec.block_size
     req_ids = tuple(f"req-{i}" for i in range(b))
-    misses, hits = list(range(spec.num_misses)), list(range(spec.num_misses, b))
-    donor = {h: misses[j % len(misses)] for j, h in enumerate(hits)}
+    if spec.staggered:  # odd requests hit the previous one's blocks; every request prefills alone
+        misses, hits = list(range(0, b, 2)), list(range(1, b, 2))
+        donor = {h: h - 1 for h in hits}
+    else:
+        misses, hits = list(range(spec.num_misses)), list(range(spec.num_misses, b))
+        donor = {h: misses[j % len(misses)] for j, h in enumerate(hits)}
+    if not spec.hit_tokens:
+        donor = {}
 
     # Ground truth: random rows; a hit request shares its donor's rows for the hit positions.
     truth: dict[TensorName, torch.Tensor] = {}
@@ -211,6 +223,8 @@ def build_workload(spec: WorkloadSpec) -> Workload:
                     tuple(n for n, _, _ in names), expect, hit_slots)
 
     started = PrefixCacheEventKind.STARTED
+    if spec.staggered:
+        return _staggered(spec, req_ids, truth, tables, donor, make_step)
     steps = [
         make_step(0, "prefill",
                   [PrefixCacheRequestEvent(req_ids[r], started, block_ids=(tuple(tables[r]),),
@@ -227,6 +241,25 @@ def build_workload(spec: WorkloadSpec) -> Workload:
     for d in range(spec.decode_steps):
         pos = spec.prompt_tokens + d
         steps.append(make_step(len(steps), "decode", [], [(r, pos, pos + 1) for r in range(b)], set()))
+    finish = PrefixCacheStep(tuple(
+        PrefixCacheRequestEvent(rid, PrefixCacheEventKind.FINISHED) for rid in req_ids))
+    return Workload(spec, req_ids, truth, tables, steps, finish)
+
+
+def _staggered(spec: WorkloadSpec, req_ids: tuple[ReqId, ...], truth: dict[TensorName, torch.Tensor],
+               tables: list[list[int]], donor: dict[int, int], make_step: Any) -> Workload:
+    """One prefill step per request (a hit request prefills only its suffix), then the decodes."""
+    started, hit = PrefixCacheEventKind.STARTED, spec.hit_tokens
+    steps: list[Step] = []
+    for r in range(spec.batch_size):
+        start = hit if r in donor else 0
+        event = PrefixCacheRequestEvent(req_ids[r], started, hit_start=0, hit_end=start,
+                                        block_ids=(tuple(tables[r]),), scheduled_tokens=spec.prompt_tokens - start)
+        steps.append(make_step(r, "prefill", [event], [(r, start, spec.prompt_tokens)],
+                               {r} if r in donor else set()))
+    for d in range(spec.decode_steps):
+        pos = spec.prompt_tokens + d
+        steps.append(make_step(len(steps), "decode", [], [(r, pos, pos + 1) for r in range(spec.batch_size)], set()))
     finish = PrefixCacheStep(tuple(
         PrefixCacheRequestEvent(rid, PrefixCacheEventKind.FINISHED) for rid in req_ids))
     return Workload(spec, req_ids, truth, tables, steps, finish)

@@ -12,6 +12,9 @@ missed. ``--quick`` is a smoke run: it prints the ratios but no verdict.
 cProfile and section timers at the largest batch size. ``--json`` prints one
 JSON document instead of tables; ``--plot FILE.png|FILE.svg`` draws the result
 (``omni_cache.bench.report.write_plot``).
+At each batch size ``--profile`` also prints the per-category breakdown of a decode
+step. ``--preset``, ``--sweep`` and ``--memory`` (decode-step cost) live in
+``omni_cache.bench.perfcli``; a preset that misses its targets exits 3 too.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import sys
 import time
 from typing import Any
 
+from omni_cache.bench.perfcli import add_arguments as add_perf_arguments
 from omni_cache.cli.args import EXIT_FAILED, EXIT_INCOMPLETE, int_list, int_range, non_negative_int, plot_path
 
 QUICK = {"batch_sizes": "2,4", "decode_steps": 6, "repeats": 1, "hidden_width": 256, "mm_width": 64,
@@ -70,6 +74,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                         help="measure the state-machine cost instead of the engine")
     parser.add_argument("--profile", action="store_true",
                         help="also profile the manager (cProfile + section timers) at the largest batch size")
+    add_perf_arguments(parser)  # --preset, --sweep, --memory (omni_cache.bench.perfcli)
     parser.set_defaults(func=run, error=parser.error)
 
 
@@ -131,6 +136,11 @@ def _run_engine(args: argparse.Namespace, console: Any) -> int:
     sizes = args.batch_sizes or _batch_sizes(QUICK["batch_sizes"] if args.quick else "8,32")
     repeats = args.repeats if args.repeats is not None else (QUICK["repeats"] if args.quick else 5)
     kwargs = _engine_kwargs(args)
+    from omni_cache.bench.perfcli import run_breakdown, run_extra
+
+    extra = run_extra(args, console, sizes, repeats, kwargs)
+    if extra is not None:
+        return extra
     _check_fits(args, sizes, kwargs)
     if args.plot:
         _check_matplotlib(args)
@@ -163,7 +173,8 @@ def _run_engine(args: argparse.Namespace, console: Any) -> int:
         sections, smeta = section_times(spec, eager=not args.async_)
         meta.update(smeta)
         profile = {"meta": meta, "by_own": [vars(r) for r in by_own], "by_cum": [vars(r) for r in by_cum],
-                   "sections": [vars(r) for r in sections]}
+                   "sections": [vars(r) for r in sections],
+                   "breakdown": run_breakdown(args, console, sizes, kwargs)}
     if args.plot:
         path = report.write_plot(result, args.plot)
         if not args.json:

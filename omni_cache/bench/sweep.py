@@ -1,0 +1,148 @@
+"""Does the per-step bookkeeping grow with the number of requests or the pool size?
+
+Owns: ``run_sweep`` (``omni-cache bench --sweep``) and its plot. For every
+(requests, num_blocks) of the grid it runs the decode13 shape (one prefill step
+per request, odd requests hit the previous one's blocks, then decode steps;
+every step materialized and checked) through ``runner.bench_batch``: the
+manager next to the raw-copy floor, step by step in the same passes, median over
+``repeats``, and through ``breakdown.step_breakdown`` (exclusive timers by
+category). Bookkeeping per decode step = the manager's decode µs/step (the
+bench's interleaved median, no timers) minus its *copies* and *output views*
+as the breakdown's timers measured them: what it costs beyond the copies
+themselves and the one tensor per request and key it must return. The
+difference to the floor is reported too, but it is not a bookkeeping measure at
+many requests: the floor clones per request and key, the manager once per key,
+so the floor's copies grow faster than the manager's. Prompts are
+shorter than decode13's (64 tokens, hit 32) so 128 requests fit 1k blocks; the
+bookkeeping of a decode step does not depend on prompt length.
+
+Flat means: the bookkeeping barely moves across the grid while the copies
+grow with the requests.
+Upholds nothing at run time; the checks are the runner's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from omni_cache.bench.breakdown import step_breakdown
+from omni_cache.bench.runner import ManagerFactory, bench_batch
+from omni_cache.bench.workload import WorkloadSpec
+
+REQUESTS: tuple[int, ...] = (1, 8, 32, 128)
+NUM_BLOCKS: tuple[int, ...] = (1024, 4096, 16384)
+SWEEP_SHAPE: dict[str, Any] = {"staggered": True, "prompt_tokens": 64, "hit_tokens": 32, "decode_steps": 48}
+
+
+@dataclass
+class SweepPoint:
+    requests: int
+    num_blocks: int
+    omni_decode_us: float
+    floor_decode_us: float
+    copies_us: float  # breakdown: the copies category
+    views_us: float  # breakdown: the output views category
+
+    @property
+    def bookkeeping_us(self) -> float:
+        """The manager's decode step minus its copies and output views."""
+        return self.omni_decode_us - self.copies_us - self.views_us
+
+    @property
+    def over_floor_us(self) -> float:
+        return self.omni_decode_us - self.floor_decode_us
+
+
+def run_sweep(
+    *,
+    requests: tuple[int, ...] = REQUESTS,
+    num_blocks: tuple[int, ...] = NUM_BLOCKS,
+    repeats: int = 5,
+    eager: bool = True,
+    decode_steps: int | None = None,
+    manager_factory: ManagerFactory | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> list[SweepPoint]:
+    points = []
+    for nb in num_blocks:
+        for b in requests:
+            shape = dict(SWEEP_SHAPE)
+            if decode_steps is not None:
+                shape["decode_steps"] = decode_steps
+            spec = WorkloadSpec(batch_size=b, num_blocks=nb, **shape)
+            if progress is not None:
+                progress(f"sweep: {b} requests, {nb} blocks")
+            omni, floor, _ = bench_batch(spec, repeats=repeats, eager=eager, manager_factory=manager_factory)
+            split = step_breakdown(spec, passes=max(1, repeats), manager_factory=manager_factory)
+            by = {r.category: r.us_per_step for r in split.rows}
+            points.append(SweepPoint(b, nb, omni.decode_us_per_step, floor.decode_us_per_step,
+                                     by["copies"], by["output views"]))
+    return points
+
+
+def sweep_summary(points: list[SweepPoint]) -> dict[str, Any]:
+    book = [p.bookkeeping_us for p in points]
+    floors = [p.floor_decode_us for p in points]
+    return {"points": [{**asdict(p), "over_floor_us": p.over_floor_us, "bookkeeping_us": p.bookkeeping_us}
+                       for p in points],
+            "bookkeeping_us_min": min(book), "bookkeeping_us_max": max(book),
+            "floor_us_min": min(floors), "floor_us_max": max(floors)}
+
+
+def sweep_table(points: list[SweepPoint], *, mode: str, repeats: int) -> Any:
+    from rich.table import Table
+
+    table = Table(title=f"omni-cache bench --sweep ({mode}, median of {repeats}): µs per decode step",
+                  title_justify="left")
+    for col in ("requests", "num_blocks", "omni_cache", "floor", "omni - floor", "copies", "output views",
+                "bookkeeping (omni - copies - views)"):
+        table.add_column(col, justify="right")
+    for p in points:
+        table.add_row(str(p.requests), str(p.num_blocks), f"{p.omni_decode_us:,.1f}", f"{p.floor_decode_us:,.1f}",
+                      f"{p.over_floor_us:,.1f}", f"{p.copies_us:,.1f}", f"{p.views_us:,.1f}",
+                      f"{p.bookkeeping_us:,.1f}")
+    return table
+
+
+def write_sweep_plot(points: list[SweepPoint], path: str | Path, *, title: str = "") -> Path:
+    """Left: the manager's bookkeeping and copies per decode step against requests, one line per
+    pool size; right: the manager and the floor themselves (µs per decode step, log scale)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    sizes = sorted({p.requests for p in points})
+    pools = sorted({p.num_blocks for p in points})
+    fig, (ax_book, ax_abs) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for i, nb in enumerate(pools):
+        row = sorted((p for p in points if p.num_blocks == nb), key=lambda p: p.requests)
+        xs = [p.requests for p in row]
+        ax_book.plot(xs, [p.bookkeeping_us for p in row], "o-", color=f"C{i}", label=f"bookkeeping, {nb} blocks")
+        ax_book.plot(xs, [p.copies_us for p in row], "s:", color=f"C{i}", alpha=0.5, label=f"copies, {nb} blocks")
+        ax_abs.plot(xs, [p.omni_decode_us for p in row], "o-", color=f"C{i}", label=f"omni_cache, {nb} blocks")
+        ax_abs.plot(xs, [p.floor_decode_us for p in row], "s--", color=f"C{i}", alpha=0.5,
+                    label=f"floor, {nb} blocks")
+    ax_book.set_title("omni_cache per decode step: bookkeeping vs copies")
+    ax_book.set_ylabel("µs")
+    ax_book.set_ylim(bottom=0)
+    ax_abs.set_title("µs per decode step")
+    ax_abs.set_yscale("log")
+    for ax in (ax_book, ax_abs):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes)
+        ax.set_xticklabels([str(s) for s in sizes])
+        ax.set_xlabel("requests (one decode token each)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png", dpi=110)
+    plt.close(fig)
+    return path

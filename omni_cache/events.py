@@ -1,0 +1,227 @@
+"""Engine-facing value types: request events and the step's write layout.
+
+Owns: ``PrefixCacheEventKind``, ``PrefixCacheRequestOwner``,
+``PrefixCacheRequestEvent``, ``PrefixCacheStep``, ``PrefixCacheWrite`` and
+``PrefixCacheWriteLayout`` -- immutable snapshots the engine hands to the
+manager. ``omni_cache.adapter`` (the public import path, DESIGN section 6)
+re-exports them next to ``PrefixCacheSchedulerAdapter``, which builds them.
+
+Upholds the input half of I5: events carry block ids as tuples (one per KV
+group, group 0 used), so later changes to scheduler objects cannot change them;
+and the value half of I12/I13: events carry their admission's owner, a step its
+``sequence``.
+"""
+
+from __future__ import annotations
+
+import enum
+import operator
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from omni_cache.interface import ReqId
+
+
+class PrefixCacheEventKind(str, enum.Enum):
+    """What happened to a request at the start of this step."""
+
+    STARTED = "started"
+    EXTENDED = "extended"
+    RESUMED = "resumed"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+    REPLACED = "replaced"
+    """A control: the request id now belongs to a new owner (a new admission, or a
+    new content generation of the same one). Ends the previous owner's admission."""
+
+
+@dataclass(frozen=True, order=True)
+class PrefixCacheRequestOwner:
+    """Who a request id belongs to: the scheduler's admission and its content generation.
+
+    Not a cache key. A new admission gets a larger ``admission_id`` even when
+    the client reuses the request id; only an accepted replacement advances
+    ``generation``. Owners compare in that order: a smaller owner is older (I12).
+    """
+
+    admission_id: int
+    generation: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("admission_id", "generation"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"PrefixCacheRequestOwner.{name} must be an int >= 0, got {value!r}")
+
+
+def freeze_block_ids(block_ids: Any) -> tuple[tuple[int, ...], ...]:
+    """Snapshot vLLM block ids as plain ints, one tuple per KV group.
+
+    Accepts a flat sequence (one group), a sequence of per-group sequences
+    (vLLM's ``tuple[list[int], ...]``), numpy arrays or ``None``. Integer-likes
+    (numpy ints, 0-d tensors) become ``int`` so that later changes to the
+    scheduler's lists cannot reach the event.
+    """
+    if block_ids is None:
+        return ()
+    groups = list(block_ids)
+    if not groups:
+        return ()
+
+    def _is_scalar(b: Any) -> bool:
+        try:
+            operator.index(b)
+        except TypeError:
+            return False
+        return True
+
+    if all(_is_scalar(b) for b in groups):
+        return (tuple(operator.index(b) for b in groups),)
+    return tuple(tuple(operator.index(b) for b in (() if group is None else group)) for group in groups)
+
+
+@dataclass(frozen=True)
+class PrefixCacheRequestEvent:
+    """One request's event: a hit span ``[hit_start, hit_end)`` on ``block_ids``.
+
+    ``owner`` is the admission the event belongs to (``None``: whichever
+    admission of ``req_id`` is live); on FINISHED/ABORTED it is the owner the
+    event ends. ``lookup_complete=False`` says the prefix lookup of a new owner
+    is still pending: its hit fields mean nothing yet, and the first later event
+    of that owner with ``lookup_complete=True`` carries the lookup (I12).
+    """
+
+    req_id: ReqId
+    kind: PrefixCacheEventKind
+    hit_start: int = 0
+    hit_end: int = 0
+    block_ids: tuple[tuple[int, ...], ...] = ()
+    scheduled_tokens: int = 0
+    num_output_tokens: int = 0
+    owner: PrefixCacheRequestOwner | None = None
+    lookup_complete: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "block_ids", freeze_block_ids(self.block_ids))
+        if not isinstance(self.kind, PrefixCacheEventKind):
+            object.__setattr__(self, "kind", PrefixCacheEventKind(self.kind))
+        if self.owner is not None and not isinstance(self.owner, PrefixCacheRequestOwner):
+            raise TypeError(
+                f"PrefixCacheRequestEvent {self.req_id!r}: owner must be a PrefixCacheRequestOwner or None, "
+                f"got {type(self.owner).__name__}"
+            )
+
+    @property
+    def group0_block_ids(self) -> tuple[int, ...]:
+        return self.block_ids[0] if self.block_ids else ()
+
+
+@dataclass(frozen=True)
+class PrefixCacheStep:
+    """The events of one scheduler step and its scheduled tokens per request.
+
+    ``scheduled_tokens`` is a ``{req_id: n}`` mapping (``(req_id, n)`` pairs are
+    accepted too). ``sequence`` is the scheduler step's number when the engine
+    has one: a step whose sequence is not above the last applied one is a
+    replay and changes nothing (I13).
+    """
+
+    events: tuple[PrefixCacheRequestEvent, ...]
+    scheduled_tokens: dict[ReqId, int] = field(default_factory=dict)
+    sequence: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "events", tuple(self.events))
+        object.__setattr__(self, "scheduled_tokens", {rid: int(n) for rid, n in dict(self.scheduled_tokens).items()})
+        if self.sequence is not None and (isinstance(self.sequence, bool) or not isinstance(self.sequence, int)):
+            raise TypeError(f"PrefixCacheStep.sequence must be an int or None, got {self.sequence!r}")
+
+    def __iter__(self) -> Iterator[PrefixCacheRequestEvent]:
+        return iter(self.events)
+
+    def __len__(self) -> int:
+        return len(self.events)
+
+
+@dataclass(frozen=True)
+class PrefixCacheWrite:
+    """Rows ``[row_start, row_end)`` of the packed batch are the request's
+    positions ``[token_start, token_end)``."""
+
+    req_id: ReqId
+    row_start: int
+    row_end: int
+    token_start: int
+    token_end: int
+
+    def __post_init__(self) -> None:
+        for name in ("row_start", "row_end", "token_start", "token_end"):
+            value = getattr(self, name)
+            # Integer-likes (numpy ints, 0-d integer tensors) become ``int``; floats, bools,
+            # strings and None are refused here, never at materialize after an id is consumed.
+            if isinstance(value, bool) or not hasattr(value, "__index__"):
+                raise TypeError(f"PrefixCacheWrite {self.req_id!r}: {name} must be an int, got {value!r}")
+            try:
+                object.__setattr__(self, name, operator.index(value))
+            except TypeError as exc:  # e.g. a floating tensor
+                raise TypeError(f"PrefixCacheWrite {self.req_id!r}: {name} must be an int, got {value!r}") from exc
+        if not (0 <= self.row_start <= self.row_end):
+            raise ValueError(f"PrefixCacheWrite {self.req_id!r}: bad rows [{self.row_start}, {self.row_end})")
+        if self.token_end - self.token_start != self.row_end - self.row_start or self.token_start < 0:
+            raise ValueError(
+                f"PrefixCacheWrite {self.req_id!r}: rows [{self.row_start}, {self.row_end}) and "
+                f"positions [{self.token_start}, {self.token_end}) differ in length"
+            )
+
+    @property
+    def num_rows(self) -> int:
+        return self.row_end - self.row_start
+
+
+@dataclass(frozen=True)
+class PrefixCacheWriteLayout:
+    """Where this step's packed rows go: per-request spans and every row's KV slot.
+
+    ``slots_cpu`` is an int64 CPU tensor of the KV slot of every row (at least
+    ``total_rows`` long). The manager refuses a layout that does not cover the
+    step ("slot mapping covers").
+    """
+
+    writes: tuple[PrefixCacheWrite, ...]
+    total_rows: int
+    slots_cpu: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "writes", tuple(self.writes))
+        if self.slots_cpu is not None:
+            slots = self.slots_cpu
+            if not isinstance(slots, torch.Tensor):  # a list or numpy array of slot ids
+                slots = torch.as_tensor(slots)
+                if slots.numel() == 0:
+                    slots = slots.to(torch.int64)
+            slots = slots.detach()
+            if slots.device.type == "cpu" and not (
+                slots.dtype.is_floating_point or slots.dtype.is_complex or slots.dtype == torch.bool
+            ):
+                slots = slots.to(torch.int64)
+            # A malformed mapping (not integer, not CPU, not 1-D) is kept as given, never
+            # coerced: ``save_outputs`` refuses it before anything is claimed ("slot mapping
+            # covers"). Own a private copy: the engine reuses its slot-mapping buffers.
+            object.__setattr__(self, "slots_cpu", slots.clone())
+
+    @property
+    def req_ids(self) -> tuple[ReqId, ...]:
+        return tuple(w.req_id for w in self.writes)
+
+    @classmethod
+    def packed(cls, spans: Iterable[tuple[ReqId, int, int]], slots_cpu: torch.Tensor | None) -> PrefixCacheWriteLayout:
+        """Pack ``(req_id, token_start, token_end)`` spans in batch order."""
+        writes: list[PrefixCacheWrite] = []
+        row = 0
+        for req_id, start, end in spans:
+            writes.append(PrefixCacheWrite(req_id, row, row + end - start, start, end))
+            row += end - start
+        return cls(tuple(writes), row, slots_cpu)

@@ -1,0 +1,89 @@
+"""Pending prefix hits: a started or resumed request's hit, served by its next save.
+
+Owns: ``PendingHits`` -- req -> (hit_end, the hit's group-0 block ids), installed
+by ``new_step_starts`` for the request's current admission and taken by the save
+that carries the request's first rows (restored if that save fails) -- the KV
+slots of a hit's blocks, and the memo of a policy's hit keys per key set.
+
+Not locked itself: the manager's state lock guards ``PendingHits`` (methods
+that touch the map say "caller holds the lock"); ``hit_keys`` runs on the
+engine thread only.
+
+Upholds: I5 (the save that serves a hit must continue it: its rows start at
+the hit's end, else it raises and nothing is taken) and, with the manager's
+failure path, that a refused save loses no hit (``restore``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from omni_cache.errors import OmniPrefixCacheUnmatchError
+from omni_cache.events import PrefixCacheRequestEvent, PrefixCacheWriteLayout
+from omni_cache.interface import ModelCachePolicy, ReqId
+
+Hit = tuple[int, tuple[int, ...]]  # (hit_end, the hit's group-0 block ids)
+
+
+class PendingHits:
+    """The hits registered by ``new_step_starts`` and not yet served by a save."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self._pending: dict[ReqId, Hit] = {}
+        # per-token key tuple -> (policy, its hit keys); engine thread only.
+        self._hit_keys: dict[tuple[str, ...], tuple[ModelCachePolicy, tuple[str, ...]]] = {}
+
+    def __bool__(self) -> bool:
+        """Any hit pending (installed and taken only on the engine thread)."""
+        return bool(self._pending)
+
+    def install(self, req_id: ReqId, event: PrefixCacheRequestEvent) -> bool:
+        """The lookup of ``event``: a hit is pending from now on, a miss drops any. Caller holds the lock."""
+        if event.hit_end > 0:
+            blocks = event.group0_block_ids[: event.hit_end // self.block_size]
+            self._pending[req_id] = (event.hit_end, blocks)
+            return True
+        self._pending.pop(req_id, None)
+        return False
+
+    def drop(self, req_id: ReqId) -> None:
+        """The request's admission ended or was replaced. Caller holds the lock."""
+        self._pending.pop(req_id, None)
+
+    def take(self, layout: PrefixCacheWriteLayout) -> dict[ReqId, Hit]:
+        """Pop the hits this step serves; raise (taking nothing) if one is not continued. Caller holds the lock."""
+        pending = self._pending
+        hits: dict[ReqId, Hit] = {}
+        if not pending:
+            return hits
+        for w in layout.writes:
+            hit = pending.get(w.req_id)
+            if hit is not None and hit[0] != w.token_start:
+                raise OmniPrefixCacheUnmatchError(
+                    f"save_outputs: request {w.req_id!r} has a hit of {hit[0]} tokens "
+                    f"but this step's rows start at position {w.token_start}; they must continue the hit")
+        for w in layout.writes:
+            hit = pending.pop(w.req_id, None)
+            if hit is not None:
+                hits[w.req_id] = hit
+        return hits
+
+    def restore(self, hits: dict[ReqId, Hit]) -> None:
+        """Give back the hits of a save that failed before it registered anything. Caller holds the lock."""
+        self._pending.update(hits)
+
+    def slots_of(self, blocks: tuple[int, ...]) -> torch.Tensor:
+        """The KV slots of ``blocks``, in order."""
+        bs = self.block_size
+        ids = np.fromiter(blocks, dtype=np.int64, count=len(blocks))
+        return torch.from_numpy((ids[:, None] * bs + np.arange(bs, dtype=np.int64)).ravel())
+
+    def hit_keys(self, policy: ModelCachePolicy, keys: tuple[str, ...]) -> tuple[str, ...]:
+        """``policy.get_hit_keys`` of this step's per-token keys, memoised per key set."""
+        cached = self._hit_keys.get(keys)
+        if cached is None or cached[0] is not policy:
+            cached = (policy, tuple(policy.get_hit_keys(keys)) if keys else ())
+            self._hit_keys[keys] = cached
+        return cached[1]

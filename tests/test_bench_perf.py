@@ -1,0 +1,121 @@
+"""Tests of the issue-13 bench machinery: the decode13 preset, the breakdown, the sweep, memory.
+
+Structure and correctness only -- never timings (CI machines are noisy): the
+preset is the issue's workload, the staggered workload is checked row by row
+against the ground truth, the per-category breakdown restores everything it
+instrumented and its *call counts* per decode step do not grow with the number
+of requests (the bookkeeping is O(1) calls per step), the sweep covers its grid
+and plots it, and the memory report's measured bytes equal the formula.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import torch
+
+import omni_cache.manager as manager_module
+from omni_cache.bench import preset as preset_module
+from omni_cache.bench.breakdown import CATEGORIES, step_breakdown
+from omni_cache.bench.floor import RawCopyFloor
+from omni_cache.bench.memory import formula, memory_report
+from omni_cache.bench.preset import PRESETS, PresetCase
+from omni_cache.bench.sweep import run_sweep, write_sweep_plot
+from omni_cache.bench.workload import WorkloadSpec, build_workload, check_outputs
+from omni_cache.cli import main
+from omni_cache.interface import HIDDEN_KEY
+
+TINY = {"hidden_width": 32, "mm_width": 8, "num_blocks": 64, "prompt_tokens": 32, "hit_tokens": 16,
+        "decode_steps": 3, "staggered": True}
+
+
+def test_decode13_preset_is_the_issue_workload() -> None:
+    cases = {c.name: c for c in PRESETS["decode13"]}
+    assert [(c.spec["batch_size"], c.spec["hit_tokens"], c.target) for c in cases.values()] == [
+        (8, 256, 0.6), (32, 256, 0.8), (8, 0, 0.6)]
+    for case in cases.values():
+        spec = WorkloadSpec(**case.spec)
+        assert (spec.hidden_width, spec.mm_width, spec.dtype, spec.block_size, spec.num_blocks) == (
+            2048, 512, torch.bfloat16, 16, 4096)
+        assert (spec.prompt_tokens, spec.decode_steps, spec.staggered) == (512, 200, True)
+
+
+def test_staggered_workload_one_prefill_per_request_and_hits_on_the_previous_request() -> None:
+    spec = WorkloadSpec(batch_size=5, **TINY)
+    w = build_workload(spec)
+    prefill = [s for s in w.steps if s.phase == "prefill"]
+    assert len(prefill) == 5 and len(w.steps) == 5 + spec.decode_steps
+    shared = spec.hit_tokens // spec.block_size
+    for r, step in enumerate(prefill):
+        (event,) = step.events.events
+        assert step.req_ids == (w.req_ids[r],)
+        if r % 2:  # never the first; every odd request hits its predecessor's first blocks
+            assert event.hit_end == spec.hit_tokens and step.num_tokens == spec.prompt_tokens - spec.hit_tokens
+            assert w.block_tables[r][:shared] == w.block_tables[r - 1][:shared]
+            assert torch.equal(w.truth[HIDDEN_KEY][r, : spec.hit_tokens], w.truth[HIDDEN_KEY][r - 1, : spec.hit_tokens])
+        else:
+            assert event.hit_end == 0 and step.num_tokens == spec.prompt_tokens
+    floor = RawCopyFloor(spec)
+    for step in w.steps:  # the floor serves it, checked row by row
+        floor.save(step)
+        assert check_outputs(w, step, floor.materialize(step), who="floor") > 0
+
+
+def test_staggered_workload_without_hits() -> None:
+    w = build_workload(WorkloadSpec(batch_size=4, **{**TINY, "hit_tokens": 0}))
+    assert all(e.hit_end == 0 for s in w.steps for e in s.events.events)
+    assert all(not s.hit_slots for s in w.steps)
+
+
+def test_preset_cli_json_with_a_tiny_preset(monkeypatch: pytest.MonkeyPatch,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    tiny = (PresetCase("2 requests", {**TINY, "batch_size": 2}, 0.0),
+            PresetCase("3 requests, no hits", {**TINY, "batch_size": 3, "hit_tokens": 0}, 99.0))
+    monkeypatch.setitem(PRESETS, "decode13", tiny)
+    monkeypatch.setattr(preset_module, "PRESETS", PRESETS)
+    rc = main(["bench", "--preset", "decode13", "--repeats", "2", "--json"])
+    captured = capsys.readouterr()
+    doc = json.loads(captured.out)["preset"]
+    assert rc == 3 and doc["pass"] is False  # the second case's target (99x the floor) cannot be met
+    assert "FAIL: decode13 3 requests, no hits" in captured.err  # names the case that missed
+    assert [c["case"] for c in doc["cases"]] == ["2 requests", "3 requests, no hits"]
+    first, second = doc["cases"]
+    assert first["pass"] is True and second["pass"] is False
+    for case in doc["cases"]:
+        assert case["ratio"] == pytest.approx(case["omni_cache"]["tokens_per_s"] / case["floor"]["tokens_per_s"])
+        assert case["omni_cache"]["rows_checked"] > 0 and len(case["omni_cache"]["repeats_tokens_per_s"]) == 2
+
+
+def test_breakdown_restores_what_it_instruments_and_its_calls_do_not_grow_with_requests() -> None:
+    originals = (torch.Tensor.clone, torch.Tensor.index_copy_, torch.cat, manager_module.validate_save)
+    small = step_breakdown(WorkloadSpec(batch_size=2, **{**TINY, "decode_steps": 4}), passes=1)
+    large = step_breakdown(WorkloadSpec(batch_size=8, **{**TINY, "num_blocks": 128, "decode_steps": 4}), passes=1)
+    assert (torch.Tensor.clone, torch.Tensor.index_copy_, torch.cat, manager_module.validate_save) == originals
+    for b in (small, large):
+        assert [r.category for r in b.rows] == list(CATEGORIES)
+        assert all(r.us_per_step >= 0 for r in b.rows) and b.measured_us_per_step > 0
+        by = {r.category: r for r in b.rows}
+        # a decode step: one staging copy and one pool scatter per key, one clone per key
+        assert by["copies"].calls_per_step == 6
+        assert by["state machine"].calls_per_step == 8  # 4 staging + 4 write triggers
+    # O(1) timed calls per decode step: 8 requests make exactly as many as 2 (issue 13 item 3)
+    assert [r.calls_per_step for r in small.rows] == [r.calls_per_step for r in large.rows]
+
+
+def test_sweep_covers_its_grid_and_plots(tmp_path: Any) -> None:
+    points = run_sweep(requests=(1, 3), num_blocks=(64, 128), repeats=1, decode_steps=2)
+    assert [(p.requests, p.num_blocks) for p in points] == [(1, 64), (3, 64), (1, 128), (3, 128)]
+    assert all(p.omni_decode_us > 0 and p.floor_decode_us > 0 for p in points)
+    path = write_sweep_plot(points, tmp_path / "sweep.png", title="t")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_memory_report_measured_bytes_equal_the_formula() -> None:
+    spec = WorkloadSpec(batch_size=2, **TINY)
+    report = memory_report(spec)
+    want = formula(spec)
+    assert (report.pool_bytes, report.staging_bytes, report.tenancy_bytes) == (
+        want["pool"], want["staging"], want["tenancy"])
+    assert report.peak_rss >= report.baseline_rss > 0
