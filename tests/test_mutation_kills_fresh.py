@@ -213,3 +213,25 @@ def test_a_one_token_hit_with_block_size_one_is_served(eager: bool) -> None:
     stats = m.stats()
     assert (stats["hits"], stats["hit_tokens"]) == (1, 1), stats
     m.shutdown()
+
+
+# ---- I3: an aborted claim forgets the pages it created --------------------------------------
+def test_an_aborted_slot_does_not_drop_a_page_that_a_later_saved_step_holds() -> None:
+    """Mutant: delete ``slot.new_keys = []`` in ``StagingPool.abort``.
+
+    The slot would remember "a" from its first, aborted claim; its second abort would
+    then drop the page "a" that another slot's saved step created and still holds.
+    """
+    pool = StagingPool(2, 4, 0.05)
+    first = pool.claim(2)
+    pool.claimed_pages(first, {"a": torch.ones(2, 3)})
+    pool.abort(first)  # a refused save: its new page "a" is given back
+    assert "a" not in pool.page_bytes()
+    again, other = pool.claim(2), pool.claim(2)
+    assert again.index == first.index != other.index
+    pool.claimed_pages(other, {"a": torch.ones(2, 3)})["a"].copy_(torch.full((2, 3), 7.0))
+    pool.save(other, 1, "engine.py:1")
+    pool.claimed_pages(again, {"b": torch.ones(2, 5)})
+    pool.abort(again)  # drops only its own new page "b"
+    assert set(pool.page_bytes()) == {"a"}, pool.page_bytes()
+    assert torch.equal(pool.page_rows(other, "a", 0, 2), torch.full((2, 3), 7.0))
