@@ -386,7 +386,7 @@ def test_on_blocking_sees_the_claim_and_the_wait_for_the_previous_write() -> Non
 
 
 # ---- I11: the manager's scalar state is touched only under its state lock -----------------
-_GUARDED_ATTRS = ("_num_saved", "_next_step_id", "_scheduled", "_last_immediate", "_deferred_bytes")
+_GUARDED_ATTRS = ("_num_saved", "_ids_issued", "_scheduled", "_last_immediate", "_deferred_bytes")
 
 
 def _guard_attributes(m: OmniPrefixCacheManager) -> list[str]:

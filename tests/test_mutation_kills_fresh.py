@@ -26,6 +26,7 @@ from omni_cache import (
     PrefixCacheEventKind,
     PrefixCacheRequestEvent,
     PrefixCacheSchedulerAdapter,
+    PrefixCacheWriteLayout,
 )
 from omni_cache.block_pool import PrefixBlockPool
 from omni_cache.errors import OmniPrefixCacheUnmatchError
@@ -98,7 +99,8 @@ def test_shutdown_closes_the_queue_so_a_blocking_pop_returns_at_once(eager: bool
 def test_a_failure_after_registration_surfaces_as_itself_and_leaves_no_half_state(
     eager: bool, keys: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Mutants: delete ``registered.append(imm)`` / ``registered.append(deferred)`` in ``save_outputs``.
+    """Mutants: delete ``registered.append(imm)`` / ``registered.append(deferred)`` in ``save_outputs``,
+    or the ``book.fail`` of the writes after the first (hidden+audio: the deferred one stays live).
 
     A failure after the writes are registered (planning the hit runs out of memory)
     must raise that error (or one chained from it) and leave either the sticky
@@ -125,6 +127,8 @@ def test_a_failure_after_registration_surfaces_as_itself_and_leaves_no_half_stat
     stats = m.stats()
     clean = stats["staging"]["slots"]["claimed"] == 0 and stats["writes_in_flight"] == 0
     assert stats["failed"] is not None or clean, stats
+    left = [w.describe() for w in m.book.live() if "b" in w.req_ids]
+    assert not left, f"the failed save left its registered writes live, not failed (I8): {left}"
     m.shutdown()
 
 
@@ -183,3 +187,51 @@ def test_staging_calls_wait_for_the_pool_lock(what: str) -> None:
         assert not done.wait(0.2), f"StagingPool.{what} ran while another thread held the pool lock"
     assert done.wait(5)
     worker.join()
+
+
+# ---- a hit of one block when a block is one token ------------------------------------------
+@pytest.mark.parametrize("eager", MODES)
+def test_a_one_token_hit_with_block_size_one_is_served(eager: bool) -> None:
+    """Mutant: ``if event.hit_end > 0`` -> ``> 1`` in ``_install_lookup`` (the hit dropped as a miss).
+
+    With ``block_size=1`` a hit of one token is aligned and real: b must be served a's
+    row at KV slot 5 before its own, and counted as one hit of one token.
+    """
+    m = OmniPrefixCacheManager(config(block_size=1), eager=eager)
+    m.new_step_starts([started("a")])
+    rows_a = torch.arange(16, dtype=torch.float32).reshape(2, 8) + 1
+    layout = PrefixCacheWriteLayout.packed([("a", 0, 2)], torch.tensor([5, 6]))
+    s1 = m.save_outputs(rows_a, {}, num_tokens_unpadded=2, num_tokens_padded=2, write_layout=layout)
+    m.discard_step(s1)
+    m.new_step_starts([PrefixCacheRequestEvent("a", PrefixCacheEventKind.FINISHED),
+                       started("b", hit_end=1, blocks=[5, 9])])
+    rows_b = torch.full((1, 8), -3.0)
+    layout = PrefixCacheWriteLayout.packed([("b", 1, 2)], torch.tensor([9]))
+    s2 = m.save_outputs(rows_b, {}, num_tokens_unpadded=1, num_tokens_padded=1, write_layout=layout)
+    out = m.materialize(s2, ["b"])
+    assert torch.equal(out.hidden_states["b"], torch.cat([rows_a[:1], rows_b])), out.hidden_states["b"]
+    stats = m.stats()
+    assert (stats["hits"], stats["hit_tokens"]) == (1, 1), stats
+    m.shutdown()
+
+
+# ---- I3: an aborted claim forgets the pages it created --------------------------------------
+def test_an_aborted_slot_does_not_drop_a_page_that_a_later_saved_step_holds() -> None:
+    """Mutant: delete ``slot.new_keys = []`` in ``StagingPool.abort``.
+
+    The slot would remember "a" from its first, aborted claim; its second abort would
+    then drop the page "a" that another slot's saved step created and still holds.
+    """
+    pool = StagingPool(2, 4, 0.05)
+    first = pool.claim(2)
+    pool.claimed_pages(first, {"a": torch.ones(2, 3)})
+    pool.abort(first)  # a refused save: its new page "a" is given back
+    assert "a" not in pool.page_bytes()
+    again, other = pool.claim(2), pool.claim(2)
+    assert again.index == first.index != other.index
+    pool.claimed_pages(other, {"a": torch.ones(2, 3)})["a"].copy_(torch.full((2, 3), 7.0))
+    pool.save(other, 1, "engine.py:1")
+    pool.claimed_pages(again, {"b": torch.ones(2, 5)})
+    pool.abort(again)  # drops only its own new page "b"
+    assert set(pool.page_bytes()) == {"a"}, pool.page_bytes()
+    assert torch.equal(pool.page_rows(other, "a", 0, 2), torch.full((2, 3), 7.0))

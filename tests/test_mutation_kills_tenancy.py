@@ -52,9 +52,9 @@ def _tenancy() -> tuple[SlotTenancy, np.ndarray]:
 def test_read_refuses_newer_rows_when_the_settled_planned_write_left_no_copy() -> None:
     """Mutants: delete the "no preserved copy" raise, or the ``version not in settled`` guard."""
     ten, slots = _tenancy()
-    ten.register(["k"], slots, 1)  # the planned version: tid 1, never lands (it failed)
+    ten.register(["k"], slots, 1, step_id=11)  # the planned version: tid 1, never lands (it failed)
     plan = ten.plan(["k"], torch.from_numpy(slots))
-    ten.register(["k"], slots, 2)
+    ten.register(["k"], slots, 2, step_id=12)
     ten.land_all({"k": torch.full((2, 3), 2.0)}, torch.from_numpy(slots), 2)  # a newer tenant lands
     with pytest.raises(NotLandedYet) as late:  # tid 1 may still land late: wait for it
         ten.read("k", plan, what="step 5 request 'r'")
@@ -67,9 +67,9 @@ def test_read_refuses_newer_rows_when_the_settled_planned_write_left_no_copy() -
 
 def test_read_serves_the_planned_rows_when_the_older_write_lands_late() -> None:
     ten, slots = _tenancy()
-    ten.register(["k"], slots, 1)
+    ten.register(["k"], slots, 1, step_id=11)
     plan = ten.plan(["k"], torch.from_numpy(slots))
-    ten.register(["k"], slots, 2)
+    ten.register(["k"], slots, 2, step_id=12)
     ten.land_all({"k": torch.full((2, 3), 2.0)}, torch.from_numpy(slots), 2)
     ten.land_all({"k": torch.full((2, 3), 1.0)}, torch.from_numpy(slots), 1)  # late: kept for the pin only
     assert torch.equal(ten.read("k", plan, what="r", settled={1}), torch.full((2, 3), 1.0))
@@ -102,13 +102,13 @@ def _blocks_while_pool_lock_held(ten: SlotTenancy, call) -> None:  # type: ignor
 def test_tenancy_bookkeeping_waits_for_the_pool_lock(what: str) -> None:
     """Mutants: ``unplan`` (and its siblings, and the stats count) without ``with self.pool.lock``."""
     ten, slots = _tenancy()
-    ten.register(["k"], slots, 1)
+    ten.register(["k"], slots, 1, step_id=11)
     ten.land_all({"k": torch.ones(2, 3)}, torch.from_numpy(slots), 1)
     plan = ten.plan(["k"], torch.from_numpy(slots))
     calls = {
         "unplan": lambda: ten.unplan(plan),
         "plan": lambda: ten.plan(["k"], torch.from_numpy(slots)),
-        "register": lambda: ten.register(["k"], slots, 2),
+        "register": lambda: ten.register(["k"], slots, 2, step_id=12),
         "read": lambda: ten.read("k", plan, what="r"),
         "land_all": lambda: ten.land_all({"k": torch.full((2, 3), 2.0)}, torch.from_numpy(slots), 2),
         "num_preserved": ten.num_preserved,
@@ -169,12 +169,12 @@ def test_round_trip_with_a_tiny_copy_chunk(eager: bool) -> None:
     audio = torch.arange(24, dtype=torch.float32).reshape(8, 3)
     s1, rows = save(m, [("a", [0, 1], 0, 8)], mm={"audio": audio})
     out = m.materialize(s1, ["a"])
-    assert torch.equal(out.hidden_states["a"], rows) and torch.equal(out.mm_outputs["a"]["audio"], audio)
+    assert torch.equal(out.hidden_states["a"], rows) and torch.equal(out.mm_outputs["audio"]["a"], audio)
     m.new_step_starts([finished("a"), started("b", hit_end=8, blocks=[0, 1, 2])])
     s2, rows_b = save(m, [("b", [0, 1, 2], 8, 12)], mm={"audio": torch.ones(4, 3)})
     out = m.materialize(s2, ["b"])
     assert torch.equal(out.hidden_states["b"], torch.cat([rows, rows_b]))
-    assert torch.equal(out.mm_outputs["b"]["audio"], torch.cat([audio, torch.ones(4, 3)]))
+    assert torch.equal(out.mm_outputs["audio"]["b"], torch.cat([audio, torch.ones(4, 3)]))
     m.shutdown()
 
 
@@ -194,7 +194,7 @@ def test_a_hit_whose_planned_write_failed_raises_write_failed_not_a_tenancy_bug(
     ten, slots = _tenancy()
     book = WriteBook(1.0)
     write = book.register(WriteSchedule.JOIN_ON_FINISH, 1, torch.from_numpy(slots), {"k": torch.ones(2, 3)})
-    ten.register(["k"], slots, write.tid)
+    ten.register(["k"], slots, write.tid, step_id=1)
     plan = ten.plan(["k"], torch.from_numpy(slots))
     book.fail(write, RuntimeError("disk on fire"), where="the committer")
     assert book.get(write.tid) is None
@@ -226,9 +226,9 @@ def test_a_read_that_never_converges_raises_instead_of_returning_nothing() -> No
 def test_read_before_the_planned_write_lands_says_not_landed_yet() -> None:
     """Mutant: delete ``raise NotLandedYet`` for rows behind the planned version (stale rows served)."""
     ten, slots = _tenancy()
-    ten.register(["k"], slots, 1)
+    ten.register(["k"], slots, 1, step_id=11)
     ten.land_all({"k": torch.full((2, 3), 1.0)}, torch.from_numpy(slots), 1)
-    ten.register(["k"], slots, 2)  # a newer tenant is registered, not landed
+    ten.register(["k"], slots, 2, step_id=12)  # a newer tenant is registered, not landed
     plan = ten.plan(["k"], torch.from_numpy(slots))  # the hit plans version 2
     with pytest.raises(NotLandedYet) as late:
         ten.read("k", plan, what="r")
@@ -263,7 +263,7 @@ def test_materialize_waits_for_a_held_planned_write_and_serves_its_rows() -> Non
         s2, _ = save(m, [("b", [0, 1, 2], 8, 12)], mm={"audio": torch.ones(4, 3)})
         threading.Timer(0.3, hold.release.set).start()
         out = m.materialize(s2, ["b"])
-        assert torch.equal(out.mm_outputs["b"]["audio"], torch.cat([audio_a, torch.ones(4, 3)]))
+        assert torch.equal(out.mm_outputs["audio"]["b"], torch.cat([audio_a, torch.ones(4, 3)]))
         assert out.hidden_states is None
     finally:
         hold.release.set()
