@@ -314,6 +314,11 @@ def test_a_save_that_fails_before_registering_changes_nothing(eager: bool, fault
             eng.save(prepared)  # refused before the claim (issue 11 item 6), chained to the copy's error
         assert isinstance(info.value.__cause__, TypeError), repr(info.value.__cause__)
         del prepared.mm["mm.lock"]
+    settle(m)  # async: step 0's pool write may still read its page; it lands and frees the page
+    deadline = time.monotonic() + BOUND_S
+    while m.stats()["staging"]["slots"]["free"] < m.config.staging_depth:  # the unhold follows the landing
+        assert time.monotonic() < deadline, f"a staging page was never given back: {m.stats()['staging']}"
+        time.sleep(0.002)
     after = m.stats()
     assert after["saved"] == before["saved"] and after["unconsumed_step_ids"] == before["unconsumed_step_ids"]
     assert after["staging"]["slots"]["free"] == m.config.staging_depth, after["staging"]
