@@ -27,7 +27,7 @@ from pathlib import Path
 
 from omni_cache.trace import TraceEvent, TraceRecorder
 from omni_cache.verify.tlc import default_tla_dir
-from omni_cache.verify.traces import TraceCheck, _run_trace_spec, _tla_string
+from omni_cache.verify.traces import TraceCheck, _run_trace_spec, _tla_string, trace_cfg
 
 MACHINE = "tenancy"
 RAISED = -1
@@ -119,12 +119,8 @@ Trace == <<
 
 
 def _tenancy_cfg(constants: dict[str, int]) -> str:
-    consts = "\n".join(f"    {k} = {v}" for k, v in constants.items())
-    return (
-        f"CONSTANTS\n{consts}\nSPECIFICATION TraceSpec\n"
-        "INVARIANTS TypeOK NeverSilentMiss NoStaleTenant HitServed NewestLanded HitOwned KeptNeeded "
-        "WritesCarryKeys ReplacedIsNew\n"
-    )
+    return trace_cfg(constants, "TypeOK NeverSilentMiss NoStaleTenant HitServed NewestLanded HitOwned KeptNeeded "
+                     "WritesCarryKeys ReplacedIsNew")
 
 
 def tenancy_trace_supported(events: TraceRecorder | Iterable[TraceEvent]) -> bool:

@@ -166,13 +166,18 @@ def staging_trace_constants(events: Sequence[TraceEvent]) -> dict[str, int]:
     return {"Depth": depth, "MaxSaves": claims + 1, "MaxBad": rejects}
 
 
+def trace_cfg(constants: dict[str, int], invariants: str, properties: str = "",
+              substitutions: tuple[str, ...] = ()) -> str:
+    """A trace spec's TLC cfg: its constants (and ``name <- def`` substitutions), the real invariants
+    and action properties checked along the trace."""
+    lines = [f"    {k} = {v}" for k, v in constants.items()] + [f"    {sub}" for sub in substitutions]
+    text = "CONSTANTS\n" + "\n".join(lines) + f"\nSPECIFICATION TraceSpec\nINVARIANTS {invariants}\n"
+    return text + (f"PROPERTIES {properties}\n" if properties else "")
+
+
 def _staging_cfg(constants: dict[str, int]) -> str:
-    consts = "\n".join(f"    {k} = {v}" for k, v in constants.items())
-    return (
-        f"CONSTANTS\n{consts}\nSPECIFICATION TraceSpec\n"
-        "INVARIANTS TypeOK ExactlyOnce BoundedStaging PageExclusive NoLostPage OnePagePerSave\n"
-        "PROPERTIES RejectChangesNothing TimeoutOnlyWhenFull\n"
-    )
+    return trace_cfg(constants, "TypeOK ExactlyOnce BoundedStaging PageExclusive NoLostPage OnePagePerSave",
+                     "RejectChangesNothing TimeoutOnlyWhenFull")
 
 
 _TID_RE = re.compile(r"^write tid (\d+)$")
@@ -238,12 +243,9 @@ TraceReq == <<{", ".join(map(str, trace_req))}>>
 
 
 def _writes_cfg(constants: dict[str, int]) -> str:
-    consts = "\n".join(f"    {k} = {v}" for k, v in constants.items())
-    return (
-        f"CONSTANTS\n{consts}\n    ReqOf <- TraceReqOf\n    Orders <- TraceOrders\nSPECIFICATION TraceSpec\n"
-        "INVARIANTS TypeOK QueueConsistent FailureSticks AdmissionsCounted EndedByOwner TerminalsKnown\n"
-        "PROPERTIES StickyFailure FrontFirst SequenceMonotonic OwnerFixed\n"
-    )
+    return trace_cfg(constants, "TypeOK QueueConsistent FailureSticks AdmissionsCounted EndedByOwner TerminalsKnown",
+                     "StickyFailure FrontFirst SequenceMonotonic OwnerFixed",
+                     ("ReqOf <- TraceReqOf", "Orders <- TraceOrders"))
 
 
 @dataclass(frozen=True)
