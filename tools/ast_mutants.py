@@ -75,6 +75,7 @@ FAST_TESTS = (
     "tests/test_mutation_kills.py",
     "tests/test_mutation_kills_tenancy.py",
     "tests/test_mutation_kills_fresh.py",
+    "tests/test_mutation_kills_seed14.py",
     "tests/test_manager_invariants.py",
     "tests/test_manager_behaviour.py",
     "tests/test_manager_review_regressions.py",
