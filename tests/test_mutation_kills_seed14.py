@@ -11,10 +11,12 @@ copy stream waits on (the device->host copy must not start before the forward's 
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import pytest
 import torch
+from cache_helpers import manager, save, slots, started
 
 from omni_cache import PrefixCacheSchedulerAdapter, PrefixCacheWriteLayout
 from omni_cache.copier import CopyEngine
@@ -91,3 +93,20 @@ def test_the_compute_event_covers_work_queued_before_it() -> None:
     assert not event.query(), "the compute event completed before the work queued ahead of it"
     event.synchronize()
     assert event.query()
+
+
+# ---- I9: shutdown stops the committer once the queue is drained ---------------------------
+def test_shutdown_stops_the_committer_thread_after_draining() -> None:
+    """Mutant: ``copier:Committer._run:cmp_flip:419aef94`` (``queue_length() == 0`` -> ``!= 0``:
+    the closed committer spins on an empty queue forever and ``stop`` gives up after its timeout)."""
+    m = manager(False)
+    assert m.committer.alive
+    m.new_step_starts([started("a")])
+    step, rows = save(m, [("a", [0], 0, 4)])
+    m.discard_step(step)
+    t0 = time.monotonic()
+    m.shutdown()
+    assert not m.committer.alive, "the committer thread is still running after shutdown (I9)"
+    assert time.monotonic() - t0 < 5.0, "shutdown waited out the committer's stop timeout"
+    (key,) = m.pool.keys()
+    assert torch.equal(m.pool.rows(key, slots([0], 0, 4)), rows), "the queued write did not land"
