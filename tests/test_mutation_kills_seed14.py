@@ -18,7 +18,12 @@ import pytest
 import torch
 from cache_helpers import manager, save, slots, started
 
-from omni_cache import PrefixCacheSchedulerAdapter, PrefixCacheWriteLayout
+from omni_cache import (
+    PrefixCacheEventKind,
+    PrefixCacheRequestEvent,
+    PrefixCacheSchedulerAdapter,
+    PrefixCacheWriteLayout,
+)
 from omni_cache.copier import CopyEngine
 from omni_cache.events import PrefixCacheRequestOwner, PrefixCacheWrite
 
@@ -110,3 +115,23 @@ def test_shutdown_stops_the_committer_thread_after_draining() -> None:
     assert time.monotonic() - t0 < 5.0, "shutdown waited out the committer's stop timeout"
     (key,) = m.pool.keys()
     assert torch.equal(m.pool.rows(key, slots([0], 0, 4)), rows), "the queued write did not land"
+
+
+# ---- I5/I12: an ended request's untaken hit is dropped ------------------------------------
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "async"])
+def test_an_ended_requests_untaken_hit_is_never_served(eager: bool) -> None:
+    """Mutant: ``manager:OmniPrefixCacheManager.new_step_starts:del_call:a9b43551`` (the ``end``
+    op's ``self._hits.drop(req_id)`` deleted: the hit stays pending after FINISHED)."""
+    m = manager(eager)
+    try:
+        m.new_step_starts([started("x")])
+        step, _ = save(m, [("x", [0, 1], 0, 8)])
+        m.discard_step(step)
+        m.new_step_starts([started("a", 8, [0, 1], 4)])  # a hit of 8, never taken by a save
+        m.new_step_starts([PrefixCacheRequestEvent("a", PrefixCacheEventKind.FINISHED)])
+        # The id's next rows start afresh at 0: no hit of the ended request continues into them.
+        step, rows = save(m, [("a", [2], 0, 4)])
+        out = m.materialize(step, ["a"])
+        assert torch.equal(out.hidden_states["a"], rows), "an ended request's pending hit was served"
+    finally:
+        m.shutdown()
