@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from cache_helpers import manager, save, slots, started
@@ -24,8 +25,10 @@ from omni_cache import (
     PrefixCacheSchedulerAdapter,
     PrefixCacheWriteLayout,
 )
+from omni_cache.block_pool import PrefixBlockPool
 from omni_cache.copier import CopyEngine
 from omni_cache.events import PrefixCacheRequestOwner, PrefixCacheWrite
+from omni_cache.tenancy import SlotTenancy
 
 
 # ---- I12: a first admission is generation 0 ----------------------------------------------
@@ -135,3 +138,18 @@ def test_an_ended_requests_untaken_hit_is_never_served(eager: bool) -> None:
         assert torch.equal(out.hidden_states["a"], rows), "an ended request's pending hit was served"
     finally:
         m.shutdown()
+
+
+# ---- I7: the preserved-rows counter counts rows --------------------------------------------
+def test_the_preserved_rows_total_counts_each_row_kept_for_a_pin() -> None:
+    """Mutant: ``tenancy:SlotTenancy._preserve_locked:int_off:d559aa41`` (the total grows by 2 a row)."""
+    ten = SlotTenancy(PrefixBlockPool(8))
+    slots_np = np.array([2, 3], dtype=np.int64)
+    ten.register(["k"], slots_np, 1, step_id=11)
+    ten.land_all({"k": torch.full((2, 3), 1.0)}, torch.from_numpy(slots_np), 1)
+    plan = ten.plan(["k"], torch.from_numpy(slots_np))  # pins version 1 of both slots
+    ten.register(["k"], slots_np, 2, step_id=12)
+    ten.land_all({"k": torch.full((2, 3), 2.0)}, torch.from_numpy(slots_np), 2)  # overwrites the pinned rows
+    assert ten.num_preserved_total == 2, "two pinned rows were preserved before the overwrite"
+    assert torch.equal(ten.read("k", plan, what="r"), torch.full((2, 3), 1.0))
+    ten.unplan(plan)
