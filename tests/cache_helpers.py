@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import pytest
 import torch
 
 from omni_cache import (
@@ -46,6 +47,14 @@ def manager(eager: bool = True, **overrides: object) -> OmniPrefixCacheManager:
 
 def started(req: str, hit_end: int = 0, blocks: Sequence[int] = (), scheduled: int = 0) -> PrefixCacheRequestEvent:
     return PrefixCacheRequestEvent(req, E.STARTED, 0, hit_end, (tuple(blocks),) if blocks else (), scheduled)
+
+
+def finished(req: str) -> PrefixCacheRequestEvent:
+    return PrefixCacheRequestEvent(req, E.FINISHED)
+
+
+# The two manager modes most tests run in: inline copies, and the committer thread.
+MODES = [pytest.param(True, id="eager"), pytest.param(False, id="async")]
 
 
 def save(

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 import torch
-from cache_helpers import WIDTH, E, config, manager, save, settle, slots, started, truth
+from cache_helpers import MODES, WIDTH, E, config, manager, save, settle, slots, started, truth
 
 from omni_cache import (
     HIDDEN_KEY,
@@ -20,8 +20,6 @@ from omni_cache import (
 )
 from omni_cache.errors import PHRASE_SLOT_MAPPING
 from omni_cache.manager import OmniPrefixCacheManager
-
-MODES = [pytest.param(True, id="eager"), pytest.param(False, id="async")]
 
 
 @pytest.mark.parametrize("eager", MODES)

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 import pytest
 import torch
-from cache_helpers import BS, manager, save, settle, started, truth
+from cache_helpers import BS, MODES, manager, save, settle, started, truth
 
 from omni_cache import (
     ModelCachePolicy,
@@ -38,9 +38,6 @@ from omni_cache.adapter import PrefixCacheEventKind as E
 from omni_cache.adapter import PrefixCacheWrite
 from omni_cache.errors import PHRASE_NOT_SAVED
 from omni_cache.staging import StagingPool
-
-MODES = [pytest.param(True, id="eager"), pytest.param(False, id="async")]
-
 
 # ---- item 5: no autograd through the cache -----------------------------------------------
 

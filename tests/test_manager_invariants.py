@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from cache_helpers import E, manager, save, settle, slots, started, truth
+from cache_helpers import MODES, E, manager, save, settle, slots, started, truth
 
 from omni_cache import (
     ModelCachePolicy,
@@ -26,8 +26,6 @@ from omni_cache.errors import (
     PHRASE_WRITE_FAILED,
 )
 from omni_cache.faults import FaultHooks
-
-MODES = [pytest.param(True, id="eager"), pytest.param(False, id="async")]
 
 
 @pytest.mark.parametrize("eager", MODES)

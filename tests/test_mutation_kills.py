@@ -17,13 +17,12 @@ import time
 
 import pytest
 import torch
-from cache_helpers import WIDTH, E, config, manager, save, settle, started, truth
+from cache_helpers import MODES, WIDTH, config, finished, manager, save, settle, started, truth
 
 from omni_cache import (
     ModelCachePolicy,
     OmniPrefixCacheStagingTimeoutError,
     OmniPrefixCacheUnmatchError,
-    PrefixCacheRequestEvent,
     PrefixCacheWriteLayout,
     WriteSchedule,
 )
@@ -32,13 +31,6 @@ from omni_cache.faults import FaultHooks
 from omni_cache.manager import OmniPrefixCacheManager
 from omni_cache.staging import StagingPool
 from omni_cache.writes import WriteBook
-
-
-def finished(req: str) -> PrefixCacheRequestEvent:
-    return PrefixCacheRequestEvent(req, E.FINISHED)
-
-
-MODES = [pytest.param(True, id="eager"), pytest.param(False, id="async")]
 
 
 # ---- I3: abort refuses while a pool write holds the page ---------------------------------

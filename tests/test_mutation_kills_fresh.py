@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from cache_helpers import config, manager, save, started
+from cache_helpers import MODES, config, manager, save, started
 
 from omni_cache import (
     ModelCachePolicy,
@@ -34,8 +34,6 @@ from omni_cache.faults import FaultHooks
 from omni_cache.manager import OmniPrefixCacheManager
 from omni_cache.staging import StagingPool
 from omni_cache.writes import PoolWrite
-
-MODES = [pytest.param(True, id="eager"), pytest.param(False, id="async")]
 
 
 # ---- I11: the block pool's reads take its leaf lock --------------------------------------

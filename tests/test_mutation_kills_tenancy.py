@@ -19,12 +19,11 @@ from typing import ClassVar
 import numpy as np
 import pytest
 import torch
-from cache_helpers import E, config, manager, save, started
+from cache_helpers import MODES, config, finished, manager, save, started
 
 from omni_cache import (
     ModelCachePolicy,
     OmniPrefixCacheUnmatchError,
-    PrefixCacheRequestEvent,
     WriteSchedule,
 )
 from omni_cache.block_pool import PrefixBlockPool
@@ -35,13 +34,6 @@ from omni_cache.manager import OmniPrefixCacheManager
 from omni_cache.reader import StepReader
 from omni_cache.tenancy import NotLandedYet, SlotTenancy
 from omni_cache.writes import WriteBook
-
-
-def finished(req: str) -> PrefixCacheRequestEvent:
-    return PrefixCacheRequestEvent(req, E.FINISHED)
-
-
-MODES = [pytest.param(True, id="eager"), pytest.param(False, id="async")]
 
 
 # ---- I7: a planned row overwritten by a newer tenant with no preserved copy ---------------
