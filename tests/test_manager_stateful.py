@@ -52,6 +52,7 @@ from hypothesis.stateful import (
     multiple,
     precondition,
     rule,
+    run_state_machine_as_test,
 )
 from reference_model import CODES, EMBEDS, E, Engine, StepExpect, check_outputs, prefix_hashes, truth_rows
 from thread_helpers import Builder, HoldStep, SlowCommitter, expect_error
@@ -74,8 +75,9 @@ from omni_cache.errors import (
     PHRASE_UNCONSUMED,
 )
 from omni_cache.manager import OmniPrefixCacheManager
+from omni_cache.verify.tenancy_trace import TenancyTraceCheck
 from omni_cache.verify.testing import require_tlc
-from omni_cache.verify.traces import validate_trace
+from omni_cache.verify.traces import TraceCheck, validate_trace
 
 BS = 4
 CAPACITY = 16
@@ -103,9 +105,17 @@ def _step_rule(name: str) -> Callable[..., object]:
     return precondition(lambda self: self._can_save())(rule(target=PENDING, **STEP)(step_rule))
 
 
+# The set-up's strategies (a subclass may narrow one: DeferredTLCMachine).
+SETUP = dict(hidden=st.booleans(), defer=st.sampled_from([(), (EMBEDS,), (EMBEDS, CODES)]),
+             pass_hidden=st.booleans(), depth=st.sampled_from([2, 3]),
+             budget=st.sampled_from([1 << 30, 200]), num_blocks=st.integers(8, 16),
+             arrivals=st.lists(ARRIVAL, min_size=1, max_size=4), mru=st.booleans(), slow=st.booleans())
+
+
 class ManagerMachine(RuleBasedStateMachine):
     MODE = "eager"
     CHECK_WITH_TLC = False  # the Python replay always runs; TLC only in TestManagerTracesWithTLC
+    TLC_VERDICTS: list[TraceCheck] | None = None  # with TLC: every verdict of every example
     pending = PENDING
     consumed = CONSUMED
 
@@ -116,10 +126,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.builder = Builder(self.MODE == "threaded")
         self.cfg: PrefixCacheConfig | None = None
 
-    @initialize(hidden=st.booleans(), defer=st.sampled_from([(), (EMBEDS,), (EMBEDS, CODES)]),
-                pass_hidden=st.booleans(), depth=st.sampled_from([2, 3]),
-                budget=st.sampled_from([1 << 30, 200]), num_blocks=st.integers(8, 16),
-                arrivals=st.lists(ARRIVAL, min_size=1, max_size=4), mru=st.booleans(), slow=st.booleans())
+    @initialize(**SETUP)
     def setup(self, hidden: bool, defer: tuple[str, ...], pass_hidden: bool, depth: int, budget: int,
               num_blocks: int, arrivals: list[tuple[int, int, list[int], int]], mru: bool, slow: bool) -> None:
         eager = self.MODE == "eager"
@@ -368,7 +375,7 @@ class ManagerMachine(RuleBasedStateMachine):
         assert stats["writes_in_flight"] == 0 and stats["deferred_open"] == 0, stats  # I9: nothing dropped
         # Trace validation: every recorded transition is a legal edge of omni_cache.states, step ids
         # are issued and consumed once (I1); at the end every page is free and every write landed.
-        final = validate_trace(self.recorder, tlc=self.CHECK_WITH_TLC)
+        final = validate_trace(self.recorder, tlc=self.CHECK_WITH_TLC, verdicts=self.TLC_VERDICTS)
         assert {s for (machine, _), s in final.items() if machine == "staging_slot"} <= {"free"}, final
         assert {s for (machine, _), s in final.items() if machine == "pool_write"} <= {"written"}, final
 
@@ -382,6 +389,18 @@ class TLCTracedMachine(ManagerMachine):
 
     MODE = "async"
     CHECK_WITH_TLC = True
+    TLC_VERDICTS: list[TraceCheck] | None = []
+
+
+class DeferredTLCMachine(TLCTracedMachine):
+    """The TLC-traced machine with deferred keys always on: every step with rows registers an
+    immediate and a deferred write on its KV slots (one tenant, two writes in transit)."""
+
+    TLC_VERDICTS: list[TraceCheck] | None = []
+
+    @initialize(**{**SETUP, "defer": st.sampled_from([(EMBEDS,), (EMBEDS, CODES)])})
+    def setup(self, **kwargs: object) -> None:  # type: ignore[override]
+        super().setup(**kwargs)  # type: ignore[arg-type]
 
 
 class ThreadedMachine(ManagerMachine):
@@ -416,6 +435,22 @@ class TestManagerTracesWithTLC(TLCTracedMachine.TestCase):  # type: ignore[name-
 
     def setUp(self) -> None:
         require_tlc()  # skips only where java is missing; fails instead under CI=true
+
+
+def test_tlc_validates_tenancy_traces_with_immediate_and_deferred_writes() -> None:
+    """Every stateful trace's tenancy notes go to TLC, steps with an immediate and a deferred
+    write on a KV slot included: counted from the verdicts validate_trace really returned (the
+    tenancy check used to be skipped for such traces; this fails if it is again)."""
+    require_tlc()
+    DeferredTLCMachine.TLC_VERDICTS = verdicts = []
+    run_state_machine_as_test(DeferredTLCMachine, settings=settings(
+        settings.default, max_examples=2, stateful_step_count=25, deadline=None,
+        phases=(Phase.explicit, Phase.reuse, Phase.generate), suppress_health_check=list(HealthCheck)))
+    tenancy = [v for v in verdicts if isinstance(v, TenancyTraceCheck)]
+    split = [v for v in tenancy if v.split_writes > 0]
+    assert all(v.accepted for v in verdicts), [v.explain() for v in verdicts]
+    assert split, f"no tenancy trace with an immediate + deferred write reached TLC ({len(tenancy)} tenancy checks)"
+    assert sum(v.num_events for v in split) > 20, [v.explain() for v in split]
 
 
 @pytest.mark.parametrize("mode", ["eager", "async"])

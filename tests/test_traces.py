@@ -28,7 +28,7 @@ from omni_cache.staging import StagingPool
 from omni_cache.states import STAGING_TABLE, WRITE_TABLE
 from omni_cache.trace import TraceEvent, TraceRecorder
 from omni_cache.verify import TraceReplayError, check_trace_tlc, replay, validate_trace
-from omni_cache.verify.tenancy_trace import check_tenancy_trace_tlc, tenancy_trace_supported
+from omni_cache.verify.tenancy_trace import check_tenancy_trace_tlc, has_tenancy_notes
 from omni_cache.verify.testing import assert_trace_valid, require_tlc
 from omni_cache.verify.traces import trace_module
 from omni_cache.writes import WriteBook
@@ -233,7 +233,7 @@ def test_manager_trace_is_valid_for_both_replays() -> None:
     assert {e.machine for e in events} == {"staging_slot", "pool_write"}
     # Tenancy (every r{i} plans hits on a's blocks and reads them) is validated by TLC too:
     # this config has no deferred keys, so each tenant has one write (the model's scope).
-    assert tenancy_trace_supported(rec), "this run must exercise the tenancy trace check"
+    assert has_tenancy_notes(rec), "this run must exercise the tenancy trace check"
     tenancy = check_tenancy_trace_tlc(rec)
     assert tenancy.accepted and tenancy.num_events > 20, tenancy.explain() + tenancy.output
     final = assert_trace_valid(rec, tlc=True)

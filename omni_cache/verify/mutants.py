@@ -68,7 +68,7 @@ MODELS: tuple[Model, ...] = (
          "LandRows", "ReadResult", "RegisterVersions"),
         ("idle", "planned", "done", "dropped"),
         (("MCTenancy.tla", "MCTenancy.cfg"), ("MCTenancy.tla", "MCTenancyKeys.cfg"),
-         ("MCTenancy.tla", "MCTenancyReplaced.cfg")),
+         ("MCTenancy.tla", "MCTenancyReplaced.cfg"), ("MCTenancy.tla", "MCTenancyLive.cfg")),
     ),
     Model(
         "writes", "Writes.tla",

@@ -11,13 +11,17 @@ compared with what the spec computes (``TracePlan``/``TraceRead``), and TLC
 checks NeverSilentMiss (I6), NoStaleTenant and HitServed (I7, against the
 spec's ghost history) along the trace.
 
+A runtime step with deferred keys registers two writes per KV slot (immediate
+keys, then deferred keys: disjoint key sets) as one tenant: both map to the
+same model version, each to its own write in transit ``<<ver, keys>>``, and
+each ``land`` note to the landing of that write (Tenancy's ``EachKeyLandsOnce``
+checks every key lands once). ``split_writes`` counts such (step, slot) pairs.
+
 Scope: the model plans hits only on slots some tenant registered a write for
 (a hit refers to a block its tenant computed); a runtime hit on a slot no write
 was ever registered for (a diverged KV cache, which the runtime refuses with "is
 not readable", I6: tests/test_manager_*) is left out of the trace, with its
-reads. The model gives each tenant ONE write. A runtime step with deferred
-keys registers two writes per slot (immediate + deferred); such a trace raises
-``TenancyTraceUnsupported`` (the model needs the two-writes generalisation).
+reads.
 """
 
 from __future__ import annotations
@@ -27,15 +31,13 @@ from pathlib import Path
 
 from omni_cache.trace import TraceEvent, TraceRecorder
 from omni_cache.verify.tlc import default_tla_dir
+from dataclasses import dataclass
+
 from omni_cache.verify.traces import TraceCheck, _run_trace_spec, _tla_string, trace_cfg
 
 MACHINE = "tenancy"
 RAISED = -1
 _UNKNOWN = 10**6  # a version no tenant has: the spec rejects it
-
-
-class TenancyTraceUnsupported(ValueError):
-    """The trace holds something the Tenancy model does not cover (two writes of one tenant)."""
 
 
 def _record(ev: str, slot: int, ver: int = 0, keys: Iterable[int] = (), r: int = 0, key: int = 0,
@@ -68,17 +70,14 @@ def tenancy_trace_data(events: Sequence[TraceEvent], name: str = "TenancyTraceDa
             tid, keys = int(e.get("tid")), [k_of(k) for k in e.get("keys")]  # type: ignore[arg-type,union-attr]
             for slot in e.get("slots"):  # type: ignore[union-attr]
                 steps = tenants.setdefault(slot, [])
-                if steps and steps[-1] == e.step_id:
-                    raise TenancyTraceUnsupported(
-                        f"step {e.step_id} registers a second write (tid {tid}) on KV slot {slot}: the Tenancy "
-                        "model gives each tenant one write (deferred keys are not modelled yet)")
-                steps.append(e.step_id)  # type: ignore[arg-type]
+                if not steps or steps[-1] != e.step_id:  # a new tenant; else the step's second write
+                    steps.append(e.step_id)  # type: ignore[arg-type]
                 version[(slot, tid)] = len(steps)
                 records.append(_record("register", s_of(slot), len(steps), keys))
         elif e.trigger == "land":
-            tid = int(e.get("tid"))  # type: ignore[arg-type]
+            tid, keys = int(e.get("tid")), [k_of(k) for k in e.get("keys")]  # type: ignore[arg-type,union-attr]
             for slot in e.get("slots"):  # type: ignore[union-attr]
-                records.append(_record("land", s_of(slot), version.get((slot, tid), _UNKNOWN)))
+                records.append(_record("land", s_of(slot), version.get((slot, tid), _UNKNOWN), keys))
         elif e.trigger == "plan":
             pid, slots = int(e.get("plan")), tuple(e.get("slots"))  # type: ignore[arg-type,arg-type]
             plans[pid] = slots
@@ -120,32 +119,45 @@ Trace == <<
 
 def _tenancy_cfg(constants: dict[str, int]) -> str:
     return trace_cfg(constants, "TypeOK NeverSilentMiss NoStaleTenant HitServed NewestLanded HitOwned KeptNeeded "
-                     "WritesCarryKeys ReplacedIsNew")
+                     "WritesCarryKeys EachKeyLandsOnce ReplacedIsNew")
 
 
-def tenancy_trace_supported(events: TraceRecorder | Iterable[TraceEvent]) -> bool:
-    """The trace has tenancy notes and the model covers it (no tenant with two writes)."""
+def has_tenancy_notes(events: TraceRecorder | Iterable[TraceEvent]) -> bool:
+    """The trace holds tenancy notes (a ``SlotTenancy`` with a recorder registered or planned)."""
     evs = events.events(notes=True) if isinstance(events, TraceRecorder) else list(events)
-    if not any(e.machine == MACHINE for e in evs):
-        return False
-    try:
-        tenancy_trace_data(evs)
-    except TenancyTraceUnsupported:
-        return False
-    return True
+    return any(e.machine == MACHINE and e.kind == "note" for e in evs)
+
+
+def split_writes(events: TraceRecorder | Iterable[TraceEvent]) -> int:
+    """How many (step, KV slot) pairs register two writes (immediate + deferred keys) in the trace."""
+    evs = events.events(notes=True) if isinstance(events, TraceRecorder) else list(events)
+    writes: dict[tuple[int | None, int], int] = {}
+    for e in evs:
+        if e.machine == MACHINE and e.kind == "note" and e.trigger == "register":
+            for slot in e.get("slots"):  # type: ignore[union-attr]
+                writes[(e.step_id, slot)] = writes.get((e.step_id, slot), 0) + 1
+    return sum(1 for n in writes.values() if n > 1)
+
+
+@dataclass(frozen=True)
+class TenancyTraceCheck(TraceCheck):
+    """TLC's verdict on a tenancy trace, with how many (step, slot) pairs had two writes."""
+
+    split_writes: int = 0
 
 
 def check_tenancy_trace_tlc(
     events: TraceRecorder | Iterable[TraceEvent], *, tla_dir: Path | None = None, timeout_s: float = 120.0
-) -> TraceCheck:
+) -> TenancyTraceCheck:
     """Check the tenancy notes of a trace with TLC against tla/tenancy/TenancyTrace.tla.
 
-    Accepted iff exit 0; ``stuck_at`` indexes the generated ``Trace`` records (0-based).
-    Raises ``TenancyTraceUnsupported`` for a trace with two writes of one tenant.
+    Accepted iff exit 0; ``stuck_at`` indexes the generated ``Trace`` records (0-based);
+    ``split_writes`` counts the (step, slot) pairs with an immediate and a deferred write.
     """
     evs = events.events(notes=True) if isinstance(events, TraceRecorder) else list(events)
     data, constants = tenancy_trace_data(evs)
-    return _run_trace_spec(
+    verdict = _run_trace_spec(
         (tla_dir or default_tla_dir()) / "tenancy", ("Tenancy.tla", "TenancyTrace.tla"),
         "TenancyTrace", data, _tenancy_cfg(constants), data.count("[ev |->"), timeout_s,
     )
+    return TenancyTraceCheck(**verdict.__dict__, split_writes=split_writes(evs))

@@ -327,11 +327,12 @@ def check_writes_trace_tlc(
 
 
 def validate_trace(
-    trace: TraceRecorder | Iterable[TraceEvent], *, tlc: bool = False, tla_dir: Path | None = None
+    trace: TraceRecorder | Iterable[TraceEvent], *, tlc: bool = False, tla_dir: Path | None = None,
+    verdicts: list[TraceCheck] | None = None,
 ) -> dict[tuple[str, str], str]:
     """Assert a recorded trace is valid: Python replay of every table, and TLC if ``tlc``
-    (staging and writes always; tenancy when the trace has tenancy notes and each tenant one
-    write, ``tenancy_trace.tenancy_trace_supported``).
+    (staging and writes always; tenancy whenever the trace has tenancy notes, steps with an
+    immediate and a deferred write included). ``verdicts``: TLC's verdicts are appended to it.
 
     For other test suites: ``validate_trace(recorder)`` after driving the
     runtime with ``recorder=TraceRecorder()``. Raises ``TraceReplayError`` or
@@ -340,13 +341,15 @@ def validate_trace(
     events = _events(trace)
     final = replay(events)
     if tlc:
-        from omni_cache.verify.tenancy_trace import check_tenancy_trace_tlc, tenancy_trace_supported
+        from omni_cache.verify.tenancy_trace import check_tenancy_trace_tlc, has_tenancy_notes
 
         checks = [check_trace_tlc, check_writes_trace_tlc]
-        if tenancy_trace_supported(events):  # tenancy notes, one write per tenant (the model's scope)
+        if has_tenancy_notes(events):
             checks.append(check_tenancy_trace_tlc)
         for check in checks:
             verdict = check(events, tla_dir=tla_dir)
+            if verdicts is not None:
+                verdicts.append(verdict)
             if not verdict.accepted:
                 raise AssertionError(f"{check.__name__}: " + verdict.explain() + "\n" + verdict.output[-1500:])
     return final

@@ -8,7 +8,6 @@ plan_landed(r, s, k) ==
     /\ rstate' = [rstate EXCEPT ![r] = "planned"]
     /\ want' = [want EXCEPT ![r] = <<s, tag[s], k>>]
     /\ pgen' = [pgen EXCEPT ![r] = rgen[r]]
-    /\ pin' = [pin EXCEPT ![r] = <<s, ver[s], k>>]
-    /\ served' = [served EXCEPT ![r] = Registered(s) /\ k \in carry[s][ver[s]]]
-    /\ UNCHANGED <<ver, carry, reg, tag, absent, row, transit, kept, got, rgen, landed>>
+    /\ pin' = [pin EXCEPT ![r] = <<s, ver[s], k, k \in carry[s][ver[s]]>>]
+    /\ UNCHANGED <<ver, carry, reg, tag, absent, row, transit, kept, got, rgen, arrived>>
 =============================================================================

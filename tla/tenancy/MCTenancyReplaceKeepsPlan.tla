@@ -7,5 +7,5 @@ replace_keeping_plan(r) ==
     /\ rstate[r] \in {"idle", "planned"}
     /\ rgen' = [rgen EXCEPT ![r] = @ + 1]
     /\ UNCHANGED <<ver, carry, reg, tag, absent, row, transit, kept, rstate, want, got, pgen,
-                   pin, served, landed>>
+                   pin, arrived>>
 =============================================================================

@@ -3,8 +3,8 @@
 EXTENDS Tenancy
 
 ReadServesZeros(s, v, k) ==
-    IF KeptFor(s, v, k) # {} THEN (CHOOSE c \in KeptFor(s, v, k) : TRUE).rows
+    IF KeptFor(s, v, k) # {} THEN KeptRows(s, v, k)
+    ELSE IF InTransit(s, v, k) THEN Wait
     ELSE IF tag[s] = v THEN (IF absent[s][k] THEN Raised ELSE row[s][k])
-    ELSE IF v \in transit[s] THEN (IF k \in carry[s][v] THEN Wait ELSE Raised)
     ELSE row[s][k]
 =============================================================================

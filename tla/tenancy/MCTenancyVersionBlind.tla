@@ -3,8 +3,8 @@
 EXTENDS Tenancy
 
 ReadWrittenRow(s, v, k) ==
-    IF KeptFor(s, v, k) # {} THEN (CHOOSE c \in KeptFor(s, v, k) : TRUE).rows
+    IF KeptFor(s, v, k) # {} THEN KeptRows(s, v, k)
     ELSE IF row[s][k] # Absent THEN row[s][k]
-    ELSE IF v \in transit[s] THEN Wait
+    ELSE IF InTransit(s, v, k) THEN Wait
     ELSE Raised
 =============================================================================

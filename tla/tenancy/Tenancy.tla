@@ -13,10 +13,14 @@
 (*                                                                         *)
 (*  - reuse(s):       a new tenant takes KV slot s;                        *)
 (*  - register(s, K): the tenant's step saved rows of keys K for s: a pool *)
-(*                    write in transit (versions land in any order);       *)
-(*  - land(s, v):     the committer lands version v; rows a planned read   *)
-(*                    still needs are copied aside first; an older write   *)
-(*                    landing late never overwrites the newer row;         *)
+(*                    write in transit (writes land in any order).  A step *)
+(*                    registers up to two writes per slot, the immediate   *)
+(*                    keys and the deferred keys (disjoint key sets), both *)
+(*                    the same tenant: a write in transit is <<v, K>>;     *)
+(*  - land(s, v, K):  the committer lands tenant v's write of keys K; rows *)
+(*                    a planned read still needs are copied aside first;   *)
+(*                    an older write landing late never overwrites the     *)
+(*                    newer row; a key lands at most once;                 *)
 (*  - plan(r, s, k):  new_step_starts registers a hit of reader r on key k *)
 (*                    of slot s, pinning the version registered for (s, k);*)
 (*  - read(r):        the delayed materialize reads it;                    *)
@@ -25,8 +29,9 @@
 (*                    new admission reads only through its own hits.       *)
 (*                                                                         *)
 (* The oracles read ghost history, never the implementation's variables:   *)
-(* pin[r] is the slot's tenant when the read was planned, wrote[s] every   *)
-(* tenant's registered keys, landed[s] every landed version.               *)
+(* pin[r] is <<slot, the slot's tenant when the read was planned, key,     *)
+(* whether that tenant had registered the key then>>, arrived[s][v] the    *)
+(* keys of tenant v whose rows have landed.                                *)
 (*                                                                         *)
 (* Code: omni_cache/tenancy.py SlotTenancy (register, plan, land_all with  *)
 (* _preserve_locked and _preserve_late_locked, read, unplan).             *)
@@ -35,7 +40,11 @@
 (* pin), HitServed (I7's preservation, against wrote), NewestLanded (an    *)
 (* older write never overwrites a newer tenant, against landed), HitOwned  *)
 (* (a read is made by the admission that planned it), KeptNeeded,         *)
-(* WritesCarryKeys, ReplacedIsNew.                                         *)
+(* WritesCarryKeys, EachKeyLandsOnce (a tenant's registered keys are each  *)
+(* in exactly one write in transit, or landed), ReplacedIsNew.  Property   *)
+(* (LiveSpec: the engine, the committer and the readers fair; the cache    *)
+(* never blocks the KV allocator's reuse): EveryReaderEnds -- every reader *)
+(* gets a hit to read and its delayed read ends (never waits forever).     *)
 (***************************************************************************)
 EXTENDS Integers, FiniteSets
 
@@ -58,51 +67,51 @@ Raised  == -1           \* the read raised OmniPrefixCacheUnmatchError ("is not 
 Wait    == -2           \* not a result: the rows are still in transit, the read waits
 Results == {Raised, Absent} \cup Vers
 Keep    == [slot : Slots, ver : Vers, key : Keys, rows : {Absent} \cup Vers]
+Writes  == Vers \X SUBSET Keys   \* a write in transit: <<tenant, its keys>>
 
 VARIABLES
     ver,       \* ver[s]: current tenant of KV slot s (0 = never handed out)
-    carry,     \* carry[s][v]: the keys version v's write carries ({} = none registered)
+    carry,     \* carry[s][v]: the keys tenant v registered, all its writes ({} = none; v = 0: nobody)
     reg,       \* reg[s][k]: the version registered for key k of slot s (implementation)
     tag,       \* tag[s]: the version whose write the pool row of s holds (implementation)
     absent,    \* absent[s][k]: the tenant at tag[s] did not write key k (implementation)
     row,       \* row[s][k]: whose rows physically sit in the pool at (s, k) (data)
-    transit,   \* transit[s]: versions whose writes to s are in transit
+    transit,   \* transit[s]: the writes <<v, K>> to s in transit
     kept,      \* rows copied aside for planned reads
     rstate,    \* rstate[r] \in {"idle", "planned", "done", "dropped"}
     want,      \* want[r]: <<slot, version, key>> the plan pinned (implementation)
     got,       \* got[r]: what the read returned (a version's rows, Absent, or Raised)
     rgen,      \* rgen[r]: the reader's current admission
     pgen,      \* pgen[r]: the admission that planned the read
-    pin,       \* ghost: pin[r] = <<slot, tenant, key>> when the read was planned
-    served,    \* ghost: served[r] = the tenant's write carried the key when planned
-    landed     \* ghost: landed[s] = the versions that have landed on s
+    pin,       \* ghost: pin[r] = <<slot, tenant, key, the tenant had registered key>> at plan
+    arrived    \* ghost: arrived[s][v] = the keys of tenant v whose rows have landed on s
 
 vars == <<ver, carry, reg, tag, absent, row, transit, kept, rstate, want, got,
-          rgen, pgen, pin, served, landed>>
+          rgen, pgen, pin, arrived>>
 
 Max(S) == CHOOSE x \in S : \A y \in S : x >= y
 
 TypeOK ==
     /\ ver \in [Slots -> 0..MaxVer]
-    /\ carry \in [Slots -> [Vers -> SUBSET Keys]]
+    /\ carry \in [Slots -> [0..MaxVer -> SUBSET Keys]]
+    /\ \A s \in Slots : carry[s][0] = {}       \* version 0 is nobody: it writes nothing
     /\ reg \in [Slots -> [Keys -> 0..MaxVer]]
     /\ tag \in [Slots -> 0..MaxVer]
     /\ absent \in [Slots -> [Keys -> BOOLEAN]]
     /\ row \in [Slots -> [Keys -> 0..MaxVer]]
-    /\ transit \in [Slots -> SUBSET Vers]
+    /\ transit \in [Slots -> SUBSET Writes]
     /\ kept \subseteq Keep
     /\ rstate \in [Readers -> {"idle", "planned", "done", "dropped"}]
     /\ want \in [Readers -> (Slots \X (0..MaxVer) \X Keys)]
     /\ got \in [Readers -> Results]
     /\ rgen \in [Readers -> 1..MaxGen]
     /\ pgen \in [Readers -> 0..MaxGen]
-    /\ pin \in [Readers -> (Slots \X (0..MaxVer) \X Keys)]
-    /\ served \in [Readers -> BOOLEAN]
-    /\ landed \in [Slots -> SUBSET Vers]
+    /\ pin \in [Readers -> (Slots \X (0..MaxVer) \X Keys \X BOOLEAN)]
+    /\ arrived \in [Slots -> [Vers -> SUBSET Keys]]
 
 Init ==
     /\ ver = [s \in Slots |-> 0]
-    /\ carry = [s \in Slots |-> [v \in Vers |-> {}]]
+    /\ carry = [s \in Slots |-> [v \in 0..MaxVer |-> {}]]
     /\ reg = [s \in Slots |-> [k \in Keys |-> 0]]
     /\ tag = [s \in Slots |-> Absent]
     /\ absent = [s \in Slots |-> [k \in Keys |-> FALSE]]
@@ -114,17 +123,22 @@ Init ==
     /\ got = [r \in Readers |-> Absent]
     /\ rgen = [r \in Readers |-> 1]
     /\ pgen = [r \in Readers |-> 0]
-    /\ pin = [r \in Readers |-> <<1, 0, 1>>]
-    /\ served = [r \in Readers |-> FALSE]
-    /\ landed = [s \in Slots |-> {}]
+    /\ pin = [r \in Readers |-> <<1, 0, 1, FALSE>>]
+    /\ arrived = [s \in Slots |-> [v \in Vers |-> {}]]
 
 \* Reader r has planned, and not yet read, version v of key k of slot s.
 Needs(r, s, v, k) == rstate[r] = "planned" /\ want[r] = <<s, v, k>>
 Needed(s, v, k) == \E r \in Readers : Needs(r, s, v, k)
 KeptFor(s, v, k) == {c \in kept : c.slot = s /\ c.ver = v /\ c.key = k}
 
-\* The slot's current tenant has registered its write.
+\* The slot's current tenant has registered a write.
 Registered(s) == ver[s] \in Vers /\ carry[s][ver[s]] # {}
+
+\* Key k of tenant v is in a write to s still in transit.
+InTransit(s, v, k) == \E w \in transit[s] : w[1] = v /\ k \in w[2]
+
+\* The tenants with rows landed on s.
+Landed(s) == {v \in Vers : arrived[s][v] # {}}
 
 (***************************************************************************)
 (* KV allocator, engine and committer                                      *)
@@ -133,50 +147,56 @@ reuse(s) ==
     /\ ver[s] < MaxVer
     /\ ver' = [ver EXCEPT ![s] = @ + 1]
     /\ UNCHANGED <<carry, reg, tag, absent, row, transit, kept, rstate, want, got,
-                   rgen, pgen, pin, served, landed>>
+                   rgen, pgen, pin, arrived>>
 
-\* The tenant registers one write of keys K for slot s: from now on every key
-\* of s is the tenant's (the ones K lacks are absent for it).
+\* The tenant registers a write of keys K for slot s: from now on every key
+\* of s is the tenant's (the ones no write of it carries are absent for it).
+\* Its immediate and deferred writes carry disjoint keys.
 RegisterVersions(s, K) == [k \in Keys |-> ver[s]]
 
 register(s, K) ==
     /\ ver[s] # 0
-    /\ carry[s][ver[s]] = {}
     /\ K # {}
-    /\ carry' = [carry EXCEPT ![s][ver[s]] = K]
+    /\ K \cap carry[s][ver[s]] = {}
+    /\ carry' = [carry EXCEPT ![s][ver[s]] = @ \cup K]
     /\ reg' = [reg EXCEPT ![s] = RegisterVersions(s, K)]
-    /\ transit' = [transit EXCEPT ![s] = @ \cup {ver[s]}]
+    /\ transit' = [transit EXCEPT ![s] = @ \cup {<<ver[s], K>>}]
     /\ UNCHANGED <<ver, tag, absent, row, kept, rstate, want, got, rgen, pgen, pin,
-                   served, landed>>
+                   arrived>>
 
-\* Rows of version old at s that a planned read needs, copied aside before
-\* version new overwrites the row (only keys old really wrote).
+\* Rows of tenant old at s that a planned read needs, copied aside before
+\* tenant new's first write overwrites the row (only keys whose rows of old
+\* have landed: a key of old still in transit is kept when it lands late).
 Preserved(s, old, new) ==
     {[slot |-> s, ver |-> old, key |-> k, rows |-> row[s][k]] :
         k \in {k2 \in Keys : /\ old # Absent /\ old # new /\ ~absent[s][k2]
+                             /\ ~InTransit(s, old, k2)
                              /\ Needed(s, old, k2) /\ KeptFor(s, old, k2) = {}}}
 
-\* Rows of version v that land after a newer tenant's: kept for a planned read.
-PreservedLate(s, v) ==
+\* Rows of keys K of tenant v that land after a newer tenant's: kept for a
+\* planned read.
+PreservedLate(s, v, K) ==
     {[slot |-> s, ver |-> v, key |-> k, rows |-> v] :
-        k \in {k2 \in carry[s][v] : Needed(s, v, k2) /\ KeptFor(s, v, k2) = {}}}
+        k \in {k2 \in K : Needed(s, v, k2) /\ KeptFor(s, v, k2) = {}}}
 
-\* Version v lands: its keys' rows are written, the keys it lacks are absent.
-LandRows(s, v) ==
-    /\ row' = [row EXCEPT ![s] = [k \in Keys |-> IF k \in carry[s][v] THEN v ELSE row[s][k]]]
+\* Tenant v's write of keys K lands: those rows are written; every key no
+\* write of v carries is absent.
+LandRows(s, v, K) ==
+    /\ row' = [row EXCEPT ![s] = [k \in Keys |-> IF k \in K THEN v ELSE row[s][k]]]
     /\ absent' = [absent EXCEPT ![s] = [k \in Keys |-> k \notin carry[s][v]]]
 
-land(s, v) ==
-    /\ v \in transit[s]
-    /\ IF v > tag[s]
+\* v = tag[s]: the tenant's other write (its deferred or immediate keys).
+land(s, v, K) ==
+    /\ <<v, K>> \in transit[s]
+    /\ IF v >= tag[s]
           THEN /\ kept' = kept \cup Preserved(s, tag[s], v)
                /\ tag' = [tag EXCEPT ![s] = v]
-               /\ LandRows(s, v)
-          ELSE /\ kept' = kept \cup PreservedLate(s, v)
+               /\ LandRows(s, v, K)
+          ELSE /\ kept' = kept \cup PreservedLate(s, v, K)
                /\ UNCHANGED <<tag, row, absent>>
-    /\ transit' = [transit EXCEPT ![s] = @ \ {v}]
-    /\ landed' = [landed EXCEPT ![s] = @ \cup {v}]
-    /\ UNCHANGED <<ver, carry, reg, rstate, want, got, rgen, pgen, pin, served>>
+    /\ transit' = [transit EXCEPT ![s] = @ \ {<<v, K>>}]
+    /\ arrived' = [arrived EXCEPT ![s][v] = @ \cup K]
+    /\ UNCHANGED <<ver, carry, reg, rstate, want, got, rgen, pgen, pin>>
 
 (***************************************************************************)
 (* Delayed hit readers                                                     *)
@@ -189,16 +209,19 @@ plan(r, s, k) ==
     /\ rstate' = [rstate EXCEPT ![r] = "planned"]
     /\ want' = [want EXCEPT ![r] = <<s, reg[s][k], k>>]
     /\ pgen' = [pgen EXCEPT ![r] = rgen[r]]
-    /\ pin' = [pin EXCEPT ![r] = <<s, ver[s], k>>]
-    /\ served' = [served EXCEPT ![r] = Registered(s) /\ k \in carry[s][ver[s]]]
-    /\ UNCHANGED <<ver, carry, reg, tag, absent, row, transit, kept, got, rgen, landed>>
+    /\ pin' = [pin EXCEPT ![r] = <<s, ver[s], k, k \in carry[s][ver[s]]>>]
+    /\ UNCHANGED <<ver, carry, reg, tag, absent, row, transit, kept, got, rgen, arrived>>
+
+\* The rows kept aside for (s, v, k); Absent (zeros) when there is no copy.
+KeptRows(s, v, k) ==
+    IF KeptFor(s, v, k) = {} THEN Absent ELSE (CHOOSE c \in KeptFor(s, v, k) : TRUE).rows
 
 \* What a read of key k of version v of slot s returns now; Wait while the
 \* rows it needs are still in transit.
 ReadResult(s, v, k) ==
-    IF KeptFor(s, v, k) # {} THEN (CHOOSE c \in KeptFor(s, v, k) : TRUE).rows
+    IF KeptFor(s, v, k) # {} THEN KeptRows(s, v, k)
+    ELSE IF InTransit(s, v, k) THEN Wait
     ELSE IF tag[s] = v THEN (IF absent[s][k] THEN Raised ELSE row[s][k])
-    ELSE IF v \in transit[s] THEN (IF k \in carry[s][v] THEN Wait ELSE Raised)
     ELSE Raised
 
 \* Preserved rows that no other planned read needs any more.
@@ -213,7 +236,7 @@ read(r) ==
     /\ rstate' = [rstate EXCEPT ![r] = "done"]
     /\ kept' = StillKept(r)
     /\ UNCHANGED <<ver, carry, reg, tag, absent, row, transit, want, rgen, pgen, pin,
-                   served, landed>>
+                   arrived>>
 
 \* The reader's request id is re-admitted (REPLACED): the old admission's
 \* planned read is dropped (unplanned); the new admission starts idle.
@@ -226,7 +249,7 @@ replace(r) ==
                /\ kept' = StillKept(r)
           ELSE UNCHANGED <<rstate, kept>>
     /\ UNCHANGED <<ver, carry, reg, tag, absent, row, transit, want, got, pgen, pin,
-                   served, landed>>
+                   arrived>>
 
 Terminating ==
     /\ \A r \in Readers : rstate[r] \in {"done", "dropped"}
@@ -236,12 +259,24 @@ Terminating ==
 Next ==
     \/ \E s \in Slots : \/ reuse(s)
                         \/ \E K \in SUBSET Keys : register(s, K)
-                        \/ \E v \in Vers : land(s, v)
+                        \/ \E v \in Vers, K \in SUBSET Keys : land(s, v, K)
     \/ \E r \in Readers : \/ read(r) \/ replace(r)
                           \/ \E s \in Slots, k \in Keys : plan(r, s, k)
     \/ Terminating
 
 Spec == Init /\ [][Next]_vars
+
+\* Fairness: the engine keeps running steps (the KV allocator hands slots to
+\* new tenants, tenants register their writes), the committer lands them, and
+\* every reader plans a hit and reads it.
+Fairness ==
+    /\ \A s \in Slots : /\ WF_vars(reuse(s))
+                       /\ WF_vars(\E K \in SUBSET Keys : register(s, K))
+                       /\ WF_vars(\E v \in Vers, K \in SUBSET Keys : land(s, v, K))
+    /\ \A r \in Readers : /\ WF_vars(\E s \in Slots, k \in Keys : plan(r, s, k))
+                         /\ WF_vars(read(r))
+
+LiveSpec == Spec /\ Fairness
 
 (***************************************************************************)
 (* Invariants (oracles over ghost history)                                 *)
@@ -260,17 +295,26 @@ NoStaleTenant ==
 \* I7 (preservation): a read whose tenant wrote its key is served, however
 \* the slot was reused or the writes landed meanwhile.
 HitServed ==
-    \A r \in Readers : (rstate[r] = "done" /\ served[r]) => got[r] # Raised
+    \A r \in Readers : (rstate[r] = "done" /\ pin[r][4]) => got[r] # Raised
 
 \* The pool row of a slot holds the newest landed tenant: a late older write
 \* never overwrites a newer one.
 NewestLanded ==
-    \A s \in Slots : tag[s] = IF landed[s] = {} THEN Absent ELSE Max(landed[s])
+    \A s \in Slots : tag[s] = IF Landed(s) = {} THEN Absent ELSE Max(Landed(s))
 
-\* Every registered write carries at least one key (the runtime registers no
-\* empty write), in transit or landed.
-WritesCarryKeys ==
-    \A s \in Slots, v \in Vers : (v \in transit[s] \/ v \in landed[s]) => carry[s][v] # {}
+\* Every write in transit carries at least one key (the runtime registers no
+\* empty write).
+WritesCarryKeys == \A s \in Slots : \A w \in transit[s] : w[2] # {}
+
+\* Each key a tenant registered is in exactly one place: in one of its writes
+\* in transit, or landed (a key lands at most once, only if registered, and
+\* a registered key is never lost).
+EachKeyLandsOnce ==
+    \A s \in Slots, v \in Vers :
+        LET parts == {w[2] : w \in {x \in transit[s] : x[1] = v}} IN
+        /\ carry[s][v] = arrived[s][v] \cup UNION parts
+        /\ \A K \in parts : K \cap arrived[s][v] = {}
+        /\ \A K1, K2 \in parts : K1 # K2 => K1 \cap K2 = {}
 
 \* A dropped plan belongs to an admission the REPLACED request id has left:
 \* the reader is a new admission now.
@@ -278,6 +322,11 @@ ReplacedIsNew == \A r \in Readers : rstate[r] = "dropped" => pgen[r] < rgen[r]
 
 \* Preserved rows are kept only while a planned read needs them (bounded).
 KeptNeeded == \A c \in kept : Needed(c.slot, c.ver, c.key)
+
+\* Liveness: every reader gets a hit to read and its delayed read ends: the
+\* rows it pinned land or are preserved, so it never waits forever (slot
+\* reuse never waits for a read either: reuse has no guard on readers).
+EveryReaderEnds == \A r \in Readers : <>(rstate[r] \in {"done", "dropped"})
 
 \* A read is made by the admission that planned it (a REPLACED request id
 \* reads only through its new admission's own hits).

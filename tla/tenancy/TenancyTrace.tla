@@ -11,9 +11,10 @@
 (* The generated module TenancyTraceData (omni_cache/verify/               *)
 (* tenancy_trace.py) defines Trace, a sequence of per-slot records         *)
 (* [ev, slot, ver, keys, r, key, got]:                                     *)
-(*   register  tenant ver of slot registers its write of keys (a new       *)
-(*             tenant: reuse(slot) first, an implicit step)                *)
-(*   land      the committer lands tenant ver's write on slot              *)
+(*   register  tenant ver of slot registers a write of keys (a new tenant: *)
+(*             reuse(slot) first, an implicit step; a step's deferred keys *)
+(*             are a second write of the same tenant)                      *)
+(*   land      the committer lands tenant ver's write of keys on slot      *)
 (*   plan      reader r pins key of slot; ver is the version the runtime   *)
 (*             planned (0: absent, the tenant did not write key)           *)
 (*   read      reader r's delayed read returned got (a tenant's rows, or   *)
@@ -44,7 +45,7 @@ TraceRegister(e) ==
 
 TraceLand(e) ==
     /\ e.ev = "land"
-    /\ land(e.slot, e.ver)
+    /\ land(e.slot, e.ver, e.keys)
 
 \* The runtime's planned version equals the spec's pin (or both say absent).
 TracePlan(e) ==
