@@ -38,6 +38,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from typing import ClassVar
 
 import hypothesis.strategies as st
 import pytest
@@ -115,7 +116,7 @@ SETUP = dict(hidden=st.booleans(), defer=st.sampled_from([(), (EMBEDS,), (EMBEDS
 class ManagerMachine(RuleBasedStateMachine):
     MODE = "eager"
     CHECK_WITH_TLC = False  # the Python replay always runs; TLC only in TestManagerTracesWithTLC
-    TLC_VERDICTS: list[TraceCheck] | None = None  # with TLC: every verdict of every example
+    TLC_VERDICTS: ClassVar[list[TraceCheck] | None] = None  # with TLC: every verdict of every example
     pending = PENDING
     consumed = CONSUMED
 
@@ -389,14 +390,14 @@ class TLCTracedMachine(ManagerMachine):
 
     MODE = "async"
     CHECK_WITH_TLC = True
-    TLC_VERDICTS: list[TraceCheck] | None = []
+    TLC_VERDICTS: ClassVar[list[TraceCheck] | None] = []
 
 
 class DeferredTLCMachine(TLCTracedMachine):
     """The TLC-traced machine with deferred keys always on: every step with rows registers an
     immediate and a deferred write on its KV slots (one tenant, two writes in transit)."""
 
-    TLC_VERDICTS: list[TraceCheck] | None = []
+    TLC_VERDICTS: ClassVar[list[TraceCheck] | None] = []
 
     @initialize(**{**SETUP, "defer": st.sampled_from([(EMBEDS,), (EMBEDS, CODES)])})
     def setup(self, **kwargs: object) -> None:  # type: ignore[override]

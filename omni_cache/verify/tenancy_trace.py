@@ -27,12 +27,11 @@ reads.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from omni_cache.trace import TraceEvent, TraceRecorder
 from omni_cache.verify.tlc import default_tla_dir
-from dataclasses import dataclass
-
 from omni_cache.verify.traces import TraceCheck, _run_trace_spec, _tla_string, trace_cfg
 
 MACHINE = "tenancy"
