@@ -21,7 +21,7 @@ from omni_cache.staging import StagingPool, StagingSlot
 from omni_cache.tenancy import NotLandedYet, PlannedRead, SlotTenancy
 from omni_cache.trace import TraceEvent, TraceRecorder
 from omni_cache.verify import check_trace_tlc
-from omni_cache.verify.tenancy_trace import check_tenancy_trace_tlc, tenancy_trace_data
+from omni_cache.verify.tenancy_trace import check_tenancy_trace_tlc, split_writes, tenancy_trace_data
 from omni_cache.verify.testing import require_tlc
 from omni_cache.verify.traces import check_writes_trace_tlc, writes_trace_data
 from omni_cache.writes import PoolWrite, WriteBook
@@ -167,3 +167,64 @@ def test_a_read_of_an_absent_key_is_traced_as_raised() -> None:
     assert any(e.trigger == "read" and e.get("raised") for e in events)
     verdict = check_tenancy_trace_tlc(events)
     assert verdict.accepted, verdict.explain() + verdict.output
+
+
+def _split_writes_run() -> list[TraceEvent]:
+    """Two steps take KV slot 0, each with an immediate (hidden) and a deferred (mm.a) write: one
+    tenant, two writes. A hit planned after step 2's save reads mm.a once only step 2's immediate
+    write landed: it must wait for the deferred write (NotLandedYet), then serve step 2's rows."""
+    rec = TraceRecorder()
+    tenancy = SlotTenancy(PrefixBlockPool(2), rec)
+    slot = torch.tensor([0])
+    for step, tid in ((1, 1), (2, 3)):
+        tenancy.register(["hidden"], slot.numpy(), tid, step_id=step)
+        tenancy.register(["mm.a"], slot.numpy(), tid + 1, step_id=step)
+        if step == 1:
+            tenancy.land_all({"hidden": torch.full((1, 2), 1.0)}, slot, 1)
+            tenancy.land_all({"mm.a": torch.full((1, 2), 1.0)}, slot, 2)
+    hit = tenancy.plan(["hidden", "mm.a"], slot)
+    tenancy.land_all({"hidden": torch.full((1, 2), 3.0)}, slot, 3)
+    try:
+        rows = tenancy.read("mm.a", hit, what="test read")
+    except NotLandedYet:
+        tenancy.land_all({"mm.a": torch.full((1, 2), 4.0)}, slot, 4)
+        rows = tenancy.read("mm.a", hit, what="test read")
+    assert torch.equal(tenancy.read("hidden", hit, what="test read"), torch.full((1, 2), 3.0))
+    tenancy.unplan(hit)
+    assert rows.shape == (1, 2)
+    return rec.events(notes=True)
+
+
+def _read_without_waiting(self: SlotTenancy, key: str, read: PlannedRead, *, what: str,
+                          settled: object = frozenset()) -> torch.Tensor:
+    """Mutant of SlotTenancy.read: never waits for a planned write still in flight; serves the
+    pool rows as they are (for a deferred key: the previous tenant's). Logs what it served."""
+    with self.pool.lock:
+        v = self._versions_locked(key)
+        current = v.landed[read.slots_np]
+        tensor = self.pool.tensor_locked(key)
+        assert tensor is not None
+        if self.recorder is not None:
+            self._note("read", None, plan=read.plan_id, key=key, served=tuple(current.tolist()))
+        return tensor.index_select(0, read.slots)
+
+
+def test_a_read_that_does_not_wait_for_the_deferred_write_fails_trace_validation(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Trace validation covers steps with an immediate and a deferred write on one KV slot: the
+    correct run is accepted; a read that serves a deferred key before the tenant's deferred write
+    landed (the previous tenant's rows, I7) is rejected at that read."""
+    require_tlc()
+    events = _split_writes_run()
+    assert split_writes(events) == 2  # both steps: (step 1, slot 0) and (step 2, slot 0)
+    good = check_tenancy_trace_tlc(events)
+    assert good.accepted and good.split_writes == 2, good.explain() + good.output
+    monkeypatch.setattr(SlotTenancy, "read", _read_without_waiting)
+    events = _split_writes_run()
+    bad = check_tenancy_trace_tlc(events)
+    assert not bad.accepted, "TLC accepted a read of a deferred key served before its write landed"
+    records = [ln.strip() for ln in tenancy_trace_data(events)[0].splitlines() if ln.strip().startswith("[ev")]
+    assert bad.result == "deadlock" and bad.stuck_at is not None, bad.explain()
+    assert records[bad.stuck_at].startswith('[ev |-> "read", slot |-> 1,') and "got |-> 1]" in records[bad.stuck_at], (
+        bad.explain(), records)
