@@ -41,9 +41,11 @@ from omni_cache.verify.tlc import (
     default_tla_dir,
     find_java,
     find_tla2tools,
+    open_pool,
     parse_tlc_output,
     run_tlc,
 )
+from omni_cache.verify.tlc_batch import TLCPool
 
 
 @dataclass(frozen=True)
@@ -203,7 +205,8 @@ class MutantResult:
     reason: str = ""
 
 
-def _check(mutant: Mutant, tla_dir: Path, java: str, jar: Path, timeout_s: float) -> list[tuple[str, int, str]]:
+def _check(mutant: Mutant, tla_dir: Path, java: str, jar: Path, timeout_s: float,
+           pool: TLCPool | None = None) -> list[tuple[str, int, str]]:
     folder = tla_dir / mutant.model.folder
     out = []
     with tempfile.TemporaryDirectory(prefix="omni-mutant-") as tmp:
@@ -217,7 +220,7 @@ def _check(mutant: Mutant, tla_dir: Path, java: str, jar: Path, timeout_s: float
         for spec, cfg in mutant.model.runs:
             # Deadlock checking off: a stuck mutant must break a property to count as killed.
             run = run_tlc(work / spec, work / cfg, workdir=work / f"tlc-{cfg}", check_deadlock=False,
-                          timeout_s=timeout_s, java=java, jar=jar)
+                          timeout_s=timeout_s, java=java, jar=jar, pool=pool)
             outcome = parse_tlc_output(run.output, run.exit_code, (work / cfg).read_text())
             out.append((cfg, run.exit_code, outcome.result))
             if run.exit_code in (EXIT_INVARIANT, EXIT_PROPERTY):
@@ -266,8 +269,8 @@ def run_mutants(
     mutants = [m for m in all_mutants(tla_dir, per_model=per_model) if not only or only in m.ident]
     java, jar = find_java(), find_tla2tools()
     results: list[MutantResult] = []
-    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs or default_jobs()) as pool:
-        futures = [pool.submit(_check, m, tla_dir, java, jar, timeout_s) for m in mutants]
+    with open_pool(java, jar) as tlc, concurrent.futures.ThreadPoolExecutor(max_workers=jobs or default_jobs()) as pool:
+        futures = [pool.submit(_check, m, tla_dir, java, jar, timeout_s, tlc) for m in mutants]
         for mutant, fut in zip(mutants, futures, strict=True):
             runs = fut.result()
             killed = any(code in (EXIT_INVARIANT, EXIT_PROPERTY) for _, code, _ in runs)
