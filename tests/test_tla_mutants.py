@@ -68,4 +68,37 @@ def test_cli_prints_the_kill_table(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert code == 0, out
     assert drop.ident in out and "killed" in out and "invariant:FailureSticks" in out
-    assert "1 mutants: 1 killed by an invariant or property (exit 12/13), 0 equivalent, 0 survived" in out
+    assert ("1 mutants: 1 killed by an invariant or property (exit 12/13), 0 equivalent, "
+            "0 stillborn (do not parse), 0 survived") in out
+
+
+def _one(folder: str, action: str, operator: str, old: str):  # type: ignore[no-untyped-def]
+    return next(m for m in _mutants(folder) if m.action == action and m.operator == operator and old in m.old)
+
+
+@pytest.mark.tlc
+@pytest.mark.parametrize(("action", "operator", "old", "cfg", "code", "result"), [
+    # used to crash TLC (exit 75: CHOOSE on no edge); WAfter is total, so TypeOK catches it
+    ("fail", "drop-guard", "LiveStates", "MCWrites.cfg", 12, "invariant:TypeOK"),
+    # used to crash TLC (Head(<<>>)); First is total, so the committer never copies: AbortsLand
+    ("start_copy", "negate-guard", "queue # <<>>", "MCWrites.cfg", 13, "property:?"),
+    # removed behaviour (no write ever registered): the fair engine of MCWritesLive.cfg catches it
+    ("register", "negate-guard", "~Registered(i)", "MCWritesLive.cfg", 13, "property:?"),
+])
+def test_writes_mutants_that_crashed_or_hid_are_killed(action: str, operator: str, old: str, cfg: str,
+                                                       code: int, result: str) -> None:
+    require_tlc()
+    mutant = _one("writes", action, operator, old)
+    [res] = run_mutants(TLA, only=mutant.ident, per_model=None, jobs=1)
+    assert res.verdict == "killed", res.runs
+    assert (cfg, code, result) in res.runs, res.runs
+
+
+@pytest.mark.tlc
+def test_a_mutant_that_does_not_parse_is_stillborn_not_killed() -> None:
+    """`\\E withWrite \\notin BOOLEAN` is no TLA+: SANY rejects it (exit 150) on every cfg."""
+    require_tlc()
+    mutant = _one("staging", "save", "flip-comparison", "withWrite")
+    [res] = run_mutants(TLA, only=mutant.ident, per_model=None, jobs=1)
+    assert res.verdict == "stillborn", res.runs
+    assert all(c == 150 and r == "parse-error" for _, c, r in res.runs), res.runs

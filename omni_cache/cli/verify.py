@@ -119,7 +119,7 @@ def run_mutant_table(args: argparse.Namespace) -> int:
         print(f"omni-cache verify: {exc}", file=sys.stderr)
         return 2
     wall_s = time.perf_counter() - start
-    counts = {v: sum(r.verdict == v for r in results) for v in ("killed", "equivalent", "survived")}
+    counts = {v: sum(r.verdict == v for r in results) for v in ("killed", "equivalent", "survived", "stillborn")}
     if args.json:
         print(json.dumps({"wall_seconds": round(wall_s, 2), **counts, "mutants": [
             {"id": r.mutant.ident, "edit": r.mutant.describe(), "verdict": r.verdict, "reason": r.reason,
@@ -131,12 +131,14 @@ def run_mutant_table(args: argparse.Namespace) -> int:
         for r in results:
             tlc = "; ".join(f"{c}: {res} ({e})" for c, e, res in r.runs)
             verdict = {"killed": "[green]killed[/green]", "equivalent": f"equivalent: {r.reason}",
-                       "survived": "[bold red]SURVIVED[/bold red]"}[r.verdict]
+                       "survived": "[bold red]SURVIVED[/bold red]",
+                       "stillborn": f"stillborn: {r.reason}"}[r.verdict]
             table.add_row(r.mutant.ident, r.mutant.describe(), tlc, verdict)
         Console(width=200).print(table)
         scored = counts["killed"] + counts["survived"]
         print(f"{len(results)} mutants: {counts['killed']} killed by an invariant or property (exit 12/13), "
-              f"{counts['equivalent']} equivalent, {counts['survived']} survived; kill rate "
+              f"{counts['equivalent']} equivalent, {counts['stillborn']} stillborn (do not parse), "
+              f"{counts['survived']} survived; kill rate "
               f"{counts['killed']}/{scored} of non-equivalent; {wall_s:.1f} s wall")
     return 1 if counts["survived"] else 0
 

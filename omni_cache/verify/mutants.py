@@ -10,7 +10,10 @@ property violation (exit 13) for at least one of its model's CI cfgs. A pass,
 a deadlock (exit 11: deadlock is not a specification property), a parse error
 or a crash is *not* a kill. Mutants that change no behaviour are listed with
 the reason in ``tla/mutants_equivalent.json``; a survivor that is not listed
-there fails the run. The operators were written without looking at which
+there fails the run. A mutant that is not TLA+ at all (SANY rejects it on
+every cfg, exit 150-153: e.g. ``\\E x \\notin S :``, a flipped bounded
+quantifier) is *stillborn*: shown in the table and counted apart, as in
+mutation testing a mutant that does not compile. The operators were written without looking at which
 mutants the specs would kill (the models were not tuned to a mutant list).
 
 Upholds (by checking that the models can fail): I1-I3 (Staging), I6/I7
@@ -32,14 +35,17 @@ from pathlib import Path
 
 from omni_cache.verify.tlc import (
     EXIT_INVARIANT,
+    EXIT_PARSE,
     EXIT_PROPERTY,
     default_jobs,
     default_tla_dir,
     find_java,
     find_tla2tools,
+    open_pool,
     parse_tlc_output,
     run_tlc,
 )
+from omni_cache.verify.tlc_batch import TLCPool
 
 
 @dataclass(frozen=True)
@@ -59,7 +65,8 @@ MODELS: tuple[Model, ...] = (
         "staging", "Staging.tla",
         ("claim", "wait", "timeout", "abort", "save", "consume", "done_reading", "reject", "land", "release"),
         ("free", "claimed", "saved", "materialized", "idle", "waiting"),
-        (("MCStaging.tla", "MCStaging.cfg"), ("MCStaging.tla", "MCStagingTimeout.cfg")),
+        (("MCStaging.tla", "MCStaging.cfg"), ("MCStaging.tla", "MCStagingTimeout.cfg"),
+         ("MCStaging.tla", "MCStagingFailingCopies.cfg")),
         ("StagingSlot.tla",),
     ),
     Model(
@@ -75,7 +82,7 @@ MODELS: tuple[Model, ...] = (
         ("EndAdmission", "admit", "finish", "register", "enqueue", "start_copy", "finish_copy",
          "commit", "fail"),
         ("pending", "queued", "copying", "host_ready", "written", "failed"),
-        (("MCWrites.tla", "MCWrites.cfg"),),
+        (("MCWrites.tla", "MCWrites.cfg"), ("MCWrites.tla", "MCWritesLive.cfg")),
         ("WriteMachine.tla",),
     ),
 )
@@ -193,12 +200,13 @@ def generate(model: Model, text: str) -> list[Mutant]:
 @dataclass
 class MutantResult:
     mutant: Mutant
-    verdict: str  # "killed" | "survived" | "equivalent"
+    verdict: str  # "killed" | "survived" | "equivalent" | "stillborn"
     runs: list[tuple[str, int, str]]  # (cfg, exit code, result)
     reason: str = ""
 
 
-def _check(mutant: Mutant, tla_dir: Path, java: str, jar: Path, timeout_s: float) -> list[tuple[str, int, str]]:
+def _check(mutant: Mutant, tla_dir: Path, java: str, jar: Path, timeout_s: float,
+           pool: TLCPool | None = None) -> list[tuple[str, int, str]]:
     folder = tla_dir / mutant.model.folder
     out = []
     with tempfile.TemporaryDirectory(prefix="omni-mutant-") as tmp:
@@ -212,7 +220,7 @@ def _check(mutant: Mutant, tla_dir: Path, java: str, jar: Path, timeout_s: float
         for spec, cfg in mutant.model.runs:
             # Deadlock checking off: a stuck mutant must break a property to count as killed.
             run = run_tlc(work / spec, work / cfg, workdir=work / f"tlc-{cfg}", check_deadlock=False,
-                          timeout_s=timeout_s, java=java, jar=jar)
+                          timeout_s=timeout_s, java=java, jar=jar, pool=pool)
             outcome = parse_tlc_output(run.output, run.exit_code, (work / cfg).read_text())
             out.append((cfg, run.exit_code, outcome.result))
             if run.exit_code in (EXIT_INVARIANT, EXIT_PROPERTY):
@@ -261,13 +269,15 @@ def run_mutants(
     mutants = [m for m in all_mutants(tla_dir, per_model=per_model) if not only or only in m.ident]
     java, jar = find_java(), find_tla2tools()
     results: list[MutantResult] = []
-    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs or default_jobs()) as pool:
-        futures = [pool.submit(_check, m, tla_dir, java, jar, timeout_s) for m in mutants]
+    with open_pool(java, jar) as tlc, concurrent.futures.ThreadPoolExecutor(max_workers=jobs or default_jobs()) as pool:
+        futures = [pool.submit(_check, m, tla_dir, java, jar, timeout_s, tlc) for m in mutants]
         for mutant, fut in zip(mutants, futures, strict=True):
             runs = fut.result()
             killed = any(code in (EXIT_INVARIANT, EXIT_PROPERTY) for _, code, _ in runs)
             if killed:
                 res = MutantResult(mutant, "killed", runs)
+            elif runs and all(code in EXIT_PARSE for _, code, _ in runs):
+                res = MutantResult(mutant, "stillborn", runs, "not TLA+: SANY rejects the edit")
             elif mutant.ident in equivalent:
                 res = MutantResult(mutant, "equivalent", runs, equivalent[mutant.ident])
             else:

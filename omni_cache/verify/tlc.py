@@ -9,7 +9,9 @@ matches but whose invariant does not is a surprise too.
 TLC 2.15 notes: standard modules only; ``-workers 1`` (no ``auto``);
 deadlock checking is switched off by the ``-deadlock`` flag, never by a cfg
 line; ``-metadir`` and ``java.io.tmpdir`` point into a temporary directory,
-so nothing is written into ``tla/``.
+so nothing is written into ``tla/``. The CI-size runs go through a pool of driver JVMs
+(``omni_cache.verify.tlc_batch``: several runs per JVM, each in a fresh class loader, C1
+only), which cuts the JVM start and warm-up that dominate a run of a few hundred states.
 
 Upholds (by checking the models): I1 ExactlyOnce, I2 BoundedStaging,
 I3 PageExclusive (tla/staging), I6 NeverSilentMiss, I7 NoStaleTenant
@@ -19,6 +21,7 @@ I3 PageExclusive (tla/staging), I6 NeverSilentMiss, I7 NoStaleTenant
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import importlib.resources
 import importlib.util
 import json
@@ -28,10 +31,12 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from omni_cache.verify.tlc_batch import FAST_JVM_FLAGS, TLCPool, driver_classpath
 
 # TLC exit codes (tlc2.output.EC.ExitStatus).
 EXIT_OK = 0
@@ -261,21 +266,31 @@ def run_tlc(
     timeout_s: float = 300.0,
     java: str | None = None,
     jar: Path | None = None,
+    pool: TLCPool | None = None,
+    short: bool = True,
 ) -> TLCRun:
-    """Run TLC on ``spec`` with ``cfg`` (cwd = the spec's folder); state goes under ``workdir``."""
+    """Run TLC on ``spec`` with ``cfg``; state goes under ``workdir``. With ``pool`` (and the
+    cfg in the spec's folder) in one of the pool's JVMs, else in its own (cwd = the spec's
+    folder); a pool run that dies or throws is rerun in its own JVM. ``short=False`` (the
+    nightly tier: minutes of search) runs alone with C2 and the parallel collector, which
+    beat the short-run flags there."""
     java = java or find_java()
     jar = jar or find_tla2tools()
     workdir.mkdir(parents=True, exist_ok=True)
-    cmd = [
-        java, "-XX:+UseParallelGC", f"-Djava.io.tmpdir={workdir}", "-cp", str(jar), "tlc2.TLC",
-        "-workers", "1", "-metadir", str(workdir / "states"), "-config", str(cfg.resolve()),
-    ]
+    flags = ["-workers", "1", "-metadir", str(workdir / "states")]
     if not check_deadlock:
-        cmd.append("-deadlock")
+        flags.append("-deadlock")
     if dump_dot is not None:
-        cmd += ["-dump", "dot,actionlabels", str(dump_dot)]
-    cmd.append(spec.name)
+        flags += ["-dump", "dot,actionlabels", str(dump_dot)]
     start = time.perf_counter()
+    if pool is not None and short and cfg.resolve().parent == spec.resolve().parent:
+        res = pool.run([*flags, "-config", cfg.name, str(spec.resolve())], workdir / "tlc.out", timeout_s)
+        if res is not None:
+            return TLCRun(res[0], res[1], time.perf_counter() - start)
+        start = time.perf_counter()
+    jvm = FAST_JVM_FLAGS if short else ("-XX:+UseParallelGC",)
+    cmd = [java, *jvm, f"-Djava.io.tmpdir={workdir}", "-cp", str(jar), "tlc2.TLC", *flags,
+           "-config", str(cfg.resolve()), spec.name]
     try:
         proc = subprocess.run(
             cmd, cwd=spec.parent, capture_output=True, text=True, timeout=timeout_s, check=False
@@ -345,6 +360,7 @@ def run_entry(
     timeout_s: float = 300.0,
     java: str | None = None,
     jar: Path | None = None,
+    pool: TLCPool | None = None,
 ) -> RunResult:
     """Run one manifest entry (and its conformance check, if it has one) and judge it."""
     tla_dir = tla_dir or default_tla_dir()
@@ -355,7 +371,7 @@ def run_entry(
         dump = workdir / "graph" if entry.conformance else None
         run = run_tlc(
             folder / entry.spec, cfg_path, workdir=workdir, check_deadlock=entry.check_deadlock,
-            dump_dot=dump, timeout_s=timeout_s, java=java, jar=jar,
+            dump_dot=dump, timeout_s=timeout_s, java=java, jar=jar, pool=pool, short=entry.tier == "ci",
         )
         outcome = parse_tlc_output(run.output, run.exit_code, cfg_path.read_text())
         problems = judge(entry, run.exit_code, outcome)
@@ -380,6 +396,18 @@ def default_jobs() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+@contextlib.contextmanager
+def open_pool(java: str, jar: Path) -> Iterator[TLCPool | None]:
+    """A pool of TLC driver JVMs (several runs per JVM), or None where it cannot be built
+    (no javac, or OMNI_CACHE_TLC_BATCH=0): then every run starts its own JVM."""
+    classpath = driver_classpath(java)
+    if classpath is None:
+        yield None
+        return
+    with TLCPool(java, jar, classpath) as pool:
+        yield pool
+
+
 def run_manifest(
     entries: Iterable[ManifestEntry],
     tla_dir: Path | None = None,
@@ -394,9 +422,9 @@ def run_manifest(
     jobs = jobs or default_jobs()
     java, jar = find_java(), find_tla2tools()
     tla_dir = tla_dir or default_tla_dir()
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+    with open_pool(java, jar) as tlc, concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         futures = [
-            pool.submit(run_entry, e, tla_dir, timeout_s=timeout_s, java=java, jar=jar) for e in entries
+            pool.submit(run_entry, e, tla_dir, timeout_s=timeout_s, java=java, jar=jar, pool=tlc) for e in entries
         ]
         results: list[RunResult] = []
         for fut in futures:

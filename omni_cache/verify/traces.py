@@ -176,8 +176,8 @@ def trace_cfg(constants: dict[str, int], invariants: str, properties: str = "",
 
 
 def _staging_cfg(constants: dict[str, int]) -> str:
-    return trace_cfg(constants, "TypeOK ExactlyOnce BoundedStaging PageExclusive NoLostPage OnePagePerSave",
-                     "RejectChangesNothing TimeoutOnlyWhenFull")
+    return trace_cfg(constants, "TypeOK ExactlyOnce BoundedStaging PageExclusive NoLostPage OnePagePerSave "
+                     "AttemptsAccounted", "RejectChangesNothing RejectOnlyUnknown TimeoutOnlyWhenFull WaitOnlyWhenFull")
 
 
 _TID_RE = re.compile(r"^write tid (\d+)$")
@@ -243,7 +243,8 @@ TraceReq == <<{", ".join(map(str, trace_req))}>>
 
 
 def _writes_cfg(constants: dict[str, int]) -> str:
-    return trace_cfg(constants, "TypeOK QueueConsistent FailureSticks AdmissionsCounted EndedByOwner TerminalsKnown",
+    return trace_cfg(constants, "TypeOK QueueConsistent FailureSticks AdmissionsCounted EndedByOwner TerminalsKnown "
+                     "TerminalsEnd ReplayRefused",
                      "StickyFailure FrontFirst SequenceMonotonic OwnerFixed",
                      ("ReqOf <- TraceReqOf", "Orders <- TraceOrders"))
 

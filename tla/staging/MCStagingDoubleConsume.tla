@@ -15,5 +15,5 @@ consume_ever_saved(i) ==
                /\ reading' = [reading EXCEPT ![at[i]] = TRUE]
                /\ unconsumed' = unconsumed \ {i}
           ELSE UNCHANGED <<page, reading, unconsumed>>
-    /\ UNCHANGED <<due, at, writes, nextId, engine, mine, attempts, bad>>
+    /\ UNCHANGED <<due, at, writes, nextId, engine, mine, attempts, bad, gaveUp>>
 =============================================================================

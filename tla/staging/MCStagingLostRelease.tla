@@ -11,5 +11,5 @@ land_without_release(i) ==
     /\ i \in writes
     /\ writes' = writes \ {i}
     /\ UNCHANGED <<page, reading, due, at, unconsumed, delivered, nextId, engine,
-                   mine, attempts, bad>>
+                   mine, attempts, bad, gaveUp>>
 =============================================================================

@@ -14,5 +14,5 @@ consume_unchecked(i) ==
                /\ reading' = [reading EXCEPT ![at[i]] = TRUE]
                /\ unconsumed' = unconsumed \ {i}
           ELSE UNCHANGED <<page, reading, unconsumed>>
-    /\ UNCHANGED <<due, at, writes, nextId, engine, mine, attempts, bad>>
+    /\ UNCHANGED <<due, at, writes, nextId, engine, mine, attempts, bad, gaveUp>>
 =============================================================================

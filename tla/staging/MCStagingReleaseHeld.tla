@@ -12,5 +12,5 @@ done_reading_ignores_writes(p) ==
     /\ reading' = [reading EXCEPT ![p] = FALSE]
     /\ due' = [due EXCEPT ![p] = TRUE]
     /\ UNCHANGED <<page, at, unconsumed, writes, delivered, nextId, engine, mine,
-                   attempts, bad>>
+                   attempts, bad, gaveUp>>
 =============================================================================

@@ -15,7 +15,7 @@ save_overflow ==
     /\ unconsumed' = unconsumed \cup {nextId}
     /\ nextId' = nextId + 1
     /\ attempts' = attempts + 1
-    /\ UNCHANGED <<page, reading, due, at, writes, delivered, engine, mine, bad>>
+    /\ UNCHANGED <<page, reading, due, at, writes, delivered, engine, mine, bad, gaveUp>>
 
 \* Consuming an overflow step frees its buffer; a paged step as usual.
 consume_or_overflow(i) ==
@@ -26,7 +26,7 @@ consume_or_overflow(i) ==
           THEN UNCHANGED <<page, reading>>
           ELSE /\ Move(at[i], "consume")
                /\ reading' = [reading EXCEPT ![at[i]] = TRUE]
-    /\ UNCHANGED <<due, at, writes, nextId, engine, mine, attempts, bad>>
+    /\ UNCHANGED <<due, at, writes, nextId, engine, mine, attempts, bad, gaveUp>>
 
 OverflowEngineStep ==
     (\E p \in Pages : claim(p)) \/ save_overflow \/ timeout \/ abort \/ save

@@ -24,16 +24,22 @@
 (* condition-variable wait and its OmniPrefixCacheStagingTimeoutError.     *)
 (*                                                                         *)
 (* Invariants: TypeOK, ExactlyOnce (I1), BoundedStaging (I2),              *)
-(* PageExclusive (I3), NoLostPage, OnePagePerSave.  Action properties:     *)
-(* RejectChangesNothing (I1: a rejected call changes nothing),             *)
-(* TimeoutOnlyWhenFull (I2).  Property: SaveCompletes (every waiting save claims *)
-(* a page or raises the timeout) under weak fairness of builder and        *)
-(* committer; the timeout itself is NOT assumed fair, so the property says *)
-(* that a live builder and committer alone end every wait.  Deadlock       *)
+(* PageExclusive (I3), NoLostPage, OnePagePerSave, AttemptsAccounted.      *)
+(* Action properties: RejectChangesNothing (I1: a rejected call changes    *)
+(* nothing), RejectOnlyUnknown (only an id that is not consumable is       *)
+(* rejected), TimeoutOnlyWhenFull, WaitOnlyWhenFull (I2).  Properties:    *)
+(* SaveCompletes (every waiting save claims a page or raises the timeout)  *)
+(* and AllSavesEnd under weak fairness of builder and committer; the       *)
+(* timeout itself is NOT assumed fair, so SaveCompletes says that a live   *)
+(* builder and committer alone end every wait.  MCStaging.tla's            *)
+(* FailingCopiesSpec (every copy fails) checks AllSavesEnd too: a failed   *)
+(* save gives its page back (abort).  Bookkeeping that no action reads     *)
+(* (bad, gaveUp) is read by a property, so a lost update breaks one.      *)
+(* Deadlock                                                                *)
 (* checking stays on: the only state without a successor would be a stuck *)
 (* one, since a finished run stutters in Terminating.                      *)
 (***************************************************************************)
-EXTENDS Naturals, FiniteSets, StagingSlot
+EXTENDS Naturals, FiniteSets, Sequences, StagingSlot
 
 CONSTANTS
     Depth,      \* staging pages (PrefixCacheConfig.staging_depth)
@@ -58,10 +64,11 @@ VARIABLES
     engine,      \* "idle" | "waiting" | "claimed"
     mine,        \* the page the engine's current save claimed
     attempts,    \* save attempts started
-    bad          \* misbehaving calls made so far
+    bad,         \* the step ids the misbehaving calls named, in order (each rejected)
+    gaveUp       \* ghost: save attempts that ended without a step id (abort, timeout)
 
 vars == <<page, reading, due, at, unconsumed, writes, delivered, nextId,
-          engine, mine, attempts, bad>>
+          engine, mine, attempts, bad, gaveUp>>
 
 Holds(p) == {i \in writes : at[i] = p}
 NoFreePage == \A p \in Pages : page[p] # "free"
@@ -83,7 +90,8 @@ TypeOK ==
     /\ engine \in {"idle", "waiting", "claimed"}
     /\ mine \in Pages \cup {NoPage}
     /\ attempts \in 0..MaxSaves
-    /\ bad \in 0..MaxBad
+    /\ bad \in Seq(StepIds) /\ Len(bad) <= MaxBad
+    /\ gaveUp \in 0..MaxSaves
 
 Init ==
     /\ page = [p \in Pages |-> "free"]
@@ -97,7 +105,8 @@ Init ==
     /\ engine = "idle"
     /\ mine = NoPage
     /\ attempts = 0
-    /\ bad = 0
+    /\ bad = <<>>
+    /\ gaveUp = 0
 
 (***************************************************************************)
 (* Engine                                                                  *)
@@ -111,7 +120,7 @@ claim(p) ==
     /\ engine' = "claimed"
     /\ mine' = p
     /\ attempts' = IF engine = "idle" THEN attempts + 1 ELSE attempts
-    /\ UNCHANGED <<reading, due, at, unconsumed, writes, delivered, nextId, bad>>
+    /\ UNCHANGED <<reading, due, at, unconsumed, writes, delivered, nextId, bad, gaveUp>>
 
 \* A save that finds no free page waits on the pool's condition variable.
 wait ==
@@ -121,7 +130,7 @@ wait ==
     /\ engine' = "waiting"
     /\ attempts' = attempts + 1
     /\ UNCHANGED <<page, reading, due, at, unconsumed, writes, delivered, nextId,
-                   mine, bad>>
+                   mine, bad, gaveUp>>
 
 \* The wait ran out with still no free page: the save raises
 \* OmniPrefixCacheStagingTimeoutError and issues no step id.
@@ -129,6 +138,7 @@ timeout ==
     /\ engine = "waiting"
     /\ NoFreePage
     /\ engine' = "idle"
+    /\ gaveUp' = gaveUp + 1
     /\ UNCHANGED <<page, reading, due, at, unconsumed, writes, delivered, nextId,
                    mine, attempts, bad>>
 
@@ -138,6 +148,7 @@ abort ==
     /\ Move(mine, "abort")
     /\ engine' = "idle"
     /\ mine' = NoPage
+    /\ gaveUp' = gaveUp + 1
     /\ UNCHANGED <<reading, due, at, unconsumed, writes, delivered, nextId,
                    attempts, bad>>
 
@@ -153,7 +164,7 @@ save ==
     /\ nextId' = nextId + 1
     /\ engine' = "idle"
     /\ mine' = NoPage
-    /\ UNCHANGED <<reading, due, delivered, attempts, bad>>
+    /\ UNCHANGED <<reading, due, delivered, attempts, bad, gaveUp>>
 
 (***************************************************************************)
 (* Builder and misbehaving caller                                          *)
@@ -169,7 +180,7 @@ consume(i) ==
     /\ reading' = [reading EXCEPT ![PageOf(i)] = TRUE]
     /\ unconsumed' = unconsumed \ {i}
     /\ delivered' = [delivered EXCEPT ![i] = @ + 1]
-    /\ UNCHANGED <<due, at, writes, nextId, engine, mine, attempts, bad>>
+    /\ UNCHANGED <<due, at, writes, nextId, engine, mine, attempts, bad, gaveUp>>
 
 \* The consumer is done with the page; the page goes idle if no write holds it.
 done_reading(p) ==
@@ -177,16 +188,16 @@ done_reading(p) ==
     /\ reading' = [reading EXCEPT ![p] = FALSE]
     /\ due' = [due EXCEPT ![p] = Holds(p) = {}]
     /\ UNCHANGED <<page, at, unconsumed, writes, delivered, nextId, engine, mine,
-                   attempts, bad>>
+                   attempts, bad, gaveUp>>
 
 \* A consume of an id that is not unconsumed (consumed before, or never saved)
 \* raises "already consumed or never saved" and changes nothing else.
 reject(i) ==
     /\ i \notin unconsumed
-    /\ bad < MaxBad
-    /\ bad' = bad + 1
+    /\ Len(bad) < MaxBad
+    /\ bad' = Append(bad, i)
     /\ UNCHANGED <<page, reading, due, at, unconsumed, writes, delivered, nextId,
-                   engine, mine, attempts>>
+                   engine, mine, attempts, gaveUp>>
 
 (***************************************************************************)
 (* Committer                                                               *)
@@ -196,12 +207,12 @@ reject(i) ==
 land(i) ==
     /\ i \in writes
     /\ writes' = writes \ {i}
-    /\ LET p == at[i] IN
+    /\ LET p == PageOf(i) IN
            due' = [due EXCEPT ![p] = @ \/ (/\ page[p] = "materialized"
                                              /\ ~reading[p]
                                              /\ Holds(p) = {i})]
     /\ UNCHANGED <<page, reading, at, unconsumed, delivered, nextId, engine, mine,
-                   attempts, bad>>
+                   attempts, bad, gaveUp>>
 
 \* The idle page is freed (same lock hold as the done_reading/land that made
 \* it idle; a separate step here so that the action carries the trigger name).
@@ -210,7 +221,7 @@ release(p) ==
     /\ Move(p, "release")
     /\ due' = [due EXCEPT ![p] = FALSE]
     /\ UNCHANGED <<reading, at, unconsumed, writes, delivered, nextId, engine, mine,
-                   attempts, bad>>
+                   attempts, bad, gaveUp>>
 
 \* Every save attempt is over and every page is free again: stutter.
 Terminating ==
@@ -254,6 +265,12 @@ ExactlyOnce ==
 \* claimed page, and only while its save is in progress.
 OnePagePerSave ==
     /\ \A p \in Pages : page[p] = "claimed" <=> (engine = "claimed" /\ mine = p)
+    /\ (mine \in Pages) = (engine = "claimed")
+
+\* Every save attempt ends exactly one way: it issues a step id, or it gives
+\* up (abort, timeout), or it is the one still in progress.
+AttemptsAccounted ==
+    attempts = (nextId - 1) + gaveUp + (IF engine = "idle" THEN 0 ELSE 1)
 
 \* I3's other half: a consumed page that nobody reads and no write holds is
 \* released (its release is due): no page is lost.
@@ -295,7 +312,17 @@ AllSavesEnd == <>(attempts = MaxSaves /\ engine = "idle")
 \* the count of such calls.
 RejectChangesNothing ==
     [][bad' # bad => UNCHANGED <<page, reading, due, at, unconsumed, writes, delivered,
-                                 nextId, engine, mine, attempts>>]_vars
+                                 nextId, engine, mine, attempts, gaveUp>>]_vars
+
+\* Only a call naming an id that is not unconsumed (consumed before, or
+\* never saved) is rejected: a consumable id is never refused.
+RejectOnlyUnknown ==
+    [][Len(bad') > Len(bad) => bad'[Len(bad')] \notin unconsumed]_vars
+
+\* A save waits only when no page is free (StagingPool.claim takes a free
+\* page at once).
+WaitOnlyWhenFull ==
+    [][(engine = "idle" /\ engine' = "waiting") => NoFreePage]_vars
 
 \* The staging timeout fires only when no page is free (a waiting save leaves
 \* "waiting" by a claim, or by the timeout when every page is taken).

@@ -9,5 +9,5 @@ start_copy_ignoring_failure(i) ==
     /\ WMove(i, "start_copy")
     /\ queue' = Tail(queue)
     /\ busy' = i
-    /\ UNCHANGED <<own, deferred, gen, ended, lastSeq, admits, terminals, failure, errors>>
+    /\ UNCHANGED <<own, deferred, gen, ended, lastSeq, applied, admits, terminals, failure, errors>>
 =============================================================================

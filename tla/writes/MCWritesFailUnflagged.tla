@@ -10,5 +10,5 @@ fail_unflagged(i) ==
     /\ errors' = errors + 1
     /\ queue' = Remove(queue, i)
     /\ busy' = IF busy = i THEN 0 ELSE busy
-    /\ UNCHANGED <<own, deferred, gen, ended, lastSeq, admits, terminals, failure>>
+    /\ UNCHANGED <<own, deferred, gen, ended, lastSeq, applied, admits, terminals, failure>>
 =============================================================================

@@ -9,5 +9,5 @@ replay_applied(s) ==
                        /\ gen' = [gen EXCEPT ![r] = @ + 1]
                        /\ IF <<r, gen[r]>> \notin ended THEN EndAdmission(<<r, gen[r]>>)
                                                      ELSE UNCHANGED <<w, ended, queue>>
-    /\ UNCHANGED <<own, deferred, busy, lastSeq, admits, terminals, failure, errors>>
+    /\ UNCHANGED <<own, deferred, busy, lastSeq, applied, admits, terminals, failure, errors>>
 =============================================================================

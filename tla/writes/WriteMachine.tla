@@ -20,5 +20,9 @@ WriteEdges ==
 
 WFires(s, t, d) == <<s, t, d>> \in WriteEdges
 WCanFire(s, t) == \E d \in WriteStates : WFires(s, t, d)
-WAfter(s, t) == CHOOSE d \in WriteStates : WFires(s, t, d)
+\* Total: a trigger fired off the edge set gives NoEdge, not a write state,
+\* so a spec that fires one breaks its TypeOK (an invariant violation, not
+\* a TLC error on an empty CHOOSE).
+NoEdge == "no_edge"
+WAfter(s, t) == IF WCanFire(s, t) THEN CHOOSE d \in WriteStates : WFires(s, t, d) ELSE NoEdge
 =============================================================================

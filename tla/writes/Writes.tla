@@ -62,16 +62,20 @@ VARIABLES
     gen,       \* gen[r]: the current admission of request id r (0 = never admitted)
     ended,     \* admissions that ended (finished, aborted or replaced)
     lastSeq,   \* the newest scheduler step applied
+    applied,   \* ghost: the sequence numbers of every scheduler step applied
     admits,    \* ghost: <<r, seq>> of every admission a scheduler step made
     terminals, \* ghost: the owners <<r, g>> that FINISHED/ABORTED events named
     failure,   \* the sticky failure (I8)
     errors     \* spontaneous errors so far
 
-vars == <<w, own, deferred, queue, busy, gen, ended, lastSeq, admits, terminals, failure, errors>>
+vars == <<w, own, deferred, queue, busy, gen, ended, lastSeq, applied, admits, terminals, failure, errors>>
 
 Range(s) == {s[k] : k \in 1..Len(s)}
 Remove(s, i) == SelectSeq(s, LAMBDA x : x # i)
 Pos(s, x) == CHOOSE k \in 1..Len(s) : s[k] = x
+NoWrite == 0
+\* The queue's head, total: NoWrite (no write) for an empty queue.
+First(s) == IF s = <<>> THEN NoWrite ELSE Head(s)
 Registered(i) == own[i] # NoOwner
 
 WMove(i, t) == /\ WCanFire(w[i], t)
@@ -92,6 +96,7 @@ TypeOK ==
     /\ gen \in [Reqs -> 0..MaxGen]
     /\ ended \subseteq Reqs \X Gens
     /\ lastSeq \in 0..MaxSeq
+    /\ applied \subseteq Seqs
     /\ admits \subseteq Reqs \X Seqs
     /\ terminals \subseteq Reqs \X Gens
     /\ failure \in BOOLEAN
@@ -106,6 +111,7 @@ Init ==
     /\ gen = [r \in Reqs |-> 0]
     /\ ended = {}
     /\ lastSeq = 0
+    /\ applied = {}
     /\ admits = {}
     /\ terminals = {}
     /\ failure = FALSE
@@ -121,7 +127,7 @@ EndAdmission(a) ==
     LET open == {i \in Writes : own[i] = a /\ w[i] = "pending"}
     IN /\ ended' = ended \cup {a}
        /\ w' = [i \in Writes |-> IF i \in open THEN WAfter(w[i], "enqueue") ELSE w[i]]
-       /\ \E order \in Orders(open) : queue' = order \o queue
+       /\ queue' \in {order \o queue : order \in Orders(open)}
 
 (***************************************************************************)
 (* Scheduler steps (new_step_starts; refused once failed, I8)              *)
@@ -134,6 +140,7 @@ admit(r, seq) ==
     /\ gen[r] < MaxGen
     /\ gen' = [gen EXCEPT ![r] = @ + 1]
     /\ lastSeq' = seq
+    /\ applied' = applied \cup {seq}
     /\ admits' = admits \cup {<<r, seq>>}
     /\ IF gen[r] > 0 /\ <<r, gen[r]>> \notin ended
           THEN EndAdmission(<<r, gen[r]>>)
@@ -147,6 +154,7 @@ finish(r, g, seq) ==
     /\ seq = lastSeq + 1
     /\ g \in 1..gen[r]
     /\ lastSeq' = seq
+    /\ applied' = applied \cup {seq}
     /\ terminals' = terminals \cup {<<r, g>>}
     /\ IF g = gen[r] /\ <<r, g>> \notin ended
           THEN EndAdmission(<<r, g>>)
@@ -169,7 +177,7 @@ register(i) ==
     /\ <<ReqOf(i), gen[ReqOf(i)]>> \notin ended
     /\ own' = [own EXCEPT ![i] = <<ReqOf(i), gen[ReqOf(i)]>>]
     /\ deferred' \in {[deferred EXCEPT ![i] = d] : d \in BOOLEAN}
-    /\ UNCHANGED <<w, queue, busy, gen, ended, lastSeq, admits, terminals, failure, errors>>
+    /\ UNCHANGED <<w, queue, busy, gen, ended, lastSeq, applied, admits, terminals, failure, errors>>
 
 \* Push a registered pending write to the back of the queue: an immediate
 \* write at save, or a deferred one flushed early by the GPU-byte budget.
@@ -179,28 +187,28 @@ enqueue(i) ==
     /\ Registered(i)
     /\ WMove(i, "enqueue")
     /\ queue' = Append(queue, i)
-    /\ UNCHANGED <<own, deferred, busy, gen, ended, lastSeq, admits, terminals, failure, errors>>
+    /\ UNCHANGED <<own, deferred, busy, gen, ended, lastSeq, applied, admits, terminals, failure, errors>>
 
 start_copy(i) ==
     /\ ~failure
     /\ busy = 0
     /\ queue # <<>>
-    /\ Head(queue) = i
+    /\ First(queue) = i
     /\ WMove(i, "start_copy")
     /\ queue' = Tail(queue)
     /\ busy' = i
-    /\ UNCHANGED <<own, deferred, gen, ended, lastSeq, admits, terminals, failure, errors>>
+    /\ UNCHANGED <<own, deferred, gen, ended, lastSeq, applied, admits, terminals, failure, errors>>
 
 finish_copy(i) ==
     /\ busy = i
     /\ WMove(i, "finish_copy")
-    /\ UNCHANGED <<own, deferred, queue, busy, gen, ended, lastSeq, admits, terminals, failure, errors>>
+    /\ UNCHANGED <<own, deferred, queue, busy, gen, ended, lastSeq, applied, admits, terminals, failure, errors>>
 
 commit(i) ==
     /\ busy = i
     /\ WMove(i, "commit")
     /\ busy' = 0
-    /\ UNCHANGED <<own, deferred, queue, gen, ended, lastSeq, admits, terminals, failure, errors>>
+    /\ UNCHANGED <<own, deferred, queue, gen, ended, lastSeq, applied, admits, terminals, failure, errors>>
 
 \* An error on live write i (the committer's copy, or a save that fails after
 \* registering i): i and every queued write fail, the failure is set (I8).
@@ -222,7 +230,7 @@ fail(i) ==
                /\ failure' = TRUE
                /\ queue' = <<>>
                /\ busy' = IF busy = i THEN 0 ELSE busy
-    /\ UNCHANGED <<own, deferred, gen, ended, lastSeq, admits, terminals>>
+    /\ UNCHANGED <<own, deferred, gen, ended, lastSeq, applied, admits, terminals>>
 
 \* Nothing queued or being copied and no scheduler step left: stutter.
 Terminating ==
@@ -257,7 +265,9 @@ QueueConsistent ==
     /\ \A i \in Writes : ~Registered(i) => w[i] = "pending"
 
 \* I8: a failed write means the manager is failed.
-FailureSticks == (\E i \in Writes : w[i] = "failed") => failure
+\* The failure is set exactly by an error (errors counts them).
+FailureSticks == /\ (\E i \in Writes : w[i] = "failed") => failure
+                 /\ failure = (errors > 0)
 
 \* Each admission of a request id was made by its own scheduler step: a
 \* replayed step (same sequence) admits nobody.
@@ -267,6 +277,16 @@ AdmissionsCounted == \A r \in Reqs : gen[r] = Cardinality({a \in admits : a[1] =
 \* (a newer admission of its request id): a late terminal event of an old
 \* admission never ends the new one.
 EndedByOwner == \A a \in ended : a \in terminals \/ a[2] < gen[a[1]]
+
+\* A terminal event's admission has ended: it ended the current admission,
+\* or it came late for an older one that a REPLACED had ended already.
+TerminalsEnd == terminals \subseteq ended
+
+\* The replay watermark covers exactly the scheduler steps applied: every
+\* applied step is at or below it, so a replay of it is refused (a step that
+\* does not advance lastSeq could be applied twice), and every step at or
+\* below it was applied (none skipped).
+ReplayRefused == applied = 1..lastSeq
 
 \* A terminal event names an admission that exists (the current or an older one).
 TerminalsKnown == \A t \in terminals : t[2] <= gen[t[1]]
@@ -281,6 +301,8 @@ OwnerFixed == [][\A i \in Writes : Registered(i) => own'[i] = own[i]]_vars
 \* (WriteBook.pop returns nothing once failed; a copy already in flight may end).
 StickyFailure ==
     [][failure => /\ failure'
+                  /\ lastSeq' = lastSeq          \* new_step_starts refuses every step
+                  /\ own' = own                  \* save_outputs refuses to register
                   /\ \A i \in Writes : ~(w[i] = "queued" /\ w'[i] = "copying")]_vars
 
 \* I9 ordering: a write queued because its admission ended goes ahead of
@@ -294,6 +316,16 @@ FrontFirst ==
 \* deferred write whose admission can never end fails too).
 FailureEndsAll ==
     failure ~> \A i \in Writes : Registered(i) => w[i] \in EndStates
+
+\* Liveness with a fair scheduler and engine (MCWrites.tla LiveSpec, with
+\* MCWritesLive.cfg): a healthy manager applies every scheduler step
+\* (admissions and terminal events are never refused), and the engine's save
+\* for a live admission is never refused either.
+SchedulerProgress == <>(lastSeq = MaxSeq \/ failure)
+LiveFor(i) == /\ ~failure
+              /\ gen[ReqOf(i)] > 0
+              /\ <<ReqOf(i), gen[ReqOf(i)]>> \notin ended
+SavesAccepted == \A i \in Writes : (~Registered(i) /\ LiveFor(i)) ~> (Registered(i) \/ ~LiveFor(i))
 
 \* I9: every write of an ended admission ends (written or failed).
 AbortsLand ==
