@@ -66,12 +66,12 @@ class StepReader:
         # allocation (``omni-cache bench``).
         if not req_ids:
             return StageCacheOutputs({} if ctx.caches_hidden else None, {})
-        spans = ctx.spans
-        if list(spans) == req_ids:  # every request, in row order: the rows [0, n) of the step
-            wanted = list(spans.values())
-            sizes, contiguous = [w.row_end - w.row_start for w in wanted], True
-            lo, hi = 0, sum(sizes)
+        rows = ctx.rows
+        if tuple(req_ids) == rows.req_ids:  # every request, in row order: the rows [0, n) of the step
+            wanted, sizes, contiguous = rows.writes, rows.sizes, True
+            lo, hi = 0, rows.ends[-1]
         else:
+            spans = rows.by_req
             wanted = [spans[r] for r in req_ids]
             lo = min((w.row_start for w in wanted), default=0)
             hi = max((w.row_end for w in wanted), default=0)

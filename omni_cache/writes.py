@@ -77,7 +77,7 @@ class PoolWrite:
         self.source = source
         self.host: dict[TensorName, torch.Tensor] | None = None
         self.staging_slot = staging_slot
-        self.req_ids = frozenset(req_ids)
+        self.req_ids = tuple(req_ids)  # a tuple passes through as itself (no per-request copy)
         self.nbytes = sum(t.nbytes for t in source.values())
         self.copy_event: Any = None
         self.error: BaseException | None = None
