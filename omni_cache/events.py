@@ -234,8 +234,8 @@ class StepRows:
     """A layout's writes with the facts a save checks, derived in one walk over them.
 
     ``tiles``: in the given order the writes tile rows ``[0, total)`` exactly once (each starts
-    where the previous ended, the first at 0, none ends past ``total``, the last ends at it,
-    no request twice). ``validation.validate_save`` uses a ``StepRows`` only when it tiles
+    where the previous ended, the first at 0, the last ends at ``total``, no request twice;
+    none ends past ``total`` then, as a write's rows never end before they start). ``validation.validate_save`` uses a ``StepRows`` only when it tiles
     the save's ``n`` rows; otherwise it walks the writes and raises, naming the first bad one.
     Immutable (its writes are); ``by_req`` is built on first use.
     """
@@ -249,7 +249,7 @@ class StepRows:
             if frozen_only and type(w) is not PrefixCacheWrite:  # only a frozen write keeps its facts true
                 raise TypeError(f"{w!r} is not a PrefixCacheWrite")
             req_id, start, end = w.req_id, w.row_start, w.row_end
-            if start != rows or end > total or req_id in seen:
+            if start != rows or req_id in seen:
                 tiles = False
             seen.add(req_id)
             rows = end
