@@ -301,3 +301,29 @@ def test_a_new_hit_merges_only_its_own_rows(subset: list[str] | None) -> None:
         assert torch.equal(out[r], truth("r0", range(5)) if r == "h" else truth(r, [5])), r
     m.shutdown()
 
+
+
+# ---- where a step was saved: the first frame outside the runtime ---------------------------
+def _compiled_in(path: str, source: str, **names: Any) -> dict[str, Any]:
+    namespace: dict[str, Any] = dict(names)
+    exec(compile(source, path, "exec"), namespace)  # a function whose frames claim to be in ``path``
+    return namespace
+
+
+def test_saved_at_is_the_first_frame_outside_the_runtime_or_in_a_driver() -> None:
+    """``caller_location`` skips the runtime's frames (an engine hook in ``integration`` included)
+    and stops at the caller: a frame outside the package, or one of the package's drivers (the
+    bench, the CLI, the simulators), which save steps as an engine does."""
+    from omni_cache.locks import caller_location
+
+    runtime = _compiled_in(os.path.join(PACKAGE, "integration", "fake_hook.py"),
+                           "def hook():\n    return caller_location()\n", caller_location=caller_location)
+    driver = _compiled_in(os.path.join(PACKAGE, "bench", "fake_driver.py"),
+                          "def drive():\n    return hook()\n", hook=runtime["hook"])
+    here = f"{__file__}:{sys._getframe().f_lineno + 1}"
+    assert runtime["hook"]() == here  # through the runtime's frame to this test's line
+    assert driver["drive"]() == os.path.join(PACKAGE, "bench", "fake_driver.py") + ":2"
+    m = OmniPrefixCacheManager(config())
+    step, _ = save(m, [("a", [0], 0, 2)])
+    saved_at = m.shutdown()[step]  # unconsumed: shutdown reports where it was saved
+    assert saved_at.startswith(os.path.join(os.path.dirname(__file__), "cache_helpers.py") + ":")
