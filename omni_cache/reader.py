@@ -89,8 +89,8 @@ class StepReader:
         else:
             spans = step_rows.by_req
             wanted = [spans[r] for r in req_ids]
-            lo = min((w.row_start for w in wanted), default=0)
-            hi = max((w.row_end for w in wanted), default=0)
+            lo = min(w.row_start for w in wanted)  # req_ids is not empty (returned above)
+            hi = max(w.row_end for w in wanted)
             sizes = [w.row_end - w.row_start for w in wanted]
             contiguous = sum(sizes) == hi - lo and all(
                 a.row_end == b.row_start for a, b in itertools.pairwise(wanted))

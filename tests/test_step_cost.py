@@ -327,3 +327,30 @@ def test_saved_at_is_the_first_frame_outside_the_runtime_or_in_a_driver() -> Non
     step, _ = save(m, [("a", [0], 0, 2)])
     saved_at = m.shutdown()[step]  # unconsumed: shutdown reports where it was saved
     assert saved_at.startswith(os.path.join(os.path.dirname(__file__), "cache_helpers.py") + ":")
+
+
+# ---- the staging calls whose trace notes are now built only for a recorder keep their lock ----
+@pytest.mark.parametrize("what", ["hold", "unhold", "done_reading"])
+def test_staging_hold_unhold_and_done_reading_wait_for_the_pool_lock(what: str) -> None:
+    """Mutants: ``drop_with`` on ``StagingPool.hold`` / ``unhold`` / ``done_reading`` (a write's hold
+    count or the reader flag changed while another thread holds the pool lock)."""
+    import threading
+
+    from omni_cache.staging import StagingPool
+
+    pool = StagingPool(3, 4, 0.05)
+    slot = pool.claim(2)
+    pool.claimed_pages(slot, {"k": torch.ones(2, 3)})
+    pool.save(slot, 1, "engine.py:1")
+    if what == "unhold":
+        pool.hold(slot)
+    if what == "done_reading":
+        pool.consume(1, caller="test")
+    call = {"hold": pool.hold, "unhold": pool.unhold, "done_reading": pool.done_reading}[what]
+    done = threading.Event()
+    with pool._lock:
+        worker = threading.Thread(target=lambda: (call(slot), done.set()))
+        worker.start()
+        assert not done.wait(0.2), f"StagingPool.{what} ran while another thread held the pool lock"
+    assert done.wait(5)
+    worker.join()
