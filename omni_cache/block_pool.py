@@ -81,12 +81,15 @@ class PrefixBlockPool:
         view = slots.numpy()
         if not len(view):
             return view
-        if len(view) <= 64:  # a decode step: Python's min/max of a short list beat two numpy reductions
+        if len(view) <= 16:  # a small decode step: Python's min/max of a short list beat a numpy reduction
             values = view.tolist()
-            low, high = min(values), max(values)
+            bad = min(values) < 0 or max(values) >= self.num_slots
+        elif view.dtype == np.int64:  # one reduction: a negative slot read as unsigned is above any num_slots
+            bad = int(view.view(np.uint64).max()) >= self.num_slots
         else:
+            bad = int(view.min()) < 0 or int(view.max()) >= self.num_slots
+        if bad:
             low, high = int(view.min()), int(view.max())
-        if low < 0 or high >= self.num_slots:
             raise OmniPrefixCacheUnmatchError(
                 f"{where}: the {PHRASE_SLOT_MAPPING} KV slots out of range [0, {self.num_slots}) "
                 f"(num_blocks x block_size): min {low}, max {high}"

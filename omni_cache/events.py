@@ -211,6 +211,9 @@ class PrefixCacheWriteLayout:
             # coerced: ``save_outputs`` refuses it before anything is claimed ("slot mapping
             # covers"). Own a private copy: the engine reuses its slot-mapping buffers.
             object.__setattr__(self, "slots_cpu", slots.clone())
+        # Derived once here, where the engine builds the layout (one walk over the writes it
+        # just made); ``save_outputs`` checks these facts instead of walking the writes again.
+        object.__setattr__(self, "_rows", StepRows.of(self.writes, self.total_rows))
 
     @property
     def req_ids(self) -> tuple[ReqId, ...]:
@@ -225,3 +228,64 @@ class PrefixCacheWriteLayout:
             writes.append(PrefixCacheWrite(req_id, row, row + end - start, start, end))
             row += end - start
         return cls(tuple(writes), row, slots_cpu)
+
+
+class StepRows:
+    """A layout's writes with the facts a save checks, derived in one walk over them.
+
+    ``tiles``: in the given order the writes tile rows ``[0, total)`` exactly once (each starts
+    where the previous ended, the first at 0, the last ends at ``total``, no request twice;
+    none ends past ``total`` then, as a write's rows never end before they start). ``validation.validate_save`` uses a ``StepRows`` only when it tiles
+    the save's ``n`` rows; otherwise it walks the writes and raises, naming the first bad one.
+    Immutable (its writes are); ``by_req`` is built on first use.
+    """
+
+    __slots__ = ("_by_req", "ends", "req_ids", "sizes", "starts", "tiles", "writes")
+
+    def __init__(self, writes: tuple[PrefixCacheWrite, ...], total: Any, *, frozen_only: bool = False) -> None:
+        req_ids, starts, ends, sizes = [], [], [], []
+        seen, rows, tiles = set(), 0, True
+        for w in writes:
+            if frozen_only and type(w) is not PrefixCacheWrite:  # only a frozen write keeps its facts true
+                raise TypeError(f"{w!r} is not a PrefixCacheWrite")
+            req_id, start, end = w.req_id, w.row_start, w.row_end
+            if start != rows or req_id in seen:
+                tiles = False
+            seen.add(req_id)
+            rows = end
+            req_ids.append(req_id)
+            starts.append(start)
+            ends.append(end)
+            sizes.append(end - start)
+        self.writes = writes
+        self.req_ids: tuple[ReqId, ...] = tuple(req_ids)
+        self.starts: list[int] = starts
+        self.ends: list[int] = ends
+        self.sizes: list[int] = sizes
+        self.tiles: bool = tiles and bool(writes) and rows == total
+        self._by_req: dict[ReqId, PrefixCacheWrite] | None = None
+
+    @classmethod
+    def of(cls, writes: tuple[PrefixCacheWrite, ...], total: Any) -> StepRows | None:
+        """The facts of ``writes``, or None when they cannot be derived (a write that is not a
+        ``PrefixCacheWrite``, an unhashable request id): the save then walks the writes itself."""
+        try:
+            return cls(writes, total, frozen_only=True)
+        except Exception:
+            return None
+
+    def __len__(self) -> int:
+        return len(self.writes)
+
+    @property
+    def by_req(self) -> dict[ReqId, PrefixCacheWrite]:
+        """req -> its write."""
+        if self._by_req is None:
+            self._by_req = dict(zip(self.req_ids, self.writes, strict=True))
+        return self._by_req
+
+
+def layout_rows(layout: PrefixCacheWriteLayout) -> StepRows | None:
+    """The ``StepRows`` derived when ``layout`` was built, if they still describe its writes."""
+    rows = getattr(layout, "_rows", None)
+    return rows if rows is not None and rows.writes is layout.writes else None

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from omni_cache.errors import OmniPrefixCacheUnmatchError
-from omni_cache.events import PrefixCacheRequestEvent, PrefixCacheWriteLayout
+from omni_cache.events import PrefixCacheRequestEvent, StepRows
 from omni_cache.interface import ModelCachePolicy, ReqId
 
 Hit = tuple[int, tuple[int, ...]]  # (hit_end, the hit's group-0 block ids)
@@ -52,22 +52,25 @@ class PendingHits:
         """The request's admission ended or was replaced. Caller holds the lock."""
         self._pending.pop(req_id, None)
 
-    def take(self, layout: PrefixCacheWriteLayout) -> dict[ReqId, Hit]:
-        """Pop the hits this step serves; raise (taking nothing) if one is not continued. Caller holds the lock."""
+    def take(self, rows: StepRows) -> dict[ReqId, Hit]:
+        """Pop the hits this step serves; raise (taking nothing) if one is not continued. Caller holds the lock.
+
+        Walks the pending hits, not the step's writes: a decode step of many requests with
+        a few new hits pending costs per hit, not per request."""
         pending = self._pending
         hits: dict[ReqId, Hit] = {}
         if not pending:
             return hits
-        for w in layout.writes:
-            hit = pending.get(w.req_id)
-            if hit is not None and hit[0] != w.token_start:
+        by_req = rows.by_req
+        served = sorted(((w, hit) for req_id, hit in pending.items() if (w := by_req.get(req_id)) is not None),
+                        key=lambda pair: pair[0].row_start)  # row order, as the writes are
+        for w, hit in served:  # the first write in row order that does not continue its hit is named
+            if hit[0] != w.token_start:
                 raise OmniPrefixCacheUnmatchError(
                     f"save_outputs: request {w.req_id!r} has a hit of {hit[0]} tokens "
                     f"but this step's rows start at position {w.token_start}; they must continue the hit")
-        for w in layout.writes:
-            hit = pending.pop(w.req_id, None)
-            if hit is not None:
-                hits[w.req_id] = hit
+        for w, _ in served:
+            hits[w.req_id] = pending.pop(w.req_id)
         return hits
 
     def restore(self, hits: dict[ReqId, Hit]) -> None:

@@ -13,12 +13,20 @@ import sys
 import threading
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+# The package's own drivers call the manager as an engine does (the bench, the CLI, the two
+# simulators): a step they save was saved at their line, and the walk stops there as it
+# stops at an engine's frame (instead of walking their whole stack to the interpreter).
+_DRIVER_DIRS = tuple(os.path.join(_PACKAGE_DIR, d) + os.sep for d in ("bench", "cli", "sim", "vllm_sim"))
 
 
 def caller_location() -> str:
-    """file:line of the first frame outside this package (where a step was saved)."""
+    """file:line of the first frame outside the runtime (where a step was saved): outside this
+    package, or in one of its drivers."""
     frame = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not filename.startswith(_PACKAGE_DIR) or filename.startswith(_DRIVER_DIRS):
+            break
         frame = frame.f_back  # type: ignore[assignment]
     return f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else "?"
 

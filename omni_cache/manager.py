@@ -45,7 +45,6 @@ from omni_cache.block_pool import PrefixBlockPool
 from omni_cache.copier import Committer, CopyEngine
 from omni_cache.errors import (
     PHRASE_OUTSIDE_SNAPSHOT,
-    PHRASE_SLOT_MAPPING,
     OmniPrefixCacheUnmatchError,
 )
 from omni_cache.faults import FaultHooks
@@ -64,7 +63,7 @@ from omni_cache.staging import StagingPool
 from omni_cache.step_outputs import StepContext, classify_outputs, copy_leftovers
 from omni_cache.tenancy import PlannedRead, SlotTenancy
 from omni_cache.trace import TraceRecorder
-from omni_cache.validation import validate_hit, validate_save
+from omni_cache.validation import check_scheduled, validate_hit, validate_save
 from omni_cache.writes import PoolWrite, WriteBook
 
 log = logging.getLogger(__name__)
@@ -229,20 +228,14 @@ class OmniPrefixCacheManager:
         """Claim a staging slot, copy this step's rows, register writes; return the step id."""
         self._check_usable("save_outputs")
         n = num_tokens_unpadded
-        slots, spans = validate_save(self.config, self.policy, hidden_states, mm_outputs, n,
-                                     num_tokens_padded, write_layout)
+        slots, step_rows = validate_save(self.config, self.policy, hidden_states, mm_outputs, n,
+                                         num_tokens_padded, write_layout)
         slots_np = self.pool.check_slots(slots, where="save_outputs")
         with self._lock:
             policy = self.policy
             scheduled = self._scheduled  # cleared only by a save that succeeds
             prev = self._last_immediate
-        for req_id, count in scheduled.items():
-            w = spans.get(req_id)
-            if count and (w.row_end - w.row_start if w is not None else 0) != count:
-                raise OmniPrefixCacheUnmatchError(
-                    f"save_outputs: request {req_id!r} was scheduled {count} tokens but the "
-                    f"{PHRASE_SLOT_MAPPING} {w.num_rows if w is not None else 0} rows for it"
-                )
+        check_scheduled(scheduled, step_rows)
         split = classify_outputs(policy, hidden_states, mm_outputs or {}, n, num_tokens_padded)
         for key, rows in split.immediate.items():  # a key's row shape and dtype never change
             self.staging.check_rows(key, rows)
@@ -260,7 +253,7 @@ class OmniPrefixCacheManager:
         hits = {}
         if self._hits:  # only the engine thread (this one) installs hits: no lock needed to see none
             with self._lock:
-                hits = self._hits.take(write_layout)  # raises (taking nothing) if one is not continued (I5)
+                hits = self._hits.take(step_rows)  # raises (taking nothing) if one is not continued (I5)
         step_id: StepId | None = None
         plans: list[PlannedRead] = []
         registered: list[PoolWrite] = []
@@ -280,7 +273,7 @@ class OmniPrefixCacheManager:
                 deferred_host[key], event = self.copies.to_host(rows, compute_event)
                 host_events.append(event)
             hit_keys = self._hits.hit_keys(policy, (*split.immediate, *split.deferred))
-            req_ids = tuple(spans)
+            req_ids = step_rows.req_ids
             # Registration: from here on a failure cannot be rolled back (versions are
             # published), so it fails the manager for good (I8) instead.
             imm, older = self._register(WriteSchedule.JOIN_NEXT_STEP, step_id, slots, slots_np, views, slot,
@@ -299,7 +292,7 @@ class OmniPrefixCacheManager:
                 for req_id, (_, blocks) in hits.items():
                     planned[req_id] = self.tenancy.plan(list(hit_keys), self._hits.slots_of(blocks))
                     plans.append(planned[req_id])
-            ctx = StepContext(step_id, slot, saved_at, spans, planned, tuple(split.immediate), imm,
+            ctx = StepContext(step_id, slot, saved_at, step_rows, planned, tuple(split.immediate), imm,
                               deferred_host, leftover, hit_keys, policy.hidden_key is not None, host_events)
             self.staging.save(slot, step_id, saved_at)
         except BaseException as exc:
@@ -343,12 +336,12 @@ class OmniPrefixCacheManager:
         req_ids = list(req_ids)
         with self._lock:  # a bool or float id never finds a context (the consume below refuses it)
             ctx = self._contexts.get(step_id) if type(step_id) is int else None
-        if ctx is not None and list(ctx.spans) != req_ids:  # the usual call names every request in order
-            outside = [r for r in req_ids if r not in ctx.spans]
+        if ctx is not None and tuple(req_ids) != ctx.rows.req_ids:  # the usual call names every request in order
+            outside = [r for r in req_ids if r not in ctx.rows.by_req]
             if outside:
                 raise OmniPrefixCacheUnmatchError(
                     f"materialize step {step_id}: requests {outside} are {PHRASE_OUTSIDE_SNAPSHOT} "
-                    f"(saved at {ctx.saved_at} with requests {sorted(ctx.spans)}); nothing was consumed (I4)"
+                    f"(saved at {ctx.saved_at} with requests {sorted(ctx.rows.req_ids)}); nothing was consumed (I4)"
                 )
         slot = self.staging.consume(step_id, caller="materialize")
         assert ctx is not None, f"step {step_id} consumed without a context: manager bug"

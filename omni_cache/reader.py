@@ -15,12 +15,13 @@ manager lock held; the ``on_blocking`` fault hook sees each one).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import torch
 
 from omni_cache.copier import CopyEngine
+from omni_cache.events import PrefixCacheWrite
 from omni_cache.faults import FaultHooks
 from omni_cache.interface import HIDDEN_KEY, ReqId, StageCacheOutputs
 from omni_cache.staging import StagingPool
@@ -32,6 +33,23 @@ from omni_cache.writes import PoolWrite, WriteBook
 _MAX_READ_RETRIES = 10_000
 # Above this many bytes per key, materialize clones per request instead of once per step.
 _ONE_CLONE_MAX_BYTES = 1 << 20
+
+
+def per_request(req_ids: Sequence[ReqId], parts: Sequence[torch.Tensor]) -> dict[ReqId, torch.Tensor]:
+    """The one entry per request of a key's output (``omni-cache bench --profile`` times it with the views)."""
+    return dict(zip(req_ids, parts, strict=True))
+
+
+class _Shape(NamedTuple):
+    """Which rows of the step materialize returns, per request in the caller's order."""
+
+    req_ids: list[ReqId]
+    wanted: Sequence[PrefixCacheWrite]
+    sizes: list[int]
+    lo: int
+    contiguous: bool
+    hit_reqs: dict[ReqId, PlannedRead]
+    unique: bool  # no request named twice
 
 
 class StepReader:
@@ -60,48 +78,65 @@ class StepReader:
             self.book.wait(imm, ("host_ready", "written"), why=f"materialize step {ctx.step_id}")
         for event in ctx.host_events:
             self.copies.wait(event)
-        # A private copy of the step's rows (the page is reused once released). Small steps
-        # (decode): one clone per key, split into per-request views -- O(1) calls per step.
-        # Large steps (prefill): one clone per request, which measured faster than one huge
-        # allocation (``omni-cache bench``).
+        # A private copy of the step's rows (the page is reused once released): ``_per_request``.
         if not req_ids:
             return StageCacheOutputs({} if ctx.caches_hidden else None, {})
-        spans = ctx.spans
-        if list(spans) == req_ids:  # every request, in row order: the rows [0, n) of the step
-            wanted = list(spans.values())
-            sizes, contiguous = [w.row_end - w.row_start for w in wanted], True
-            lo, hi = 0, sum(sizes)
+        step_rows = ctx.rows
+        if tuple(req_ids) == step_rows.req_ids:  # every request, in row order: the rows [0, n) of the step
+            wanted, sizes, contiguous = step_rows.writes, step_rows.sizes, True
+            lo, hi = 0, step_rows.ends[-1]
+            hit_reqs, unique = ctx.hits, True  # all hits are of this step's requests, each listed once
         else:
+            spans = step_rows.by_req
             wanted = [spans[r] for r in req_ids]
-            lo = min((w.row_start for w in wanted), default=0)
-            hi = max((w.row_end for w in wanted), default=0)
+            lo = min(w.row_start for w in wanted)  # req_ids is not empty (returned above)
+            hi = max(w.row_end for w in wanted)
             sizes = [w.row_end - w.row_start for w in wanted]
             contiguous = sum(sizes) == hi - lo and all(
                 a.row_end == b.row_start for a, b in itertools.pairwise(wanted))
-        # A request's first step after a hit: its cached prefix rows, then this step's rows, in one
-        # ``cat`` (a fresh tensor: the page is not cloned first).
-        hit_reqs = {r: ctx.hits[r] for r in req_ids if r in ctx.hits} if ctx.hits else {}
+            wanted_ids = set(req_ids)
+            hit_reqs = {r: hit for r, hit in ctx.hits.items() if r in wanted_ids} if ctx.hits else {}
+            unique = len(wanted_ids) == len(req_ids)
         # Key-major, as in the reference: out[key][req].
         out: dict[str, dict[ReqId, Any]] = {}
+        shape = _Shape(req_ids, wanted, sizes, lo, contiguous, hit_reqs, unique)
         for key, page in self.staging.pages_rows(ctx.staging_slot, ctx.immediate_keys, lo, hi).items():
-            if hit_reqs and key in ctx.hit_keys:
-                parts = [self._merge_hit(ctx, r, hit_reqs[r], key, page[w.row_start - lo : w.row_end - lo])
-                         if r in hit_reqs else page[w.row_start - lo : w.row_end - lo].clone()
-                         for r, w in zip(req_ids, wanted, strict=True)]
-            elif contiguous and page.nbytes <= _ONE_CLONE_MAX_BYTES:
-                parts = page.clone().split_with_sizes(sizes)
-            else:
-                parts = [page[w.row_start - lo : w.row_end - lo].clone() for w in wanted]
-            out[key] = dict(zip(req_ids, parts, strict=True))
-        for key, rows in ctx.deferred_rows.items():  # already a private host copy
-            merge = hit_reqs and key in ctx.hit_keys
-            out[key] = {r: self._merge_hit(ctx, r, hit_reqs[r], key, rows[w.row_start : w.row_end])
-                        if merge and r in hit_reqs else rows[w.row_start : w.row_end]
-                        for r, w in zip(req_ids, wanted, strict=True)}
+            out[key] = self._per_request(ctx, key, page, shape, private=False)
+        for key, rows in ctx.deferred_rows.items():  # already a private host copy: views of it
+            out[key] = self._per_request(ctx, key, rows[lo:hi], shape, private=True)
         hidden = out.pop(HIDDEN_KEY, {}) if ctx.caches_hidden else None
         for key, value in ctx.leftover.items():
             out[key] = dict.fromkeys(req_ids, value)
         return StageCacheOutputs(hidden, out)
+
+    def _per_request(self, ctx: StepContext, key: str, src: torch.Tensor, shape: _Shape, *,
+                     private: bool) -> dict[ReqId, torch.Tensor]:
+        """req -> its rows of ``src`` (the step's rows ``[shape.lo, ...)`` of ``key``), each a private
+        copy (``private``: ``src`` already is one, so views of it). A request's first step after a
+        hit gets its cached prefix rows, then this step's rows, in one new tensor."""
+        req_ids, wanted, lo = shape.req_ids, shape.wanted, shape.lo
+        hits = shape.hit_reqs if shape.hit_reqs and key in ctx.hit_keys else {}
+        if hits and (len(hits) == len(req_ids) or not shape.unique):  # every request merges, or a request
+            # is named twice: merge per request, as listed, with nothing cloned first
+            return per_request(req_ids, [
+                self._merge_hit(ctx, r, hits[r], key, src[w.row_start - lo : w.row_end - lo]) if r in hits
+                else src[w.row_start - lo : w.row_end - lo] if private else src[w.row_start - lo : w.row_end - lo].clone()
+                for r, w in zip(req_ids, wanted, strict=True)])
+        # Small steps (decode): one clone per key, split into per-request views -- O(1) calls per
+        # step. Large steps (prefill): one clone per request, which measured faster than one huge
+        # allocation (``omni-cache bench``).
+        if shape.contiguous and (private or src.nbytes <= _ONE_CLONE_MAX_BYTES):
+            parts: Any = (src if private else src.clone()).split_with_sizes(shape.sizes)
+        else:
+            parts = [src[w.row_start - lo : w.row_end - lo] if private else src[w.row_start - lo : w.row_end - lo].clone()
+                     for w in wanted]
+        if hits:  # a few new requests among many (each listed once): per hit, not per request
+            parts = list(parts)
+            for r, hit in hits.items():
+                i = req_ids.index(r)
+                w = wanted[i]
+                parts[i] = self._merge_hit(ctx, r, hit, key, src[w.row_start - lo : w.row_end - lo])
+        return per_request(req_ids, parts)
 
     def _merge_hit(self, ctx: StepContext, req_id: str, hit: PlannedRead, key: str,
                    rows: torch.Tensor) -> torch.Tensor:

@@ -202,21 +202,24 @@ class StagingPool:
         with self._lock:
             assert slot.reading, f"done_reading on {slot.describe()} without a consume: manager bug"
             slot.reading = False
-            self._note(slot, "done_reading", slot.step_id)
+            if self.machine.recorder is not None:
+                self._note(slot, "done_reading", slot.step_id)
             self._release_if_idle_locked(slot)
 
     def hold(self, slot: StagingSlot) -> None:
         """A pool write will read this page (I3)."""
         with self._lock:
             slot.num_write_holds += 1
-            self._note(slot, "hold", slot.step_id)
+            if self.machine.recorder is not None:
+                self._note(slot, "hold", slot.step_id)
 
     def unhold(self, slot: StagingSlot) -> None:
         """A pool write no longer reads this page."""
         with self._lock:
             assert slot.num_write_holds > 0, f"unhold without hold on {slot.describe()}: manager bug"
             slot.num_write_holds -= 1
-            self._note(slot, "unhold", slot.step_id)
+            if self.machine.recorder is not None:
+                self._note(slot, "unhold", slot.step_id)
             self._release_if_idle_locked(slot)
 
     def _release_if_idle_locked(self, slot: StagingSlot) -> None:

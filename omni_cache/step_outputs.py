@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from omni_cache.adapter import PrefixCacheWrite
 from omni_cache.errors import OmniPrefixCacheUnmatchError
+from omni_cache.events import StepRows
 from omni_cache.interface import ModelCachePolicy, ReqId, StepId, TensorName
 from omni_cache.tenancy import PlannedRead
 
@@ -131,8 +131,8 @@ class StepContext:
     step_id: StepId
     staging_slot: Any
     saved_at: str
-    # req -> its rows of the step (the layout's immutable PrefixCacheWrite).
-    spans: dict[ReqId, PrefixCacheWrite]
+    # The layout's writes (immutable PrefixCacheWrite) in row order, validated at save.
+    rows: StepRows
     # req -> the hit read planned at save (first step after STARTED/RESUMED with a hit).
     hits: dict[ReqId, PlannedRead]
     immediate_keys: tuple[TensorName, ...]

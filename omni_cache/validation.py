@@ -1,13 +1,21 @@
 """Input validation of the manager's entry points: errors before any state changes.
 
 Owns: ``validate_hit`` (I5), ``check_capacity`` (I10), ``check_slot_mapping`` and ``validate_save`` (the
-step's layout covers its rows: "slot mapping covers"; hidden has enough rows).
+step's layout covers its rows: "slot mapping covers"; hidden has enough rows), ``check_scheduled``
+(each scheduled request has exactly its rows), and ``StepRows``, the validated form of a layout.
 Pure functions of their arguments: an input that fails here has changed nothing.
+
+Cost: a save's checks run no Python per request. The layout's writes were walked once when
+the layout was built (``events.StepRows``: row order, tiling, unique requests), so the save
+checks those facts and compares the scheduled counts as lists or dicts (C loops). Only an input
+that fails the fast checks takes the per-write walk, which names the first bad write in the
+error, or (for writes that tile the rows out of order) returns them sorted.
 """
 
 from __future__ import annotations
 
 import itertools
+from operator import itemgetter
 from typing import Any
 
 import torch
@@ -20,6 +28,7 @@ from omni_cache.errors import (
     PHRASE_SLOT_MAPPING,
     OmniPrefixCacheUnmatchError,
 )
+from omni_cache.events import StepRows, layout_rows
 from omni_cache.interface import HIDDEN_KEY, ModelCachePolicy, PrefixCacheConfig, ReqId
 
 
@@ -98,9 +107,9 @@ def validate_save(
     n: int,
     padded: int,
     layout: PrefixCacheWriteLayout,
-) -> tuple[torch.Tensor, dict[ReqId, PrefixCacheWrite]]:
-    """Check a save's inputs; return the KV slots of its ``n`` rows and each request's write,
-    in row order (the writes cover the ``n`` rows exactly once)."""
+) -> tuple[torch.Tensor, StepRows]:
+    """Check a save's inputs; return the KV slots of its ``n`` rows and the layout's writes
+    in row order (they cover the ``n`` rows exactly once)."""
     if (
         isinstance(n, bool)
         or not isinstance(n, int)
@@ -123,9 +132,10 @@ def validate_save(
             f"save_outputs: the {PHRASE_SLOT_MAPPING} {layout.total_rows} rows (layout total_rows); "
             f"the step has {n} unpadded tokens"
         )
-    spans = _tiling_spans(layout.writes, n)
-    if spans is None:
-        spans = _checked_spans(layout.writes, n)  # raises unless the writes tile the rows out of order
+    rows = layout_rows(layout)  # derived when the layout was built (total_rows == n was checked above)
+    if rows is None or not rows.tiles:  # raises unless the writes tile the rows out of order
+        rows = StepRows(tuple(_checked_spans(layout.writes, n).values()), n)
+        assert rows.tiles, f"_checked_spans returned writes that do not tile {n} rows: validation bug"
     if mm and HIDDEN_KEY in mm:
         raise OmniPrefixCacheUnmatchError(
             f"save_outputs: mm_outputs uses the reserved key {HIDDEN_KEY!r}; pass hidden as hidden_states"
@@ -139,19 +149,31 @@ def validate_save(
             raise OmniPrefixCacheUnmatchError(
                 f"save_outputs: hidden_states has {hidden.shape[0]} rows; the step has {n} unpadded tokens"
             )
-    return slots, spans
+    return slots, rows
 
 
-def _tiling_spans(writes: tuple[PrefixCacheWrite, ...], n: int) -> dict[ReqId, PrefixCacheWrite] | None:
-    """req -> write when ``writes``, in the given order, tile rows ``[0, n)`` exactly once; else None."""
-    rows_seen = 0
-    spans: dict[ReqId, PrefixCacheWrite] = {}
-    for w in writes:
-        if w.row_start != rows_seen or w.row_end > n or w.req_id in spans:
-            return None
-        rows_seen = w.row_end
-        spans[w.req_id] = w
-    return spans if rows_seen == n else None
+def check_scheduled(scheduled: dict[ReqId, Any], rows: StepRows) -> None:
+    """Every request scheduled a nonzero count has exactly that many rows in the layout (0 if absent).
+
+    Fast paths (C loops): the counts list the layout's requests in row order, or every nonzero
+    count is one of the layout's (request, rows) pairs. Anything else walks the counts and
+    raises naming the first request whose rows differ ("slot mapping covers").
+    """
+    if not scheduled:
+        return
+    if tuple(scheduled) == rows.req_ids and list(scheduled.values()) == rows.sizes:
+        return
+    counts = dict(zip(rows.req_ids, rows.sizes, strict=True))
+    if dict(filter(itemgetter(1), scheduled.items())).items() <= counts.items():
+        return
+    for req_id, count in scheduled.items():
+        got = counts.get(req_id, 0)
+        if count and got != count:
+            raise OmniPrefixCacheUnmatchError(
+                f"save_outputs: request {req_id!r} was scheduled {count} tokens but the "
+                f"{PHRASE_SLOT_MAPPING} {got} rows for it"
+            )
+    raise AssertionError(f"check_scheduled: the fast checks refused {scheduled} for {counts}, the walk did not: bug")
 
 
 def _checked_spans(writes: tuple[PrefixCacheWrite, ...], n: int) -> dict[ReqId, PrefixCacheWrite]:

@@ -77,7 +77,7 @@ class PoolWrite:
         self.source = source
         self.host: dict[TensorName, torch.Tensor] | None = None
         self.staging_slot = staging_slot
-        self.req_ids = frozenset(req_ids)
+        self.req_ids = tuple(req_ids)  # a tuple passes through as itself (no per-request copy)
         self.nbytes = sum(t.nbytes for t in source.values())
         self.copy_event: Any = None
         self.error: BaseException | None = None
@@ -134,8 +134,9 @@ class WriteBook:
             )
             self._next_tid += 1
             self._live[write.tid] = write
-            self._note("register", f"write tid {write.tid}", write.state, step_id, tid=write.tid,
-                       deferred=schedule is WriteSchedule.JOIN_ON_FINISH)
+            if self.machine.recorder is not None:  # the note's arguments are built only for a trace
+                self._note("register", f"write tid {write.tid}", write.state, step_id, tid=write.tid,
+                           deferred=schedule is WriteSchedule.JOIN_ON_FINISH)
             return write
 
     def fire(self, write: PoolWrite, trigger: str) -> None:
@@ -156,8 +157,9 @@ class WriteBook:
         moved: list[PoolWrite] = []
         with self._cond:
             writes = list(writes)
-            self._note("enqueue_front" if front else "enqueue_back", "queue", "-", None,
-                       tids=tuple(dict.fromkeys(w.tid for w in writes if w.state == "pending")))
+            if self.machine.recorder is not None:
+                self._note("enqueue_front" if front else "enqueue_back", "queue", "-", None,
+                           tids=tuple(dict.fromkeys(w.tid for w in writes if w.state == "pending")))
             for write in writes:
                 if write.state == "pending":
                     self._fire_locked(write, "enqueue")

@@ -108,6 +108,8 @@ def test_sweep_covers_its_grid_and_plots(tmp_path: Any) -> None:
     points = run_sweep(requests=(1, 3), num_blocks=(64, 128), repeats=1, decode_steps=2)
     assert [(p.requests, p.num_blocks) for p in points] == [(1, 64), (3, 64), (1, 128), (3, 128)]
     assert all(p.omni_decode_us > 0 and p.floor_decode_us > 0 for p in points)
+    # The load-independent count: one decode step runs as many runtime Python lines at 1 as at 3 requests.
+    assert len({p.python_lines for p in points}) == 1 and points[0].python_lines > 300
     path = write_sweep_plot(points, tmp_path / "sweep.png", title="t")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

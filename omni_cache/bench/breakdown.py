@@ -8,8 +8,9 @@ categories add up to the instrumented step time with nothing counted twice.
 
 Categories (what is timed, on the instance or for the measured pass only):
 
-  validation        ``validate_save``, ``validate_hit``, ``classify_outputs``,
-                    ``copy_leftovers``, slot/row/capacity checks, ``_check_usable``
+  validation        ``validate_save``, ``check_scheduled``, ``validate_hit``,
+                    ``classify_outputs``, ``copy_leftovers``, slot/row/capacity checks,
+                    ``_check_usable``
   state machine     ``TableMachine.fire`` of the staging and the write machine
   locks             acquire + release of every runtime lock (state, staging,
                     write book, pool leaf lock, drain lock), via timing proxies
@@ -20,8 +21,9 @@ Categories (what is timed, on the instance or for the measured pass only):
   copies            every ``Tensor.copy_``, ``index_copy_``, ``index_select``,
                     ``clone`` and ``torch.cat`` during the pass (torch patched
                     for the pass only, then restored)
-  output views      ``Tensor.split_with_sizes``: the one tensor per request and key
-                    that materialize returns (views of the step's private copy)
+  output views      ``Tensor.split_with_sizes`` and ``reader.per_request``: the one
+                    tensor per request and key that materialize returns (views of the
+                    step's private copy) and its entry in the key's dict
   output assembly   ``StepReader.build_outputs`` / ``_read_hit`` themselves
   manager glue      the rest of ``new_step_starts``/``save_outputs``/``materialize``
 
@@ -76,7 +78,10 @@ _METHODS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
 _MANAGER_GLOBALS: tuple[tuple[str, str], ...] = (
     ("validation", "validate_save"), ("validation", "validate_hit"), ("validation", "classify_outputs"),
     ("validation", "copy_leftovers"), ("manager glue", "plan_events"), ("manager glue", "caller_location"),
+    ("validation", "check_scheduled"),
 )
+# Module globals of omni_cache.reader, patched for the pass only.
+_READER_GLOBALS: tuple[tuple[str, str], ...] = (("output views", "per_request"),)
 _TENSOR_COPIES: tuple[str, ...] = ("copy_", "index_copy_", "index_select", "clone")
 _TENSOR_VIEWS: tuple[str, ...] = ("split_with_sizes",)
 
@@ -178,6 +183,7 @@ def _resolve(manager: Any, path: str) -> Any:
 def _instrument(manager: Any, clock: _Clock) -> Callable[[], None]:
     """Wrap the instance's methods, swap its locks, patch globals and torch; return the undo."""
     import omni_cache.manager as manager_module
+    import omni_cache.reader as reader_module
 
     undo: list[Callable[[], None]] = []
     for category, path, attrs in _METHODS:
@@ -186,10 +192,11 @@ def _instrument(manager: Any, clock: _Clock) -> Callable[[], None]:
             fn = getattr(owner, attr)
             setattr(owner, attr, clock.wrap(fn, category))
             undo.append(lambda o=owner, a=attr: delattr(o, a) if a in vars(o) else None)
-    for category, name in _MANAGER_GLOBALS:
-        fn = getattr(manager_module, name)
-        setattr(manager_module, name, clock.wrap(fn, category))
-        undo.append(lambda n=name, f=fn: setattr(manager_module, n, f))
+    for module, names in ((manager_module, _MANAGER_GLOBALS), (reader_module, _READER_GLOBALS)):
+        for category, name in names:
+            fn = getattr(module, name)
+            setattr(module, name, clock.wrap(fn, category))
+            undo.append(lambda m=module, n=name, f=fn: setattr(m, n, f))
     # Locks: the state lock's inner lock, the staging and write-book locks with their
     # conditions, the pool's leaf lock and the committer's drain lock.
     manager._lock._lock = _TimedLock(manager._lock._lock, clock)

@@ -17,7 +17,12 @@ shorter than decode13's (64 tokens, hit 32) so 128 requests fit 1k blocks; the
 bookkeeping of a decode step does not depend on prompt length.
 
 Flat means: the bookkeeping barely moves across the grid while the copies
-grow with the requests.
+grow with the requests. Timings move with the machine's load; the sweep also
+reports one count that does not: ``python_lines_per_decode_step``, the Python
+lines of the runtime (the package minus its drivers: bench, cli, sim,
+vllm_sim) that one decode step runs, counted with ``sys.settrace``. It is the
+same at every number of requests when no loop over the step's requests is left
+in the runtime (``tests/test_step_cost.py`` holds that at 2 and 64 requests).
 Upholds nothing at run time; the checks are the runner's.
 """
 
@@ -45,6 +50,7 @@ class SweepPoint:
     floor_decode_us: float
     copies_us: float  # breakdown: the copies category
     views_us: float  # breakdown: the output views category
+    python_lines: int = 0  # runtime Python lines of one decode step (load-independent)
 
     @property
     def bookkeeping_us(self) -> float:
@@ -79,15 +85,59 @@ def run_sweep(
             split = step_breakdown(spec, passes=max(1, repeats), manager_factory=manager_factory)
             by = {r.category: r.us_per_step for r in split.rows}
             points.append(SweepPoint(b, nb, omni.decode_us_per_step, floor.decode_us_per_step,
-                                     by["copies"], by["output views"]))
+                                     by["copies"], by["output views"],
+                                     python_lines_per_decode_step(spec, manager_factory=manager_factory)))
     return points
+
+
+def python_lines_per_decode_step(spec: WorkloadSpec, *, manager_factory: ManagerFactory | None = None) -> int:
+    """Python lines of the runtime run by one decode step of ``spec`` (eager; after the prefill
+    steps and one untraced decode step), counted with ``sys.settrace``."""
+    import os
+    import sys
+
+    import omni_cache
+    from omni_cache.bench.runner import _manager_step, default_manager_factory
+    from omni_cache.bench.workload import build_workload
+    from omni_cache.interface import ModelCachePolicy
+
+    package = os.path.dirname(omni_cache.__file__) + os.sep
+    drivers = tuple(package + d + os.sep for d in ("bench", "cli", "sim", "vllm_sim"))
+    workload = build_workload(spec)
+    decode = [s for s in workload.steps if s.phase == "decode"]
+    if len(decode) < 2:
+        raise ValueError("python_lines_per_decode_step needs two decode steps")
+    manager = (manager_factory or default_manager_factory)(spec.cache_config(), True)
+    lines = 0
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        nonlocal lines
+        name = frame.f_code.co_filename
+        if event == "line" and name.startswith(package) and not name.startswith(drivers):
+            lines += 1
+        return tracer
+
+    try:
+        manager.register_policy(ModelCachePolicy())
+        for step in workload.steps[: workload.steps.index(decode[1])]:
+            _manager_step(manager, step)
+        sys.settrace(tracer)
+        try:
+            _manager_step(manager, decode[1])
+        finally:
+            sys.settrace(None)
+    finally:
+        manager.shutdown()
+    return lines
 
 
 def sweep_summary(points: list[SweepPoint]) -> dict[str, Any]:
     book = [p.bookkeeping_us for p in points]
     floors = [p.floor_decode_us for p in points]
+    lines = [p.python_lines for p in points]
     return {"points": [{**asdict(p), "over_floor_us": p.over_floor_us, "bookkeeping_us": p.bookkeeping_us}
                        for p in points],
+            "python_lines_min": min(lines), "python_lines_max": max(lines),
             "bookkeeping_us_min": min(book), "bookkeeping_us_max": max(book),
             "floor_us_min": min(floors), "floor_us_max": max(floors)}
 
@@ -98,12 +148,12 @@ def sweep_table(points: list[SweepPoint], *, mode: str, repeats: int) -> Any:
     table = Table(title=f"omni-cache bench --sweep ({mode}, median of {repeats}): µs per decode step",
                   title_justify="left")
     for col in ("requests", "num_blocks", "omni_cache", "floor", "omni - floor", "copies", "output views",
-                "bookkeeping (omni - copies - views)"):
+                "bookkeeping (omni - copies - views)", "runtime Python lines / step"):
         table.add_column(col, justify="right")
     for p in points:
         table.add_row(str(p.requests), str(p.num_blocks), f"{p.omni_decode_us:,.1f}", f"{p.floor_decode_us:,.1f}",
                       f"{p.over_floor_us:,.1f}", f"{p.copies_us:,.1f}", f"{p.views_us:,.1f}",
-                      f"{p.bookkeeping_us:,.1f}")
+                      f"{p.bookkeeping_us:,.1f}", str(p.python_lines))
     return table
 
 
