@@ -32,6 +32,14 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+# A driver JVM is replaced after this many runs: each run's class loader is unloaded only when
+# TLC's threads let go of it, so a long-lived JVM can run short of heap or metaspace (a full
+# `--all-mutants` run with --jobs 1 once ended two checks in TLC's general error, exit 255).
+MAX_RUNS_PER_JVM = 24
+# TLC's exit status for a failure of TLC itself (out of memory, an internal error), never a
+# verdict on the model: in a pooled JVM such a run is rerun alone in a fresh JVM.
+EXIT_TLC_ERROR = 255
+
 # Short TLC runs: C1 only (C2 compiles burn more CPU than a few-second run gains) and the
 # serial collector (no GC threads). Measured on the CI tier: see README, "Model checking".
 FAST_JVM_FLAGS = ("-XX:+UseSerialGC", "-XX:TieredStopAtLevel=1")
@@ -125,6 +133,7 @@ class _Worker:
     proc: subprocess.Popen[str]
     lines: queue.Queue[str | None]
     tmp: Path
+    num_runs: int = 0
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -167,8 +176,9 @@ class TLCPool:
     def run(self, args: list[str], output: Path, timeout_s: float) -> tuple[int, str] | None:
         """Run ``tlc2.TLC args`` (the spec as an absolute path, the cfg by its name in the
         spec's folder) in a driver JVM, TLC's output into ``output``: (exit code, output), or
-        None when the JVM died or the run threw (the caller reruns it alone). A timeout gives
-        exit -1, as ``run_tlc`` does."""
+        None when the JVM died, the run threw or TLC itself failed (exit 255; the caller reruns
+        it alone, and this JVM is retired). A timeout gives exit -1, as ``run_tlc`` does. A JVM
+        is retired after ``MAX_RUNS_PER_JVM`` runs."""
         try:
             worker = self._idle.get_nowait()
         except queue.Empty:
@@ -191,8 +201,27 @@ class TLCPool:
             else:
                 self._idle.put(worker)
             return None
-        self._idle.put(worker)
-        return int(line.split("\t", 1)[1]), output.read_text(errors="replace")
+        code = int(line.split("\t", 1)[1])
+        worker.num_runs += 1
+        if code == EXIT_TLC_ERROR or worker.num_runs >= MAX_RUNS_PER_JVM:
+            self._retire(worker)
+        else:
+            self._idle.put(worker)
+        if code == EXIT_TLC_ERROR:
+            return None
+        return code, output.read_text(errors="replace")
+
+    def _retire(self, worker: _Worker) -> None:
+        """End ``worker``'s JVM (it takes no more runs) and forget it."""
+        with self._lock:
+            if worker in self._all:
+                self._all.remove(worker)
+        assert worker.proc.stdin is not None, "Popen was given stdin=PIPE"
+        with contextlib.suppress(OSError):
+            worker.proc.stdin.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            worker.proc.wait(timeout=10)
+        worker.close()
 
     def close(self) -> None:
         with self._lock:
