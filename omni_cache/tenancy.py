@@ -80,9 +80,9 @@ class _KeyVersions:
 
 def _all_below(values: np.ndarray, bound: int) -> bool:
     """Every value < ``bound`` (short arrays, as a decode step's, without numpy reductions)."""
-    if len(values) <= 64:
+    if len(values) <= 8:
         return max(values.tolist(), default=-1) < bound
-    return bool((values < bound).all())
+    return bool(np.maximum.reduce(values) < bound)  # one reduction, no temporary (values < bound)
 
 
 class SlotTenancy:

@@ -21,6 +21,7 @@ from omni_cache.bench import preset as preset_module
 from omni_cache.bench.breakdown import CATEGORIES, step_breakdown
 from omni_cache.bench.floor import RawCopyFloor
 from omni_cache.bench.memory import formula, memory_report
+from omni_cache.bench.narrow import NARROW_WIDTH, OutputFloor, narrow_bookkeeping, narrow_spec
 from omni_cache.bench.preset import PRESETS, PresetCase
 from omni_cache.bench.sweep import run_sweep, write_sweep_plot
 from omni_cache.bench.workload import WorkloadSpec, build_workload, check_outputs
@@ -108,6 +109,8 @@ def test_sweep_covers_its_grid_and_plots(tmp_path: Any) -> None:
     points = run_sweep(requests=(1, 3), num_blocks=(64, 128), repeats=1, decode_steps=2)
     assert [(p.requests, p.num_blocks) for p in points] == [(1, 64), (3, 64), (1, 128), (3, 128)]
     assert all(p.omni_decode_us > 0 and p.floor_decode_us > 0 for p in points)
+    assert all(p.narrow_omni_us > 0 and p.narrow_outputs_us > 0 for p in points)
+    assert all(p.bookkeeping_us == p.narrow_omni_us - p.narrow_outputs_us for p in points)
     # The load-independent count: one decode step runs as many runtime Python lines at 1 as at 3 requests.
     assert len({p.python_lines for p in points}) == 1 and points[0].python_lines > 300
     path = write_sweep_plot(points, tmp_path / "sweep.png", title="t")
@@ -121,3 +124,27 @@ def test_memory_report_measured_bytes_equal_the_formula() -> None:
     assert (report.pool_bytes, report.staging_bytes, report.tenancy_bytes) == (
         want["pool"], want["staging"], want["tenancy"])
     assert report.peak_rss >= report.baseline_rss > 0
+
+
+def test_output_floor_returns_private_rows_that_later_steps_cannot_change() -> None:
+    """The sweep's direct bookkeeping subtracts ``OutputFloor`` from the manager: the floor must
+    return what materialize returns (every row right, each a private copy). Every step's outputs
+    are kept and checked only after the whole run has reused the staging buffer."""
+    spec = narrow_spec(WorkloadSpec(batch_size=3, **{**TINY, "decode_steps": 4}))
+    assert spec.hidden_width == spec.mm_width == NARROW_WIDTH
+    workload = build_workload(spec)
+    floor = OutputFloor(spec)
+    kept = []
+    for step in workload.steps:
+        floor.save(step)
+        kept.append((step, floor.materialize(step)))
+    assert any(not step.hit_slots and step.phase == "decode" for step, _ in kept)
+    assert sum(check_outputs(workload, step, out, who="output floor") for step, out in kept) > 0
+
+
+def test_narrow_bookkeeping_reads_both_sides_of_the_same_passes() -> None:
+    result = narrow_bookkeeping(WorkloadSpec(batch_size=2, **TINY), passes=1)
+    assert result.omni_us > 0 and result.floor_us > 0
+    assert result.bookkeeping_us == result.omni_us - result.floor_us
+    with pytest.raises(ValueError, match="passes"):
+        narrow_bookkeeping(WorkloadSpec(batch_size=2, **TINY), passes=0)

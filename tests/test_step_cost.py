@@ -256,7 +256,7 @@ def test_a_save_whose_rows_differ_from_the_scheduled_counts_changes_nothing(eage
 # ---- the pool's slot range check on a long step (one reduction) ---------------------------
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
 def test_long_slot_lists_are_range_checked_at_both_ends(dtype: torch.dtype) -> None:
-    """Steps of more than 16 rows take one unsigned reduction (int64) or min and max (other
+    """Steps of more than 8 rows take one unsigned reduction (int64) or min and max (other
     dtypes): 0 and num_slots - 1 pass, -1 and num_slots are refused wherever they are."""
     pool = PrefixBlockPool(64)
     ok = torch.arange(0, 64, 2, dtype=dtype)

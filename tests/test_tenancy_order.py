@@ -14,7 +14,7 @@ from omni_cache.block_pool import PrefixBlockPool
 from omni_cache.tenancy import SlotTenancy
 
 
-@pytest.mark.parametrize("num_rows", [8, 200])  # the short (<= 64 slots) and the numpy path
+@pytest.mark.parametrize("num_rows", [8, 200])  # the short (<= 8 slots) and the numpy path
 def test_a_late_older_write_never_overwrites_a_newer_tenant(num_rows: int) -> None:
     pool = PrefixBlockPool(1024)
     tenancy = SlotTenancy(pool)

@@ -66,7 +66,8 @@ def run_extra(args: argparse.Namespace, console: Any, sizes: list[int], repeats:
         from omni_cache.bench.sweep import run_sweep, sweep_summary, sweep_table, write_sweep_plot
 
         points = run_sweep(repeats=repeats, eager=eager, decode_steps=steps, progress=say)
-        path = write_sweep_plot(points, args.sweep, title=f"omni-cache bench --sweep ({mode}, median of {repeats})")
+        path = write_sweep_plot(points, args.sweep, title=f"omni-cache bench --sweep ({mode}; full widths: median of {repeats} "
+                                f"passes; narrow rows: per-step min of {max(5, 2 * repeats)} passes)")
         doc["sweep"] = {**sweep_summary(points), "plot": str(path)}
         if not args.json:
             console.print(sweep_table(points, mode=mode, repeats=repeats))

@@ -1,29 +1,34 @@
 """Does the per-step bookkeeping grow with the number of requests or the pool size?
 
-Owns: ``run_sweep`` (``omni-cache bench --sweep``) and its plot. For every
-(requests, num_blocks) of the grid it runs the decode13 shape (one prefill step
-per request, odd requests hit the previous one's blocks, then decode steps;
-every step materialized and checked) through ``runner.bench_batch``: the
-manager next to the raw-copy floor, step by step in the same passes, median over
-``repeats``, and through ``breakdown.step_breakdown`` (exclusive timers by
-category). Bookkeeping per decode step = the manager's decode µs/step (the
-bench's interleaved median, no timers) minus its *copies* and *output views*
-as the breakdown's timers measured them: what it costs beyond the copies
-themselves and the one tensor per request and key it must return. The
-difference to the floor is reported too, but it is not a bookkeeping measure at
-many requests: the floor clones per request and key, the manager once per key,
-so the floor's copies grow faster than the manager's. Prompts are
-shorter than decode13's (64 tokens, hit 32) so 128 requests fit 1k blocks; the
-bookkeeping of a decode step does not depend on prompt length.
+Owns: ``run_sweep`` (``omni-cache bench --sweep``), its table and its plot. For every
+(requests, num_blocks) of the grid it runs the decode13 shape (one prefill step per request,
+odd requests hit the previous one's blocks, then decode steps; every step materialized and
+checked). Prompts are shorter than decode13's (64 tokens, hit 32) so 128 requests fit 1k
+blocks; the bookkeeping of a decode step does not depend on prompt length. The columns, all µs
+per decode step unless named otherwise:
 
-Flat means: the bookkeeping barely moves across the grid while the copies
-grow with the requests. Timings move with the machine's load; the sweep also
-reports one count that does not: ``python_lines_per_decode_step``, the Python
-lines of the runtime (the package minus its drivers: bench, cli, sim,
-vllm_sim) that one decode step runs, counted with ``sys.settrace``. It is the
-same at every number of requests when no loop over the step's requests is left
-in the runtime (``tests/test_step_cost.py`` holds that at 2 and 64 requests).
-Upholds nothing at run time; the checks are the runner's.
+* ``omni_cache`` / ``floor``: ``runner.bench_batch`` at the full widths (hidden 2048, mm 512):
+  the manager next to the raw-copy floor, step by step in the same passes, median over
+  ``repeats``. The floor clones per request and key, the manager once per key, so at many
+  requests the floor's copies grow faster than the manager's: their difference is no
+  bookkeeping measure.
+* ``copies`` / ``output views``: ``breakdown.step_breakdown`` at the full widths, the manager's
+  copies and its one view and dict entry per request and key, as its exclusive timers read
+  them (a separate, timed run: they show how the copies grow, nothing is subtracted from them).
+* ``narrow omni`` / ``narrow outputs`` / ``bookkeeping``: ``narrow.narrow_bookkeeping``, the
+  direct measurement. The same workload with every key 8 columns wide (copies cost their calls,
+  not their bytes), the manager and ``narrow.OutputFloor`` (the copies and the per-request
+  output views and dicts the manager itself returns, nothing else) step by step in the same
+  passes; per step the minimum over ``max(5, 2 * repeats)`` passes, then the median over the
+  decode steps. **bookkeeping = narrow omni - narrow outputs**: what a decode step costs beyond
+  its copies and its outputs, read in one run, robust to load bursts (the minimum).
+* ``runtime Python lines / step``: a count no load can move, the Python lines of the runtime
+  (the package minus its drivers: bench, cli, sim, vllm_sim) one decode step runs, counted with
+  ``sys.settrace``. It is the same at every number of requests when no loop over the step's
+  requests is left in the runtime (``tests/test_step_cost.py`` holds that at 2 and 64 requests).
+
+Flat means: the bookkeeping barely moves across the grid while the copies grow with the
+requests. Upholds nothing at run time; the checks are the runner's.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from omni_cache.bench.breakdown import step_breakdown
+from omni_cache.bench.narrow import narrow_bookkeeping
 from omni_cache.bench.runner import ManagerFactory, bench_batch
 from omni_cache.bench.workload import WorkloadSpec
 
@@ -48,14 +54,16 @@ class SweepPoint:
     num_blocks: int
     omni_decode_us: float
     floor_decode_us: float
-    copies_us: float  # breakdown: the copies category
-    views_us: float  # breakdown: the output views category
+    copies_us: float  # breakdown: the copies category (full widths, timed run)
+    views_us: float  # breakdown: the output views category (full widths, timed run)
+    narrow_omni_us: float = 0.0  # narrow rows: the manager (per-step min over passes, median over steps)
+    narrow_outputs_us: float = 0.0  # narrow rows: OutputFloor, the copies and outputs alone (same passes)
     python_lines: int = 0  # runtime Python lines of one decode step (load-independent)
 
     @property
     def bookkeeping_us(self) -> float:
-        """The manager's decode step minus its copies and output views."""
-        return self.omni_decode_us - self.copies_us - self.views_us
+        """Narrow rows: the manager's decode step minus its copies and outputs, measured in the same passes."""
+        return self.narrow_omni_us - self.narrow_outputs_us
 
     @property
     def over_floor_us(self) -> float:
@@ -84,8 +92,9 @@ def run_sweep(
             omni, floor, _ = bench_batch(spec, repeats=repeats, eager=eager, manager_factory=manager_factory)
             split = step_breakdown(spec, passes=max(1, repeats), manager_factory=manager_factory)
             by = {r.category: r.us_per_step for r in split.rows}
+            narrow = narrow_bookkeeping(spec, passes=max(5, 2 * repeats), eager=eager, manager_factory=manager_factory)
             points.append(SweepPoint(b, nb, omni.decode_us_per_step, floor.decode_us_per_step,
-                                     by["copies"], by["output views"],
+                                     by["copies"], by["output views"], narrow.omni_us, narrow.floor_us,
                                      python_lines_per_decode_step(spec, manager_factory=manager_factory)))
     return points
 
@@ -147,19 +156,20 @@ def sweep_table(points: list[SweepPoint], *, mode: str, repeats: int) -> Any:
 
     table = Table(title=f"omni-cache bench --sweep ({mode}, median of {repeats}): µs per decode step",
                   title_justify="left")
-    for col in ("requests", "num_blocks", "omni_cache", "floor", "omni - floor", "copies", "output views",
-                "bookkeeping (omni - copies - views)", "runtime Python lines / step"):
+    for col in ("requests", "num_blocks", "omni_cache", "floor", "copies", "output views", "narrow omni",
+                "narrow outputs", "bookkeeping (narrow omni - narrow outputs)", "runtime Python lines / step"):
         table.add_column(col, justify="right")
     for p in points:
         table.add_row(str(p.requests), str(p.num_blocks), f"{p.omni_decode_us:,.1f}", f"{p.floor_decode_us:,.1f}",
-                      f"{p.over_floor_us:,.1f}", f"{p.copies_us:,.1f}", f"{p.views_us:,.1f}",
-                      f"{p.bookkeeping_us:,.1f}", str(p.python_lines))
+                      f"{p.copies_us:,.1f}", f"{p.views_us:,.1f}", f"{p.narrow_omni_us:,.1f}",
+                      f"{p.narrow_outputs_us:,.1f}", f"{p.bookkeeping_us:,.1f}", str(p.python_lines))
     return table
 
 
 def write_sweep_plot(points: list[SweepPoint], path: str | Path, *, title: str = "") -> Path:
-    """Left: the manager's bookkeeping and copies per decode step against requests, one line per
-    pool size; right: the manager and the floor themselves (µs per decode step, log scale)."""
+    """Left: the direct bookkeeping per decode step (narrow rows, manager minus its copies and
+    outputs) and those outputs against requests, one line per pool size; right: the manager and
+    the floor at the full widths (µs per decode step, log scale)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -173,11 +183,12 @@ def write_sweep_plot(points: list[SweepPoint], path: str | Path, *, title: str =
         row = sorted((p for p in points if p.num_blocks == nb), key=lambda p: p.requests)
         xs = [p.requests for p in row]
         ax_book.plot(xs, [p.bookkeeping_us for p in row], "o-", color=f"C{i}", label=f"bookkeeping, {nb} blocks")
-        ax_book.plot(xs, [p.copies_us for p in row], "s:", color=f"C{i}", alpha=0.5, label=f"copies, {nb} blocks")
+        ax_book.plot(xs, [p.narrow_outputs_us for p in row], "s:", color=f"C{i}", alpha=0.5,
+                     label=f"copies + outputs, {nb} blocks")
         ax_abs.plot(xs, [p.omni_decode_us for p in row], "o-", color=f"C{i}", label=f"omni_cache, {nb} blocks")
         ax_abs.plot(xs, [p.floor_decode_us for p in row], "s--", color=f"C{i}", alpha=0.5,
                     label=f"floor, {nb} blocks")
-    ax_book.set_title("omni_cache per decode step: bookkeeping vs copies")
+    ax_book.set_title("narrow rows, per decode step: bookkeeping vs copies + outputs", fontsize=9)
     ax_book.set_ylabel("µs")
     ax_book.set_ylim(bottom=0)
     ax_abs.set_title("µs per decode step")
