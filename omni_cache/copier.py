@@ -146,7 +146,7 @@ class Committer:
             if not self._drain_lock.acquire(blocking=False):
                 return
             try:
-                while (write := self.book.pop(block=False)) is not None:
+                while (write := self.book.start_next(block=False)) is not None:
                     self.process(write)
             finally:
                 self._drain_lock.release()
@@ -154,11 +154,10 @@ class Committer:
                 return
 
     def process(self, write: PoolWrite) -> None:
-        """Copy to host (if needed), land and commit one queued write."""
+        """Copy to host (if needed), land and commit one write ``WriteBook.start_next`` started."""
         try:
             self.faults.before_device_to_host(write)
             self.faults.on_blocking(f"device->host copy of write tid {write.tid}")
-            self.book.fire(write, "start_copy")
             # ``copy_event`` orders this copy after the producer: the staging-page copy
             # issued at save (immediate) or the device clone (deferred).
             host: dict[str, torch.Tensor] = {}
@@ -192,7 +191,7 @@ class Committer:
         try:
             while True:
                 self.faults.committer_tick()
-                write = self.book.pop(block=True, timeout_s=0.5)
+                write = self.book.start_next(block=True, timeout_s=0.5)
                 if write is None:
                     if self.book.failure is not None:
                         return

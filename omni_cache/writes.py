@@ -173,17 +173,36 @@ class WriteBook:
         return moved
 
     def pop(self, *, block: bool, timeout_s: float | None = None) -> PoolWrite | None:
-        """Next queued write (committer side); None when closed or nothing queued."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        """Next queued write, taken off the queue but not started; None when closed or nothing
+        queued. The committer uses ``start_next``; this is the queue alone."""
         with self._lock:
-            while not self._queue:
-                if not block or self._closed or self._failure is not None:
-                    return None
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return None
-                self._wait_locked(remaining)
-            return self._queue.popleft()
+            return self._pop_locked(block, timeout_s)
+
+    def start_next(self, *, block: bool, timeout_s: float | None = None) -> PoolWrite | None:
+        """Take the queue's front write and fire its ``start_copy`` under one hold of the lock
+        (committer side); None when closed, failed or nothing queued.
+
+        Atomic on purpose: a write taken off the queue but not yet started would be neither in
+        the queue nor copying, so a finish/abort pushing writes to the front in between would be
+        recorded ahead of a copy that had in fact already begun (the trace then shows a copy
+        starting behind the queue's front, I9), and a failure in between would not fail it
+        (``fail`` ends the queued and pending writes, I8)."""
+        with self._lock:
+            write = self._pop_locked(block, timeout_s)
+            if write is not None:
+                self._fire_locked(write, "start_copy")
+            return write
+
+    def _pop_locked(self, block: bool, timeout_s: float | None) -> PoolWrite | None:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not self._queue:
+            if not block or self._closed or self._failure is not None:
+                return None
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                return None
+            self._wait_locked(remaining)
+        return self._queue.popleft()
 
     def fail(self, write: PoolWrite | None, error: BaseException, *, where: str) -> str:
         """Record the sticky failure (I8); fail ``write``, every queued and every pending write."""

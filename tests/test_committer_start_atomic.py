@@ -1,0 +1,78 @@
+"""The committer takes the queue's front write and starts its copy atomically (I8, I9).
+
+Found by the stateful tenancy-trace test under load: the committer took write 5 off the
+queue, a finished request then pushed its deferred write 6 to the front, and only then did
+write 5's ``start_copy`` fire, so the trace showed a copy starting behind the queue's front
+and TLC rejected it (WritesTrace: ``start_copy`` needs ``First(queue) = i``). A write taken
+off the queue but not yet started was also invisible to ``fail`` (which ends the queued and
+pending writes, I8). Here the window is forced open: the copy path's first fault hook (it
+runs after the take) pushes a write to the front, as a finish on another thread would.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from omni_cache.copier import Committer, CopyEngine
+from omni_cache.faults import FaultHooks
+from omni_cache.interface import WriteSchedule
+from omni_cache.verify.testing import require_tlc
+from omni_cache.verify.traces import TraceRecorder, check_writes_trace_tlc
+from omni_cache.writes import PoolWrite, WriteBook
+
+
+class _Tenancy:  # the committer only lands rows through it
+    def land_all(self, rows: Any, slots: Any, tid: int) -> None:
+        pass
+
+
+class _Staging:  # no write here holds a staging page
+    def set_failed(self, message: str) -> None:
+        raise AssertionError(message)
+
+    def unhold(self, slot: Any) -> None:
+        raise AssertionError("no staging page was held")
+
+
+class _FinishDuringCopy(FaultHooks):
+    """The first copy's hook pushes ``late`` to the queue's front (a request finishing)."""
+
+    def __init__(self, book: WriteBook, late: PoolWrite) -> None:
+        self.book, self.late, self.seen = book, late, []
+
+    def before_device_to_host(self, write: Any) -> None:
+        self.seen.append((write.tid, write.state))
+        if self.late.state == "pending":
+            self.book.enqueue([self.late], front=True)
+
+
+def _run(threaded: bool) -> tuple[list[Any], TraceRecorder, WriteBook]:
+    rec = TraceRecorder()
+    book = WriteBook(5.0, rec)
+    slots = torch.arange(2)
+    first = book.register(WriteSchedule.JOIN_NEXT_STEP, 1, slots, {"hidden": torch.ones(2, 3)})
+    late = book.register(WriteSchedule.JOIN_ON_FINISH, 1, slots, {"mm.a": torch.ones(2, 3)})
+    hooks = _FinishDuringCopy(book, late)
+    committer = Committer(book, _Tenancy(), _Staging(), CopyEngine(use_cuda=False, chunk_bytes=1 << 20),  # type: ignore[arg-type]
+                          hooks, threaded=threaded)
+    book.enqueue([first])
+    committer.kick()
+    book.wait(late, ("written",), why="the test waits for the late write")
+    committer.stop()
+    assert first.state == late.state == "written"
+    return hooks.seen, rec, book
+
+
+def test_a_write_is_copying_when_it_leaves_the_queue() -> None:
+    for threaded in (False, True):
+        seen, _, _ = _run(threaded)
+        assert seen[0] == (1, "copying"), f"threaded={threaded}: the committer took a write without starting it: {seen}"
+
+
+def test_a_front_push_during_a_copy_passes_trace_validation() -> None:
+    require_tlc()
+    _, rec, _ = _run(threaded=False)
+    verdict = check_writes_trace_tlc(rec)
+    assert verdict.accepted, verdict.explain() + verdict.output
