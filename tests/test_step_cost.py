@@ -83,6 +83,7 @@ def _lines_of_one_step(n: int, *, new_hit: bool) -> Counter[tuple[str, str]]:
             lines[(os.path.relpath(code.co_filename, PACKAGE), code.co_name)] += 1
         return tracer
 
+    previous = sys.gettrace()  # a coverage tracer, if any: restored after
     sys.settrace(tracer)
     try:
         m.new_step_starts(step.events)
@@ -90,7 +91,7 @@ def _lines_of_one_step(n: int, *, new_hit: bool) -> Counter[tuple[str, str]]:
                                  num_tokens_padded=len(step.hidden), write_layout=step.layout)
         out = m.materialize(step_id, step.req_ids)
     finally:
-        sys.settrace(None)
+        sys.settrace(previous)
     # The traced step did its work: every request's row, the new request's hit rows first.
     assert set(out.hidden_states) == set(step.req_ids)
     assert torch.equal(out.hidden_states["r1"], truth("r1", [5]))

@@ -130,11 +130,12 @@ def python_lines_per_decode_step(spec: WorkloadSpec, *, manager_factory: Manager
         manager.register_policy(ModelCachePolicy())
         for step in workload.steps[: workload.steps.index(decode[1])]:
             _manager_step(manager, step)
+        previous = sys.gettrace()  # a coverage tracer, if any: restored after
         sys.settrace(tracer)
         try:
             _manager_step(manager, decode[1])
         finally:
-            sys.settrace(None)
+            sys.settrace(previous)
     finally:
         manager.shutdown()
     return lines
