@@ -142,6 +142,16 @@ class _Worker:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
+def _end_gracefully(worker: _Worker) -> None:
+    """Close the driver's stdin (it exits after its current run), wait briefly, then kill."""
+    assert worker.proc.stdin is not None, "Popen was given stdin=PIPE"
+    with contextlib.suppress(OSError):
+        worker.proc.stdin.close()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        worker.proc.wait(timeout=10)
+    worker.close()
+
+
 class TLCPool:
     """Driver JVMs, started lazily, one TLC check at a time each. ``run`` is thread-safe: a
     caller takes an idle JVM (or starts one), runs its check, and gives the JVM back."""
@@ -216,23 +226,13 @@ class TLCPool:
         with self._lock:
             if worker in self._all:
                 self._all.remove(worker)
-        assert worker.proc.stdin is not None, "Popen was given stdin=PIPE"
-        with contextlib.suppress(OSError):
-            worker.proc.stdin.close()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            worker.proc.wait(timeout=10)
-        worker.close()
+        _end_gracefully(worker)
 
     def close(self) -> None:
         with self._lock:
             workers, self._all = self._all, []
         for worker in workers:
-            assert worker.proc.stdin is not None, "Popen was given stdin=PIPE"
-            with contextlib.suppress(OSError):
-                worker.proc.stdin.close()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                worker.proc.wait(timeout=10)
-            worker.close()
+            _end_gracefully(worker)
 
     def __enter__(self) -> TLCPool:
         return self
