@@ -172,12 +172,6 @@ class WriteBook:
                 self._cond.notify_all()
         return moved
 
-    def pop(self, *, block: bool, timeout_s: float | None = None) -> PoolWrite | None:
-        """Next queued write, taken off the queue but not started; None when closed or nothing
-        queued. The committer uses ``start_next``; this is the queue alone."""
-        with self._lock:
-            return self._pop_locked(block, timeout_s)
-
     def start_next(self, *, block: bool, timeout_s: float | None = None) -> PoolWrite | None:
         """Take the queue's front write and fire its ``start_copy`` under one hold of the lock
         (committer side); None when closed, failed or nothing queued.

@@ -21,8 +21,8 @@ def test_write_lifecycle_queue_and_front_push() -> None:
     assert [w.tid for w in (a, b, c)] == [1, 2, 3]
     book.enqueue([a, b])
     book.enqueue([c], front=True)  # finished/aborted requests jump the queue (I9)
-    assert [book.pop(block=False).tid for _ in range(3)] == [3, 1, 2]  # type: ignore[union-attr]
-    for trigger in ("start_copy", "finish_copy", "commit"):
+    assert [book.start_next(block=False).tid for _ in range(3)] == [3, 1, 2]  # type: ignore[union-attr]
+    for trigger in ("finish_copy", "commit"):
         book.fire(a, trigger)
     assert a.state == "written" and book.get(a.tid) is None and book.num_written == 1
     with pytest.raises(OmniPrefixCacheUnmatchError, match="illegal pool_write trigger 'commit'"):

@@ -87,7 +87,7 @@ def test_shutdown_closes_the_queue_so_a_blocking_pop_returns_at_once(eager: bool
     m = manager(eager)
     m.shutdown()
     t0 = time.perf_counter()
-    assert m.book.pop(block=True, timeout_s=5.0) is None
+    assert m.book.start_next(block=True, timeout_s=5.0) is None
     assert time.perf_counter() - t0 < 2.0, "the queue was not closed by shutdown"
 
 

@@ -78,23 +78,23 @@ def _writes_run() -> list[TraceEvent]:
     d2 = book.register(WriteSchedule.JOIN_ON_FINISH, 2, slots, {"mm.a": torch.ones(2, 3)})
     book.enqueue([imm])
     book.enqueue([d1, d2], front=True)
-    while (write := book.pop(block=False)) is not None:
-        for trigger in ("start_copy", "finish_copy", "commit"):
+    while (write := book.start_next(block=False)) is not None:  # the committer's own take
+        for trigger in ("finish_copy", "commit"):
             book.fire(write, trigger)
     return rec.events(notes=True)
 
 
-def _pop_newest(self: WriteBook, *, block: bool, timeout_s: float | None = None) -> PoolWrite | None:
-    """Mutant of WriteBook.pop: takes the newest queued write (lands writes out of order)."""
-    with self._cond:
-        return self._queue.pop() if self._queue else None
+def _pop_newest(self: WriteBook, block: bool, timeout_s: float | None) -> PoolWrite | None:
+    """Mutant of WriteBook._pop_locked (the committer's take): the newest queued write (lands
+    writes out of order)."""
+    return self._queue.pop() if self._queue else None
 
 
 def test_writes_landing_out_of_order_fail_trace_validation(monkeypatch: pytest.MonkeyPatch) -> None:
     require_tlc()
     good = check_writes_trace_tlc(_writes_run())
     assert good.accepted, good.explain() + good.output
-    monkeypatch.setattr(WriteBook, "pop", _pop_newest)
+    monkeypatch.setattr(WriteBook, "_pop_locked", _pop_newest)
     events = _writes_run()
     bad = check_writes_trace_tlc(events)
     assert not bad.accepted, "TLC accepted a trace whose committer landed the queue's tail first"

@@ -175,12 +175,11 @@ def test_write_book_trace_replays_and_tampering_is_caught() -> None:
     w2 = book.register(WriteSchedule.JOIN_ON_FINISH, 1, slots, {"mm.a": torch.ones(2, 3)})
     book.enqueue([w1])
     book.enqueue([w2], front=True)
-    first = book.pop(block=False)
+    first = book.start_next(block=False)
     assert first is w2
-    for trigger in ("start_copy", "finish_copy", "commit"):
+    for trigger in ("finish_copy", "commit"):
         book.fire(w2, trigger)
-    assert book.pop(block=False) is w1
-    book.fire(w1, "start_copy")
+    assert book.start_next(block=False) is w1
     book.fail(w1, RuntimeError("copy failed"), where="test")
     events = rec.events()
     final = replay(events, WRITE_TABLE)

@@ -66,7 +66,7 @@ _METHODS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("staging slots", "staging", ("claim", "save", "consume", "done_reading", "hold", "unhold",
                                   "claimed_pages", "pages_rows", "abort")),
     ("tenancy", "tenancy", ("register", "plan", "unplan", "land_all", "read", "prepare_keys")),
-    ("write book", "book", ("register", "enqueue", "pop", "start_next", "fire", "get", "wait", "check_failed",
+    ("write book", "book", ("register", "enqueue", "start_next", "fire", "get", "wait", "check_failed",
                             "queue_length")),
     ("write book", "committer", ("kick", "drain", "process")),
     ("output assembly", "reader", ("build_outputs", "_read_hit")),

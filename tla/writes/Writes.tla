@@ -298,7 +298,7 @@ SequenceMonotonic == [][lastSeq' >= lastSeq]_vars
 OwnerFixed == [][\A i \in Writes : Registered(i) => own'[i] = own[i]]_vars
 
 \* I8: once failed, always failed, and the committer starts no copy any more
-\* (WriteBook.pop returns nothing once failed; a copy already in flight may end).
+\* (WriteBook.start_next returns nothing once failed; a copy already in flight may end).
 StickyFailure ==
     [][failure => /\ failure'
                   /\ lastSeq' = lastSeq          \* new_step_starts refuses every step
