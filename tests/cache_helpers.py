@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import pytest
 import torch
@@ -94,3 +96,24 @@ def settle(m: OmniPrefixCacheManager, timeout_s: float = 5.0) -> None:
     while [w for w in m.book.live() if w.state != "pending"]:
         assert time.monotonic() < deadline, f"writes never landed: {m.book.describe_in_flight()}"
         time.sleep(0.005)
+
+
+def assert_waits_for_lock(lock: Any, call: Callable[[], object], what: str) -> None:
+    """``call()`` on another thread does not finish while this thread holds ``lock`` (it takes
+    the lock, I11), then finishes without an error once the lock is released."""
+    done = threading.Event()
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            call()
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+        done.set()
+
+    with lock:
+        worker = threading.Thread(target=run)
+        worker.start()
+        assert not done.wait(0.2), f"{what} ran while another thread held the lock: it does not take the lock"
+    assert done.wait(5) and not errors, errors
+    worker.join()

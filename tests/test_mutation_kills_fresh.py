@@ -13,13 +13,12 @@ request without ``num_computed_tokens``.
 
 from __future__ import annotations
 
-import threading
 import time
 from types import SimpleNamespace
 
 import pytest
 import torch
-from cache_helpers import MODES, config, manager, save, started
+from cache_helpers import MODES, assert_waits_for_lock, config, manager, save, started
 
 from omni_cache import (
     ModelCachePolicy,
@@ -49,13 +48,7 @@ def test_block_pool_calls_wait_for_its_lock(what: str) -> None:
         "rows": lambda: pool.rows("k", torch.tensor([1])),
         "write": lambda: pool.write("k", torch.tensor([3]), torch.ones(1, 3)),
     }
-    done = threading.Event()
-    with pool.lock:
-        worker = threading.Thread(target=lambda: (calls[what](), done.set()))
-        worker.start()
-        assert not done.wait(0.2), f"PrefixBlockPool.{what} ran while another thread held the pool lock"
-    assert done.wait(5)
-    worker.join()
+    assert_waits_for_lock(pool.lock, calls[what], f"PrefixBlockPool.{what}")
 
 
 # ---- a landed write keeps no rows --------------------------------------------------------
@@ -178,13 +171,7 @@ def test_staging_calls_wait_for_the_pool_lock(what: str) -> None:
         "slot_states": pool.slot_states,
         "page_bytes": pool.page_bytes,
     }
-    done = threading.Event()
-    with pool._lock:
-        worker = threading.Thread(target=lambda: (calls[what](), done.set()))
-        worker.start()
-        assert not done.wait(0.2), f"StagingPool.{what} ran while another thread held the pool lock"
-    assert done.wait(5)
-    worker.join()
+    assert_waits_for_lock(pool._lock, calls[what], f"StagingPool.{what}")
 
 
 # ---- a hit of one block when a block is one token ------------------------------------------

@@ -19,7 +19,7 @@ from typing import ClassVar
 import numpy as np
 import pytest
 import torch
-from cache_helpers import MODES, config, finished, manager, save, started
+from cache_helpers import MODES, assert_waits_for_lock, config, finished, manager, save, started
 
 from omni_cache import (
     ModelCachePolicy,
@@ -71,25 +71,6 @@ def test_read_serves_the_planned_rows_when_the_older_write_lands_late() -> None:
 
 
 # ---- I11: tenancy bookkeeping under the pool's leaf lock ----------------------------------
-def _blocks_while_pool_lock_held(ten: SlotTenancy, call) -> None:  # type: ignore[no-untyped-def]
-    done = threading.Event()
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            call()
-        except BaseException as exc:  # pragma: no cover - reported below
-            errors.append(exc)
-        done.set()
-
-    with ten.pool.lock:
-        worker = threading.Thread(target=run)
-        worker.start()
-        assert not done.wait(0.2), "ran while another thread held the pool lock: it does not take the lock"
-    assert done.wait(5) and not errors, errors
-    worker.join()
-
-
 @pytest.mark.parametrize("what", ["unplan", "plan", "register", "read", "land_all", "num_preserved"])
 def test_tenancy_bookkeeping_waits_for_the_pool_lock(what: str) -> None:
     """Mutants: ``unplan`` (and its siblings, and the stats count) without ``with self.pool.lock``."""
@@ -105,7 +86,7 @@ def test_tenancy_bookkeeping_waits_for_the_pool_lock(what: str) -> None:
         "land_all": lambda: ten.land_all({"k": torch.full((2, 3), 2.0)}, torch.from_numpy(slots), 2),
         "num_preserved": ten.num_preserved,
     }
-    _blocks_while_pool_lock_held(ten, calls[what])
+    assert_waits_for_lock(ten.pool.lock, calls[what], f"SlotTenancy.{what}")
     if what == "unplan":
         assert ten._keys["k"].num_pins == 0 and int(ten._keys["k"].pins.sum()) == 0
 

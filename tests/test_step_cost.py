@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 import pytest
 import torch
-from cache_helpers import MODES, config, finished, save, slots, started, truth
+from cache_helpers import MODES, assert_waits_for_lock, config, finished, save, slots, started, truth
 
 import omni_cache
 from omni_cache.adapter import PrefixCacheStep, PrefixCacheWrite, PrefixCacheWriteLayout
@@ -335,7 +335,6 @@ def test_saved_at_is_the_first_frame_outside_the_runtime_or_in_a_driver() -> Non
 def test_staging_hold_unhold_and_done_reading_wait_for_the_pool_lock(what: str) -> None:
     """Mutants: ``drop_with`` on ``StagingPool.hold`` / ``unhold`` / ``done_reading`` (a write's hold
     count or the reader flag changed while another thread holds the pool lock)."""
-    import threading
 
     from omni_cache.staging import StagingPool
 
@@ -348,10 +347,4 @@ def test_staging_hold_unhold_and_done_reading_wait_for_the_pool_lock(what: str) 
     if what == "done_reading":
         pool.consume(1, caller="test")
     call = {"hold": pool.hold, "unhold": pool.unhold, "done_reading": pool.done_reading}[what]
-    done = threading.Event()
-    with pool._lock:
-        worker = threading.Thread(target=lambda: (call(slot), done.set()))
-        worker.start()
-        assert not done.wait(0.2), f"StagingPool.{what} ran while another thread held the pool lock"
-    assert done.wait(5)
-    worker.join()
+    assert_waits_for_lock(pool._lock, lambda: call(slot), f"StagingPool.{what}")
