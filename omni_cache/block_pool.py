@@ -18,7 +18,7 @@ import torch
 
 from omni_cache.errors import PHRASE_SLOT_MAPPING, OmniPrefixCacheUnmatchError
 from omni_cache.interface import TensorName
-from omni_cache.validation import check_same_rows
+from omni_cache.validation import RowSig, check_sig, row_sig
 
 
 class PrefixBlockPool:
@@ -31,6 +31,8 @@ class PrefixBlockPool:
         self.lock = threading.Lock()
         # key -> [num_slots, *row_shape]; allocated on first write, never dropped.
         self._tensors: dict[TensorName, torch.Tensor] = {}
+        # key -> (dtype, row shape) of its tensor, set with it: row checks compare tuples.
+        self._sigs: dict[TensorName, RowSig] = {}
 
     def keys(self) -> list[TensorName]:
         with self.lock:
@@ -51,29 +53,29 @@ class PrefixBlockPool:
         """The tensor of ``key`` or None; the caller holds ``lock``."""
         return self._tensors.get(key)
 
-    def check_rows(self, key: TensorName, rows: torch.Tensor) -> None:
-        """Raise unless ``rows`` match ``key``'s row shape and dtype (a new key always matches)."""
-        tensor = self._tensors.get(key)  # no lock: keys are only ever added, never replaced
-        if tensor is not None:
-            self._check_shape(key, tensor, rows)
-
-    def _check_shape(self, key: TensorName, tensor: torch.Tensor, rows: torch.Tensor) -> None:
-        if tensor.dtype == rows.dtype and tensor.shape[1:] == rows.shape[1:]:
-            return  # the common case, without building the error's description
-        check_same_rows(f"block pool key {key!r}", tensor.shape[1:], tensor.dtype, rows)
+    def check_rows(self, key: TensorName, rows: torch.Tensor, sig: RowSig | None = None) -> None:
+        """Raise unless ``rows`` (of signature ``sig``, if given) match ``key``'s row shape and
+        dtype (a new key always matches)."""
+        held = self._sigs.get(key)  # no lock: keys are only ever added, never replaced
+        if held is not None:
+            check_sig(f"block pool key {key!r}", held, row_sig(rows) if sig is None else sig)
 
     def _tensor_for(self, key: TensorName, rows: torch.Tensor) -> torch.Tensor:
-        row_shape = tuple(rows.shape[1:])
+        sig = row_sig(rows)
         with self.lock:
             tensor = self._tensors.get(key)
         if tensor is None:
-            fresh = torch.zeros(
-                (self.num_slots, *row_shape), dtype=rows.dtype, pin_memory=self.pin_memory
-            )
+            fresh = torch.zeros((self.num_slots, *sig[1]), dtype=sig[0], pin_memory=self.pin_memory)
             with self.lock:
                 tensor = self._tensors.setdefault(key, fresh)
-        self._check_shape(key, tensor, rows)
+                if tensor is fresh:
+                    self._sigs[key] = sig
+        check_sig(f"block pool key {key!r}", self._sigs[key], sig)
         return tensor
+
+    def sig_locked(self, key: TensorName) -> RowSig | None:
+        """The row signature of ``key``'s tensor, or None; the caller holds ``lock``."""
+        return self._sigs.get(key)
 
     def check_slots(self, slots: torch.Tensor, *, where: str = "block pool") -> np.ndarray:
         """Raise unless every slot is in ``[0, num_slots)`` (the message starts with ``where``);

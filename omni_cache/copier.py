@@ -174,7 +174,7 @@ class Committer:
             self.book.fire(write, "finish_copy")
             for key in write.host:
                 self.faults.before_pool_write(write, key)
-            self.tenancy.land_all(write.host, write.slots, write.tid)
+            self.tenancy.land_all(write.host, write.slots, write.tid, slots_np=write.slots_np, sigs=write.sigs)
             write.source = {}
             self.book.fire(write, "commit")
             write.host = None

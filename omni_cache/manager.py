@@ -63,7 +63,7 @@ from omni_cache.staging import StagingPool
 from omni_cache.step_outputs import StepContext, classify_outputs, copy_leftovers
 from omni_cache.tenancy import PlannedRead, SlotTenancy
 from omni_cache.trace import TraceRecorder
-from omni_cache.validation import check_scheduled, validate_hit, validate_save
+from omni_cache.validation import RowSig, check_scheduled, validate_hit, validate_save
 from omni_cache.writes import PoolWrite, WriteBook
 
 log = logging.getLogger(__name__)
@@ -237,10 +237,11 @@ class OmniPrefixCacheManager:
             prev = self._last_immediate
         check_scheduled(scheduled, step_rows)
         split = classify_outputs(policy, hidden_states, mm_outputs or {}, n, num_tokens_padded)
+        sigs = split.sigs  # each per-token key's (dtype, row shape), read once by classify_outputs
         for key, rows in split.immediate.items():  # a key's row shape and dtype never change
-            self.staging.check_rows(key, rows)
+            self.staging.check_rows(key, rows, sigs[key])
         for key, rows in (*split.immediate.items(), *split.deferred.items()):
-            self.pool.check_rows(key, rows)
+            self.pool.check_rows(key, rows, sigs[key])
         # Per-slot bookkeeping of new keys is allocated before anything is claimed (a MemoryError
         # here has nothing to undo), so registration below allocates nothing.
         self.tenancy.prepare_keys([*split.immediate, *split.deferred])
@@ -264,7 +265,7 @@ class OmniPrefixCacheManager:
             with self._lock:  # issued only once a page is held: a refused save burns no id
                 step_id = next(_STEP_IDS)
                 self._ids_issued += 1
-            views, copy_event = self.staging.claimed_pages(slot, split.immediate), None
+            views, copy_event = self.staging.claimed_pages(slot, split.immediate, sigs), None
             for key, rows in split.immediate.items():
                 copy_event = self.copies.copy_into(views[key], rows, compute_event) or copy_event
             deferred_dev = {k: self.copies.device_clone(v) for k, v in split.deferred.items()}
@@ -277,11 +278,11 @@ class OmniPrefixCacheManager:
             # Registration: from here on a failure cannot be rolled back (versions are
             # published), so it fails the manager for good (I8) instead.
             imm, older = self._register(WriteSchedule.JOIN_NEXT_STEP, step_id, slots, slots_np, views, slot,
-                                        req_ids, registered)
+                                        req_ids, registered, sigs)
             if imm is not None:
                 imm.copy_event = copy_event
             deferred, older_deferred = self._register(
-                WriteSchedule.JOIN_ON_FINISH, step_id, slots, slots_np, deferred_dev, None, req_ids, registered)
+                WriteSchedule.JOIN_ON_FINISH, step_id, slots, slots_np, deferred_dev, None, req_ids, registered, sigs)
             if deferred is not None:
                 deferred.copy_event = self.copies.record_compute_event()  # after the clones
             # Plan hit reads after this step's writes are registered: vLLM publishes block
@@ -412,7 +413,8 @@ class OmniPrefixCacheManager:
 
     def _register(self, schedule: WriteSchedule, step_id: StepId, slots: torch.Tensor, slots_np: np.ndarray,
                   source: dict[str, torch.Tensor], staging_slot: Any,
-                  req_ids: tuple[ReqId, ...], registered: list[PoolWrite]) -> tuple[PoolWrite | None, set[int]]:
+                  req_ids: tuple[ReqId, ...], registered: list[PoolWrite],
+                  sigs: dict[str, RowSig]) -> tuple[PoolWrite | None, set[int]]:
         """Register one write for ``source``'s keys; also return older unlanded tids on its slots.
 
         The write is appended to ``registered`` as soon as the write book holds it, so a
@@ -420,7 +422,8 @@ class OmniPrefixCacheManager:
         """
         if not source:
             return None, set()
-        write = self.book.register(schedule, step_id, slots, source, staging_slot=staging_slot, req_ids=req_ids)
+        write = self.book.register(schedule, step_id, slots, source, staging_slot=staging_slot, req_ids=req_ids,
+                                   slots_np=slots_np, sigs=sigs)
         registered.append(write)
         if staging_slot is not None:
             self.staging.hold(staging_slot)

@@ -43,7 +43,7 @@ from omni_cache.histogram import WaitHistogram
 from omni_cache.interface import StepId, TensorName
 from omni_cache.states import STAGING_TABLE, TableMachine
 from omni_cache.trace import TraceRecorder
-from omni_cache.validation import check_capacity, check_same_rows
+from omni_cache.validation import RowSig, check_capacity, check_sig, row_sig
 
 # Slot states through which a page may be read (the step's consumer, or its pool write).
 _READABLE = ("saved", "materialized")
@@ -105,6 +105,12 @@ class StagingPool:
         self._pages: dict[TensorName, torch.Tensor] = {}
         # key -> per staging slot, the view of its page (one slice per access instead of two indexings).
         self._slot_pages: dict[TensorName, list[torch.Tensor]] = {}
+        # key -> (dtype, row shape) of its pages: row checks compare tuples, not tensors.
+        self._sigs: dict[TensorName, RowSig] = {}
+        # Per staging slot: key -> (n, the view of its page's rows [0, n)), the last one made. A
+        # decode step stages and reads the same n rows step after step: one view, not one slice
+        # per access. Views never leave the runtime (writes land from them, materialize clones them).
+        self._head_views: list[dict[TensorName, tuple[int, torch.Tensor]]] = [{} for _ in range(depth)]
         # Claims waiting on the condition: a release notifies only when one waits.
         self._num_waiting = 0
         # Set once when the manager fails (I8): claims and waiters raise it.
@@ -165,6 +171,9 @@ class StagingPool:
             for key in slot.new_keys:
                 del self._pages[key]
                 del self._slot_pages[key]
+                del self._sigs[key]
+                for heads in self._head_views:
+                    heads.pop(key, None)
             slot.new_keys = []
             if self._num_waiting:
                 self._cond.notify_all()
@@ -253,17 +262,33 @@ class StagingPool:
             )
 
     # ---- page access: only through a slot in the right state ----------------
-    def claimed_pages(self, slot: StagingSlot, rows_by_key: dict[TensorName, torch.Tensor]) -> dict[TensorName, torch.Tensor]:
-        """``claimed_page`` for every key of a step, with one state check."""
+    def claimed_pages(
+        self, slot: StagingSlot, rows_by_key: dict[TensorName, torch.Tensor], sigs: dict[TensorName, RowSig] | None = None
+    ) -> dict[TensorName, torch.Tensor]:
+        """``claimed_page`` for every key of a step, with one state check (``sigs``: each key's
+        ``row_sig``, when the caller already read it)."""
         with self._lock:
             if slot.state != "claimed":
                 raise self._refusal(slot, ("claimed",), f"stage rows of {sorted(rows_by_key)}")
         views = {}
         for key, like in rows_by_key.items():
-            if like.shape[0] > slot.num_rows:
-                raise AssertionError(f"staging {like.shape[0]} rows into {slot.describe()}: manager bug")
-            views[key] = self._page(key, like, slot)[slot.index][: like.shape[0]]
+            num_rows = like.shape[0]
+            if num_rows > slot.num_rows:
+                raise AssertionError(f"staging {num_rows} rows into {slot.describe()}: manager bug")
+            sig = sigs[key] if sigs is not None else row_sig(like)
+            views[key] = self._head_view(key, self._page(key, like, slot, sig), slot.index, num_rows)
         return views
+
+    def _head_view(self, key: TensorName, pages: list[torch.Tensor], index: int, num_rows: int) -> torch.Tensor:
+        """Rows ``[0, num_rows)`` of ``key``'s page of staging slot ``index`` (the last such view, if
+        of the same rows). The caller checked the slot's state under the lock."""
+        heads = self._head_views[index]
+        cached = heads.get(key)
+        if cached is not None and cached[0] == num_rows:
+            return cached[1]
+        view = pages[index][:num_rows]
+        heads[key] = (num_rows, view)
+        return view
 
     def claimed_page(self, slot: StagingSlot, key: TensorName, like: torch.Tensor) -> torch.Tensor:
         """The writable page rows ``[0, len(like))`` of ``key`` for a ``claimed`` slot.
@@ -278,8 +303,10 @@ class StagingPool:
         with self._lock:
             if slot.state not in _READABLE:
                 raise self._refusal(slot, _READABLE, f"read rows of {keys}")
-            pages = [(key, self._slot_pages[key][slot.index]) for key in keys]
-        return {key: page[start:end] for key, page in pages}
+            pages = [(key, self._slot_pages[key]) for key in keys]
+        if start == 0:
+            return {key: self._head_view(key, per_slot, slot.index, end) for key, per_slot in pages}
+        return {key: per_slot[slot.index][start:end] for key, per_slot in pages}
 
     def page_rows(self, slot: StagingSlot, key: TensorName, start: int, end: int) -> torch.Tensor:
         """A view of rows [start, end) of ``slot``'s page; slot saved or materialized."""
@@ -296,19 +323,15 @@ class StagingPool:
             f"only in states {states} (I3)"
         )
 
-    def check_rows(self, key: TensorName, like: torch.Tensor) -> None:
-        """Raise unless ``like`` matches the row shape and dtype of ``key``'s pages (if any)."""
-        page = self._pages.get(key)  # no lock: pages are only ever added, never replaced
-        if page is not None:
-            self._check_page(key, page, like)
+    def check_rows(self, key: TensorName, like: torch.Tensor, sig: RowSig | None = None) -> None:
+        """Raise unless ``like`` (of signature ``sig``, if given) matches the row shape and dtype
+        of ``key``'s pages (if any)."""
+        held = self._sigs.get(key)  # no lock: pages are only ever added, never replaced
+        if held is not None:
+            check_sig(f"staging page of {key!r}", held, row_sig(like) if sig is None else sig)
 
-    def _check_page(self, key: TensorName, page: torch.Tensor, like: torch.Tensor) -> None:
-        if page.dtype == like.dtype and page.shape[2:] == like.shape[1:]:
-            return  # the common case, without building the error's description
-        check_same_rows(f"staging page of {key!r}", page.shape[2:], page.dtype, like)
-
-    def _page(self, key: TensorName, like: torch.Tensor, slot: StagingSlot) -> list[torch.Tensor]:
-        """The per-slot page views of ``key`` (allocated on first use), checked against ``like``."""
+    def _page(self, key: TensorName, like: torch.Tensor, slot: StagingSlot, sig: RowSig) -> list[torch.Tensor]:
+        """The per-slot page views of ``key`` (allocated on first use), checked against ``sig``."""
         page = self._pages.get(key)
         if page is None:
             fresh = torch.empty(
@@ -321,7 +344,8 @@ class StagingPool:
                 if page is fresh:
                     slot.new_keys.append(key)
                     self._slot_pages[key] = list(fresh.unbind(0))
-        self._check_page(key, page, like)
+                    self._sigs[key] = row_sig(fresh[0])
+        check_sig(f"staging page of {key!r}", self._sigs[key], sig)
         return self._slot_pages[key]
 
     # ---- introspection ------------------------------------------------------

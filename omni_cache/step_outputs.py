@@ -24,6 +24,7 @@ from omni_cache.errors import OmniPrefixCacheUnmatchError
 from omni_cache.events import StepRows
 from omni_cache.interface import ModelCachePolicy, ReqId, StepId, TensorName
 from omni_cache.tenancy import PlannedRead
+from omni_cache.validation import RowSig
 
 
 @dataclass
@@ -33,15 +34,14 @@ class SplitOutputs:
     immediate: dict[TensorName, torch.Tensor] = field(default_factory=dict)
     deferred: dict[TensorName, torch.Tensor] = field(default_factory=dict)
     leftover: dict[TensorName, Any] = field(default_factory=dict)
+    # Per-token key -> (dtype, row shape) of its rows, read once here; every later row check
+    # of the save (staging page, pool tensor, landing) compares these tuples, not the tensors.
+    sigs: dict[TensorName, RowSig] = field(default_factory=dict)
 
 
-def is_token_major(value: Any, num_unpadded: int, num_padded: int) -> bool:
-    """A tensor of >= 2 dims whose dim 0 is the unpadded or the padded token count."""
-    return (
-        isinstance(value, torch.Tensor)
-        and value.dim() >= 2
-        and value.shape[0] in (num_unpadded, num_padded)
-    )
+def _is_token_major(shape: torch.Size, num_unpadded: int, num_padded: int) -> bool:
+    """A tensor's shape of >= 2 dims whose dim 0 is the unpadded or the padded token count."""
+    return len(shape) >= 2 and shape[0] in (num_unpadded, num_padded)
 
 
 def classify_outputs(
@@ -53,20 +53,24 @@ def classify_outputs(
 ) -> SplitOutputs:
     """Split a step's outputs; per-token rows are detached: no autograd through the cache."""
     split = SplitOutputs()
+    sigs = split.sigs
     if policy.hidden_key is not None and hidden_states is not None:
-        split.immediate[policy.hidden_key] = _unpadded_rows(hidden_states, num_unpadded)
+        shape = hidden_states.shape
+        split.immediate[policy.hidden_key] = _unpadded_rows(hidden_states, shape, num_unpadded)
+        sigs[policy.hidden_key] = (hidden_states.dtype, shape[1:])
     for key, value in mm_outputs.items():
-        if is_token_major(value, num_unpadded, num_padded):
+        if isinstance(value, torch.Tensor) and _is_token_major(shape := value.shape, num_unpadded, num_padded):
             target = split.deferred if key in policy.deferred_keys else split.immediate
-            target[key] = _unpadded_rows(value, num_unpadded)
+            target[key] = _unpadded_rows(value, shape, num_unpadded)
+            sigs[key] = (value.dtype, shape[1:])
         else:
             split.leftover[key] = value
     return split
 
 
-def _unpadded_rows(value: torch.Tensor, n: int) -> torch.Tensor:
+def _unpadded_rows(value: torch.Tensor, shape: torch.Size, n: int) -> torch.Tensor:
     """The first ``n`` rows, detached from autograd (no slice or detach when there is nothing to drop)."""
-    rows = value if value.shape[0] == n else value[:n]
+    rows = value if shape[0] == n else value[:n]
     return rows.detach() if rows.requires_grad else rows
 
 

@@ -40,6 +40,7 @@ from omni_cache.block_pool import PrefixBlockPool
 from omni_cache.errors import PHRASE_NOT_READABLE, OmniPrefixCacheUnmatchError
 from omni_cache.interface import TensorName, Tid
 from omni_cache.trace import TraceRecorder
+from omni_cache.validation import RowSig, row_sig
 
 
 @dataclass
@@ -63,19 +64,24 @@ class NotLandedYet(Exception):
 class _KeyVersions:
     """The version vectors of one key (numpy: a few cheap ops per step, whatever the batch)."""
 
-    __slots__ = ("landed", "num_pins", "pins", "preserved", "registered", "tenant", "tensor")
+    __slots__ = ("landed", "newest_landed", "num_pins", "pins", "preserved", "registered", "sig", "tenant", "tensor")
 
     def __init__(self, num_slots: int) -> None:
         self.registered = np.zeros(num_slots, dtype=np.int64)
         # The step id that registered ``registered`` (compared with the slot's tenant).
         self.tenant = np.zeros(num_slots, dtype=np.int64)
         self.landed = np.zeros(num_slots, dtype=np.int64)
+        # max(landed): the newest tid that ever landed for this key. A write above it is newer
+        # than every slot's version, so ``land_all`` skips the per-slot order check (the common
+        # case: immediate writes land in tid order).
+        self.newest_landed = 0
         self.pins = np.zeros(num_slots, dtype=np.int32)
         self.num_pins = 0  # sum of pins: 0 lets ``land`` skip the preservation check
         # slot -> version -> row (a clone), kept while a planned read pins the slot.
         self.preserved: dict[int, dict[Tid, torch.Tensor]] = {}
-        # The pool tensor of this key once allocated (pools never drop keys).
+        # The pool tensor of this key once allocated (pools never drop keys), and its row signature.
         self.tensor: torch.Tensor | None = None
+        self.sig: RowSig | None = None
 
 
 def _all_below(values: np.ndarray, bound: int) -> bool:
@@ -186,37 +192,46 @@ class SlotTenancy:
                             del v.preserved[slot]
 
     # ---- committer: landing -------------------------------------------------
-    def land_all(self, rows_by_key: dict[TensorName, torch.Tensor], slots: torch.Tensor, tid: Tid) -> None:
+    def land_all(
+        self, rows_by_key: dict[TensorName, torch.Tensor], slots: torch.Tensor, tid: Tid, *,
+        slots_np: np.ndarray | None = None, sigs: dict[TensorName, RowSig] | None = None,
+    ) -> None:
         """Scatter one write's rows of every key (version ``tid``) at ``slots`` (I7).
 
         Rows a planned read still pins are preserved before they are overwritten;
         rows whose slot already holds a newer version are skipped. ``slots`` were
-        range-checked when the write was registered.
+        range-checked when the write was registered (``slots_np``: their numpy view, and
+        ``sigs``: each key's ``row_sig``, when the write carries them).
         """
         tensors = {}
         for key, rows in rows_by_key.items():
+            sig = sigs.get(key) if sigs is not None else None
+            if sig is None:
+                sig = row_sig(rows)
             v = self._keys.get(key)
             tensor = v.tensor if v is not None else None
-            if tensor is None or tensor.dtype != rows.dtype or tensor.shape[1:] != rows.shape[1:]:
+            if tensor is None or v.sig != sig:  # type: ignore[union-attr]
                 tensor = self.pool.ensure_key(key, rows)  # allocates outside the lock; checks shapes
-            tensors[key] = tensor
-        all_slots, all_np = slots, slots.numpy()
+            tensors[key] = (tensor, sig)
+        all_slots, all_np = slots, (slots.numpy() if slots_np is None else slots_np)
         with self.pool.lock:
             for key, rows in rows_by_key.items():
                 v = self._versions_locked(key)
-                v.tensor = tensor = tensors[key]
+                tensor, v.sig = tensors[key]
+                v.tensor = tensor
                 slots, slots_np = all_slots, all_np
-                current = v.landed[slots_np]
-                newer = None if _all_below(current, tid) else current < tid
+                current = None if v.newest_landed < tid else v.landed[slots_np]
+                newer = None if current is None or _all_below(current, tid) else current < tid
                 if newer is not None:  # never let an older write overwrite a newer one
                     if v.num_pins:  # ...but keep its rows for a planned read of this version (I7)
                         self._preserve_late_locked(v, rows, slots_np, ~newer, tid)
                     mask = torch.from_numpy(newer)
-                    slots, rows, slots_np, current = slots[mask], rows[mask], slots_np[newer], current[newer]
+                    slots, rows, slots_np, current = slots[mask], rows[mask], slots_np[newer], current[newer]  # type: ignore[index]
                 if v.num_pins:
-                    self._preserve_locked(v, tensor, slots, slots_np, current)
+                    self._preserve_locked(v, tensor, slots, slots_np, v.landed[slots_np] if current is None else current)
                 tensor.index_copy_(0, slots, rows)
                 v.landed[slots_np] = tid
+                v.newest_landed = max(v.newest_landed, tid)
             if self.recorder is not None:
                 self._note("land", None, tid=tid, keys=tuple(rows_by_key), slots=tuple(all_np.tolist()))
 

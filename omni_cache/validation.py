@@ -69,6 +69,25 @@ def check_capacity(num_rows: int, capacity_tokens: int) -> None:
         )
 
 
+RowSig = tuple[torch.dtype, tuple[int, ...]]
+"""A key's row signature: (dtype, shape of one row). A key's never changes once held."""
+
+
+def row_sig(rows: torch.Tensor) -> RowSig:
+    """The signature of ``rows`` (one tuple, compared without touching a tensor again)."""
+    return rows.dtype, rows.shape[1:]
+
+
+def check_sig(what: str, held: RowSig | None, sig: RowSig) -> None:
+    """``sig`` must equal ``held`` (nothing held yet: anything goes); else raise as ``check_same_rows``."""
+    if held is None or held == sig:
+        return
+    raise OmniPrefixCacheUnmatchError(
+        f"{what} holds rows of shape {tuple(held[1])} {held[0]}; this step brought rows of "
+        f"shape {tuple(sig[1])} {sig[0]}: a key's width and dtype never change"
+    )
+
+
 def check_same_rows(what: str, held_shape: tuple[int, ...], held_dtype: torch.dtype, rows: torch.Tensor) -> None:
     """A key's row shape and dtype never change: ``rows`` must match what ``what`` holds."""
     if held_dtype != rows.dtype or tuple(held_shape) != rows.shape[1:]:
@@ -83,20 +102,20 @@ def check_slot_mapping(slots: Any, n: int) -> torch.Tensor:
     problem = None
     if not isinstance(slots, torch.Tensor):
         problem = "is missing" if slots is None else f"is a {type(slots).__name__}, not a tensor"
-    elif slots.is_cuda or slots.device.type != "cpu":
+    elif not slots.is_cpu:  # one attribute: ``device.type`` builds a device object (~1 µs)
         problem = f"is on device {slots.device}, not the CPU"
     elif slots.dtype != torch.int64:
         problem = f"has dtype {slots.dtype}, not an integer dtype"
-    elif slots.dim() != 1:
-        problem = f"has shape {tuple(slots.shape)}, not 1-D"
-    elif slots.numel() < n:
-        problem = f"has {slots.numel()} entries"
+    elif len(shape := slots.shape) != 1:
+        problem = f"has shape {tuple(shape)}, not 1-D"
+    elif shape[0] < n:
+        problem = f"has {shape[0]} entries"
     if problem is not None:
         raise OmniPrefixCacheUnmatchError(
             f"save_outputs: the {PHRASE_SLOT_MAPPING} the step's {n} rows only as a 1-D integer CPU "
             f"tensor of at least {n} KV slots; slots_cpu {problem}"
         )
-    return slots if slots.shape[0] == n else slots[:n]
+    return slots if shape[0] == n else slots[:n]
 
 
 def validate_save(
@@ -141,11 +160,11 @@ def validate_save(
             f"save_outputs: mm_outputs uses the reserved key {HIDDEN_KEY!r}; pass hidden as hidden_states"
         )
     if policy.hidden_key is not None:
-        if not isinstance(hidden, torch.Tensor) or hidden.dim() < 2:
+        if not isinstance(hidden, torch.Tensor) or len(hidden_shape := hidden.shape) < 2:
             raise OmniPrefixCacheUnmatchError(
                 "save_outputs: the policy caches hidden states but hidden_states is not a 2-D+ tensor"
             )
-        if hidden.shape[0] < n:
+        if hidden_shape[0] < n:
             raise OmniPrefixCacheUnmatchError(
                 f"save_outputs: hidden_states has {hidden.shape[0]} rows; the step has {n} unpadded tokens"
             )

@@ -26,12 +26,14 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
 import torch
 
 from omni_cache.errors import PHRASE_WRITE_FAILED, OmniPrefixCacheUnmatchError
 from omni_cache.interface import ReqId, StepId, TensorName, Tid, WriteSchedule
 from omni_cache.states import WRITE_TABLE, TableMachine
 from omni_cache.trace import TraceRecorder
+from omni_cache.validation import RowSig
 
 
 class PoolWrite:
@@ -50,7 +52,9 @@ class PoolWrite:
         "nbytes",
         "req_ids",
         "schedule",
+        "sigs",
         "slots",
+        "slots_np",
         "source",
         "staging_slot",
         "state",
@@ -68,12 +72,17 @@ class PoolWrite:
         *,
         staging_slot: Any = None,
         req_ids: Iterable[ReqId] = (),
+        slots_np: np.ndarray | None = None,
+        sigs: dict[TensorName, RowSig] | None = None,
     ) -> None:
         self.tid = tid
         self.state = WRITE_TABLE.initial
         self.schedule = schedule
         self.step_id = step_id
         self.slots = slots
+        # The numpy view of ``slots`` and each key's row signature, as the save read them (or None).
+        self.slots_np = slots_np
+        self.sigs = sigs
         self.source = source
         self.host: dict[TensorName, torch.Tensor] | None = None
         self.staging_slot = staging_slot
@@ -125,12 +134,14 @@ class WriteBook:
         *,
         staging_slot: Any = None,
         req_ids: Iterable[ReqId] = (),
+        slots_np: np.ndarray | None = None,
+        sigs: dict[TensorName, RowSig] | None = None,
     ) -> PoolWrite:
         with self._lock:
             self._raise_if_failed_locked("register a write")
             write = PoolWrite(
                 self._next_tid, schedule, step_id, slots, source,
-                staging_slot=staging_slot, req_ids=req_ids,
+                staging_slot=staging_slot, req_ids=req_ids, slots_np=slots_np, sigs=sigs,
             )
             self._next_tid += 1
             self._live[write.tid] = write

@@ -24,7 +24,7 @@ from omni_cache.writes import PoolWrite, WriteBook
 
 
 class _Tenancy:  # the committer only lands rows through it
-    def land_all(self, rows: Any, slots: Any, tid: int) -> None:
+    def land_all(self, rows: Any, slots: Any, tid: int, **carried: Any) -> None:
         pass
 
 
