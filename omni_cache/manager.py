@@ -334,10 +334,10 @@ class OmniPrefixCacheManager:
     def materialize(self, step_id: StepId, req_ids: Sequence[ReqId]) -> StageCacheOutputs:
         """Per request: cached prefix rows then this step's rows (consumes the step id once)."""
         self._check_usable("materialize")
-        req_ids = list(req_ids)
+        req_ids = tuple(req_ids)  # a tuple passes through as itself: no per-request copy
         with self._lock:  # a bool or float id never finds a context (the consume below refuses it)
             ctx = self._contexts.get(step_id) if type(step_id) is int else None
-        if ctx is not None and tuple(req_ids) != ctx.rows.req_ids:  # the usual call names every request in order
+        if ctx is not None and req_ids != ctx.rows.req_ids:  # the usual call names every request in order
             outside = [r for r in req_ids if r not in ctx.rows.by_req]
             if outside:
                 raise OmniPrefixCacheUnmatchError(

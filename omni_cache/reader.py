@@ -43,7 +43,7 @@ def per_request(req_ids: Sequence[ReqId], parts: Sequence[torch.Tensor]) -> dict
 class _Shape(NamedTuple):
     """Which rows of the step materialize returns, per request in the caller's order."""
 
-    req_ids: list[ReqId]
+    req_ids: tuple[ReqId, ...]
     wanted: Sequence[PrefixCacheWrite]
     sizes: list[int]
     lo: int
@@ -71,7 +71,7 @@ class StepReader:
         self.faults = faults
         self._push_front = push_front
 
-    def build_outputs(self, ctx: StepContext, req_ids: list[ReqId]) -> StageCacheOutputs:
+    def build_outputs(self, ctx: StepContext, req_ids: tuple[ReqId, ...]) -> StageCacheOutputs:
         imm = ctx.immediate_write
         if imm is not None and imm.state not in ("host_ready", "written"):
             self.faults.on_blocking("materialize waits for the step's device->host copy")
@@ -82,7 +82,7 @@ class StepReader:
         if not req_ids:
             return StageCacheOutputs({} if ctx.caches_hidden else None, {})
         step_rows = ctx.rows
-        if tuple(req_ids) == step_rows.req_ids:  # every request, in row order: the rows [0, n) of the step
+        if req_ids == step_rows.req_ids:  # every request, in row order: the rows [0, n) of the step
             wanted, sizes, contiguous = step_rows.writes, step_rows.sizes, True
             lo, hi = 0, step_rows.ends[-1]
             hit_reqs, unique = ctx.hits, True  # all hits are of this step's requests, each listed once

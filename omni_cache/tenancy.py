@@ -8,6 +8,11 @@ newest write of any key: the slot's tenant), and the rows preserved for planned
 reads before a newer tenant overwrites them. Everything here is guarded by the
 block pool's leaf data lock (``PrefixBlockPool.lock``).
 
+Layout: ``_tenant`` and every key's ``registered``/``tenant``/``landed`` are columns of
+one table, a row per KV slot, so the versions a step reads and writes for a request's
+slot share a cache line or two instead of one line per vector (a decode step between
+forward passes finds them cold). ``pins`` (read only for hits) stays its own vector.
+
 A version is the tid of the write that produced the rows (tids are monotonic),
 so "newer tenant" is simply "larger tid". A KV slot has one tenant for all keys:
 the step that last registered a write on it. A key whose version was written by
@@ -66,11 +71,8 @@ class _KeyVersions:
 
     __slots__ = ("landed", "newest_landed", "num_pins", "pins", "preserved", "registered", "sig", "tenant", "tensor")
 
-    def __init__(self, num_slots: int) -> None:
-        self.registered = np.zeros(num_slots, dtype=np.int64)
-        # The step id that registered ``registered`` (compared with the slot's tenant).
-        self.tenant = np.zeros(num_slots, dtype=np.int64)
-        self.landed = np.zeros(num_slots, dtype=np.int64)
+    def __init__(self, num_slots: int, table: np.ndarray, column: int) -> None:
+        self.bind(table, column)
         # max(landed): the newest tid that ever landed for this key. A write above it is newer
         # than every slot's version, so ``land_all`` skips the per-slot order check (the common
         # case: immediate writes land in tid order).
@@ -82,6 +84,13 @@ class _KeyVersions:
         # The pool tensor of this key once allocated (pools never drop keys), and its row signature.
         self.tensor: torch.Tensor | None = None
         self.sig: RowSig | None = None
+
+    def bind(self, table: np.ndarray, column: int) -> None:
+        """Make this key's version vectors the columns ``column .. column + 2`` of ``table``."""
+        self.registered = table[:, column]
+        # The step id that registered ``registered`` (compared with the slot's tenant).
+        self.tenant = table[:, column + 1]
+        self.landed = table[:, column + 2]
 
 
 def _all_below(values: np.ndarray, bound: int) -> bool:
@@ -101,14 +110,24 @@ class SlotTenancy:
         self._num_plans = 0
         # key -> versions; guarded by pool.lock.
         self._keys: dict[TensorName, _KeyVersions] = {}
+        # A row per KV slot: [tenant, then (registered, tenant, landed) per key in ``_keys``
+        # order]; the vectors are views of its columns. Replaced (copied) when a key is added.
+        self._table = np.zeros((pool.num_slots, 1), dtype=np.int64)
         # slot -> step id of the newest write registered on it, whatever its keys (the tenant).
-        self._tenant = np.zeros(pool.num_slots, dtype=np.int64)
+        self._tenant = self._table[:, 0]
         self.num_preserved_total = 0
 
     def _versions_locked(self, key: TensorName) -> _KeyVersions:
         versions = self._keys.get(key)
-        if versions is None:
-            versions = self._keys[key] = _KeyVersions(self.pool.num_slots)
+        if versions is None:  # a wider table; everything is allocated before anything changes
+            old = self._table
+            table = np.zeros((old.shape[0], old.shape[1] + 3), dtype=np.int64)
+            versions = _KeyVersions(self.pool.num_slots, table, old.shape[1])
+            table[:, : old.shape[1]] = old
+            self._table, self._tenant = table, table[:, 0]
+            for column, v in enumerate(self._keys.values()):
+                v.bind(table, 1 + 3 * column)
+            self._keys[key] = versions
         return versions
 
     # ---- engine thread: registration and planning --------------------------

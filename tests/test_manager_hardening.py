@@ -199,7 +199,7 @@ def test_I8_bookkeeping_memory_error_in_save_is_undone_and_surfaces_itself(eager
     m = manager(eager=eager)
     real = tenancy_mod._KeyVersions.__init__
 
-    def huge(self, num_slots: int) -> None:  # type: ignore[no-untyped-def]
+    def huge(self, num_slots: int, *table_and_column: object) -> None:  # type: ignore[no-untyped-def]
         raise MemoryError(f"cannot allocate version vectors of {num_slots} slots")
 
     monkeypatch.setattr(tenancy_mod._KeyVersions, "__init__", huge)
