@@ -53,12 +53,14 @@ class PrefixBlockPool:
         """The tensor of ``key`` or None; the caller holds ``lock``."""
         return self._tensors.get(key)
 
-    def check_rows(self, key: TensorName, rows: torch.Tensor, sig: RowSig | None = None) -> None:
-        """Raise unless ``rows`` (of signature ``sig``, if given) match ``key``'s row shape and
-        dtype (a new key always matches)."""
-        held = self._sigs.get(key)  # no lock: keys are only ever added, never replaced
-        if held is not None:
-            check_sig(f"block pool key {key!r}", held, row_sig(rows) if sig is None else sig)
+    def check_sigs(self, sigs: dict[TensorName, RowSig]) -> None:
+        """Raise unless each key's row signature in ``sigs`` matches its tensor's (a new key
+        always matches)."""
+        held_sigs = self._sigs  # no lock: keys are only ever added, never replaced
+        for key, sig in sigs.items():
+            held = held_sigs.get(key)
+            if held is not None and held != sig:
+                check_sig(f"block pool key {key!r}", held, sig)
 
     def _tensor_for(self, key: TensorName, rows: torch.Tensor) -> torch.Tensor:
         sig = row_sig(rows)

@@ -70,6 +70,13 @@ class CopyEngine:
             event.record(self.stream)
         return event
 
+    def copy_all(self, dsts: dict[str, torch.Tensor], srcs: dict[str, torch.Tensor], after: Any = None) -> Any:
+        """``copy_into`` of every key of ``srcs`` into ``dsts[key]``; the last event (or None)."""
+        event = None
+        for key, src in srcs.items():
+            event = self.copy_into(dsts[key], src, after) or event
+        return event
+
     def to_host(self, src: torch.Tensor, after: Any = None) -> tuple[torch.Tensor, Any]:
         """A host copy of ``src`` (pinned with CUDA) and its completion event."""
         if not src.is_cuda:

@@ -238,10 +238,8 @@ class OmniPrefixCacheManager:
         check_scheduled(scheduled, step_rows)
         split = classify_outputs(policy, hidden_states, mm_outputs or {}, n, num_tokens_padded)
         sigs = split.sigs  # each per-token key's (dtype, row shape), read once by classify_outputs
-        for key, rows in split.immediate.items():  # a key's row shape and dtype never change
-            self.staging.check_rows(key, rows, sigs[key])
-        for key, rows in (*split.immediate.items(), *split.deferred.items()):
-            self.pool.check_rows(key, rows, sigs[key])
+        self.staging.check_sigs(split.immediate, sigs)  # a key's row shape and dtype never change
+        self.pool.check_sigs(sigs)
         # Per-slot bookkeeping of new keys is allocated before anything is claimed (a MemoryError
         # here has nothing to undo), so registration below allocates nothing.
         self.tenancy.prepare_keys([*split.immediate, *split.deferred])
@@ -265,9 +263,8 @@ class OmniPrefixCacheManager:
             with self._lock:  # issued only once a page is held: a refused save burns no id
                 step_id = next(_STEP_IDS)
                 self._ids_issued += 1
-            views, copy_event = self.staging.claimed_pages(slot, split.immediate, sigs), None
-            for key, rows in split.immediate.items():
-                copy_event = self.copies.copy_into(views[key], rows, compute_event) or copy_event
+            views = self.staging.claimed_pages(slot, split.immediate, sigs)
+            copy_event = self.copies.copy_all(views, split.immediate, compute_event)
             deferred_dev = {k: self.copies.device_clone(v) for k, v in split.deferred.items()}
             deferred_host, host_events = {}, []
             for key, rows in split.deferred.items():

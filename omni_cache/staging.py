@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -323,12 +323,14 @@ class StagingPool:
             f"only in states {states} (I3)"
         )
 
-    def check_rows(self, key: TensorName, like: torch.Tensor, sig: RowSig | None = None) -> None:
-        """Raise unless ``like`` (of signature ``sig``, if given) matches the row shape and dtype
-        of ``key``'s pages (if any)."""
-        held = self._sigs.get(key)  # no lock: pages are only ever added, never replaced
-        if held is not None:
-            check_sig(f"staging page of {key!r}", held, row_sig(like) if sig is None else sig)
+    def check_sigs(self, keys: Iterable[TensorName], sigs: dict[TensorName, RowSig]) -> None:
+        """Raise unless each of ``keys``, of row signature ``sigs[key]``, matches the row shape
+        and dtype of its pages (a key without pages matches)."""
+        held_sigs = self._sigs  # no lock: pages are only ever added, never replaced
+        for key in keys:
+            held = held_sigs.get(key)
+            if held is not None and held != sigs[key]:
+                check_sig(f"staging page of {key!r}", held, sigs[key])
 
     def _page(self, key: TensorName, like: torch.Tensor, slot: StagingSlot, sig: RowSig) -> list[torch.Tensor]:
         """The per-slot page views of ``key`` (allocated on first use), checked against ``sig``."""
@@ -345,7 +347,8 @@ class StagingPool:
                     slot.new_keys.append(key)
                     self._slot_pages[key] = list(fresh.unbind(0))
                     self._sigs[key] = row_sig(fresh[0])
-        check_sig(f"staging page of {key!r}", self._sigs[key], sig)
+        if self._sigs[key] != sig:
+            check_sig(f"staging page of {key!r}", self._sigs[key], sig)
         return self._slot_pages[key]
 
     # ---- introspection ------------------------------------------------------

@@ -54,10 +54,11 @@ def classify_outputs(
     """Split a step's outputs; per-token rows are detached: no autograd through the cache."""
     split = SplitOutputs()
     sigs = split.sigs
-    if policy.hidden_key is not None and hidden_states is not None:
+    hidden_key = policy.hidden_key
+    if hidden_key is not None and hidden_states is not None:
         shape = hidden_states.shape
-        split.immediate[policy.hidden_key] = _unpadded_rows(hidden_states, shape, num_unpadded)
-        sigs[policy.hidden_key] = (hidden_states.dtype, shape[1:])
+        split.immediate[hidden_key] = _unpadded_rows(hidden_states, shape, num_unpadded)
+        sigs[hidden_key] = (hidden_states.dtype, shape[1:])
     for key, value in mm_outputs.items():
         if isinstance(value, torch.Tensor) and _is_token_major(shape := value.shape, num_unpadded, num_padded):
             target = split.deferred if key in policy.deferred_keys else split.immediate

@@ -156,7 +156,8 @@ class SlotTenancy:
         """
         older_tids: set[Tid] = set()
         with self.pool.lock:
-            versions = [self._versions_locked(key) for key in keys]  # may allocate: before any change
+            # may allocate (a key ``prepare_keys`` did not see): before any change
+            versions = [self._keys.get(key) or self._versions_locked(key) for key in keys]
             self._tenant[slots] = step_id
             for v in versions:
                 if scan_older:
@@ -227,17 +228,17 @@ class SlotTenancy:
             sig = sigs.get(key) if sigs is not None else None
             if sig is None:
                 sig = row_sig(rows)
-            v = self._keys.get(key)
-            tensor = v.tensor if v is not None else None
-            if tensor is None or v.sig != sig:  # type: ignore[union-attr]
+            known = self._keys.get(key)
+            tensor = known.tensor if known is not None else None
+            if tensor is None or known.sig != sig:  # type: ignore[union-attr]
                 tensor = self.pool.ensure_key(key, rows)  # allocates outside the lock; checks shapes
-            tensors[key] = (tensor, sig)
+            tensors[key] = (tensor, sig, known)
         all_slots, all_np = slots, (slots.numpy() if slots_np is None else slots_np)
         with self.pool.lock:
             for key, rows in rows_by_key.items():
-                v = self._versions_locked(key)
-                tensor, v.sig = tensors[key]
-                v.tensor = tensor
+                tensor, sig, known = tensors[key]
+                v = known or self._versions_locked(key)  # a key's versions are never replaced
+                v.tensor, v.sig = tensor, sig
                 slots, slots_np = all_slots, all_np
                 current = None if v.newest_landed < tid else v.landed[slots_np]
                 newer = None if current is None or _all_below(current, tid) else current < tid

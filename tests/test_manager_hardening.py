@@ -245,7 +245,7 @@ def test_I8_refused_save_does_not_fix_a_keys_row_shape(eager: bool, monkeypatch)
     save may bring that key with another width. Today the refused save locked the width in."""
     m = manager(eager=eager)
     m.new_step_starts([started("A")])
-    real = m.copies.copy_into
+    real = m.copies.copy_all
     calls = {"n": 0}
 
     def flaky(*args: object, **kwargs: object) -> object:
@@ -254,7 +254,7 @@ def test_I8_refused_save_does_not_fix_a_keys_row_shape(eager: bool, monkeypatch)
             raise RuntimeError("device->host copy failed")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(m.copies, "copy_into", flaky)
+    monkeypatch.setattr(m.copies, "copy_all", flaky)
     rows = truth("A", range(5))
     layout = PrefixCacheWriteLayout.packed([("A", 0, 5)], slots([0, 1], 0, 5))
     with pytest.raises(RuntimeError, match="copy failed"):

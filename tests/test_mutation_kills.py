@@ -58,7 +58,7 @@ def _wrong_width_save(m, deferred: bool) -> None:  # type: ignore[no-untyped-def
 @pytest.mark.parametrize("deferred", [False, True], ids=["immediate", "deferred"])
 @pytest.mark.parametrize("eager", MODES)
 def test_width_change_is_refused_before_the_claim_even_when_staging_is_full(eager: bool, deferred: bool) -> None:
-    """Mutant: delete the pre-claim ``check_rows`` loops in ``save_outputs``.
+    """Mutant: delete the pre-claim ``check_sigs`` calls in ``save_outputs``.
 
     With every page held by an unconsumed step, a save that brings a key with a new
     width must be refused at once with the shape error -- not wait for a page and
@@ -103,7 +103,7 @@ class _HoldCopies(FaultHooks):
 
 
 def test_width_change_is_refused_by_the_staging_page_before_waiting_for_the_previous_write() -> None:
-    """Mutant: delete the pre-claim ``staging.check_rows`` loop (async: the pool has no tensor yet).
+    """Mutant: delete the pre-claim ``staging.check_sigs`` call (async: the pool has no tensor yet).
 
     The first step's write is held in the committer, so only the staging page knows
     hidden's width. A save with another width must be refused at once, not wait for

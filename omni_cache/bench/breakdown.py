@@ -59,8 +59,8 @@ NOT_BOOKKEEPING: frozenset[str] = frozenset({"copies", "output views"})
 # (category, path from the manager, attributes)
 _METHODS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("validation", "", ("_check_usable",)),
-    ("validation", "pool", ("check_slots", "check_rows")),
-    ("validation", "staging", ("check_rows", "check_capacity")),
+    ("validation", "pool", ("check_slots", "check_sigs")),
+    ("validation", "staging", ("check_sigs", "check_capacity")),
     ("state machine", "staging.machine", ("fire",)),
     ("state machine", "book.machine", ("fire",)),
     ("staging slots", "staging", ("claim", "save", "consume", "done_reading", "hold", "unhold",
