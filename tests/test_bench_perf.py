@@ -24,7 +24,7 @@ from omni_cache.bench.memory import formula, memory_report
 from omni_cache.bench.narrow import NARROW_WIDTH, OutputFloor, narrow_bookkeeping, narrow_spec
 from omni_cache.bench.preset import PRESETS, PresetCase
 from omni_cache.bench.sweep import run_sweep, write_sweep_plot
-from omni_cache.bench.workload import WorkloadSpec, build_workload, check_outputs
+from omni_cache.bench.workload import GroundTruthError, WorkloadSpec, build_workload, check_outputs
 from omni_cache.cli import main
 from omni_cache.interface import HIDDEN_KEY
 
@@ -148,3 +148,34 @@ def test_narrow_bookkeeping_reads_both_sides_of_the_same_passes() -> None:
     assert result.bookkeeping_us == result.omni_us - result.floor_us
     with pytest.raises(ValueError, match="passes"):
         narrow_bookkeeping(WorkloadSpec(batch_size=2, **TINY), passes=0)
+
+
+class _StaleMaterialize:
+    """Wraps a manager; from the second decode step on, materialize returns the rows of the
+    previous step for every request (what a staging page reused too early would serve)."""
+
+    def __init__(self, manager: Any) -> None:
+        self._manager = manager
+        self._last: Any = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._manager, name)
+
+    def materialize(self, step_id: int, req_ids: Any) -> Any:
+        out = self._manager.materialize(step_id, req_ids)
+        stale, self._last = self._last, out
+        if stale is not None and set(stale.hidden_states) == set(out.hidden_states):
+            return stale
+        return out
+
+
+@pytest.mark.parametrize("between", [False, True], ids=["checked-at-pass-end", "checked-between-steps"])
+def test_narrow_bookkeeping_checks_every_output_either_way(between: bool) -> None:
+    """The timed steps are checked against the ground truth whether the check runs after the
+    pass or between steps: a manager serving a previous step's rows is caught in both modes."""
+    spec = WorkloadSpec(batch_size=2, **TINY)
+    narrow_bookkeeping(spec, passes=1, check_between_steps=between)  # the real manager passes
+    with pytest.raises(GroundTruthError):
+        narrow_bookkeeping(spec, passes=1, check_between_steps=between,
+                           manager_factory=lambda config, eager: _StaleMaterialize(
+                               manager_module.OmniPrefixCacheManager(config, eager=eager)))

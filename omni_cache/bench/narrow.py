@@ -3,8 +3,8 @@
 Owns: ``OutputFloor`` and ``narrow_bookkeeping`` (the sweep's "bookkeeping" column). The
 workload is the sweep's, with every key shrunk to ``NARROW_WIDTH`` columns, so a copy costs
 its call and almost nothing per byte. Two things run it, step by step in the same passes
-(alternating who goes first, the garbage collector off, every step checked against ground
-truth):
+(alternating who goes first, the garbage collector off, every step's outputs checked against
+the ground truth at the end of its pass, so the checker's reads stay out of the timed steps):
 
 * the manager, through its public calls;
 * ``OutputFloor``: the copies and output tensors the manager itself makes for such a step and
@@ -21,7 +21,7 @@ adds time, so the minimum is the least disturbed reading), then the median over 
 steps. Bookkeeping = manager minus ``OutputFloor`` of the same step: what the manager spends
 beyond the copies and the one view and dict entry per request and key it returns, measured in
 the same passes rather than subtracted from timers of another run. Upholds nothing at run
-time; the checks are the runner's.
+time; the checks are the ground truth's (``check_outputs``).
 """
 
 from __future__ import annotations
@@ -38,7 +38,14 @@ from omni_cache.bench.runner import (
     _manager_step,
     default_manager_factory,
 )
-from omni_cache.bench.workload import GroundTruthError, Step, WorkloadSpec, build_workload, check_outputs
+from omni_cache.bench.workload import (
+    GroundTruthError,
+    Step,
+    Workload,
+    WorkloadSpec,
+    build_workload,
+    check_outputs,
+)
 from omni_cache.events import layout_rows
 from omni_cache.interface import HIDDEN_KEY, ModelCachePolicy, ReqId, StageCacheOutputs
 
@@ -65,6 +72,13 @@ class OutputFloor(RawCopyFloor):
         return StageCacheOutputs(hidden, out)  # type: ignore[arg-type]
 
 
+def _check_all(workload: Workload, unchecked: list[tuple[Step, StageCacheOutputs, str]]) -> None:
+    """Check (and forget) the outputs kept so far against the ground truth."""
+    for step, out, who in unchecked:
+        check_outputs(workload, step, out, who=who)
+    unchecked.clear()
+
+
 @dataclass
 class NarrowResult:
     """µs per decode step at narrow rows (per step the minimum over passes, then the median)."""
@@ -88,9 +102,18 @@ def narrow_bookkeeping(
     passes: int,
     eager: bool = True,
     manager_factory: ManagerFactory | None = None,
+    check_between_steps: bool = False,
 ) -> NarrowResult:
     """Run ``narrow_spec(spec)`` ``passes`` times through the manager and ``OutputFloor``,
-    interleaved step by step (after one warm-up pass); return their decode-step times."""
+    interleaved step by step (after one warm-up pass); return their decode-step times.
+
+    Every step's outputs of both are checked against the ground truth: by default at the end
+    of each pass (outputs are private copies, so a later step that reuses the staging pages must
+    not change them: I4 is checked harder), with ``check_between_steps`` right after each step.
+    The checker reads every output row; between steps it evicts the caches by an amount that
+    grows with the requests, so the next step finds the runtime's state colder and the reading
+    at many requests is dominated by that (and noisy): the default keeps it out of the timed
+    steps."""
     if passes < 1:
         raise ValueError(f"passes must be >= 1, got {passes}")
     workload = build_workload(narrow_spec(spec))
@@ -107,24 +130,28 @@ def narrow_bookkeeping(
             omni_first = p % 2 == 0
             gc.collect()
             gc.disable()
+            unchecked: list[tuple[Step, StageCacheOutputs, str]] = []
             try:
                 for i, step in enumerate(workload.steps):
                     for who in (("omni", "floor") if omni_first else ("floor", "omni")):
                         if who == "omni":
                             ns, out = _manager_step(manager, step)
-                            check_outputs(workload, step, out, who="omni_cache")
+                            unchecked.append((step, out, "omni_cache"))
                             if p:
                                 omni_min[i] = min(omni_min[i], sum(ns))
                         else:
                             ns, out = _floor_step(floor, step)
-                            check_outputs(workload, step, out, who="output floor")
+                            unchecked.append((step, out, "output floor"))
                             if p:
                                 floor_min[i] = min(floor_min[i], sum(ns))
+                        if check_between_steps:
+                            _check_all(workload, unchecked)
                     del out
                     omni_first = not omni_first
                 _finish(manager, workload)
             finally:
                 gc.enable()
+            _check_all(workload, unchecked)
     finally:
         unconsumed = manager.shutdown()
     if unconsumed:
