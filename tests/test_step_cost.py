@@ -254,19 +254,21 @@ def test_a_save_whose_rows_differ_from_the_scheduled_counts_changes_nothing(eage
     m.shutdown()
 
 
-# ---- the pool's slot range check on a long step (one reduction) ---------------------------
+# ---- the pool's slot range check, short (min/max of a list) and long (one reduction) -------
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
-def test_long_slot_lists_are_range_checked_at_both_ends(dtype: torch.dtype) -> None:
-    """Steps of more than 8 rows take one unsigned reduction (int64) or min and max (other
-    dtypes): 0 and num_slots - 1 pass, -1 and num_slots are refused wherever they are."""
-    pool = PrefixBlockPool(64)
-    ok = torch.arange(0, 64, 2, dtype=dtype)
-    ok[5] = 63
+@pytest.mark.parametrize("num_rows", [32, 512])
+def test_slot_lists_are_range_checked_at_both_ends(dtype: torch.dtype, num_rows: int) -> None:
+    """Steps of up to 256 rows take Python's min and max of the slot list; longer ones one
+    unsigned reduction (int64) or min and max (other dtypes): 0 and num_slots - 1 pass, -1 and
+    num_slots are refused wherever they are."""
+    pool = PrefixBlockPool(2 * num_rows)
+    ok = torch.arange(0, 2 * num_rows, 2, dtype=dtype)
+    ok[5] = 2 * num_rows - 1
     pool.check_slots(ok)
-    for bad, where in ((-1, 0), (-1, 31), (64, 0), (64, 17), (-(2**31), 3)):
+    for bad, where in ((-1, 0), (-1, num_rows - 1), (2 * num_rows, 0), (2 * num_rows, 17), (-(2**31), 3)):
         slots_ = ok.clone()
         slots_[where] = bad
-        with pytest.raises(OmniPrefixCacheUnmatchError, match=r"KV slots out of range \[0, 64\)"):
+        with pytest.raises(OmniPrefixCacheUnmatchError, match=rf"KV slots out of range \[0, {2 * num_rows}\)"):
             pool.check_slots(slots_)
 
 
