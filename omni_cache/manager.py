@@ -242,7 +242,7 @@ class OmniPrefixCacheManager:
         self.pool.check_sigs(sigs)
         # Per-slot bookkeeping of new keys is allocated before anything is claimed (a MemoryError
         # here has nothing to undo), so registration below allocates nothing.
-        self.tenancy.prepare_keys([*split.immediate, *split.deferred])
+        self.tenancy.prepare_keys(sigs.keys())  # every per-token key, immediate and deferred
         leftover = copy_leftovers(split.leftover) if split.leftover else {}  # refused before a claim (I4)
         if prev is not None and prev.state != "written":
             self.faults.on_blocking("save waits for the previous step's pool writes")

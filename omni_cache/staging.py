@@ -110,6 +110,8 @@ class StagingPool:
         # Per staging slot: key -> (n, the view of its page's rows [0, n)), the last one made. A
         # decode step stages and reads the same n rows step after step: one view, not one slice
         # per access. Views never leave the runtime (writes land from them, materialize clones them).
+        # A slot's dict is touched by the slot's current holder only (the save while claimed, the
+        # reader while saved or materialized), and by ``abort`` under the lock for dropped keys.
         self._head_views: list[dict[TensorName, tuple[int, torch.Tensor]]] = [{} for _ in range(depth)]
         # Claims waiting on the condition: a release notifies only when one waits.
         self._num_waiting = 0

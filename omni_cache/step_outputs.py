@@ -129,7 +129,7 @@ def copy_leftovers(leftover: dict[TensorName, Any]) -> dict[TensorName, Any]:
     return out
 
 
-@dataclass
+@dataclass(slots=True)
 class StepContext:
     """Everything one step's materialize needs, snapshotted at save (I4)."""
 

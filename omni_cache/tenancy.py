@@ -131,13 +131,13 @@ class SlotTenancy:
         return versions
 
     # ---- engine thread: registration and planning --------------------------
-    def prepare_keys(self, keys: list[TensorName]) -> None:
+    def prepare_keys(self, keys: Set[TensorName]) -> None:
         """Allocate the version vectors of ``keys`` now, so ``register`` allocates nothing.
 
         The manager calls this before a save claims anything: a ``MemoryError`` of a
         huge pool's per-slot bookkeeping then surfaces with nothing to undo.
         """
-        if all(key in self._keys for key in keys):  # keys are only ever added
+        if self._keys.keys() >= keys:  # keys are only ever added (one C-level set comparison)
             return
         with self.pool.lock:
             for key in keys:
