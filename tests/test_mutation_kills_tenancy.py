@@ -241,3 +241,31 @@ def test_materialize_waits_for_a_held_planned_write_and_serves_its_rows() -> Non
     finally:
         hold.release.set()
         m.shutdown()
+
+
+# ---- land_all's row-shape check on the landing path itself ---------------------------------
+def test_land_all_lands_a_key_it_has_never_seen() -> None:
+    """Mutants: ``tenancy:SlotTenancy.land_all:cmp_flip:706dab0d`` (``known is not None`` ->
+    ``is None``) and ``boolop_swap:a25032de`` (``or`` -> ``and``): a key with no versions yet
+    (no register before the landing) must land, not crash on its missing versions."""
+    ten, slots_np = _tenancy()
+    rows = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    ten.land_all({"k": rows}, torch.from_numpy(slots_np), 1)
+    assert torch.equal(ten.pool.rows("k", torch.from_numpy(slots_np)), rows)
+    assert ten._keys["k"].landed[slots_np].tolist() == [1, 1]
+
+
+@pytest.mark.parametrize("carried", [False, True], ids=["sig-read-at-landing", "sig-carried-by-the-write"])
+def test_land_all_refuses_rows_of_another_width_with_the_contract_error(carried: bool) -> None:
+    """Mutant: ``tenancy:SlotTenancy.land_all:boolop_swap:a25032de`` (``or`` -> ``and``): once a key's
+    tensor exists, a write of another width must be refused by the row check, naming the
+    contract ("width and dtype never change"), not by torch's ``index_copy_`` mid-landing."""
+    ten, slots_np = _tenancy()
+    slots = torch.from_numpy(slots_np)
+    ten.land_all({"k": torch.ones(2, 3)}, slots, 1)
+    wide = torch.full((2, 5), 2.0)
+    sigs = {"k": (wide.dtype, wide.shape[1:])} if carried else None
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="width and dtype never change"):
+        ten.land_all({"k": wide}, slots, 2, slots_np=slots_np, sigs=sigs)
+    assert torch.equal(ten.pool.rows("k", slots), torch.ones(2, 3))
+    assert ten._keys["k"].landed[slots_np].tolist() == [1, 1]
