@@ -75,10 +75,6 @@ class PrefixBlockPool:
         check_sig(f"block pool key {key!r}", self._sigs[key], sig)
         return tensor
 
-    def sig_locked(self, key: TensorName) -> RowSig | None:
-        """The row signature of ``key``'s tensor, or None; the caller holds ``lock``."""
-        return self._sigs.get(key)
-
     def check_slots(self, slots: torch.Tensor, *, where: str = "block pool") -> np.ndarray:
         """Raise unless every slot is in ``[0, num_slots)`` (the message starts with ``where``);
         return the slots as a numpy view."""

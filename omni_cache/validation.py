@@ -2,7 +2,9 @@
 
 Owns: ``validate_hit`` (I5), ``check_capacity`` (I10), ``check_slot_mapping`` and ``validate_save`` (the
 step's layout covers its rows: "slot mapping covers"; hidden has enough rows), ``check_scheduled``
-(each scheduled request has exactly its rows), and ``StepRows``, the validated form of a layout.
+(each scheduled request has exactly its rows), ``StepRows``, the validated form of a layout, and
+``RowSig`` / ``check_sig``: a key's (dtype, row shape), read once per save and compared as a tuple
+by the staging pages, the pool and the landing ("width and dtype never change").
 Pure functions of their arguments: an input that fails here has changed nothing.
 
 Cost: a save's checks run no Python per request. The layout's writes were walked once when
@@ -79,22 +81,13 @@ def row_sig(rows: torch.Tensor) -> RowSig:
 
 
 def check_sig(what: str, held: RowSig | None, sig: RowSig) -> None:
-    """``sig`` must equal ``held`` (nothing held yet: anything goes); else raise as ``check_same_rows``."""
+    """``sig`` must equal ``held`` (nothing held yet: anything goes); else raise naming both."""
     if held is None or held == sig:
         return
     raise OmniPrefixCacheUnmatchError(
         f"{what} holds rows of shape {tuple(held[1])} {held[0]}; this step brought rows of "
         f"shape {tuple(sig[1])} {sig[0]}: a key's width and dtype never change"
     )
-
-
-def check_same_rows(what: str, held_shape: tuple[int, ...], held_dtype: torch.dtype, rows: torch.Tensor) -> None:
-    """A key's row shape and dtype never change: ``rows`` must match what ``what`` holds."""
-    if held_dtype != rows.dtype or tuple(held_shape) != rows.shape[1:]:
-        raise OmniPrefixCacheUnmatchError(
-            f"{what} holds rows of shape {tuple(held_shape)} {held_dtype}; this step brought rows of "
-            f"shape {tuple(rows.shape[1:])} {rows.dtype}: a key's width and dtype never change"
-        )
 
 
 def check_slot_mapping(slots: Any, n: int) -> torch.Tensor:
