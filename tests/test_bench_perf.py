@@ -142,8 +142,9 @@ def test_output_floor_returns_private_rows_that_later_steps_cannot_change() -> N
     assert sum(check_outputs(workload, step, out, who="output floor") for step, out in kept) > 0
 
 
-def test_narrow_bookkeeping_reads_both_sides_of_the_same_passes() -> None:
-    result = narrow_bookkeeping(WorkloadSpec(batch_size=2, **TINY), passes=1)
+@pytest.mark.parametrize("warm_inputs", [False, True], ids=["cold-inputs", "warm-inputs"])
+def test_narrow_bookkeeping_reads_both_sides_of_the_same_passes(warm_inputs: bool) -> None:
+    result = narrow_bookkeeping(WorkloadSpec(batch_size=2, **TINY), passes=1, warm_inputs=warm_inputs)
     assert result.omni_us > 0 and result.floor_us > 0
     assert result.bookkeeping_us == result.omni_us - result.floor_us
     with pytest.raises(ValueError, match="passes"):

@@ -72,6 +72,13 @@ class OutputFloor(RawCopyFloor):
         return StageCacheOutputs(hidden, out)  # type: ignore[arg-type]
 
 
+def _read_inputs(step: Step) -> None:
+    """Read a step's inputs (outside the timers): its slots, scheduled counts and request ids."""
+    step.layout.slots_cpu.numpy().tolist()
+    tuple(step.events.scheduled_tokens.items())
+    tuple(step.req_ids)
+
+
 def _check_all(workload: Workload, unchecked: list[tuple[Step, StageCacheOutputs, str]]) -> None:
     """Check (and forget) the outputs kept so far against the ground truth."""
     for step, out, who in unchecked:
@@ -103,6 +110,7 @@ def narrow_bookkeeping(
     eager: bool = True,
     manager_factory: ManagerFactory | None = None,
     check_between_steps: bool = False,
+    warm_inputs: bool = False,
 ) -> NarrowResult:
     """Run ``narrow_spec(spec)`` ``passes`` times through the manager and ``OutputFloor``,
     interleaved step by step (after one warm-up pass); return their decode-step times.
@@ -113,7 +121,9 @@ def narrow_bookkeeping(
     The checker reads every output row; between steps it evicts the caches by an amount that
     grows with the requests, so the next step finds the runtime's state colder and the reading
     at many requests is dominated by that (and noisy): the default keeps it out of the timed
-    steps."""
+    steps. ``warm_inputs`` (a control) reads each step's inputs -- its slot tensor, scheduled
+    counts and request ids -- right before each side's timed calls, as an engine that has just
+    built them would have them in cache."""
     if passes < 1:
         raise ValueError(f"passes must be >= 1, got {passes}")
     workload = build_workload(narrow_spec(spec))
@@ -134,6 +144,8 @@ def narrow_bookkeeping(
             try:
                 for i, step in enumerate(workload.steps):
                     for who in (("omni", "floor") if omni_first else ("floor", "omni")):
+                        if warm_inputs:
+                            _read_inputs(step)
                         if who == "omni":
                             ns, out = _manager_step(manager, step)
                             unchecked.append((step, out, "omni_cache"))
