@@ -18,7 +18,7 @@ import torch
 
 from omni_cache.errors import PHRASE_SLOT_MAPPING, OmniPrefixCacheUnmatchError
 from omni_cache.interface import TensorName
-from omni_cache.validation import RowSig, check_sig, row_sig
+from omni_cache.validation import RowSig, check_held_sigs, check_sig, row_sig
 
 
 class PrefixBlockPool:
@@ -56,11 +56,7 @@ class PrefixBlockPool:
     def check_sigs(self, sigs: dict[TensorName, RowSig]) -> None:
         """Raise unless each key's row signature in ``sigs`` matches its tensor's (a new key
         always matches)."""
-        held_sigs = self._sigs  # no lock: keys are only ever added, never replaced
-        for key, sig in sigs.items():
-            held = held_sigs.get(key)
-            if held is not None and held != sig:
-                check_sig(f"block pool key {key!r}", held, sig)
+        check_held_sigs("block pool key", self._sigs, sigs, sigs)  # no lock: keys are only ever added
 
     def _tensor_for(self, key: TensorName, rows: torch.Tensor) -> torch.Tensor:
         sig = row_sig(rows)

@@ -43,7 +43,7 @@ from omni_cache.histogram import WaitHistogram
 from omni_cache.interface import StepId, TensorName
 from omni_cache.states import STAGING_TABLE, TableMachine
 from omni_cache.trace import TraceRecorder
-from omni_cache.validation import RowSig, check_capacity, check_sig, row_sig
+from omni_cache.validation import RowSig, check_capacity, check_held_sigs, check_sig, row_sig
 
 # Slot states through which a page may be read (the step's consumer, or its pool write).
 _READABLE = ("saved", "materialized")
@@ -328,11 +328,7 @@ class StagingPool:
     def check_sigs(self, keys: Iterable[TensorName], sigs: dict[TensorName, RowSig]) -> None:
         """Raise unless each of ``keys``, of row signature ``sigs[key]``, matches the row shape
         and dtype of its pages (a key without pages matches)."""
-        held_sigs = self._sigs  # no lock: pages are only ever added, never replaced
-        for key in keys:
-            held = held_sigs.get(key)
-            if held is not None and held != sigs[key]:
-                check_sig(f"staging page of {key!r}", held, sigs[key])
+        check_held_sigs("staging page of", self._sigs, sigs, keys)  # no lock: pages are only ever added
 
     def _page(self, key: TensorName, like: torch.Tensor, slot: StagingSlot, sig: RowSig) -> list[torch.Tensor]:
         """The per-slot page views of ``key`` (allocated on first use), checked against ``sig``."""

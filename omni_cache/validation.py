@@ -17,6 +17,7 @@ error, or (for writes that tile the rows out of order) returns them sorted.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable
 from operator import itemgetter
 from typing import Any
 
@@ -88,6 +89,17 @@ def check_sig(what: str, held: RowSig | None, sig: RowSig) -> None:
         f"{what} holds rows of shape {tuple(held[1])} {held[0]}; this step brought rows of "
         f"shape {tuple(sig[1])} {sig[0]}: a key's width and dtype never change"
     )
+
+
+def check_held_sigs(
+    store: str, held_sigs: dict[str, RowSig], sigs: dict[str, RowSig], keys: Iterable[str]
+) -> None:
+    """Each of ``keys``, of signature ``sigs[key]``, must match what ``held_sigs`` holds for it (a
+    key held nowhere matches); the error names ``f"{store} {key!r}"`` (``check_sig``)."""
+    for key in keys:
+        held = held_sigs.get(key)
+        if held is not None and held != sigs[key]:
+            check_sig(f"{store} {key!r}", held, sigs[key])
 
 
 def check_slot_mapping(slots: Any, n: int) -> torch.Tensor:
