@@ -254,13 +254,13 @@ def test_a_save_whose_rows_differ_from_the_scheduled_counts_changes_nothing(eage
     m.shutdown()
 
 
-# ---- the pool's slot range check, short (min/max of a list) and long (one reduction) -------
+# ---- the pool's slot range check, short (max of a list) and long (one reduction) ----------
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
 @pytest.mark.parametrize("num_rows", [32, 512])
 def test_slot_lists_are_range_checked_at_both_ends(dtype: torch.dtype, num_rows: int) -> None:
-    """Steps of up to 256 rows take Python's min and max of the slot list; longer ones one
-    unsigned reduction (int64) or min and max (other dtypes): 0 and num_slots - 1 pass, -1 and
-    num_slots are refused wherever they are."""
+    """int64 slots are read as unsigned (a negative slot is then above any num_slots): steps of up
+    to 256 rows take Python's max of that list, longer ones one reduction; other dtypes take min
+    and max. 0 and num_slots - 1 pass, -1 and num_slots are refused wherever they are."""
     pool = PrefixBlockPool(2 * num_rows)
     ok = torch.arange(0, 2 * num_rows, 2, dtype=dtype)
     ok[5] = 2 * num_rows - 1
