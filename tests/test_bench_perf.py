@@ -23,7 +23,15 @@ from omni_cache.bench.floor import RawCopyFloor
 from omni_cache.bench.memory import formula, memory_report
 from omni_cache.bench.narrow import NARROW_WIDTH, OutputFloor, narrow_bookkeeping, narrow_spec
 from omni_cache.bench.preset import PRESETS, PresetCase
-from omni_cache.bench.sweep import run_sweep, write_sweep_plot
+from omni_cache.bench.sweep import (
+    SweepPoint,
+    growth_lines,
+    growth_per_request,
+    pool_spread_us,
+    run_sweep,
+    sweep_summary,
+    write_sweep_plot,
+)
 from omni_cache.bench.workload import GroundTruthError, WorkloadSpec, build_workload, check_outputs
 from omni_cache.cli import main
 from omni_cache.interface import HIDDEN_KEY
@@ -115,6 +123,35 @@ def test_sweep_covers_its_grid_and_plots(tmp_path: Any) -> None:
     assert len({p.python_lines for p in points}) == 1 and points[0].python_lines > 300
     path = write_sweep_plot(points, tmp_path / "sweep.png", title="t")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [g.num_blocks for g in growth_per_request(points)] == [64, 128]
+
+
+def _point(requests: int, num_blocks: int, book: float, outputs: float, copies: float) -> SweepPoint:
+    return SweepPoint(requests, num_blocks, 0.0, 0.0, copies, 1.0, narrow_omni_us=outputs + book,
+                      narrow_outputs_us=outputs, python_lines=1)
+
+
+def test_sweep_growth_is_the_least_squares_slope_per_pool_size() -> None:
+    """Bookkeeping 40 + 0.1/request, outputs 20 + 0.5/request, copies 10 + 3/request (+1 µs of
+    views) at 1k blocks; 2 µs more bookkeeping at 4k: slopes, share and spread read back exactly."""
+    points = [_point(r, nb, 40 + 0.1 * r + (2 if nb == 4096 else 0), 20 + 0.5 * r, 10 + 3 * r)
+              for nb in (1024, 4096) for r in (1, 8, 32, 128)]
+    growth = growth_per_request(points)
+    assert [g.num_blocks for g in growth] == [1024, 4096]
+    for g in growth:
+        assert g.bookkeeping_us_per_request == pytest.approx(0.1)
+        assert g.narrow_outputs_us_per_request == pytest.approx(0.5)
+        assert g.copies_and_views_us_per_request == pytest.approx(3.0)
+        assert g.share_of_outputs == pytest.approx(0.2)
+    assert pool_spread_us(points) == pytest.approx(2.0)
+    summary = sweep_summary(points)
+    assert summary["bookkeeping_pool_spread_us"] == pytest.approx(2.0)
+    assert summary["growth_per_request"][0]["share_of_outputs"] == pytest.approx(0.2)
+    lines = growth_lines(points)
+    assert "bookkeeping +0.100 µs" in lines[0] and "(bookkeeping 20% of it)" in lines[0]
+    assert lines[-1] == "pool size: bookkeeping within 2.0 µs across num_blocks at every number of requests"
+    # a single number of requests has no slope
+    assert growth_per_request([_point(8, 64, 1, 1, 1)]) == []
 
 
 def test_memory_report_measured_bytes_equal_the_formula() -> None:

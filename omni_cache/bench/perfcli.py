@@ -63,7 +63,13 @@ def run_extra(args: argparse.Namespace, console: Any, sizes: list[int], repeats:
     if args.profile:
         doc["breakdown"] = run_breakdown(args, console, sizes, kwargs)
     if args.sweep:
-        from omni_cache.bench.sweep import run_sweep, sweep_summary, sweep_table, write_sweep_plot
+        from omni_cache.bench.sweep import (
+            growth_lines,
+            run_sweep,
+            sweep_summary,
+            sweep_table,
+            write_sweep_plot,
+        )
 
         points = run_sweep(repeats=repeats, eager=eager, decode_steps=steps, progress=say)
         path = write_sweep_plot(points, args.sweep, title=f"omni-cache bench --sweep ({mode}; full widths: median of {repeats} "
@@ -71,6 +77,8 @@ def run_extra(args: argparse.Namespace, console: Any, sizes: list[int], repeats:
         doc["sweep"] = {**sweep_summary(points), "plot": str(path)}
         if not args.json:
             console.print(sweep_table(points, mode=mode, repeats=repeats))
+            for line in growth_lines(points):
+                console.print(line)
             console.print(f"wrote {path}")
     if args.memory:
         from omni_cache.bench.memory import memory_report, memory_table

@@ -1,6 +1,6 @@
 """Does the per-step bookkeeping grow with the number of requests or the pool size?
 
-Owns: ``run_sweep`` (``omni-cache bench --sweep``), its table and its plot. For every
+Owns: ``run_sweep`` (``omni-cache bench --sweep``), its table, its growth summary and its plot. For every
 (requests, num_blocks) of the grid it runs the decode13 shape (one prefill step per request,
 odd requests hit the previous one's blocks, then decode steps; every step materialized and
 checked). Prompts are shorter than decode13's (64 tokens, hit 32) so 128 requests fit 1k
@@ -28,11 +28,16 @@ per decode step unless named otherwise:
   requests is left in the runtime (``tests/test_step_cost.py`` holds that at 2 and 64 requests).
 
 Flat means: the bookkeeping barely moves across the grid while the copies grow with the
-requests. Upholds nothing at run time; the checks are the runner's.
+requests. ``growth_per_request`` puts a number on it per pool size: the least-squares slope
+(µs per extra request) of the bookkeeping next to the slopes of the narrow copies and outputs
+and of the full-width copies and output views; ``pool_spread_us`` is the bookkeeping's largest
+spread across pool sizes at one number of requests. Upholds nothing at run time; the checks
+are the runner's.
 """
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -141,6 +146,49 @@ def python_lines_per_decode_step(spec: WorkloadSpec, *, manager_factory: Manager
     return lines
 
 
+@dataclass
+class Growth:
+    """Per pool size: µs per decode step added by each extra request (least-squares slope over the
+    sweep's requests) of the bookkeeping and of what it is compared with; and the bookkeeping's
+    spread across pool sizes at one number of requests."""
+
+    num_blocks: int
+    bookkeeping_us_per_request: float
+    narrow_outputs_us_per_request: float  # the narrow copies and outputs (OutputFloor)
+    copies_and_views_us_per_request: float  # the breakdown's copies + output views, full widths
+
+    @property
+    def share_of_outputs(self) -> float:
+        """Bookkeeping growth as a fraction of the narrow copies' and outputs' growth."""
+        out = self.narrow_outputs_us_per_request
+        return self.bookkeeping_us_per_request / out if out > 0 else float("inf")
+
+
+def growth_per_request(points: list[SweepPoint]) -> list[Growth]:
+    """One ``Growth`` per pool size that has at least two numbers of requests."""
+    rows = []
+    for nb in sorted({p.num_blocks for p in points}):
+        row = [p for p in points if p.num_blocks == nb]
+        xs = [float(p.requests) for p in row]
+        if len(set(xs)) < 2:
+            continue
+
+        def slope(ys: list[float], xs: list[float] = xs) -> float:
+            return statistics.linear_regression(xs, ys).slope
+
+        rows.append(Growth(nb, slope([p.bookkeeping_us for p in row]), slope([p.narrow_outputs_us for p in row]),
+                           slope([p.copies_us + p.views_us for p in row])))
+    return rows
+
+
+def pool_spread_us(points: list[SweepPoint]) -> float:
+    """The largest bookkeeping spread across pool sizes at one number of requests."""
+    by: dict[int, list[float]] = {}
+    for p in points:
+        by.setdefault(p.requests, []).append(p.bookkeeping_us)
+    return max(max(v) - min(v) for v in by.values())
+
+
 def sweep_summary(points: list[SweepPoint]) -> dict[str, Any]:
     book = [p.bookkeeping_us for p in points]
     floors = [p.floor_decode_us for p in points]
@@ -149,7 +197,20 @@ def sweep_summary(points: list[SweepPoint]) -> dict[str, Any]:
                        for p in points],
             "python_lines_min": min(lines), "python_lines_max": max(lines),
             "bookkeeping_us_min": min(book), "bookkeeping_us_max": max(book),
+            "bookkeeping_pool_spread_us": pool_spread_us(points),
+            "growth_per_request": [{**asdict(g), "share_of_outputs": g.share_of_outputs}
+                                   for g in growth_per_request(points)],
             "floor_us_min": min(floors), "floor_us_max": max(floors)}
+
+
+def growth_lines(points: list[SweepPoint]) -> list[str]:
+    """What the sweep says about growth, in words (printed under its table)."""
+    lines = [f"per extra request ({g.num_blocks} blocks, least squares): bookkeeping "
+             f"{g.bookkeeping_us_per_request:+.3f} µs, narrow copies + outputs {g.narrow_outputs_us_per_request:+.3f} µs "
+             f"(bookkeeping {g.share_of_outputs:.0%} of it), full-width copies + output views "
+             f"{g.copies_and_views_us_per_request:+.3f} µs" for g in growth_per_request(points)]
+    lines.append(f"pool size: bookkeeping within {pool_spread_us(points):.1f} µs across num_blocks at every number of requests")
+    return lines
 
 
 def sweep_table(points: list[SweepPoint], *, mode: str, repeats: int) -> Any:
