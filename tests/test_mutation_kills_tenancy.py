@@ -70,6 +70,46 @@ def test_read_serves_the_planned_rows_when_the_older_write_lands_late() -> None:
     assert ten.num_preserved() == 0
 
 
+@pytest.mark.parametrize("num_slots", [4, 8, 9, 24])
+def test_a_late_write_never_overwrites_newer_rows_on_short_or_long_slot_lists(num_slots: int) -> None:
+    """Mutants: ``tenancy:_all_below:cmp_flip:6543e02d`` (the reduction of a list over 8 slots,
+    ``< bound`` -> ``>= bound``) and the same flip of the short list's ``max``. A write of tid 1
+    lands late over every slot; a newer tid 2 already landed on the even slots only: the odd
+    slots take tid 1's rows, the even ones keep tid 2's (I7), on either side of the 8-slot switch."""
+    ten = SlotTenancy(PrefixBlockPool(2 * num_slots))
+    slots = np.arange(0, 2 * num_slots, 2, dtype=np.int64)
+    even = slots[::2].copy()
+    ten.register(["k"], slots, 1, step_id=11)
+    ten.register(["k"], even, 2, step_id=12)
+    ten.land_all({"k": torch.full((len(even), 3), 2.0)}, torch.from_numpy(even), 2)
+    ten.land_all({"k": torch.full((num_slots, 3), 1.0)}, torch.from_numpy(slots), 1)  # late
+    want = torch.where(torch.arange(num_slots)[:, None] % 2 == 0, 2.0, 1.0).expand(num_slots, 3)
+    assert torch.equal(ten.pool.rows("k", torch.from_numpy(slots)), want)
+    assert ten._keys["k"].landed[slots].tolist() == [2 if i % 2 == 0 else 1 for i in range(num_slots)]
+    # every slot newer: the late write lands nowhere
+    ten = SlotTenancy(PrefixBlockPool(2 * num_slots))
+    ten.register(["k"], slots, 1, step_id=11)
+    ten.register(["k"], slots, 2, step_id=12)
+    ten.land_all({"k": torch.full((num_slots, 3), 2.0)}, torch.from_numpy(slots), 2)
+    ten.land_all({"k": torch.full((num_slots, 3), 1.0)}, torch.from_numpy(slots), 1)
+    assert torch.equal(ten.pool.rows("k", torch.from_numpy(slots)), torch.full((num_slots, 3), 2.0))
+    assert ten._keys["k"].landed[slots].tolist() == [2] * num_slots
+
+
+def test_an_empty_late_write_lands_as_nothing() -> None:
+    """Mutant: ``tenancy:_all_below:cmp_flip:a603cfb3`` (``len(values) <= 8`` -> ``> 8``: an empty
+    slot list would go to the numpy reduction, which refuses an empty array). A zero-row write
+    (a step whose requests have no rows for a key) that lands after a newer one changes nothing."""
+    ten, slots = _tenancy()
+    none = np.zeros(0, dtype=np.int64)
+    ten.register(["k"], none, 1, step_id=11)
+    ten.register(["k"], slots, 2, step_id=12)
+    ten.land_all({"k": torch.full((2, 3), 2.0)}, torch.from_numpy(slots), 2)
+    ten.land_all({"k": torch.zeros(0, 3)}, torch.from_numpy(none), 1)  # late and empty
+    assert torch.equal(ten.pool.rows("k", torch.from_numpy(slots)), torch.full((2, 3), 2.0))
+    assert ten._keys["k"].landed[slots].tolist() == [2, 2]
+
+
 # ---- I11: tenancy bookkeeping under the pool's leaf lock ----------------------------------
 @pytest.mark.parametrize("what", ["unplan", "plan", "register", "read", "land_all", "num_preserved"])
 def test_tenancy_bookkeeping_waits_for_the_pool_lock(what: str) -> None:
