@@ -230,8 +230,9 @@ def sweep_table(points: list[SweepPoint], *, mode: str, repeats: int) -> Any:
 
 def write_sweep_plot(points: list[SweepPoint], path: str | Path, *, title: str = "") -> Path:
     """Left: the direct bookkeeping per decode step (narrow rows, manager minus its copies and
-    outputs) and those outputs against requests, one line per pool size; right: the manager and
-    the floor at the full widths (µs per decode step, log scale)."""
+    outputs) and those outputs against requests, one line per pool size, each labelled with its
+    growth per extra request; right: the manager and the floor at the full widths (µs per decode
+    step, log scale)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -241,12 +242,17 @@ def write_sweep_plot(points: list[SweepPoint], path: str | Path, *, title: str =
     sizes = sorted({p.requests for p in points})
     pools = sorted({p.num_blocks for p in points})
     fig, (ax_book, ax_abs) = plt.subplots(1, 2, figsize=(11, 4.2))
+    slopes = {g.num_blocks: g for g in growth_per_request(points)}
     for i, nb in enumerate(pools):
         row = sorted((p for p in points if p.num_blocks == nb), key=lambda p: p.requests)
         xs = [p.requests for p in row]
-        ax_book.plot(xs, [p.bookkeeping_us for p in row], "o-", color=f"C{i}", label=f"bookkeeping, {nb} blocks")
+        g = slopes.get(nb)
+        book_rate = f" ({g.bookkeeping_us_per_request:+.2f} µs/request)" if g else ""
+        out_rate = f" ({g.narrow_outputs_us_per_request:+.2f} µs/request)" if g else ""
+        ax_book.plot(xs, [p.bookkeeping_us for p in row], "o-", color=f"C{i}",
+                     label=f"bookkeeping, {nb} blocks{book_rate}")
         ax_book.plot(xs, [p.narrow_outputs_us for p in row], "s:", color=f"C{i}", alpha=0.5,
-                     label=f"copies + outputs, {nb} blocks")
+                     label=f"copies + outputs, {nb} blocks{out_rate}")
         ax_abs.plot(xs, [p.omni_decode_us for p in row], "o-", color=f"C{i}", label=f"omni_cache, {nb} blocks")
         ax_abs.plot(xs, [p.floor_decode_us for p in row], "s--", color=f"C{i}", alpha=0.5,
                     label=f"floor, {nb} blocks")
