@@ -61,7 +61,7 @@ ROOT = Path(__file__).resolve().parent.parent
 EQUIVALENT_FILE = ROOT / "tools" / "equivalent_mutants.json"
 
 CORE_MODULES = (
-    "adapter", "block_pool", "copier", "locks", "manager", "reader", "staging", "states",
+    "adapter", "block_pool", "copier", "events", "locks", "manager", "reader", "staging", "states",
     "step_outputs", "tenancy", "validation", "writes",
 )
 
@@ -76,6 +76,7 @@ FAST_TESTS = (
     "tests/test_mutation_kills.py",
     "tests/test_mutation_kills_tenancy.py",
     "tests/test_mutation_kills_fresh.py",
+    "tests/test_mutation_kills_events.py",
     "tests/test_step_cost.py",  # the fast paths of a step (layout facts, scheduled counts, slot range, hit merges)
     "tests/test_manager_invariants.py",
     "tests/test_manager_behaviour.py",
