@@ -175,12 +175,12 @@ class WriteBook:
                 if write.state == "pending":
                     self._fire_locked(write, "enqueue")
                     moved.append(write)
+            # No notify of its own: each ``enqueue`` fire above notified the waiters, and they
+            # wake only once this hold of the lock, which extends the queue, ends.
             if front:
                 self._queue.extendleft(reversed(moved))
             else:
                 self._queue.extend(moved)
-            if self._num_waiting:
-                self._cond.notify_all()
         return moved
 
     def start_next(self, *, block: bool, timeout_s: float | None = None) -> PoolWrite | None:

@@ -77,6 +77,7 @@ FAST_TESTS = (
     "tests/test_mutation_kills_tenancy.py",
     "tests/test_mutation_kills_fresh.py",
     "tests/test_mutation_kills_events.py",
+    "tests/test_mutation_kills_seed15.py",
     "tests/test_step_cost.py",  # the fast paths of a step (layout facts, scheduled counts, slot range, hit merges)
     "tests/test_manager_invariants.py",
     "tests/test_manager_behaviour.py",
