@@ -282,6 +282,8 @@ class OmniPrefixCacheManager:
                 WriteSchedule.JOIN_ON_FINISH, step_id, slots, slots_np, deferred_dev, None, req_ids, registered, sigs)
             if deferred is not None:
                 deferred.copy_event = self.copies.record_compute_event()  # after the clones
+            elif imm is None:  # no per-token key at all: still the slots' new tenant (I6/I7)
+                self.tenancy.take_slots(slots_np, step_id=step_id)
             # Plan hit reads after this step's writes are registered: vLLM publishes block
             # hashes at allocation, so a request may hit blocks another request of this
             # very step computes; their planned version is then this step's write.

@@ -171,6 +171,15 @@ class SlotTenancy:
                 self._note("register", step_id, tid=tid, keys=tuple(keys), slots=tuple(slots.tolist()))
         return older_tids
 
+    def take_slots(self, slots: np.ndarray, *, step_id: int) -> None:
+        """Step ``step_id``, which registers no write (it carries no per-token key), becomes the
+        tenant of ``slots``: every key is absent there from now on (I6/I7), so a later hit on them
+        raises "is not readable" instead of serving an older tenant's rows."""
+        with self.pool.lock:
+            self._tenant[slots] = step_id
+            if self.recorder is not None:
+                self._note("tenant", step_id, slots=tuple(slots.tolist()))
+
     def _note(self, what: str, step_id: int | None, **data: object) -> None:
         """Log a tenancy event for trace validation (pool lock held: notes keep the lock's order)."""
         assert self.recorder is not None, "tenancy note without a recorder: tenancy bug"

@@ -444,7 +444,9 @@ class Engine:
                 padded_mm: bool = False, order: int = 0, forced: Any = None, omit: int = 0) -> Prepared | None:
         """Schedule, tell the manager (new_step_starts) and run the 'forward' of one step.
 
-        ``omit`` 1 or 2 leaves ``PER_TOKEN_KEYS[omit - 1]`` out of this step's mm outputs.
+        ``omit`` 1 or 2 leaves ``PER_TOKEN_KEYS[omit - 1]`` out of this step's mm outputs, 3 leaves
+        every per-token mm key out (with hidden opted out, a step that writes no key at all: its
+        slots' tenant still changes, so a later hit on them is absent).
         """
         late = [e for e in self.late if self.reqs[e.req_id].started]  # before this step schedules
         self.late = [e for e in self.late if e not in late]
@@ -468,7 +470,7 @@ class Engine:
                 for k in (HIDDEN_KEY, *PER_TOKEN_KEYS)}
         junk = {k: torch.full((pad, *v.shape[1:]), -99, dtype=v.dtype) for k, v in live.items()}
         hidden = torch.cat([live[HIDDEN_KEY], junk[HIDDEN_KEY]])
-        keys = tuple(k for i, k in enumerate(PER_TOKEN_KEYS) if i != omit - 1)
+        keys = () if omit == 3 else tuple(k for i, k in enumerate(PER_TOKEN_KEYS) if i != omit - 1)
         mm: dict[str, Any] = {k: torch.cat([live[k], junk[k]]) if padded_mm else live[k]
                               for k in keys}
         if leftover:

@@ -69,6 +69,41 @@ def test_I7_absent_key_not_served_from_older_tenant(eager: bool, deferred: bool)
     m.shutdown()
 
 
+@pytest.mark.parametrize("deferred", [False, True], ids=["immediate", "deferred"])
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "async"])
+def test_I7_a_step_that_writes_no_key_still_becomes_the_slots_tenant(eager: bool, deferred: bool) -> None:
+    """Hidden opted out: A writes K on block 3; B takes block 3 over with a step that carries no
+    per-token key (its mm outputs are a leftover only); C hits block 3 with K.
+
+    C's hit must raise "is not readable": block 3's tenant (B) wrote no K, and A's K rows belong
+    to an older tenant (I6/I7). Found by an independent attack: a save that registered no write
+    left the slots' tenant unchanged, so C was served A's rows as B's, silently."""
+    m = manager(eager=eager)
+    m.register_policy(ModelCachePolicy(needs_full_hidden_states=False,
+                                       deferred_keys=frozenset({K}) if deferred else frozenset()))
+
+    def step(req: str, blocks: list[int], start: int, end: int, mm: dict) -> int:  # type: ignore[type-arg]
+        layout = PrefixCacheWriteLayout.packed([(req, start, end)], slots(blocks, start, end))
+        n = end - start
+        return m.save_outputs(None, mm, num_tokens_unpadded=n, num_tokens_padded=n, write_layout=layout)
+
+    m.new_step_starts([started("A")])
+    m.materialize(step("A", [3], 0, BS, {K: truth("A", range(BS))}), ["A"])
+    m.new_step_starts([PrefixCacheRequestEvent("A", E.FINISHED), started("B")])
+    settle(m)
+    out_b = m.materialize(step("B", [3], 0, BS, {"meta": [1, 2, 3]}), ["B"])
+    assert out_b.hidden_states is None and out_b.mm_outputs == {"meta": {"B": [1, 2, 3]}}, out_b
+    m.new_step_starts([PrefixCacheRequestEvent("B", E.FINISHED), started("C", BS, [3, 5])])
+    settle(m)
+    hit = step("C", [3, 5], BS, BS + 2, {K: truth("C", range(BS, BS + 2))})
+    with pytest.raises(OmniPrefixCacheUnmatchError, match=PHRASE_NOT_READABLE) as info:
+        m.materialize(hit, ["C"])
+    message = str(info.value)
+    assert f"step {hit}" in message and "'C'" in message and repr(K) in message and f"KV slot {3 * BS}" in message
+    assert m.stats()["failed"] is None
+    m.shutdown()
+
+
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "async"])
 def test_I7_key_written_by_the_current_tenant_stays_readable(eager: bool) -> None:
     """The converse (so the absent rule cannot be "refuse every mm hit"): when the tenant's

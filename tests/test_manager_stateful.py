@@ -89,7 +89,7 @@ ARRIVAL = st.tuples(st.integers(0, 2), st.integers(0, 4), st.lists(st.integers(0
 STEP = dict(arrivals=st.lists(ARRIVAL, max_size=2),
             picks=st.lists(st.tuples(st.integers(0, 31), st.integers(1, 9)), min_size=1, max_size=4),
             pad=st.sampled_from([0, 0, 1, 3]), leftover=st.booleans(), padded_mm=st.booleans(),
-            order=st.integers(0, 3), omit=st.sampled_from([0, 0, 0, 1, 2]))
+            order=st.integers(0, 3), omit=st.sampled_from([0, 0, 0, 1, 2, 3]))
 
 
 PENDING = Bundle("pending")  # saved step ids not yet consumed (nor handed to the builder)
@@ -174,8 +174,9 @@ class ManagerMachine(RuleBasedStateMachine):
               leftover: bool, padded_mm: bool, order: int, omit: int) -> object:
         """New requests arrive, then one scheduler step runs (new_step_starts + save_outputs).
 
-        ``omit`` leaves one per-token key out of the step: later hits that need it on the
-        slots this step wrote must raise "is not readable" (I7: one tenant for all keys).
+        ``omit`` leaves one per-token key (3: every per-token mm key) out of the step: later hits
+        that need it on the slots this step wrote must raise "is not readable" (I7: one tenant for
+        all keys, also when the step writes no key at all).
         """
         for arrival in arrivals:
             self.engine.add_request(*arrival)

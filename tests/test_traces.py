@@ -239,6 +239,53 @@ def test_manager_trace_is_valid_for_both_replays() -> None:
     assert {s for (machine, _), s in final.items() if machine == "staging_slot"} == {"free"}
 
 
+@pytest.mark.tlc
+def test_a_tenant_that_writes_no_key_maps_onto_the_tenancy_spec() -> None:
+    """Hidden opted out; a's step writes K on block 0, b's step takes block 0 over writing no key
+    (a ``tenant`` note: ``SlotTenancy.take_slots``), c's hit there is refused ("is not readable",
+    outside the model: an unregistered tenant's slot is not plannable), then d's step writes K on
+    block 0 again and e's hit reads d's rows. TLC accepts the whole trace; the mapping's version of
+    block 0's slots skips the keyless tenant (the model's ``reuse`` without ``register``)."""
+    from cache_helpers import config, started, truth
+
+    from omni_cache import ModelCachePolicy, OmniPrefixCacheUnmatchError, PrefixCacheWriteLayout
+    from omni_cache.adapter import PrefixCacheEventKind as E
+    from omni_cache.adapter import PrefixCacheRequestEvent
+    from omni_cache.manager import OmniPrefixCacheManager
+
+    rec = TraceRecorder()
+    m = OmniPrefixCacheManager(config(), eager=True, recorder=rec)
+    m.register_policy(ModelCachePolicy(needs_full_hidden_states=False))
+
+    def step(req: str, blocks: list[int], start: int, end: int, with_k: bool) -> int:
+        layout = PrefixCacheWriteLayout.packed([(req, start, end)], slots_of(blocks, start, end))
+        mm = {"k": truth(req, range(start, end))} if with_k else {"meta": [req]}
+        n = end - start
+        return m.save_outputs(None, mm, num_tokens_unpadded=n, num_tokens_padded=n, write_layout=layout)
+
+    from cache_helpers import slots as slots_of
+    try:
+        m.new_step_starts([started("a")])
+        m.materialize(step("a", [0], 0, 4, True), ["a"])
+        m.new_step_starts([PrefixCacheRequestEvent("a", E.FINISHED), started("b")])
+        m.materialize(step("b", [0], 0, 4, False), ["b"])
+        m.new_step_starts([PrefixCacheRequestEvent("b", E.FINISHED), started("c", hit_end=4, blocks=[0, 1])])
+        refused = step("c", [0, 1], 4, 6, True)
+        with pytest.raises(OmniPrefixCacheUnmatchError, match="is not readable"):
+            m.materialize(refused, ["c"])
+        m.new_step_starts([PrefixCacheRequestEvent("c", E.FINISHED), started("d")])
+        m.materialize(step("d", [0], 0, 4, True), ["d"])
+        m.new_step_starts([PrefixCacheRequestEvent("d", E.FINISHED), started("e", hit_end=4, blocks=[0, 2])])
+        out = m.materialize(step("e", [0, 2], 4, 6, True), ["e"])
+        assert torch.equal(out.mm_outputs["k"]["e"][:4], truth("d", range(4))), "e reads d's rows"
+    finally:
+        m.shutdown()
+    notes = [e.trigger for e in rec.events("tenancy", notes=True)]
+    assert "tenant" in notes and notes.count("register") == 4, notes
+    tenancy = check_tenancy_trace_tlc(rec)
+    assert tenancy.accepted and tenancy.num_events >= 20, tenancy.explain() + tenancy.output
+
+
 def test_trace_module_is_plain_tla() -> None:
     ev = TraceEvent("staging_slot", "staging slot 3", "claim", "free", "claimed", None)
     note = TraceEvent("staging_slot", "staging slot 3", "hold", "claimed", "claimed", 7, "note",

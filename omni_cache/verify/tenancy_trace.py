@@ -21,7 +21,10 @@ Scope: the model plans hits only on slots some tenant registered a write for
 (a hit refers to a block its tenant computed); a runtime hit on a slot no write
 was ever registered for (a diverged KV cache, which the runtime refuses with "is
 not readable", I6: tests/test_manager_*) is left out of the trace, with its
-reads.
+reads. So is a hit on a slot whose newest tenant registered no write (a step that carried no
+per-token key: ``SlotTenancy.take_slots``, a ``tenant`` note): in the model that tenant's
+``reuse`` leaves the slot unregistered, where ``plan`` is not enabled, and the runtime refuses
+such a hit with "is not readable" (I6/I7).
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ def tenancy_trace_data(events: Sequence[TraceEvent], name: str = "TenancyTraceDa
     slot_ix: dict[int, int] = {}
     key_ix: dict[str, int] = {}
     tenants: dict[int, list[int]] = {}        # runtime slot -> the steps that registered on it, in order
+    blank: set[int] = set()                   # runtime slots whose newest tenant registered no write
     version: dict[tuple[int, int], int] = {}  # (runtime slot, tid) -> the model version
     plans: dict[int, tuple[int, ...]] = {}    # plan id -> its runtime slots
     reader: dict[tuple[int, int, str], int | None] = {}  # None: a hit on a never-written slot
@@ -68,11 +72,14 @@ def tenancy_trace_data(events: Sequence[TraceEvent], name: str = "TenancyTraceDa
         if e.trigger == "register":
             tid, keys = int(e.get("tid")), [k_of(k) for k in e.get("keys")]  # type: ignore[arg-type,union-attr]
             for slot in e.get("slots"):  # type: ignore[union-attr]
+                blank.discard(slot)
                 steps = tenants.setdefault(slot, [])
                 if not steps or steps[-1] != e.step_id:  # a new tenant; else the step's second write
                     steps.append(e.step_id)  # type: ignore[arg-type]
                 version[(slot, tid)] = len(steps)
                 records.append(_record("register", s_of(slot), len(steps), keys))
+        elif e.trigger == "tenant":  # a tenant without a write: hits on these slots leave the model
+            blank.update(e.get("slots"))  # type: ignore[arg-type]
         elif e.trigger == "land":
             tid, keys = int(e.get("tid")), [k_of(k) for k in e.get("keys")]  # type: ignore[arg-type,union-attr]
             for slot in e.get("slots"):  # type: ignore[union-attr]
@@ -82,7 +89,7 @@ def tenancy_trace_data(events: Sequence[TraceEvent], name: str = "TenancyTraceDa
             plans[pid] = slots
             for key, expected in e.get("expected"):  # type: ignore[union-attr]
                 for j, (slot, tid) in enumerate(zip(slots, expected, strict=True)):
-                    if slot not in tenants:  # outside the model: see the module docstring
+                    if slot not in tenants or slot in blank:  # outside the model: see the module docstring
                         reader[(pid, j, key)] = None
                         continue
                     r = reader[(pid, j, key)] = 1 + sum(1 for x in reader.values() if x is not None)
