@@ -334,8 +334,11 @@ class OmniPrefixCacheManager:
         """Per request: cached prefix rows then this step's rows (consumes the step id once)."""
         self._check_usable("materialize")
         req_ids = tuple(req_ids)  # a tuple passes through as itself: no per-request copy
-        with self._lock:  # a bool or float id never finds a context (the consume below refuses it)
-            ctx = self._contexts.get(step_id) if type(step_id) is int else None
+        # The ids the consume below takes: ints, not bools (True == 1 would find step 1), so an
+        # int subclass finds its context too; a bool or float id never does, and the consume refuses it.
+        issued = isinstance(step_id, int) and not isinstance(step_id, bool)
+        with self._lock:
+            ctx = self._contexts.get(step_id) if issued else None
         if ctx is not None and req_ids != ctx.rows.req_ids:  # the usual call names every request in order
             outside = [r for r in req_ids if r not in ctx.rows.by_req]
             if outside:

@@ -300,3 +300,29 @@ def test_layout_total_rows_must_be_an_int(total: object) -> None:
         m.save_outputs(truth("a", range(n)), {}, num_tokens_unpadded=n, num_tokens_padded=n, write_layout=layout)
     assert m.stats()["staging"]["claims"] == claims and m._ids_issued == 0
     m.shutdown()
+
+
+@pytest.mark.parametrize("via", ["materialize", "discard_step"])
+def test_I1_an_int_subclass_step_id_is_the_same_id(via: str) -> None:
+    """An id held as an int subclass (an engine's own id type) is the id: the step is consumed once
+    and its staging slot is given back. Found by an independent attack: materialize looked the
+    context up only for ``type(id) is int`` while the consume took any int, so it consumed the step,
+    then failed its context assertion and left the slot 'materialized' for good."""
+
+    class EngineStepId(int):
+        pass
+
+    m = manager(staging_depth=1)
+    m.new_step_starts([started("a")])
+    step, rows = save(m, [("a", [0], 0, 3)])
+    if via == "materialize":
+        assert torch.equal(m.materialize(EngineStepId(step), ["a"]).hidden_states["a"], rows)
+    else:
+        m.discard_step(EngineStepId(step))
+    assert m.staging.slot_states() == ["free"], "the slot was not given back"
+    with pytest.raises(OmniPrefixCacheUnmatchError, match=PHRASE_NOT_SAVED):
+        m.materialize(step, ["a"])  # consumed exactly once (I1)
+    m.new_step_starts([started("b")])
+    again, rows_b = save(m, [("b", [1], 0, 2)])  # depth 1: only a freed slot lets this save claim
+    assert torch.equal(m.materialize(again, ["b"]).hidden_states["b"], rows_b)
+    m.shutdown()
