@@ -63,7 +63,7 @@ from omni_cache.staging import StagingPool
 from omni_cache.step_outputs import StepContext, classify_outputs, copy_leftovers
 from omni_cache.tenancy import PlannedRead, SlotTenancy
 from omni_cache.trace import TraceRecorder
-from omni_cache.validation import RowSig, check_scheduled, validate_hit, validate_save
+from omni_cache.validation import RowSig, check_held_sigs, check_scheduled, validate_hit, validate_save
 from omni_cache.writes import PoolWrite, WriteBook
 
 log = logging.getLogger(__name__)
@@ -138,6 +138,10 @@ class OmniPrefixCacheManager:
         self._last_immediate: PoolWrite | None = None
         self._deferred_open: dict[int, PoolWrite] = {}
         self._deferred_bytes = 0
+        # key -> (dtype, row shape) of every deferred key a successful save carried: a pending
+        # deferred write fixes its key's width before any pool tensor or staging page holds it.
+        # Only save_outputs (the engine thread) reads and writes it.
+        self._deferred_sigs: dict[str, RowSig] = {}
         self._shut_down = False
         self.counters = {"hits": 0, "hit_tokens": 0, "misses": 0, "saved": 0,
                          "materialized": 0, "discarded": 0, "budget_flushes": 0,
@@ -240,6 +244,8 @@ class OmniPrefixCacheManager:
         sigs = split.sigs  # each per-token key's (dtype, row shape), read once by classify_outputs
         self.staging.check_sigs(split.immediate, sigs)  # a key's row shape and dtype never change
         self.pool.check_sigs(sigs)
+        if split.deferred:  # no store holds a deferred key's rows before they land
+            check_held_sigs("deferred key", self._deferred_sigs, sigs, split.deferred)
         # Per-slot bookkeeping of new keys is allocated before anything is claimed (a MemoryError
         # here has nothing to undo), so registration below allocates nothing.
         self.tenancy.prepare_keys(sigs.keys())  # every per-token key, immediate and deferred
@@ -318,6 +324,8 @@ class OmniPrefixCacheManager:
             if imm is not None:
                 self._last_immediate = imm
             if deferred is not None:
+                for key in split.deferred:
+                    self._deferred_sigs.setdefault(key, sigs[key])
                 self._deferred_open[deferred.tid] = deferred
                 self._deferred_bytes += deferred.nbytes
                 for req_id in req_ids:

@@ -300,3 +300,35 @@ def test_I8_refused_save_does_not_fix_a_keys_row_shape(eager: bool, monkeypatch)
     out = m.materialize(step, ["A"])
     assert torch.equal(out.mm_outputs[K]["A"], torch.ones(5, 6))
     m.shutdown()
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "async"])
+def test_a_deferred_keys_width_is_fixed_by_its_first_save(eager: bool) -> None:
+    """A's deferred K (width 3) is still pending when B's save brings K at width 5. The save is
+    refused at the door with the contract error, and nothing changes: no slot claimed, no step id,
+    the cache not failed. Found by an independent attack: the save was accepted, and A's finish
+    then failed the whole cache for good when the two widths met in the pool (I8)."""
+    m = manager(eager=eager)
+    m.register_policy(ModelCachePolicy(deferred_keys=frozenset({K})))
+    m.new_step_starts([started("A"), started("B")])
+    layout_a = PrefixCacheWriteLayout.packed([("A", 0, 4)], slots([0], 0, 4))
+    step_a = m.save_outputs(truth("A", range(4)), {K: torch.ones(4, 3)}, num_tokens_unpadded=4,
+                            num_tokens_padded=4, write_layout=layout_a)
+    m.materialize(step_a, ["A"])
+    before = m.stats()
+    layout_b = PrefixCacheWriteLayout.packed([("B", 0, 4)], slots([1], 0, 4))
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="a key's width and dtype never change") as info:
+        m.save_outputs(truth("B", range(4)), {K: torch.ones(4, 5)}, num_tokens_unpadded=4,
+                       num_tokens_padded=4, write_layout=layout_b)
+    assert repr(K) in str(info.value) and "(3,)" in str(info.value) and "(5,)" in str(info.value), info.value
+    after = m.stats()
+    assert after["failed"] is None and after["saved"] == before["saved"]
+    assert m.staging.slot_states() == ["free"] * m.config.staging_depth
+    step_b = m.save_outputs(truth("B", range(4)), {K: torch.full((4, 3), 2.0)}, num_tokens_unpadded=4,
+                            num_tokens_padded=4, write_layout=layout_b)  # the held width is accepted
+    m.materialize(step_b, ["B"])
+    m.new_step_starts([PrefixCacheRequestEvent("A", E.FINISHED), PrefixCacheRequestEvent("B", E.FINISHED)])
+    settle(m)
+    assert m.stats()["failed"] is None
+    assert torch.equal(m.pool.rows(K, slots([0, 1], 0, 8)), torch.cat([torch.ones(4, 3), torch.full((4, 3), 2.0)]))
+    m.shutdown()
