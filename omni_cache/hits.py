@@ -62,7 +62,10 @@ class PendingHits:
         if not pending:
             return hits
         by_req = rows.by_req
-        served = sorted(((w, hit) for req_id, hit in pending.items() if (w := by_req.get(req_id)) is not None),
+        # A zero-row write (in the batch, nothing scheduled) does not take its hit: the first step
+        # that schedules the request serves it (contract section 4.4).
+        served = sorted(((w, hit) for req_id, hit in pending.items()
+                         if (w := by_req.get(req_id)) is not None and w.row_end > w.row_start),
                         key=lambda pair: pair[0].row_start)  # row order, as the writes are
         for w, hit in served:  # the first write in row order that does not continue its hit is named
             if hit[0] != w.token_start:

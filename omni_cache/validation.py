@@ -194,7 +194,7 @@ def check_scheduled(scheduled: dict[ReqId, Any], rows: StepRows) -> None:
         got = counts.get(req_id, 0)
         if count and got != count:
             raise OmniPrefixCacheUnmatchError(
-                f"save_outputs: request {req_id!r} was scheduled {count} tokens but the "
+                f"save_outputs: request {req_id!r} was scheduled {count!r} tokens but the "
                 f"{PHRASE_SLOT_MAPPING} {got} rows for it"
             )
     raise AssertionError(f"check_scheduled: the fast checks refused {scheduled} for {counts}, the walk did not: bug")

@@ -332,3 +332,29 @@ def test_a_deferred_keys_width_is_fixed_by_its_first_save(eager: bool) -> None:
     assert m.stats()["failed"] is None
     assert torch.equal(m.pool.rows(K, slots([0, 1], 0, 8)), torch.cat([torch.ones(4, 3), torch.full((4, 3), 2.0)]))
     m.shutdown()
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "async"])
+def test_a_zero_row_write_leaves_its_hit_for_the_first_step_that_schedules_it(eager: bool) -> None:
+    """B starts with a 4-token hit on A's block, but its first step schedules nothing for it (a
+    zero-row write next to C's rows): B gets ``(0, width)`` rows there, and the step that does
+    schedule B serves ``[0, token_end)``, the hit then its rows (contract section 4.4). Found by an
+    independent attack: the zero-row write took the hit, so B got the prefix in a step that
+    scheduled none of its tokens and only its new rows in the next."""
+    from omni_cache.adapter import PrefixCacheWrite
+
+    m = manager(eager=eager)
+    m.new_step_starts([started("A")])
+    m.materialize(_save(m, [("A", [0, 1], 0, BS)], with_k=False), ["A"])
+    m.new_step_starts([PrefixCacheRequestEvent("A", E.FINISHED), started("B", BS, [0, 2]), started("C")])
+    settle(m)
+    rows_c = truth("C", range(3))
+    layout = PrefixCacheWriteLayout([PrefixCacheWrite("C", 0, 3, 0, 3), PrefixCacheWrite("B", 3, 3, BS, BS)], 3,
+                                    slots([3], 0, 3))
+    step = m.save_outputs(rows_c, {}, num_tokens_unpadded=3, num_tokens_padded=3, write_layout=layout)
+    out = m.materialize(step, ["C", "B"])
+    assert torch.equal(out.hidden_states["C"], rows_c)
+    assert out.hidden_states["B"].shape == (0, truth("B", range(1)).shape[1]), out.hidden_states["B"].shape
+    step = _save(m, [("B", [0, 2], BS, BS + 2)], with_k=False, tag_of={"B": "A"})
+    assert torch.equal(m.materialize(step, ["B"]).hidden_states["B"], truth("A", range(BS + 2)))
+    m.shutdown()
