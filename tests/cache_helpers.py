@@ -88,6 +88,15 @@ def save(
     return step, rows
 
 
+def save_without_hidden(m: OmniPrefixCacheManager, req: str, blocks: Sequence[int], start: int, end: int,
+                        mm: dict[str, object]) -> int:
+    """Save one request's positions ``[start, end)`` with ``hidden_states=None`` (a policy that
+    opts hidden out) and the mm outputs ``mm``; return the step id."""
+    layout = PrefixCacheWriteLayout.packed([(req, start, end)], slots(blocks, start, end))
+    n = end - start
+    return m.save_outputs(None, mm, num_tokens_unpadded=n, num_tokens_padded=n, write_layout=layout)
+
+
 def settle(m: OmniPrefixCacheManager, timeout_s: float = 5.0) -> None:
     """Wait until no queued write is left (async mode); deferred pending writes stay pending."""
     import time

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cache_helpers import BS, manager, settle, slots, started, truth
+from cache_helpers import BS, manager, save_without_hidden, settle, slots, started, truth
 
 from omni_cache import (
     ModelCachePolicy,
@@ -82,20 +82,15 @@ def test_I7_a_step_that_writes_no_key_still_becomes_the_slots_tenant(eager: bool
     m.register_policy(ModelCachePolicy(needs_full_hidden_states=False,
                                        deferred_keys=frozenset({K}) if deferred else frozenset()))
 
-    def step(req: str, blocks: list[int], start: int, end: int, mm: dict) -> int:  # type: ignore[type-arg]
-        layout = PrefixCacheWriteLayout.packed([(req, start, end)], slots(blocks, start, end))
-        n = end - start
-        return m.save_outputs(None, mm, num_tokens_unpadded=n, num_tokens_padded=n, write_layout=layout)
-
     m.new_step_starts([started("A")])
-    m.materialize(step("A", [3], 0, BS, {K: truth("A", range(BS))}), ["A"])
+    m.materialize(save_without_hidden(m, "A", [3], 0, BS, {K: truth("A", range(BS))}), ["A"])
     m.new_step_starts([PrefixCacheRequestEvent("A", E.FINISHED), started("B")])
     settle(m)
-    out_b = m.materialize(step("B", [3], 0, BS, {"meta": [1, 2, 3]}), ["B"])
+    out_b = m.materialize(save_without_hidden(m, "B", [3], 0, BS, {"meta": [1, 2, 3]}), ["B"])
     assert out_b.hidden_states is None and out_b.mm_outputs == {"meta": {"B": [1, 2, 3]}}, out_b
     m.new_step_starts([PrefixCacheRequestEvent("B", E.FINISHED), started("C", BS, [3, 5])])
     settle(m)
-    hit = step("C", [3, 5], BS, BS + 2, {K: truth("C", range(BS, BS + 2))})
+    hit = save_without_hidden(m, "C", [3, 5], BS, BS + 2, {K: truth("C", range(BS, BS + 2))})
     with pytest.raises(OmniPrefixCacheUnmatchError, match=PHRASE_NOT_READABLE) as info:
         m.materialize(hit, ["C"])
     message = str(info.value)

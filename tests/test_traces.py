@@ -246,9 +246,9 @@ def test_a_tenant_that_writes_no_key_maps_onto_the_tenancy_spec() -> None:
     outside the model: an unregistered tenant's slot is not plannable), then d's step writes K on
     block 0 again and e's hit reads d's rows. TLC accepts the whole trace; the mapping's version of
     block 0's slots skips the keyless tenant (the model's ``reuse`` without ``register``)."""
-    from cache_helpers import config, started, truth
+    from cache_helpers import config, save_without_hidden, started, truth
 
-    from omni_cache import ModelCachePolicy, OmniPrefixCacheUnmatchError, PrefixCacheWriteLayout
+    from omni_cache import ModelCachePolicy, OmniPrefixCacheUnmatchError
     from omni_cache.adapter import PrefixCacheEventKind as E
     from omni_cache.adapter import PrefixCacheRequestEvent
     from omni_cache.manager import OmniPrefixCacheManager
@@ -258,12 +258,9 @@ def test_a_tenant_that_writes_no_key_maps_onto_the_tenancy_spec() -> None:
     m.register_policy(ModelCachePolicy(needs_full_hidden_states=False))
 
     def step(req: str, blocks: list[int], start: int, end: int, with_k: bool) -> int:
-        layout = PrefixCacheWriteLayout.packed([(req, start, end)], slots_of(blocks, start, end))
         mm = {"k": truth(req, range(start, end))} if with_k else {"meta": [req]}
-        n = end - start
-        return m.save_outputs(None, mm, num_tokens_unpadded=n, num_tokens_padded=n, write_layout=layout)
+        return save_without_hidden(m, req, blocks, start, end, mm)
 
-    from cache_helpers import slots as slots_of
     try:
         m.new_step_starts([started("a")])
         m.materialize(step("a", [0], 0, 4, True), ["a"])
