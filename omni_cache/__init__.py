@@ -6,6 +6,7 @@ Everything public is importable from here. No module imports vLLM at module scop
 from omni_cache.adapter import (
     PrefixCacheEventKind,
     PrefixCacheRequestEvent,
+    PrefixCacheRequestOwner,
     PrefixCacheSchedulerAdapter,
     PrefixCacheStep,
     PrefixCacheWrite,
@@ -45,6 +46,7 @@ __all__ = [
     "PrefixCacheConfig",
     "PrefixCacheEventKind",
     "PrefixCacheRequestEvent",
+    "PrefixCacheRequestOwner",
     "PrefixCacheSchedulerAdapter",
     "PrefixCacheStep",
     "PrefixCacheWrite",

@@ -165,3 +165,21 @@ def test_stats_keys_are_exactly_the_documented_ones() -> None:
     documented = set(re.findall(r"`(\w+)`", CONTRACT[start : CONTRACT.index("\n### ", start + 1)]))
     assert keys <= documented, f"undocumented stats keys: {sorted(keys - documented)}"
     assert documented - keys <= {"stats", "dict", "file", "line", "None"}, sorted(documented - keys)
+
+
+def test_every_public_name_of_the_contract_modules_is_importable_from_the_package_root() -> None:
+    """The contract's promise: everything in ``omni_cache.interface``, ``omni_cache.adapter``,
+    ``omni_cache.errors`` and ``omni_cache.manager`` is importable from ``omni_cache`` and listed
+    in its ``__all__`` (``PrefixCacheRequestOwner`` was missing)."""
+    import omni_cache
+    from omni_cache import errors, interface
+
+    public = {*adapter.__all__, *interface.__all__, "OmniPrefixCacheManager",
+              *(name for name in vars(errors) if name.startswith("OmniPrefixCache"))}
+    missing = sorted(name for name in public if getattr(omni_cache, name, None) is None)
+    assert not missing, f"not importable from omni_cache: {missing}"
+    assert not public - set(omni_cache.__all__), sorted(public - set(omni_cache.__all__))
+    for name in public:
+        module = adapter if name in adapter.__all__ else interface if name in interface.__all__ else None
+        if module is not None:
+            assert getattr(omni_cache, name) is getattr(module, name), name
