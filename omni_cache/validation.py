@@ -2,7 +2,7 @@
 
 Owns: ``validate_hit`` (I5), ``check_capacity`` (I10), ``check_slot_mapping`` and ``validate_save`` (the
 step's layout covers its rows: "slot mapping covers"; hidden has enough rows), ``check_scheduled``
-(each scheduled request has exactly its rows), ``StepRows``, the validated form of a layout, and
+(each request's rows equal its scheduled count, zero included), ``StepRows``, the validated form of a layout, and
 ``RowSig`` / ``check_sig``: a key's (dtype, row shape), read once per save and compared as a tuple
 by the staging pages, the pool and the landing ("width and dtype never change").
 Pure functions of their arguments: an input that fails here has changed nothing.
@@ -177,27 +177,38 @@ def validate_save(
 
 
 def check_scheduled(scheduled: dict[ReqId, Any], rows: StepRows) -> None:
-    """Every request scheduled a nonzero count has exactly that many rows in the layout (0 if absent).
+    """Where counts were given, every request's rows equal its scheduled count, zero included: a
+    request with a count but no rows, rows but no count (a count of 0), or rows that differ from its
+    count is refused. A request absent from both has 0 of each.
 
-    Fast paths (C loops): the counts list the layout's requests in row order, or every nonzero
-    count is one of the layout's (request, rows) pairs. Anything else walks the counts and
-    raises naming the first request whose rows differ ("slot mapping covers").
+    Fast paths (C loops): the counts list the layout's requests in row order, or the nonzero counts
+    are exactly the layout's nonzero (request, rows) pairs. Anything else walks the counts, then the
+    layout, and raises naming the first request whose rows differ ("slot mapping covers").
     """
     if not scheduled:
         return
     if tuple(scheduled) == rows.req_ids and list(scheduled.values()) == rows.sizes:
         return
     counts = dict(zip(rows.req_ids, rows.sizes, strict=True))
-    if dict(filter(itemgetter(1), scheduled.items())).items() <= counts.items():
+    if dict(filter(itemgetter(1), scheduled.items())) == dict(filter(itemgetter(1), counts.items())):
         return
     for req_id, count in scheduled.items():
         got = counts.get(req_id, 0)
-        if count and got != count:
+        if got != count:
             raise OmniPrefixCacheUnmatchError(
                 f"save_outputs: request {req_id!r} was scheduled {count!r} tokens but the "
                 f"{PHRASE_SLOT_MAPPING} {got} rows for it"
             )
-    raise AssertionError(f"check_scheduled: the fast checks refused {scheduled} for {counts}, the walk did not: bug")
+    for req_id, got in counts.items():
+        if got and req_id not in scheduled:
+            raise OmniPrefixCacheUnmatchError(
+                f"save_outputs: request {req_id!r} was not scheduled (no count: 0 tokens) but the "
+                f"{PHRASE_SLOT_MAPPING} {got} rows for it"
+            )
+    raise OmniPrefixCacheUnmatchError(  # counts that compare oddly (not ints): name them all
+        f"save_outputs: the scheduled counts {scheduled!r} differ from the rows the {PHRASE_SLOT_MAPPING} "
+        f"for each request ({counts!r})"
+    )
 
 
 def _checked_spans(writes: tuple[PrefixCacheWrite, ...], n: int) -> dict[ReqId, PrefixCacheWrite]:

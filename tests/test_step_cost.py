@@ -221,7 +221,6 @@ def _rows(*spans: tuple[str, int]) -> StepRows:
     {"a": 2, "b": 1},  # the layout's requests in row order (the list path)
     {"b": 1, "a": 2},  # another order (the dict path)
     {"a": 2, "b": 1, "gone": 0},  # a zero count for a request not in the layout
-    {"a": 2},  # a request of the layout not scheduled
     {"a": 2.0, "b": True},  # integer-likes compare by value, as the walk does
     {},
 ])
@@ -229,11 +228,20 @@ def test_scheduled_counts_that_match_pass(scheduled: dict[str, Any]) -> None:
     check_scheduled(scheduled, _rows(("a", 2), ("b", 1)))
 
 
+@pytest.mark.parametrize("scheduled", [{"a": 2, "idle": 0}, {"idle": 0, "a": 2}, {"a": 2}])
+def test_a_zero_row_write_matches_a_zero_count_or_none(scheduled: dict[str, Any]) -> None:
+    """A request in the batch with nothing scheduled: its zero rows equal its count, 0 given or not."""
+    check_scheduled(scheduled, _rows(("a", 2), ("idle", 0)))
+
+
 @pytest.mark.parametrize(("scheduled", "named"), [
     ({"a": 2, "b": 2}, "request 'b' was scheduled 2 tokens but the slot mapping covers 1 rows"),
     ({"b": 2, "a": 1}, "request 'b' was scheduled 2 tokens but the slot mapping covers 1 rows"),
     ({"a": 1, "b": 3}, "request 'a' was scheduled 1 tokens but the slot mapping covers 2 rows"),
     ({"a": 2, "b": 1, "c": 1}, "request 'c' was scheduled 1 tokens but the slot mapping covers 0 rows"),
+    ({"a": 2, "b": 0}, "request 'b' was scheduled 0 tokens but the slot mapping covers 1 rows"),  # zero included
+    ({"b": 1, "a": 0}, "request 'a' was scheduled 0 tokens but the slot mapping covers 2 rows"),
+    ({"a": 2}, r"request 'b' was not scheduled \(no count: 0 tokens\) but the slot mapping covers 1 rows"),
 ])
 def test_scheduled_counts_that_differ_name_the_first_request(scheduled: dict[str, Any], named: str) -> None:
     assert PHRASE_SLOT_MAPPING in named
