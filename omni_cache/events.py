@@ -83,6 +83,35 @@ def freeze_block_ids(block_ids: Any) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(operator.index(b) for b in (() if group is None else group)) for group in groups)
 
 
+def as_index(where: str, value: Any) -> int:
+    """``value`` as an ``int``: integer-likes (numpy ints, 0-d integer tensors) become ``int``;
+    a bool, float, string or ``None`` raises ``TypeError`` naming ``where``."""
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise TypeError(f"{where} must be an int, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError as exc:  # e.g. a floating tensor
+        raise TypeError(f"{where} must be an int, got {value!r}") from exc
+
+
+def check_req_id(where: str, req_id: Any) -> None:
+    """A request id is hashable (the manager keys its state by it); else ``TypeError`` naming ``where``."""
+    try:
+        hash(req_id)
+    except TypeError as exc:
+        raise TypeError(f"{where}: req_id must be hashable (a str), got {type(req_id).__name__} {req_id!r}") from exc
+
+
+def scheduled_counts(where: str, counts: Any) -> dict[ReqId, int]:
+    """A private ``{req_id: int}`` copy of ``counts`` (a mapping or ``(req_id, n)`` pairs);
+    ``TypeError`` naming ``where`` for an unhashable id or a count that is not an int."""
+    try:
+        pairs = dict(counts)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"{where} must be a {{req_id: n}} mapping or (req_id, n) pairs, got {counts!r}") from exc
+    return {rid: as_index(f"{where}[{rid!r}]", n) for rid, n in pairs.items()}
+
+
 @dataclass(frozen=True)
 class PrefixCacheRequestEvent:
     """One request's event: a hit span ``[hit_start, hit_end)`` on ``block_ids``.
@@ -105,7 +134,15 @@ class PrefixCacheRequestEvent:
     lookup_complete: bool = True
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "block_ids", freeze_block_ids(self.block_ids))
+        where = f"PrefixCacheRequestEvent {self.req_id!r}"
+        check_req_id(where, self.req_id)
+        for name in ("hit_start", "hit_end", "scheduled_tokens", "num_output_tokens"):
+            object.__setattr__(self, name, as_index(f"{where}: {name}", getattr(self, name)))
+        try:
+            object.__setattr__(self, "block_ids", freeze_block_ids(self.block_ids))
+        except TypeError as exc:
+            raise TypeError(f"{where}: block_ids must be ints (one sequence per KV group), got "
+                            f"{self.block_ids!r}") from exc
         if not isinstance(self.kind, PrefixCacheEventKind):
             object.__setattr__(self, "kind", PrefixCacheEventKind(self.kind))
         if self.owner is not None and not isinstance(self.owner, PrefixCacheRequestOwner):
@@ -134,10 +171,20 @@ class PrefixCacheStep:
     sequence: int | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "events", tuple(self.events))
-        object.__setattr__(self, "scheduled_tokens", {rid: int(n) for rid, n in dict(self.scheduled_tokens).items()})
-        if self.sequence is not None and (isinstance(self.sequence, bool) or not isinstance(self.sequence, int)):
-            raise TypeError(f"PrefixCacheStep.sequence must be an int or None, got {self.sequence!r}")
+        try:
+            events = tuple(self.events)
+        except TypeError as exc:
+            raise TypeError(f"PrefixCacheStep.events must be an iterable of PrefixCacheRequestEvent, "
+                            f"got {self.events!r}") from exc
+        for i, event in enumerate(events):
+            if not isinstance(event, PrefixCacheRequestEvent):
+                raise TypeError(f"PrefixCacheStep.events[{i}] must be a PrefixCacheRequestEvent, "
+                                f"got {type(event).__name__} {event!r}")
+        object.__setattr__(self, "events", events)
+        object.__setattr__(self, "scheduled_tokens",
+                           scheduled_counts("PrefixCacheStep.scheduled_tokens", self.scheduled_tokens))
+        if self.sequence is not None:  # integer-likes (numpy ints) become int, as a write's bounds do
+            object.__setattr__(self, "sequence", as_index("PrefixCacheStep.sequence", self.sequence))
 
     def __iter__(self) -> Iterator[PrefixCacheRequestEvent]:
         return iter(self.events)
@@ -158,16 +205,11 @@ class PrefixCacheWrite:
     token_end: int
 
     def __post_init__(self) -> None:
+        check_req_id(f"PrefixCacheWrite {self.req_id!r}", self.req_id)
         for name in ("row_start", "row_end", "token_start", "token_end"):
-            value = getattr(self, name)
             # Integer-likes (numpy ints, 0-d integer tensors) become ``int``; floats, bools,
             # strings and None are refused here, never at materialize after an id is consumed.
-            if isinstance(value, bool) or not hasattr(value, "__index__"):
-                raise TypeError(f"PrefixCacheWrite {self.req_id!r}: {name} must be an int, got {value!r}")
-            try:
-                object.__setattr__(self, name, operator.index(value))
-            except TypeError as exc:  # e.g. a floating tensor
-                raise TypeError(f"PrefixCacheWrite {self.req_id!r}: {name} must be an int, got {value!r}") from exc
+            object.__setattr__(self, name, as_index(f"PrefixCacheWrite {self.req_id!r}: {name}", getattr(self, name)))
         if not (0 <= self.row_start <= self.row_end):
             raise ValueError(f"PrefixCacheWrite {self.req_id!r}: bad rows [{self.row_start}, {self.row_end})")
         if self.token_end - self.token_start != self.row_end - self.row_start or self.token_start < 0:
@@ -203,11 +245,11 @@ class PrefixCacheWriteLayout:
                 if slots.numel() == 0:
                     slots = slots.to(torch.int64)
             slots = slots.detach()
-            if slots.device.type == "cpu" and not (
+            if slots.device.type == "cpu" and slots.layout is torch.strided and not (
                 slots.dtype.is_floating_point or slots.dtype.is_complex or slots.dtype == torch.bool
             ):
                 slots = slots.to(torch.int64)
-            # A malformed mapping (not integer, not CPU, not 1-D) is kept as given, never
+            # A malformed mapping (not integer, not CPU, not dense, not 1-D) is kept as given, never
             # coerced: ``save_outputs`` refuses it before anything is claimed ("slot mapping
             # covers"). Own a private copy: the engine reuses its slot-mapping buffers.
             object.__setattr__(self, "slots_cpu", slots.clone())

@@ -47,6 +47,7 @@ from omni_cache.errors import (
     PHRASE_OUTSIDE_SNAPSHOT,
     OmniPrefixCacheUnmatchError,
 )
+from omni_cache.events import scheduled_counts
 from omni_cache.faults import FaultHooks
 from omni_cache.hits import PendingHits
 from omni_cache.interface import (
@@ -81,6 +82,14 @@ class _Request:
     admission: Admission = field(default_factory=Admission)
     # Deferred writes holding this request's rows (pushed to the front at finish/abort, I9).
     open_deferred: list[PoolWrite] = field(default_factory=list)
+
+
+def _held(req_id: Any, by_req: dict[ReqId, Any]) -> bool:
+    """Is ``req_id`` one of the snapshot's requests? An unhashable id never is."""
+    try:
+        return req_id in by_req
+    except TypeError:
+        return False
 
 
 class OmniPrefixCacheManager:
@@ -171,9 +180,12 @@ class OmniPrefixCacheManager:
         register lookups (hits of started/resumed requests, I5). A replayed step (same
         ``sequence``) changes nothing (I13); an error changes nothing."""
         self._check_usable("new_step_starts")
-        step = events if isinstance(events, PrefixCacheStep) else PrefixCacheStep(tuple(events))
-        scheduled = {**step.scheduled_tokens, **num_scheduled_tokens} if num_scheduled_tokens \
-            else dict(step.scheduled_tokens)
+        try:  # typed input is refused at the door, with the contract error; nothing has changed yet
+            step = events if isinstance(events, PrefixCacheStep) else PrefixCacheStep(events)
+            extra = scheduled_counts("num_scheduled_tokens", num_scheduled_tokens) if num_scheduled_tokens else {}
+        except TypeError as exc:
+            raise OmniPrefixCacheUnmatchError(f"new_step_starts: {exc}; nothing was applied") from exc
+        scheduled = {**step.scheduled_tokens, **extra} if extra else dict(step.scheduled_tokens)
         with self._lock:
             if step.sequence is not None and self._last_sequence is not None \
                     and step.sequence <= self._last_sequence:
@@ -341,14 +353,19 @@ class OmniPrefixCacheManager:
     def materialize(self, step_id: StepId, req_ids: Sequence[ReqId]) -> StageCacheOutputs:
         """Per request: cached prefix rows then this step's rows (consumes the step id once)."""
         self._check_usable("materialize")
-        req_ids = tuple(req_ids)  # a tuple passes through as itself: no per-request copy
+        try:
+            req_ids = tuple(req_ids)  # a tuple passes through as itself: no per-request copy
+        except TypeError as exc:
+            raise OmniPrefixCacheUnmatchError(
+                f"materialize step {step_id}: req_ids must be a sequence of request ids, got {req_ids!r}; "
+                "nothing was consumed (I4)") from exc
         # The ids the consume below takes: ints, not bools (True == 1 would find step 1), so an
         # int subclass finds its context too; a bool or float id never does, and the consume refuses it.
         issued = isinstance(step_id, int) and not isinstance(step_id, bool)
         with self._lock:
             ctx = self._contexts.get(step_id) if issued else None
         if ctx is not None and req_ids != ctx.rows.req_ids:  # the usual call names every request in order
-            outside = [r for r in req_ids if r not in ctx.rows.by_req]
+            outside = [r for r in req_ids if not _held(r, ctx.rows.by_req)]
             if outside:
                 raise OmniPrefixCacheUnmatchError(
                     f"materialize step {step_id}: requests {outside} are {PHRASE_OUTSIDE_SNAPSHOT} "

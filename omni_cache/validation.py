@@ -109,6 +109,8 @@ def check_slot_mapping(slots: Any, n: int) -> torch.Tensor:
         problem = "is missing" if slots is None else f"is a {type(slots).__name__}, not a tensor"
     elif not slots.is_cpu:  # one attribute: ``device.type`` builds a device object (~1 µs)
         problem = f"is on device {slots.device}, not the CPU"
+    elif slots.layout is not torch.strided:  # a sparse mapping has no per-row slots to read
+        problem = f"has layout {slots.layout}, not a dense tensor"
     elif slots.dtype != torch.int64:
         problem = f"has dtype {slots.dtype}, not an integer dtype"
     elif len(shape := slots.shape) != 1:
@@ -218,6 +220,12 @@ def _checked_spans(writes: tuple[PrefixCacheWrite, ...], n: int) -> dict[ReqId, 
     if any(a.row_start > b.row_start for a, b in itertools.pairwise(writes)):
         writes = tuple(sorted(writes, key=lambda w: w.row_start))
     for w in writes:
+        try:
+            hash(w.req_id)
+        except TypeError:
+            raise OmniPrefixCacheUnmatchError(
+                f"save_outputs: write {w} names an unhashable request id: the {PHRASE_SLOT_MAPPING} "
+                "rows of requests only") from None
         if w.row_start < rows_seen or w.row_end > n or w.req_id in spans:
             raise OmniPrefixCacheUnmatchError(
                 f"save_outputs: write {w} overlaps another, repeats a request, or exceeds the "

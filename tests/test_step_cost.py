@@ -203,7 +203,8 @@ def test_writes_that_are_not_prefix_cache_writes_get_no_facts() -> None:
 
     assert StepRows.of((Loose("a", 0, 1, 0, 1),), 1) is None
     assert StepRows.of((_write("a", 0, 1),), 1) is not None
-    assert StepRows.of((PrefixCacheWrite(["unhashable"], 0, 1, 0, 1),), 1) is None  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="req_id must be hashable"):  # refused where it is built
+        PrefixCacheWrite(["unhashable"], 0, 1, 0, 1)  # type: ignore[arg-type]
 
 
 # ---- scheduled counts: three paths, one answer ---------------------------------------------
