@@ -11,19 +11,23 @@ and are re-exported here: ``omni_cache.adapter`` is their public import path
 
 Upholds the adapter half of I12 (request identity: events carry their
 admission's owner, terminal events the owner they end, a reused id is REPLACED
-before the new admission's first event, a preempted id that comes back among
-the new requests is RESUMED) and I13 (a replayed step, same ``sequence``,
-translates to no events and changes no adapter state); events carry block ids
+before the new admission's first event, whose first new request carries its hit,
+a preempted id that comes back among the new requests is RESUMED, a terminal
+ends the admission it names, also one started or replaced-to in its step) and
+I13 (a replayed step, same ``sequence``, translates to no events and changes no
+adapter state; a step that raises changes none either); events carry block ids
 as tuples (the input half of I5, ``omni_cache.events``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from omni_cache.errors import OmniPrefixCacheUnmatchError
 from omni_cache.events import (
     PrefixCacheEventKind,
     PrefixCacheRequestEvent,
@@ -31,7 +35,9 @@ from omni_cache.events import (
     PrefixCacheStep,
     PrefixCacheWrite,
     PrefixCacheWriteLayout,
+    as_index,
     freeze_block_ids,
+    scheduled_counts,
 )
 from omni_cache.interface import ReqId
 
@@ -63,6 +69,10 @@ def _nth(values: list[Any], i: int, default: Any) -> Any:
     return values[i] if i < len(values) else default
 
 
+_State = tuple[dict[ReqId, "PrefixCacheRequestOwner | None"], set[ReqId], dict[ReqId, PrefixCacheRequestEvent]]
+"""The adapter's state after a step: live ids and owners, preempted ids, pending controls."""
+
+
 def _is_older(owner: PrefixCacheRequestOwner | None, than: PrefixCacheRequestOwner | None) -> bool:
     return owner is not None and than is not None and owner < than
 
@@ -73,7 +83,10 @@ class PrefixCacheSchedulerAdapter:
     Duck-typed over vLLM's ``SchedulerOutput`` field names (V1 and Model Runner V2):
 
     * ``prefix_cache_replacements`` (optional): REPLACED controls, each with an
-      owner; emitted first, unless older than the id's current owner.
+      owner; emitted first, unless older than the id's current owner. The first
+      new request of a control's owner carries the lookup: a control of the same
+      step is emitted with ``lookup_complete=False``; an earlier control's complete
+      lookup must have its ``hit_end``, else the step is refused.
     * ``scheduled_new_reqs`` (``NewRequestData``: ``req_id`` -- or
       ``request_id`` -- ``num_computed_tokens``, ``block_ids`` flat or one list
       per KV group), each with the hit ``[0, num_computed_tokens)``: STARTED for
@@ -91,7 +104,8 @@ class PrefixCacheSchedulerAdapter:
       ABORTED, last, sorted, each with the owner it ends. An abort is never
       inferred when ``aborted_req_ids`` is absent (vLLM 0.32 reports aborts only
       in ``finished_req_ids``): they arrive as FINISHED, which ends a request the
-      same way.
+      same way. A terminal of an owner that this step's controls or
+      ``prefix_cache_owners`` name ends that admission after the step's other events.
     * ``prefix_cache_owners`` / ``prefix_cache_terminal_owners`` (optional
       ``{req_id: PrefixCacheRequestOwner}``): the owner of this step's events /
       the owner a terminal event ends (default: the owner last seen).
@@ -102,12 +116,18 @@ class PrefixCacheSchedulerAdapter:
       yields no events (I13).
 
     An event older than the id's current owner is dropped. State: the live ids
-    with their owners, the preempted ids, the last sequence; engine thread only.
+    with their owners, the preempted ids, the controls whose owner's first new
+    request is still due, the last sequence; engine thread only, computed on
+    copies and replaced only by a translation that succeeds.
     """
 
     def __init__(self) -> None:
+        # ---- engine thread only; replaced as a whole by a translation that succeeds ----
         self._owners: dict[ReqId, PrefixCacheRequestOwner | None] = {}
         self._preempted: set[ReqId] = set()
+        # id -> the REPLACED control that admitted its live owner, until that owner's first new
+        # request arrives (it must carry the lookup: contract section 10).
+        self._controls: dict[ReqId, PrefixCacheRequestEvent] = {}
         self._last_sequence: int | None = None
 
     @property
@@ -121,74 +141,128 @@ class PrefixCacheSchedulerAdapter:
         return frozenset(self._preempted)
 
     def translate_scheduler_output(self, so: Any) -> tuple[PrefixCacheRequestEvent, ...]:
-        """The step's events: controls, new requests, cached ones, then terminal ones."""
+        """The step's events: controls, new requests, cached ones, then terminal ones.
+
+        A step that raises changes no adapter state (I13's "a refused call changes nothing")."""
+        events, state = self._translate(so)
+        self._owners, self._preempted, self._controls = state
+        return events
+
+    def _translate(self, so: Any) -> tuple[tuple[PrefixCacheRequestEvent, ...], _State]:
+        """The step's events and the adapter state after them, computed on copies."""
         scheduled: dict[ReqId, int] = dict(getattr(so, "num_scheduled_tokens", None) or {})
         owners = dict(getattr(so, "prefix_cache_owners", None) or {})
         declared_terminal = dict(getattr(so, "prefix_cache_terminal_owners", None) or {})
         finished = set(getattr(so, "finished_req_ids", None) or ())
         aborted = set(getattr(so, "aborted_req_ids", None) or ())
+        controls_in = list(getattr(so, "prefix_cache_replacements", None) or ())
+        new_reqs = [(_new_request_id(r), r) for r in getattr(so, "scheduled_new_reqs", None) or ()]
+        cached = getattr(so, "scheduled_cached_reqs", None)
+        live, preempted, admitted_by = dict(self._owners), set(self._preempted), dict(self._controls)
 
-        # Terminal owners are captured before this step's admissions move them; a
-        # terminal of an older owner leaves the newer admission live.
+        # (id, owner) pairs this step's other events name: a terminal of such an owner applies to
+        # that admission after them (it may be started or replaced-to in this very step).
+        named = {(c.req_id, c.owner) for c in controls_in if getattr(c, "owner", None) is not None}
+        for req_id in (*(rid for rid, _ in new_reqs), *(getattr(cached, "req_ids", None) or ())):
+            if owners.get(req_id) is not None:
+                named.add((req_id, owners[req_id]))
+        # The others end the admission live before the step (captured before this step's
+        # admissions move it, so an id may end and start again); one of an older owner ends nothing.
         ending: dict[ReqId, PrefixCacheRequestOwner | None] = {}
+        after: dict[ReqId, PrefixCacheRequestOwner] = {}
         for req_id in finished | aborted:
-            current = self._owners.get(req_id)
+            current = live.get(req_id)
             ending[req_id] = declared_terminal.get(req_id, current)
-            if not _is_older(ending[req_id], current):
-                self._owners.pop(req_id, None)
-                self._preempted.discard(req_id)
+            if ending[req_id] is not None and (req_id, ending[req_id]) in named:
+                after[req_id] = ending[req_id]  # type: ignore[assignment]
+            elif not _is_older(ending[req_id], current):
+                live.pop(req_id, None)
+                preempted.discard(req_id)
+                admitted_by.pop(req_id, None)
 
         events: list[PrefixCacheRequestEvent] = []
-        for control in getattr(so, "prefix_cache_replacements", None) or ():
-            if control.kind is not PrefixCacheEventKind.REPLACED or control.owner is None:
+        control_at: dict[ReqId, int] = {}  # id -> index in ``events`` of its control of this step
+        for control in controls_in:
+            if getattr(control, "kind", None) is not PrefixCacheEventKind.REPLACED or control.owner is None:
                 raise ValueError(
                     f"PrefixCacheSchedulerAdapter: prefix_cache_replacements entry {control!r} must be a "
                     "REPLACED event with an owner"
                 )
-            if _is_older(control.owner, self._owners.get(control.req_id)):
+            if _is_older(control.owner, live.get(control.req_id)):
                 continue
-            self._owners[control.req_id] = control.owner
-            self._preempted.discard(control.req_id)
+            live[control.req_id] = control.owner
+            preempted.discard(control.req_id)
+            admitted_by[control.req_id] = control
+            control_at[control.req_id] = len(events)
             events.append(control)
 
-        for new_req in getattr(so, "scheduled_new_reqs", None) or ():
-            req_id = _new_request_id(new_req)
-            live = req_id in self._owners
-            current = self._owners.get(req_id)
+        for req_id, new_req in new_reqs:
+            is_live = req_id in live
+            current = live.get(req_id)
             owner = owners.get(req_id, current)
             if _is_older(owner, current):
                 continue  # a stale admission's lookup
             hit = dict(hit_start=0, hit_end=int(getattr(new_req, "num_computed_tokens", 0) or 0),
                        block_ids=freeze_block_ids(getattr(new_req, "block_ids", None)),
                        scheduled_tokens=int(scheduled.get(req_id, 0)), owner=owner)
-            if not live or owner != current:
-                if live:  # the id is reused by a new owner while the old admission is live
+            control = admitted_by.pop(req_id, None)
+            if not is_live or owner != current:
+                if is_live:  # the id is reused by a new owner while the old admission is live
                     events.append(PrefixCacheRequestEvent(
                         req_id, PrefixCacheEventKind.REPLACED, owner=owner, lookup_complete=False))
                 kind = PrefixCacheEventKind.STARTED
-            elif req_id in self._preempted:
+            elif req_id in preempted:
                 kind = PrefixCacheEventKind.RESUMED  # Model Runner V2: resumed among the new requests
             else:
                 kind = PrefixCacheEventKind.EXTENDED
+                if control is not None and control.owner == owner:  # the first new request of a control's owner
+                    self._carry_lookup(events, control_at.get(req_id), control, hit["hit_end"])
             events.append(PrefixCacheRequestEvent(req_id, kind, **hit))
-            self._owners[req_id] = owner
-            self._preempted.discard(req_id)
+            live[req_id] = owner
+            preempted.discard(req_id)
 
-        cached = getattr(so, "scheduled_cached_reqs", None)
         if cached is not None:
-            events.extend(self._translate_cached(cached, scheduled, owners))
+            events.extend(self._translate_cached(cached, scheduled, owners, live, preempted, admitted_by))
 
         for req_id in getattr(so, "preempted_req_ids", None) or ():
-            if req_id in self._owners and req_id not in ending:
-                self._preempted.add(req_id)
+            if req_id in live and req_id not in ending:
+                preempted.add(req_id)
+
+        for req_id, owner in after.items():  # a terminal of an owner this step names ends it now
+            if req_id in live and not _is_older(owner, live[req_id]):
+                live.pop(req_id)
+                preempted.discard(req_id)
+                admitted_by.pop(req_id, None)
 
         for req_id in sorted(ending, key=str):
             kind = PrefixCacheEventKind.ABORTED if req_id in aborted else PrefixCacheEventKind.FINISHED
             events.append(PrefixCacheRequestEvent(req_id, kind, owner=ending[req_id]))
-        return tuple(events)
+        return tuple(events), (live, preempted, admitted_by)
+
+    @staticmethod
+    def _carry_lookup(events: list[PrefixCacheRequestEvent], at: int | None,
+                      control: PrefixCacheRequestEvent, hit_end: int) -> None:
+        """The first new request of a REPLACED control's owner carries that admission's lookup
+        ``[0, num_computed_tokens)``. A control of this step gives way to it (its lookup becomes
+        pending, so the manager installs the new request's); a complete lookup that an earlier
+        step's control already installed must agree with it, else the step is refused (I12)."""
+        if not control.lookup_complete:
+            return
+        if at is not None:
+            events[at] = dataclasses.replace(control, lookup_complete=False)
+            return
+        if control.hit_end != hit_end:
+            raise OmniPrefixCacheUnmatchError(
+                f"PrefixCacheSchedulerAdapter: conflicting initial lookup for request {control.req_id!r} "
+                f"owner {control.owner}: its REPLACED control of an earlier step carried a complete lookup "
+                f"[0, {control.hit_end}), its first new request computed {hit_end} tokens; build the control "
+                "with lookup_complete=False (the new request carries the lookup) (I12)"
+            )
 
     def _translate_cached(
-        self, cached: Any, scheduled: dict[ReqId, int], owners: dict[ReqId, Any]
+        self, cached: Any, scheduled: dict[ReqId, int], owners: dict[ReqId, Any],
+        live: dict[ReqId, PrefixCacheRequestOwner | None], preempted: set[ReqId],
+        admitted_by: dict[ReqId, PrefixCacheRequestEvent],
     ) -> list[PrefixCacheRequestEvent]:
         req_ids = list(getattr(cached, "req_ids", None) or ())
         resumed_field = getattr(cached, "resumed_req_ids", None)
@@ -197,7 +271,7 @@ class PrefixCacheSchedulerAdapter:
         else:  # older vLLM: one flag per row
             flags = list(getattr(cached, "resumed_from_preemption", None) or ())
             resumed = {rid for rid, flag in zip(req_ids, flags, strict=False) if flag}
-        resumed |= self._preempted & set(req_ids)
+        resumed |= preempted & set(req_ids)
         computed = list(getattr(cached, "num_computed_tokens", None) or ())
         new_blocks = list(getattr(cached, "new_block_ids", None) or ())
         out_tokens = list(getattr(cached, "num_output_tokens", None) or ())
@@ -205,7 +279,7 @@ class PrefixCacheSchedulerAdapter:
         order = [*sorted(resumed, key=str), *(rid for rid in req_ids if rid not in resumed)]
         events: list[PrefixCacheRequestEvent] = []
         for req_id in order:
-            current = self._owners.get(req_id)
+            current = live.get(req_id)
             owner = owners.get(req_id, current)
             if _is_older(owner, current):
                 continue
@@ -223,8 +297,9 @@ class PrefixCacheSchedulerAdapter:
                     owner=owner,
                 )
             )
-            self._owners[req_id] = owner
-            self._preempted.discard(req_id)
+            live[req_id] = owner
+            preempted.discard(req_id)
+            admitted_by.pop(req_id, None)  # a cached event of the owner: its lookup is served or installed
         return events
 
     def translate_step(self, so: Any) -> PrefixCacheStep:
@@ -232,15 +307,22 @@ class PrefixCacheSchedulerAdapter:
 
         A replayed step (``prefix_cache_step_sequence`` not above the last one
         translated) yields an empty step with that sequence and changes nothing (I13).
+        The sequence and the counts are checked before anything else (integer-likes
+        become ints): a step that raises changes no adapter state, so a retry is
+        translated afresh, never taken for a replay.
         """
         sequence = getattr(so, "prefix_cache_step_sequence", None)
+        if sequence is not None:
+            sequence = as_index("PrefixCacheSchedulerAdapter.translate_step: prefix_cache_step_sequence", sequence)
         if sequence is not None and self._last_sequence is not None and sequence <= self._last_sequence:
             return PrefixCacheStep((), {}, sequence)
-        events = self.translate_scheduler_output(so)
-        scheduled = {rid: int(n) for rid, n in (getattr(so, "num_scheduled_tokens", None) or {}).items()}
+        scheduled = scheduled_counts("num_scheduled_tokens", getattr(so, "num_scheduled_tokens", None) or {})
+        events, state = self._translate(so)
+        step = PrefixCacheStep(events, scheduled, sequence)
+        self._owners, self._preempted, self._controls = state
         if sequence is not None:
             self._last_sequence = sequence
-        return PrefixCacheStep(events, scheduled, sequence)
+        return step
 
     def build_write_layout(self, view: Any, *, num_scheduled_tokens: Any) -> PrefixCacheWriteLayout:
         """Pack this step's rows in the batch order of ``view``; every request of the batch

@@ -11,7 +11,9 @@ writes still land, I9) and its pending hit is dropped, so the new admission
 reads old rows only through a hit of its own; an event older than the id's
 current owner (a late terminal, a stale lookup, a stale control) changes
 nothing; a new owner's lookup may arrive later than its admission
-(``lookup_complete=False``) and is installed once. I13 (replayed step no-op)
+(``lookup_complete=False``) and is installed once; each event applies to the
+admission it names, whatever its position in the step (a terminal of an owner
+that another event of the step carries ends it after them). I13 (replayed step no-op)
 is the manager's sequence check; this module never sees a replayed step.
 """
 
@@ -63,7 +65,8 @@ def plan_events(
     live: Mapping[ReqId, Admission],
     block_size: int,
 ) -> EventPlan:
-    """The changes ``events`` make to ``live`` (terminal events first, then the rest in order).
+    """The changes ``events`` make to ``live``: terminal events first, then the rest in order, then
+    the terminals of owners the rest carry (each event applies to the admission it names).
 
     Raises ``OmniPrefixCacheUnmatchError`` (and plans nothing) for a REPLACED
     without an owner, a STARTED for a live id that is not a newer admission, a
@@ -88,13 +91,23 @@ def plan_events(
         plan.changes.append(("lookup", event.req_id, event))
         state[event.req_id] = Admission(state[event.req_id].owner, lookup_of(event, block_size))
 
-    for event in (e for e in events if e.kind in TERMINAL):
+    def terminal(event: PrefixCacheRequestEvent) -> None:
         current = state.get(event.req_id)
         if current is not None and event.owner is not None and current.owner is not None \
                 and event.owner < current.owner:
             plan.stale += 1  # a late terminal of an older admission never ends the newer one
-            continue
+            return
         end(event.req_id)
+
+    # Each event applies to the admission it names, whatever its position in the step: a terminal
+    # of an owner that another event of this step carries (it may be started or replaced-to here)
+    # ends that admission after them; the others end the admission live before the step, so an id
+    # may end and start again in one step.
+    named = {(e.req_id, e.owner) for e in events if e.kind not in TERMINAL and e.owner is not None}
+    later = [e for e in events if e.kind in TERMINAL and e.owner is not None and (e.req_id, e.owner) in named]
+    for event in events:
+        if event.kind in TERMINAL and not (event.owner is not None and (event.req_id, event.owner) in named):
+            terminal(event)
     for event in (e for e in events if e.kind not in TERMINAL):
         req_id, kind = event.req_id, event.kind
         current = state.get(req_id)
@@ -150,4 +163,6 @@ def plan_events(
                 "EXTENDED or RESUMED (I12)")
         if event.lookup_complete and (kind is K.RESUMED or current.lookup is None):
             install(event)  # a resume's hit, or the delayed first lookup of a new owner
+    for event in later:
+        terminal(event)
     return plan
