@@ -18,6 +18,7 @@ PHRASE_UNCONSUMED = "unconsumed step contexts"
 PHRASE_SLOT_MAPPING = "slot mapping covers"
 PHRASE_NOT_READABLE = "is not readable"
 PHRASE_WRITE_FAILED = "write failed"
+PHRASE_SHUT_DOWN = "the manager was shut down"
 
 ALL_PHRASES: tuple[str, ...] = (
     PHRASE_NO_BLOCK_IDS,
@@ -29,6 +30,7 @@ ALL_PHRASES: tuple[str, ...] = (
     PHRASE_SLOT_MAPPING,
     PHRASE_NOT_READABLE,
     PHRASE_WRITE_FAILED,
+    PHRASE_SHUT_DOWN,
 )
 
 

@@ -33,6 +33,9 @@ class FaultHooks:
     def before_pool_write(self, write: Any, key: TensorName) -> None:
         """Right before ``write``'s rows of ``key`` are scattered into the block pool."""
 
+    def after_claim(self, slot: Any) -> None:
+        """Right after a save claimed its staging page, before it copies rows into it."""
+
     def committer_tick(self) -> None:
         """At the top of every committer-thread iteration."""
 

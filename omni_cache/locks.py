@@ -1,9 +1,10 @@
 """Small threading helpers of the runtime.
 
 Owns: ``OwnedLock`` (the manager's state lock, which knows its owner so I11
-tests can assert that no wait, copy or flush runs under it) and
+tests can assert that no wait, copy or flush runs under it),
 ``caller_location`` (where a step was saved, for the I2 timeout message and
-``shutdown``'s report).
+``shutdown``'s report) and ``SaveGate`` (the saves in progress, which
+``shutdown`` waits for so a save that claimed its page lands, contract 4.6).
 """
 
 from __future__ import annotations
@@ -49,3 +50,36 @@ class OwnedLock:
 
     def held_by_current_thread(self) -> bool:
         return self._owner == threading.get_ident()
+
+
+class SaveGate:
+    """Counts the ``save_outputs`` calls in progress; once closed, admits none and lets the
+    closer wait until the admitted ones have left (contract 4.6: shutdown drains them)."""
+
+    def __init__(self) -> None:
+        # Guards the two fields below; mutated only by enter/leave/close_and_wait.
+        self._cond = threading.Condition(threading.Lock())
+        self._active = 0
+        self._closed = False
+
+    def enter(self) -> bool:
+        """Admit one save; False once closed (the caller refuses the save)."""
+        with self._cond:
+            if self._closed:
+                return False
+            self._active += 1
+            return True
+
+    def leave(self) -> None:
+        with self._cond:
+            self._active -= 1
+            if self._closed and not self._active:
+                self._cond.notify_all()
+
+    def close_and_wait(self, timeout_s: float) -> int:
+        """Admit no more saves; wait (bounded) until every admitted one left; return how many
+        are still in progress (0 unless the wait timed out)."""
+        with self._cond:
+            self._closed = True
+            self._cond.wait_for(lambda: not self._active, timeout_s)
+            return self._active

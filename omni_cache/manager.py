@@ -45,6 +45,7 @@ from omni_cache.block_pool import PrefixBlockPool
 from omni_cache.copier import Committer, CopyEngine
 from omni_cache.errors import (
     PHRASE_OUTSIDE_SNAPSHOT,
+    PHRASE_SHUT_DOWN,
     OmniPrefixCacheUnmatchError,
 )
 from omni_cache.events import scheduled_counts
@@ -58,7 +59,7 @@ from omni_cache.interface import (
     StepId,
     WriteSchedule,
 )
-from omni_cache.locks import OwnedLock, caller_location
+from omni_cache.locks import OwnedLock, SaveGate, caller_location
 from omni_cache.reader import StepReader
 from omni_cache.staging import StagingPool
 from omni_cache.step_outputs import StepContext, classify_outputs, copy_leftovers
@@ -152,6 +153,8 @@ class OmniPrefixCacheManager:
         # Only save_outputs (the engine thread) reads and writes it.
         self._deferred_sigs: dict[str, RowSig] = {}
         self._shut_down = False
+        # The saves in progress (its own lock): shutdown closes it and waits for them (contract 4.6).
+        self._saves = SaveGate()
         self.counters = {"hits": 0, "hit_tokens": 0, "misses": 0, "saved": 0,
                          "materialized": 0, "discarded": 0, "budget_flushes": 0,
                          "replayed_steps": 0, "stale_events": 0}
@@ -241,8 +244,21 @@ class OmniPrefixCacheManager:
         num_tokens_padded: int,
         write_layout: PrefixCacheWriteLayout,
     ) -> StepId:
-        """Claim a staging slot, copy this step's rows, register writes; return the step id."""
+        """Claim a staging slot, copy this step's rows, register writes; return the step id.
+
+        A save that has not claimed its page when ``shutdown`` begins is refused (nothing
+        changes); one that has claimed it finishes, and its write lands before ``shutdown``
+        returns (contract 4.6)."""
         self._check_usable("save_outputs")
+        if not self._saves.enter():
+            raise OmniPrefixCacheUnmatchError(f"cannot save_outputs: {PHRASE_SHUT_DOWN}")
+        try:
+            return self._save(hidden_states, mm_outputs, num_tokens_unpadded, num_tokens_padded, write_layout)
+        finally:
+            self._saves.leave()
+
+    def _save(self, hidden_states: torch.Tensor | None, mm_outputs: dict[str, Any] | None,
+              num_tokens_unpadded: int, num_tokens_padded: int, write_layout: PrefixCacheWriteLayout) -> StepId:
         n = num_tokens_unpadded
         slots, step_rows = validate_save(self.config, self.policy, hidden_states, mm_outputs, n,
                                          num_tokens_padded, write_layout)
@@ -277,7 +293,8 @@ class OmniPrefixCacheManager:
         slot = None
         try:
             self.faults.on_blocking("save claims a staging slot")
-            slot = self.staging.claim(n)
+            slot = self.staging.claim(n)  # refused once shutdown began (contract 4.6)
+            self.faults.after_claim(slot)
             with self._lock:  # issued only once a page is held: a refused save burns no id
                 step_id = next(_STEP_IDS)
                 self._ids_issued += 1
@@ -391,10 +408,17 @@ class OmniPrefixCacheManager:
         self._finish_consume(ctx, slot)
 
     def shutdown(self) -> dict[StepId, str]:
-        """Stop the committer; report (log and return) every unconsumed step id and where it was saved."""
+        """Refuse saves that have not claimed a page, let the ones that have finish, drain the
+        queue and stop the committer; report (log and return) every unconsumed step id and
+        where it was saved (contract 4.6)."""
         with self._lock:
             already, self._shut_down = self._shut_down, True
         if not already:
+            self.staging.close()  # a claim not yet made, waiting or not, is refused from now on
+            timeout_s = max(10.0, self.config.staging_claim_timeout_s)
+            if still := self._saves.close_and_wait(timeout_s):
+                log.error("omni-cache shutdown: %d save(s) still running after %.1fs; their writes "
+                          "may not land", still, timeout_s)
             self.committer.stop()
         unconsumed = self.staging.unconsumed()
         if unconsumed and not already:
@@ -434,7 +458,7 @@ class OmniPrefixCacheManager:
     def _check_usable(self, what: str) -> None:
         self.book.check_failed(what)  # I8
         if self._shut_down:
-            raise OmniPrefixCacheUnmatchError(f"cannot {what}: the manager was shut down")
+            raise OmniPrefixCacheUnmatchError(f"cannot {what}: {PHRASE_SHUT_DOWN}")
         if not self.committer.alive:
             raise OmniPrefixCacheUnmatchError(f"cannot {what}: the committer thread is not running")
 

@@ -35,6 +35,7 @@ import torch
 
 from omni_cache.errors import (
     PHRASE_NOT_SAVED,
+    PHRASE_SHUT_DOWN,
     PHRASE_UNCONSUMED,
     OmniPrefixCacheStagingTimeoutError,
     OmniPrefixCacheUnmatchError,
@@ -117,6 +118,9 @@ class StagingPool:
         self._num_waiting = 0
         # Set once when the manager fails (I8): claims and waiters raise it.
         self._failure: str | None = None
+        # Set once by ``close`` (shutdown began, contract 4.6): a claim not yet made, waiting or
+        # not, is refused; claims already made are untouched.
+        self._closed = False
         self.num_claims = 0
         # Claims that had to wait, and how long: a fixed-size histogram (bounded however long the run).
         self._waits = WaitHistogram()
@@ -132,6 +136,8 @@ class StagingPool:
             while True:
                 if self._failure is not None:
                     raise OmniPrefixCacheUnmatchError(self._failure)
+                if self._closed:
+                    raise OmniPrefixCacheUnmatchError(self._shutdown_refusal_locked(start is not None))
                 slot = next((s for s in self._slots if s.state == "free"), None)
                 if slot is not None:
                     self.machine.fire(slot, "claim")
@@ -403,6 +409,22 @@ class StagingPool:
     def wait_history_footprint(self) -> int:
         with self._lock:
             return self._waits.footprint()
+
+    def close(self) -> None:
+        """Shutdown began (contract 4.6): refuse every claim not yet made, and wake the waiting ones."""
+        with self._lock:
+            self._closed = True
+            self._cond.notify_all()
+
+    def _shutdown_refusal_locked(self, waited: bool) -> str:
+        states = ", ".join(s.describe() for s in self._slots)
+        return (
+            f"save_outputs refused: {PHRASE_SHUT_DOWN} -- shutdown() began before this save claimed "
+            f"a staging slot ({'it was waiting for one' if waited else 'it had not asked for one yet'}; "
+            f"staging_depth={self.depth}: {states}; {PHRASE_UNCONSUMED}: "
+            f"{self._describe_unconsumed_locked()}); no step id was issued and nothing was saved "
+            "(contract 4.6)"
+        )
 
     def set_failed(self, message: str) -> None:
         """The manager failed (I8): every claim, waiting or not, raises ``message``."""

@@ -23,10 +23,14 @@ Upholds:
   I6  a planned read of a slot no write ever registered, or of a key the
       slot's tenant did not write, is absent: ``read`` raises "is not
       readable"; rows are never served as zeros nor from an older tenant.
-  I7  ``land`` preserves the current rows of every pinned slot before it
-      overwrites them, and ``read`` returns exactly the planned version (from
-      the pool or from the preserved copy) or raises -- never a newer tenant's
-      rows. ``land`` also never lets an older write overwrite a newer one.
+  I7  ``land`` preserves the current rows of a slot before it overwrites them
+      exactly when a planned read still needs that version there, and ``read``
+      returns exactly the planned version (from the pool or from the preserved
+      copy) or raises -- never a newer tenant's rows. ``land`` also never lets
+      an older write overwrite a newer one. Preserved rows are bounded: a
+      (slot, key) keeps only versions an active planned read pins there, so at
+      most one preserved version per planned slot, however many tenants
+      overwrite it meanwhile (``unplan`` drops what no remaining plan needs).
 
 With a ``TraceRecorder``, register/land/plan/read log notes (under the pool
 lock, so in the lock's order; a read logs the version it really served per
@@ -79,7 +83,7 @@ class _KeyVersions:
         self.newest_landed = 0
         self.pins = np.zeros(num_slots, dtype=np.int32)
         self.num_pins = 0  # sum of pins: 0 lets ``land`` skip the preservation check
-        # slot -> version -> row (a clone), kept while a planned read pins the slot.
+        # slot -> version -> row (a clone), kept while a planned read pins that version there.
         self.preserved: dict[int, dict[Tid, torch.Tensor]] = {}
         # The pool tensor of this key once allocated (pools never drop keys), and its row signature.
         self.tensor: torch.Tensor | None = None
@@ -108,6 +112,9 @@ class SlotTenancy:
         # Trace notes for tla/tenancy/TenancyTrace.tla (register, land, plan, read); None: off.
         self.recorder = recorder
         self._num_plans = 0
+        # id(plan) -> every planned read not yet unplanned (the versions they pin decide which
+        # overwritten rows are preserved); guarded by pool.lock, mutated by plan/unplan only.
+        self._plans: dict[int, PlannedRead] = {}
         # key -> versions; guarded by pool.lock.
         self._keys: dict[TensorName, _KeyVersions] = {}
         # A row per KV slot: [tenant, then (registered, tenant, landed) per key in ``_keys``
@@ -201,6 +208,7 @@ class SlotTenancy:
                 v.pins[slots_np] += 1
                 v.num_pins += len(slots_np)
             plan = PlannedRead(slots, slots_np, expected)
+            self._plans[id(plan)] = plan
             if self.recorder is not None:
                 self._num_plans += 1
                 plan.plan_id = self._num_plans
@@ -209,16 +217,44 @@ class SlotTenancy:
         return plan
 
     def unplan(self, read: PlannedRead) -> None:
-        """Drop the pins of ``read``; forget preserved rows nobody needs any more."""
+        """Drop the pins of ``read``; forget preserved rows no remaining planned read needs."""
         with self.pool.lock:
+            self._plans.pop(id(read), None)
             for key in read.expected:
                 v = self._versions_locked(key)
                 v.pins[read.slots_np] -= 1
                 v.num_pins -= len(read.slots_np)
-                if v.preserved:
-                    for slot in read.slots_np.tolist():
-                        if slot in v.preserved and v.pins[slot] == 0:
+                if not v.preserved:
+                    continue
+                mine = [slot for slot in read.slots_np.tolist() if slot in v.preserved]
+                if not mine:
+                    continue
+                still = [slot for slot in mine if v.pins[slot] > 0]
+                for slot in mine:
+                    if v.pins[slot] == 0:
+                        del v.preserved[slot]
+                if still:  # another plan pins the slot: keep only the versions the plans left need
+                    wanted = self._needed_pairs_locked(key, np.array(still, dtype=np.int64))
+                    for slot in still:
+                        kept = v.preserved[slot]
+                        for version in [x for x in kept if (slot, x) not in wanted]:
+                            del kept[version]
+                        if not kept:
                             del v.preserved[slot]
+
+    def _needed_pairs_locked(self, key: TensorName, slots_np: np.ndarray) -> set[tuple[int, Tid]]:
+        """The (slot, version) pairs of ``key`` that an active planned read pins, among ``slots_np``.
+
+        Runs only where a pinned slot is overwritten or unplanned with rows preserved (rare):
+        per plan one ``isin`` over its slots, then a Python loop over the matches only."""
+        pairs: set[tuple[int, Tid]] = set()
+        for plan in self._plans.values():
+            expected = plan.expected.get(key)
+            if expected is None:
+                continue
+            hit = np.flatnonzero(np.isin(plan.slots_np, slots_np))
+            pairs.update(zip(plan.slots_np[hit].tolist(), expected[hit].tolist(), strict=True))
+        return pairs
 
     # ---- committer: landing -------------------------------------------------
     def land_all(
@@ -253,11 +289,12 @@ class SlotTenancy:
                 newer = None if current is None or _all_below(current, tid) else current < tid
                 if newer is not None:  # never let an older write overwrite a newer one
                     if v.num_pins:  # ...but keep its rows for a planned read of this version (I7)
-                        self._preserve_late_locked(v, rows, slots_np, ~newer, tid)
+                        self._preserve_late_locked(key, v, rows, slots_np, ~newer, tid)
                     mask = torch.from_numpy(newer)
                     slots, rows, slots_np, current = slots[mask], rows[mask], slots_np[newer], current[newer]  # type: ignore[index]
                 if v.num_pins:
-                    self._preserve_locked(v, tensor, slots, slots_np, v.landed[slots_np] if current is None else current)
+                    self._preserve_locked(key, v, tensor, slots, slots_np,
+                                          v.landed[slots_np] if current is None else current)
                 tensor.index_copy_(0, slots, rows)
                 v.landed[slots_np] = tid
                 v.newest_landed = max(v.newest_landed, tid)
@@ -265,22 +302,34 @@ class SlotTenancy:
                 self._note("land", None, tid=tid, keys=tuple(rows_by_key), slots=tuple(all_np.tolist()))
 
     def _preserve_late_locked(
-        self, v: _KeyVersions, rows: torch.Tensor, slots_np: np.ndarray, late: np.ndarray, tid: Tid
+        self, key: TensorName, v: _KeyVersions, rows: torch.Tensor, slots_np: np.ndarray, late: np.ndarray, tid: Tid
     ) -> None:
-        """An older write landed after a newer tenant: keep its pinned rows as version ``tid``."""
-        keep = late & (v.pins[slots_np] > 0)
-        for j in np.flatnonzero(keep).tolist():
-            v.preserved.setdefault(int(slots_np[j]), {})[tid] = rows[j].clone()
-            self.num_preserved_total += 1
+        """An older write landed after a newer tenant: keep its rows as version ``tid`` where a
+        planned read pins that version (nowhere else: preserved rows stay bounded, I7)."""
+        idx = np.flatnonzero(late & (v.pins[slots_np] > 0))
+        if not len(idx):
+            return
+        wanted = self._needed_pairs_locked(key, slots_np[idx])
+        for j in idx.tolist():
+            slot = int(slots_np[j])
+            if (slot, tid) in wanted:
+                v.preserved.setdefault(slot, {})[tid] = rows[j].clone()
+                self.num_preserved_total += 1
 
     def _preserve_locked(
-        self, v: _KeyVersions, tensor: torch.Tensor, slots: torch.Tensor, slots_np: np.ndarray, current: np.ndarray
+        self, key: TensorName, v: _KeyVersions, tensor: torch.Tensor, slots: torch.Tensor, slots_np: np.ndarray,
+        current: np.ndarray,
     ) -> None:
-        """Keep the current rows of pinned, written slots before they are overwritten."""
+        """Keep the current rows of written slots before they are overwritten, where a planned read
+        pins exactly the current version (a version no plan needs is dropped: bounded, I7)."""
         keep = (v.pins[slots_np] > 0) & (current > 0)
         if not keep.any():
             return
         idx = np.flatnonzero(keep)
+        wanted = self._needed_pairs_locked(key, slots_np[idx])
+        idx = np.array([j for j in idx.tolist() if (int(slots_np[j]), int(current[j])) in wanted], dtype=np.int64)
+        if not len(idx):
+            return
         old_rows = tensor.index_select(0, slots[torch.from_numpy(idx)])
         for j, (slot, version) in enumerate(zip(slots_np[idx].tolist(), current[idx].tolist(), strict=True)):
             v.preserved.setdefault(slot, {})[version] = old_rows[j]
