@@ -98,13 +98,37 @@ def save_without_hidden(m: OmniPrefixCacheManager, req: str, blocks: Sequence[in
 
 
 def settle(m: OmniPrefixCacheManager, timeout_s: float = 5.0) -> None:
-    """Wait until no queued write is left (async mode); deferred pending writes stay pending."""
+    """Wait until no queued write is left and no staging page is still held by a write (async
+    mode); deferred pending writes stay pending (they hold no page).
+
+    The committer marks a write written and only then lets go of its staging page (I3), so a
+    test that asserts slot states after a save waits for both, never for the scheduler's luck.
+    """
     import time
 
     deadline = time.monotonic() + timeout_s
-    while [w for w in m.book.live() if w.state != "pending"]:
-        assert time.monotonic() < deadline, f"writes never landed: {m.book.describe_in_flight()}"
+    while [w for w in m.book.live() if w.state != "pending"] or any(s.num_write_holds for s in m.staging._slots):
+        assert time.monotonic() < deadline, (
+            f"writes never landed: {m.book.describe_in_flight()}; staging {m.staging.slot_states()}"
+        )
         time.sleep(0.005)
+
+
+def wait_until(condition: Callable[[], object], what: str, timeout_s: float = 5.0) -> None:
+    """Wait, bounded, until ``condition()`` holds: a state another thread reaches is waited for,
+    never assumed after a fixed sleep (which a loaded machine outlasts)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"never reached within {timeout_s}s: {what}"
+        time.sleep(0.002)
+
+
+def wait_for_waiter(owner: Any, what: str, baseline: int = 0) -> None:
+    """Wait until more than ``baseline`` threads wait on ``owner``'s condition (a ``StagingPool``
+    or a ``WriteBook``): the thread under test is really blocked in its wait, not on its way."""
+    wait_until(lambda: owner._num_waiting > baseline, what)
 
 
 def assert_waits_for_lock(lock: Any, call: Callable[[], object], what: str) -> None:

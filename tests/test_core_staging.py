@@ -5,10 +5,10 @@ from __future__ import annotations
 import ast
 import pathlib
 import threading
-import time
 
 import pytest
 import torch
+from cache_helpers import wait_for_waiter
 
 import omni_cache
 from omni_cache import OmniPrefixCacheStagingTimeoutError, OmniPrefixCacheUnmatchError, TraceRecorder
@@ -74,7 +74,7 @@ def test_waiter_wakes_when_a_page_is_released() -> None:
     got: list[object] = []
     waiter = threading.Thread(target=lambda: got.append(pool.claim(1)))
     waiter.start()
-    time.sleep(0.05)
+    wait_for_waiter(pool, "the second claim waits for a page")
     assert not got
     pool.done_reading(pool.consume(1, caller="t"))
     waiter.join(5)
@@ -94,7 +94,7 @@ def test_failed_pool_releases_waiters() -> None:
 
     waiter = threading.Thread(target=wait)
     waiter.start()
-    time.sleep(0.05)
+    wait_for_waiter(pool, "the second claim waits for a page")
     pool.set_failed("write failed: boom")
     waiter.join(2)
     assert not waiter.is_alive() and "write failed: boom" in str(errors[0])

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cache_helpers import wait_for_waiter
 from reference_model import EMBEDS, Engine, check_outputs
 
 from omni_cache import (
@@ -102,8 +103,10 @@ def make(eager: bool, hooks: FaultHooks, *, depth: int = 3, timeout_s: float = 3
 
 
 def settle(m: OmniPrefixCacheManager) -> None:
+    """Every queued write landed and let go of its staging page (the unhold follows the landing)."""
     deadline = time.monotonic() + BOUND_S
-    while m.stats()["write_queue"] or any(w.state not in ("pending",) for w in m.book.live()):
+    while (m.stats()["write_queue"] or any(w.state not in ("pending",) for w in m.book.live())
+           or any(s.num_write_holds for s in m.staging._slots)):
         assert time.monotonic() < deadline, f"writes never landed: {m.book.describe_in_flight()}"
         time.sleep(0.002)
 
@@ -206,11 +209,12 @@ def test_failed_write_wakes_its_waiter(fault: str) -> None:
     eng.add_request(1, 1, [1], 0)
     s1 = eng.step([(0, 5)])
     assert s1 is not None
+    waiting = m.book._num_waiting  # the parked committer waits on its gate, not on the book
     if fault == "device_to_host":
         t, box = in_thread(lambda: m.materialize(s1.step_id, list(s1.spans)))
     else:
         t, box = in_thread(lambda: eng.step([(0, 5)]))
-    time.sleep(0.1)
+    wait_for_waiter(m.book, "the waiter blocks on the parked write", waiting)
     assert t.is_alive(), f"the waiter returned before the write was done: {box}"
     setattr(hooks, "fail_pool_write" if fault == "pool_write" else "fail_copy", True)
     hooks.park_committer = False
@@ -361,7 +365,7 @@ class TestCommitterDeath:
         hooks.park_committer = True
         assert hooks.entered.wait(BOUND_S)
         t, box = in_thread(lambda: eng.step([(1, 5)]))
-        time.sleep(0.1)
+        wait_for_waiter(m.staging, "the save waits for a staging page")
         assert t.is_alive(), f"the save did not wait for a page: {box}"
         self._kill(hooks)
         self._after(m, released_with_error(t, box, "save waiting for a staging page"))
@@ -371,8 +375,9 @@ class TestCommitterDeath:
         hooks.park_committer = True
         assert hooks.entered.wait(BOUND_S)
         assert eng.step([(0, 5)]) is not None  # its write stays queued: the committer is parked
+        waiting = m.book._num_waiting
         t, box = in_thread(lambda: eng.step([(1, 5)]))
-        time.sleep(0.1)
+        wait_for_waiter(m.book, "the save waits for the previous step's write", waiting)
         assert t.is_alive(), f"the save did not wait for the previous step's write: {box}"
         self._kill(hooks)
         self._after(m, released_with_error(t, box, "save waiting for the previous write"))
@@ -383,8 +388,9 @@ class TestCommitterDeath:
         assert hooks.entered.wait(BOUND_S)
         s1 = eng.step([(0, 5)])
         assert s1 is not None
+        waiting = m.book._num_waiting
         t, box = in_thread(lambda: m.materialize(s1.step_id, list(s1.spans)))
-        time.sleep(0.1)
+        wait_for_waiter(m.book, "materialize waits for its step's copy", waiting)
         assert t.is_alive(), f"materialize did not wait for the copy: {box}"
         self._kill(hooks)
         self._after(m, released_with_error(t, box, "materialize waiting for its copy"))

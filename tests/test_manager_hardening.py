@@ -310,6 +310,7 @@ def test_a_deferred_keys_width_is_fixed_by_its_first_save(eager: bool) -> None:
     step_a = m.save_outputs(truth("A", range(4)), {K: torch.ones(4, 3)}, num_tokens_unpadded=4,
                             num_tokens_padded=4, write_layout=layout_a)
     m.materialize(step_a, ["A"])
+    settle(m)  # async: A's page is free only once its immediate write landed and let go of it
     before = m.stats()
     layout_b = PrefixCacheWriteLayout.packed([("B", 0, 4)], slots([1], 0, 4))
     with pytest.raises(OmniPrefixCacheUnmatchError, match="a key's width and dtype never change") as info:

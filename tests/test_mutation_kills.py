@@ -17,7 +17,18 @@ import time
 
 import pytest
 import torch
-from cache_helpers import MODES, WIDTH, config, finished, manager, save, settle, started, truth
+from cache_helpers import (
+    MODES,
+    WIDTH,
+    config,
+    finished,
+    manager,
+    save,
+    settle,
+    started,
+    truth,
+    wait_for_waiter,
+)
 
 from omni_cache import (
     ModelCachePolicy,
@@ -247,6 +258,9 @@ def test_manager_bookkeeping_is_only_touched_under_the_state_lock(eager: bool) -
     from a thread that does not hold the state lock.
     """
     m = manager(eager, gpu_staging_bytes=48, staging_depth=4, staging_claim_timeout_s=0.2)
+    # Only the claim below must time out quickly; the waits on the committer (a save on the
+    # previous step's write, a materialize on its copy) get a bound a loaded machine cannot outlast.
+    m.book.wait_timeout_s = 30.0
     m.register_policy(ModelCachePolicy(deferred_keys=frozenset({"audio"})))
     m.new_step_starts([started(r) for r in "efgh"])
     # The emptiness checks of pending hits and open deferred writes are documented lock-free: only
@@ -268,6 +282,7 @@ def test_manager_bookkeeping_is_only_touched_under_the_state_lock(eager: bool) -
     assert torch.equal(out.hidden_states["c"], torch.cat([rows_a, rows_c]))
     # a save that times out on the claim restores its hit under the lock (the except path)
     m.new_step_starts([finished("c"), started("d", hit_end=4, blocks=[0, 5])])
+    settle(m)  # async: every page is given back before the four claims that must not wait
     held = [save(m, [(r, [6 + i], 0, 4)])[0] for i, r in enumerate("efgh")]
     with pytest.raises(OmniPrefixCacheStagingTimeoutError):
         save(m, [("d", [0, 5], 4, 8)])
@@ -351,7 +366,7 @@ def test_abort_wakes_a_save_waiting_for_a_page() -> None:
     got: list[object] = []
     waiter = threading.Thread(target=lambda: got.append(pool.claim(1)))
     waiter.start()
-    time.sleep(0.1)  # the waiter is now in the condition wait
+    wait_for_waiter(pool, "the second claim waits for a page")  # the waiter is now in the condition wait
     t0 = time.perf_counter()
     pool.abort(slot)
     waiter.join(4)

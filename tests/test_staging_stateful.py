@@ -14,6 +14,7 @@ import threading
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
+    initialize,
     invariant,
     precondition,
     rule,
@@ -99,15 +100,7 @@ class StagingMachine(RuleBasedStateMachine):
         assert i is not None
         if abort:
             if self.holds[i]:  # a registered write reads the page: abort must refuse (I3)
-                ABORTS_WHILE_HELD.append(i)
-                before = (self.pool.slot_states(), self.slots[i].num_write_holds)
-                try:
-                    self.pool.abort(self.slots[i])
-                except OmniPrefixCacheUnmatchError as exc:
-                    assert "still read" in str(exc)
-                else:
-                    raise AssertionError(f"I3: slot {i} aborted while a write holds it")
-                assert (self.pool.slot_states(), self.slots[i].num_write_holds) == before
+                self._abort_refused(i)
                 return
             self.pool.abort(self.slots[i])
             self.state[i] = "free"
@@ -116,6 +109,25 @@ class StagingMachine(RuleBasedStateMachine):
             self.state[i] = "saved"
             self.step_of[self.next_step] = i
         self.next_step += 1
+
+    def _abort_refused(self, i: int) -> None:
+        """Abort claimed slot ``i`` while a write holds it: refused, and nothing changes (I3)."""
+        ABORTS_WHILE_HELD.append(i)
+        before = (self.pool.slot_states(), self.slots[i].num_write_holds)
+        try:
+            self.pool.abort(self.slots[i])
+        except OmniPrefixCacheUnmatchError as exc:
+            assert "still read" in str(exc)
+        else:
+            raise AssertionError(f"I3: slot {i} aborted while a write holds it")
+        assert (self.pool.slot_states(), self.slots[i].num_write_holds) == before
+
+    # A targeted rule: whenever a claimed page is held, random search may try the abort directly.
+    @precondition(lambda self: any(s == "claimed" and h for s, h in zip(self.state, self.holds, strict=True)))
+    @rule(pick=st.integers(0, 50))
+    def abort_a_page_a_write_holds(self, pick: int) -> None:
+        held = [i for i, s in enumerate(self.state) if s == "claimed" and self.holds[i]]
+        self._abort_refused(held[pick % len(held)])
 
     @rule(pick=st.integers(0, 50), bogus=st.booleans())
     def consume(self, pick: int, bogus: bool) -> None:
@@ -198,8 +210,19 @@ class StagingMachine(RuleBasedStateMachine):
 TestStagingMachine = StagingMachine.TestCase
 
 
+class StagingMachineOpeningOnAHeldClaim(StagingMachine):
+    """The machine above, each program opening on the I3 refusal, then going on at random."""
+
+    @initialize()
+    def abort_a_claimed_page_while_a_write_holds_it(self) -> None:
+        self.claim()  # the only claimed slot, so pick 0 names it in both rules below
+        self.write_holds_page(pick=0)
+        self.abort_or_save(pick=0, abort=True)  # refused (I3), through the same rule random search runs
+
+
 def test_the_machine_reaches_abort_while_a_write_holds_the_page() -> None:
-    """The refusal above is exercised, not just written: run the machine and count the attempts."""
+    """The refusal above is exercised, not just written, on every seed: each program opens on it
+    (an ``initialize`` rule, not the luck of the draw), with the machine's invariants checked."""
     ABORTS_WHILE_HELD.clear()
-    run_state_machine_as_test(StagingMachine)
+    run_state_machine_as_test(StagingMachineOpeningOnAHeldClaim)
     assert ABORTS_WHILE_HELD, "no run tried to abort a claimed page that a write holds (I3 unexercised)"
