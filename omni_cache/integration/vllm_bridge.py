@@ -156,7 +156,9 @@ class VllmRunnerBridge:
     """The omni prefix cache of one vLLM engine stage (see the module docstring).
 
     ``settings`` (from ``additional_config["omni_cache"]``): ``deferred_keys``
-    (list of mm keys written on finish), ``eager`` (bool, manager mode).
+    (list of mm keys written on finish), ``eager`` (bool, manager mode),
+    ``all_tp_ranks`` (bool: a cache on every TP rank of the last pipeline
+    stage, not only on the output rank; for checking that the ranks agree).
     ``mm_outputs_fn(hidden_states, record_spans) -> dict`` stands in for a
     model's per-token mm outputs; ``observer(ForwardRecord)`` sees every real
     forward. Both may be set after the engine is built, before its first step.
@@ -164,7 +166,7 @@ class VllmRunnerBridge:
 
     def __init__(self, settings: dict[str, Any] | None = None, *, hooks: PrefixCacheRunnerHooks | None = None) -> None:
         settings = dict(settings or {})
-        unknown = set(settings) - {"deferred_keys", "eager", "needs_full_hidden_states"}
+        unknown = set(settings) - {"all_tp_ranks", "deferred_keys", "eager", "needs_full_hidden_states"}
         if unknown:
             raise ValueError(f"VllmRunnerBridge: unknown additional_config['{CONFIG_KEY}'] keys {sorted(unknown)}")
         self._policy_override: ModelCachePolicy | None = None
@@ -176,6 +178,8 @@ class VllmRunnerBridge:
         kwargs: dict[str, Any] = {}
         if "eager" in settings:
             kwargs["eager"] = bool(settings["eager"])
+        if settings.get("all_tp_ranks"):
+            kwargs["all_tp_ranks"] = True
         self.hooks = hooks if hooks is not None else PrefixCacheRunnerHooks(**kwargs)
         self.mm_outputs_fn: Callable[[torch.Tensor], dict[str, Any]] | None = None
         self.observer: Callable[[ForwardRecord], None] | None = None
