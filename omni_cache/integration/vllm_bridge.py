@@ -186,6 +186,7 @@ class VllmRunnerBridge:
         self.step_ids: queue.Queue[PublishedStep] = queue.Queue()
         self.engine_step = 0
         self.preemptions = 0
+        self.zero_token_steps = 0  # steps that scheduled no token here (e.g. a non-last PP rank's)
         self._scheduler_output: Any = None
         self.v2_mirror: V2BlockTableMirror | None = None
 
@@ -212,6 +213,7 @@ class VllmRunnerBridge:
         """Top of ``execute_model``: every real step, zero scheduled tokens included."""
         self.engine_step += 1
         self.preemptions += len(getattr(scheduler_output, "preempted_req_ids", None) or ())
+        self.zero_token_steps += int(not getattr(scheduler_output, "total_num_scheduled_tokens", 0))
         self._scheduler_output = scheduler_output
         self.hooks.begin_step(scheduler_output)
 

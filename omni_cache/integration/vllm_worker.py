@@ -125,7 +125,8 @@ def worker_cache_stats(worker: Any) -> dict[str, Any]:
     if bridge is None:
         raise RuntimeError("omni_cache_stats: this worker's model runner has no omni cache")
     return {**bridge.hooks.rank_stats(), "engine_steps": int(bridge.engine_step),
-            "preemptions": int(bridge.preemptions)}
+            "preemptions": int(bridge.preemptions),
+            "zero_token_steps": int(bridge.zero_token_steps)}
 
 
 @functools.cache
