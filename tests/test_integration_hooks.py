@@ -113,15 +113,16 @@ def test_the_pp_rank_is_asked_from_vllm_lazily(monkeypatch: pytest.MonkeyPatch) 
 
     def get_pp_group() -> Any:
         asked.append(True)
-        return types.SimpleNamespace(is_last_rank=False)
+        return types.SimpleNamespace(is_last_rank=False, rank_in_group=0, world_size=2)
 
     fake = types.ModuleType("vllm.distributed.parallel_state")
     fake.get_pp_group = get_pp_group  # type: ignore[attr-defined]
+    fake.get_tp_group = lambda: types.SimpleNamespace(rank_in_group=0, world_size=1)  # type: ignore[attr-defined]
     for name in ("vllm", "vllm.distributed"):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
     monkeypatch.setitem(sys.modules, "vllm.distributed.parallel_state", fake)
     spy = SpyFactory()
-    hooks = _hooks(spy)  # is_last_pp_rank=None: ask vLLM
+    hooks = _hooks(spy)  # is_last_pp_rank=None, rank=None: ask vLLM
     assert asked == []
     for _ in range(2):
         assert hooks.begin_step(_so(NewRequestData("r", PROMPT, ([1, 2, 3],), 0))) is None

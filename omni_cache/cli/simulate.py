@@ -91,6 +91,8 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.engine == "vllm":
         return simulate_vllm.run_vllm(args)
+    if given := simulate_vllm.vllm_only_given(args):
+        args.error(f"{', '.join(given)} only apply to --engine vllm")
     if args.preset is None:
         args.preset = "chat"
     elif args.preset not in PRESETS:

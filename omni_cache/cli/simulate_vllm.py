@@ -2,8 +2,12 @@
 
 Owns: the vLLM engine's options, their validation and the exit code (0 only
 if checks (a), (b) and (c) all pass; 1 with a report naming step, request,
-key and position; 2 for bad arguments or when vLLM is not installed). The run
-itself is ``omni_cache.vllm_sim``. Invariants: none enforced here.
+key and position; 2 for bad arguments, a KV-cache size override in the
+environment, or when vLLM is not installed; 3 when the checks passed but the
+run did less than asked: the engine got other KV blocks than asked, or a preset
+that promises preemptions had none). ``--tp``/``--pp`` run the engine on worker
+processes (``omni_cache.vllm_sim.parallel``). The run itself is
+``omni_cache.vllm_sim``. Invariants: none enforced here.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import importlib.util
 import json
 from typing import Any
 
-from omni_cache.cli.args import float_range
+from omni_cache.cli.args import EXIT_INCOMPLETE, float_range, int_range
 from omni_cache.vllm_sim.workload import PRESETS
 
 __all__ = ["PRESETS", "add_arguments", "run_vllm"]
@@ -31,6 +35,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--tolerance", type=float_range(0, 1, lo_open=True),
                         help="--engine vllm: check (b) tolerance, max |diff| over the row's max |value| (default 1e-5)")
+    parser.add_argument("--tp", type=int_range(1, 8), help="--engine vllm: tensor-parallel worker processes "
+                        "(default 1: the engine in this process); the cache lives on the output rank only")
+    parser.add_argument("--pp", type=int_range(1, 2), help="--engine vllm: pipeline-parallel stages (default 1)")
+    parser.add_argument("--check-ranks", action="store_true", default=None,
+                        help="--engine vllm --tp N: a cache on every TP rank, each one's served rows compared "
+                        "bit for bit with the output rank's")
+
+
+VLLM_ONLY = ("tolerance", "tp", "pp", "check_ranks")
+
+
+def vllm_only_given(args: argparse.Namespace) -> list[str]:
+    """The ``--engine vllm`` options given to a simulated-engine run."""
+    return [f"--{name.replace('_', '-')}" for name in VLLM_ONLY if getattr(args, name, None) is not None]
 
 
 def run_vllm(args: argparse.Namespace) -> int:
@@ -44,24 +62,37 @@ def run_vllm(args: argparse.Namespace) -> int:
         err.print("omni-cache simulate --engine vllm: vLLM is not installed; see the README's third command "
                   "(pip install -e '.[vllm]', then remove torchvision)", markup=False)
         return 2
-    from omni_cache.vllm_sim.engine import DEFAULT_TOLERANCE, VllmSimConfig, VllmSimulation
+    from omni_cache.vllm_sim.engine import DEFAULT_TOLERANCE, VllmSimConfig
+    from omni_cache.vllm_sim.parallel import make_simulation
+    from omni_cache.vllm_sim.promises import kv_space_override
     from omni_cache.vllm_sim.report import render, summarize
 
     preset = args.preset or "mixed"
     try:
         kwargs: dict[str, Any] = dict(preset=preset, seed=args.seed, requests=args.requests, kv_blocks=args.num_blocks,
                                       max_batched_tokens=args.max_batched_tokens, eager=args.eager,
-                                      tolerance=DEFAULT_TOLERANCE if args.tolerance is None else args.tolerance)
+                                      tolerance=DEFAULT_TOLERANCE if args.tolerance is None else args.tolerance,
+                                      tp=args.tp or 1, pp=args.pp or 1, check_ranks=bool(args.check_ranks))
         if args.steps_limit is not None:
             kwargs["steps_limit"] = args.steps_limit
         cfg = VllmSimConfig(**kwargs)
     except (ValueError, TypeError) as exc:
         err.print(f"omni-cache simulate: {exc}", markup=False)
         return 2
-    result = VllmSimulation(cfg).run()
+    refusal = kv_space_override()
+    if refusal:
+        err.print(f"omni-cache simulate: {refusal}", markup=False, soft_wrap=True)
+        return 2
+    result = make_simulation(cfg).run()
     summary = summarize(result)
     if args.json:
         print(json.dumps(summary, indent=2, default=str))
     else:
         render(summary, Console())
-    return 0 if result.ok else 1
+    if not result.ok:
+        return 1
+    if result.incomplete:
+        err.print(f"omni-cache simulate: exit {EXIT_INCOMPLETE} (incomplete: {'; '.join(result.incomplete)})",
+                  markup=False, soft_wrap=True)
+        return EXIT_INCOMPLETE
+    return 0

@@ -1,7 +1,9 @@
 """Hooks a vLLM-style model runner calls to feed the omni prefix cache.
 
 Owns: ``PrefixCacheRunnerHooks`` -- the frozen ``ModelCachePolicy``, the
-lazily built ``OmniPrefixCacheManager`` (last pipeline-parallel rank only), the
+lazily built ``OmniPrefixCacheManager`` (on the output rank only: TP rank 0 of
+the last pipeline stage, see ``omni_cache.integration.ranks``; every other rank's
+hooks allocate nothing and do nothing), the
 scheduler adapter, this step's scheduled-token counts between ``begin_step``
 and ``after_forward``, and the save-time request ids of every unconsumed step.
 
@@ -36,6 +38,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from omni_cache.adapter import PrefixCacheSchedulerAdapter, PrefixCacheStep, PrefixCacheWriteLayout
 from omni_cache.errors import OmniPrefixCacheUnmatchError
 from omni_cache.integration.config_gate import stage_prefix_cache_config
+from omni_cache.integration.ranks import WorkerRank, cache_bytes, vllm_worker_rank
 from omni_cache.interface import ModelCachePolicy, PrefixCacheConfig, ReqId, StageCacheOutputs, StepId
 
 if TYPE_CHECKING:
@@ -68,9 +71,12 @@ def _default_manager_factory(config: PrefixCacheConfig, **kwargs: Any) -> OmniPr
 class PrefixCacheRunnerHooks:
     """The per-step calls of one engine stage (see the module docstring).
 
-    ``is_last_pp_rank``: a bool, a callable evaluated once at the first real
-    step, or ``None`` for ``vllm_is_last_pp_rank``. ``manager_kwargs`` go to
-    the manager (``eager``, ``recorder``, ``faults``).
+    Which rank holds the cache is decided once, at the first real step:
+    ``is_last_pp_rank`` (a bool or a callable; a single TP rank per stage is
+    assumed) when given, else ``rank`` (a ``WorkerRank`` or a callable
+    returning one; ``None``: ``vllm_worker_rank``), whose output rank holds it
+    (with ``all_tp_ranks``, every TP rank of the last stage). ``manager_kwargs``
+    go to the manager (``eager``, ``recorder``, ``faults``).
     """
 
     def __init__(
@@ -78,13 +84,18 @@ class PrefixCacheRunnerHooks:
         config: PrefixCacheConfig | None = None,
         *,
         is_last_pp_rank: bool | Callable[[], bool] | None = None,
+        rank: WorkerRank | Callable[[], WorkerRank] | None = None,
+        all_tp_ranks: bool = False,
         manager_factory: Callable[..., Any] | None = None,
         **manager_kwargs: Any,
     ) -> None:
         self._config = config
         self._configured = config is not None
         self._is_last_pp_rank = is_last_pp_rank
-        self._last_rank: bool | None = None
+        self._rank_source = rank
+        self.all_tp_ranks = bool(all_tp_ranks)
+        self._rank: WorkerRank | None = None  # set once by _holds_cache (engine thread)
+        self._last_rank: bool | None = None  # whether this rank holds the cache; set once by _holds_cache
         self._factory = manager_factory or _default_manager_factory
         self._manager_kwargs = manager_kwargs
         self._policy: ModelCachePolicy | None = None
@@ -144,12 +155,7 @@ class PrefixCacheRunnerHooks:
             )
         if self._config is None:
             return False
-        if self._last_rank is None:
-            flag = self._is_last_pp_rank
-            if flag is None:
-                flag = vllm_is_last_pp_rank
-            self._last_rank = bool(flag() if callable(flag) else flag)
-        if not self._last_rank:
+        if not self._holds_cache():
             return False
         if self._policy is None:
             raise OmniPrefixCacheUnmatchError(
@@ -160,6 +166,32 @@ class PrefixCacheRunnerHooks:
         manager.register_policy(self._policy)
         self._manager = manager
         return True
+
+    def _holds_cache(self) -> bool:
+        if self._last_rank is None:
+            flag = self._is_last_pp_rank
+            if flag is not None:
+                self._last_rank = bool(flag() if callable(flag) else flag)
+            else:
+                self._rank = self._resolve_rank()
+                self._last_rank = self._rank.holds_cache(all_tp_ranks=self.all_tp_ranks)
+        return self._last_rank
+
+    def rank_stats(self) -> dict[str, Any]:
+        """This rank's place, whether it holds the cache and the host bytes the
+        cache holds here (zero on a rank without one)."""
+        rank = self._rank
+        if rank is None and self._is_last_pp_rank is None:
+            rank = self._resolve_rank()
+        return {**(rank.as_dict() if rank is not None else {}), "holds_cache": self._manager is not None,
+                **cache_bytes(self._manager)}
+
+    def _resolve_rank(self) -> WorkerRank:
+        source = self._rank_source if self._rank_source is not None else vllm_worker_rank
+        rank = source() if callable(source) else source
+        if not isinstance(rank, WorkerRank):
+            raise TypeError(f"PrefixCacheRunnerHooks: rank must be a WorkerRank, got {type(rank).__name__}")
+        return rank
 
     # ------------------------------------------------------------- per step
     def begin_step(self, scheduler_output: Any, *, is_dummy: bool = False) -> PrefixCacheStep | None:

@@ -156,7 +156,9 @@ class VllmRunnerBridge:
     """The omni prefix cache of one vLLM engine stage (see the module docstring).
 
     ``settings`` (from ``additional_config["omni_cache"]``): ``deferred_keys``
-    (list of mm keys written on finish), ``eager`` (bool, manager mode).
+    (list of mm keys written on finish), ``eager`` (bool, manager mode),
+    ``all_tp_ranks`` (bool: a cache on every TP rank of the last pipeline
+    stage, not only on the output rank; for checking that the ranks agree).
     ``mm_outputs_fn(hidden_states, record_spans) -> dict`` stands in for a
     model's per-token mm outputs; ``observer(ForwardRecord)`` sees every real
     forward. Both may be set after the engine is built, before its first step.
@@ -164,7 +166,7 @@ class VllmRunnerBridge:
 
     def __init__(self, settings: dict[str, Any] | None = None, *, hooks: PrefixCacheRunnerHooks | None = None) -> None:
         settings = dict(settings or {})
-        unknown = set(settings) - {"deferred_keys", "eager", "needs_full_hidden_states"}
+        unknown = set(settings) - {"all_tp_ranks", "deferred_keys", "eager", "needs_full_hidden_states"}
         if unknown:
             raise ValueError(f"VllmRunnerBridge: unknown additional_config['{CONFIG_KEY}'] keys {sorted(unknown)}")
         self._policy_override: ModelCachePolicy | None = None
@@ -176,12 +178,15 @@ class VllmRunnerBridge:
         kwargs: dict[str, Any] = {}
         if "eager" in settings:
             kwargs["eager"] = bool(settings["eager"])
+        if settings.get("all_tp_ranks"):
+            kwargs["all_tp_ranks"] = True
         self.hooks = hooks if hooks is not None else PrefixCacheRunnerHooks(**kwargs)
         self.mm_outputs_fn: Callable[[torch.Tensor], dict[str, Any]] | None = None
         self.observer: Callable[[ForwardRecord], None] | None = None
         self.step_ids: queue.Queue[PublishedStep] = queue.Queue()
         self.engine_step = 0
         self.preemptions = 0
+        self.zero_token_steps = 0  # steps that scheduled no token here (e.g. a non-last PP rank's)
         self._scheduler_output: Any = None
         self.v2_mirror: V2BlockTableMirror | None = None
 
@@ -208,6 +213,7 @@ class VllmRunnerBridge:
         """Top of ``execute_model``: every real step, zero scheduled tokens included."""
         self.engine_step += 1
         self.preemptions += len(getattr(scheduler_output, "preempted_req_ids", None) or ())
+        self.zero_token_steps += int(not getattr(scheduler_output, "total_num_scheduled_tokens", 0))
         self._scheduler_output = scheduler_output
         self.hooks.begin_step(scheduler_output)
 

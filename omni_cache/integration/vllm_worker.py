@@ -17,7 +17,12 @@ KV-cache initialisation (before the KV cache is allocated, so a refused
 configuration fails at engine start), ``begin_step`` before the runner drops
 finished requests (also for steps with zero scheduled tokens), ``after_forward``
 with the real hidden states and block table; warmup and dummy runs are never
-fed.
+fed. The cache is built on the output rank only (``ranks``); ``omni_cache_stats``
+is the worker method ``LLM.collective_rpc("omni_cache_stats")`` calls to read
+each rank's place and host bytes. With pipeline parallelism and
+``enforce_eager=True`` the CPU runner skips its warm-up, the one place a
+non-first pipeline rank allocates the buffer for the previous stage's
+intermediate tensors; ``OmniCPUWorker`` allocates it as that warm-up would.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import functools
 from typing import Any
 
 _LAZY = ("OmniCPUModelRunner", "OmniCPUWorker", "OmniGPUWorker")  # built by __getattr__ on first access
-__all__: list[str] = ["omni_runner_class"]
+__all__: list[str] = ["allocate_intermediate_tensors", "omni_runner_class", "worker_cache_stats"]
 
 
 @functools.cache
@@ -99,6 +104,31 @@ def omni_runner_class(base: type, v2: bool) -> type:
     return OmniModelRunnerV2
 
 
+def allocate_intermediate_tensors(runner: Any) -> bool:
+    """On a non-first pipeline rank, allocate ``runner.intermediate_tensors`` (the
+    buffer the previous stage's activations are received into) as vLLM's warm-up
+    (``_dummy_run``) does, if nothing allocated it; True when it allocated."""
+    from vllm.distributed.parallel_state import get_pp_group
+
+    if get_pp_group().is_first_rank or getattr(runner, "intermediate_tensors", None) is not None:
+        return False
+    runner.intermediate_tensors = runner.model.make_empty_intermediate_tensors(
+        batch_size=runner.max_num_tokens, dtype=runner.model_config.dtype, device=runner.device)
+    return True
+
+
+def worker_cache_stats(worker: Any) -> dict[str, Any]:
+    """One worker's rank (global ``rank`` as vLLM numbers it), whether it holds
+    the cache, its host bytes and its step counts; plain values only, so the
+    reply crosses any of vLLM's RPC channels."""
+    bridge = getattr(worker.model_runner, "omni_cache", None)
+    if bridge is None:
+        raise RuntimeError("omni_cache_stats: this worker's model runner has no omni cache")
+    return {**bridge.hooks.rank_stats(), "engine_steps": int(bridge.engine_step),
+            "preemptions": int(bridge.preemptions),
+            "zero_token_steps": int(bridge.zero_token_steps)}
+
+
 @functools.cache
 def _build_classes() -> dict[str, type]:
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
@@ -118,6 +148,14 @@ def _build_classes() -> dict[str, type]:
                 )
             self.model_runner = cpu_runner(self.vllm_config, self.device)
 
+        def compile_or_warm_up_model(self) -> Any:
+            times = super().compile_or_warm_up_model()
+            allocate_intermediate_tensors(self.model_runner)
+            return times
+
+        def omni_cache_stats(self) -> dict[str, Any]:
+            return worker_cache_stats(self)
+
     class OmniGPUWorker(Worker):  # type: ignore[misc, valid-type]
         """vLLM's GPU worker whose runner (V1, or V2 where vLLM picks it) feeds the cache."""
 
@@ -131,6 +169,9 @@ def _build_classes() -> dict[str, type]:
             from vllm.v1.worker.gpu_model_runner import GPUModelRunner as RunnerV1
 
             return omni_runner_class(RunnerV1, False)(self.vllm_config, self.device)
+
+        def omni_cache_stats(self) -> dict[str, Any]:
+            return worker_cache_stats(self)
 
     return {"OmniCPUModelRunner": cpu_runner, "OmniCPUWorker": OmniCPUWorker, "OmniGPUWorker": OmniGPUWorker}
 

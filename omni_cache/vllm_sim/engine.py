@@ -33,6 +33,7 @@ from typing import Any
 from omni_cache.errors import OmniPrefixCacheUnmatchError
 from omni_cache.integration.vllm_bridge import runner_of
 from omni_cache.sim.checker import Mismatch
+from omni_cache.vllm_sim import promises
 from omni_cache.vllm_sim.truth import DEFERRED_KEY, ForwardCapture, derive_mm
 from omni_cache.vllm_sim.workload import PRESETS, PlannedRequest, plan_requests
 
@@ -104,6 +105,9 @@ class VllmSimConfig:
     eager: bool = True
     steps_limit: int = 2000
     tolerance: float = DEFAULT_TOLERANCE
+    tp: int = 1  # tensor-parallel workers (> 1 or pp > 1: worker processes, vllm_sim.parallel)
+    pp: int = 1  # pipeline-parallel stages
+    check_ranks: bool = False  # a cache on every TP rank of the last stage, each compared bit for bit
 
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:
@@ -114,6 +118,9 @@ class VllmSimConfig:
             raise ValueError(f"--max-batched-tokens must be at least 32, got {self.max_batched_tokens}")
         if not self.tolerance >= 0:
             raise ValueError(f"tolerance must be >= 0, got {self.tolerance}")
+        from omni_cache.vllm_sim.parallel import check_parallel_config
+
+        check_parallel_config(self)
 
     def as_dict(self) -> dict[str, Any]:
         preset = PRESETS[self.preset]
@@ -151,6 +158,10 @@ class VllmSimResult:
     engine_start_s: float = 0.0
     wall_s: float = 0.0
     mismatches: list[Mismatch] = field(default_factory=list)
+    ranks: list[dict[str, Any]] = field(default_factory=list)  # one per worker: place, host bytes
+    rank_rows_compared: int = 0  # --check-ranks: rows compared between TP ranks
+    kv_blocks_engine: int = 0  # the KV blocks the engine got (the run checks they are the asked ones)
+    incomplete: list[str] = field(default_factory=list)  # ran clean but did less than the preset promises
 
     @property
     def ok(self) -> bool:
@@ -162,6 +173,7 @@ class VllmSimulation:
         self.config = config
         preset = PRESETS[config.preset]
         self.preset = preset
+        self.preset_plan = plan is None  # the preset's own workload (its promises apply)
         self.plan: list[PlannedRequest] = plan if plan is not None else plan_requests(
             preset, seed=config.seed, requests=config.requests, block_size=BLOCK_SIZE)
         self.capture = ForwardCapture(BLOCK_SIZE)
@@ -234,23 +246,30 @@ class VllmSimulation:
             else:
                 bridge = self.attach(llm)
             res.engine_start_s = time.perf_counter() - t0
+            res.kv_blocks_engine = int(self.runner_of(llm).kv_cache_config.num_blocks)
             bridge.mm_outputs_fn = derive_mm
             bridge.observer = self._observe_with(bridge)
             self.bridge = bridge
             consumer = threading.Thread(target=self._consume, args=(bridge, res), name="omni-consumer", daemon=True)
             consumer.start()
             try:
+                if promises.kv_block_problem(self.config, res.kv_blocks_engine, res):
+                    raise promises.NotRun
                 self._drive(llm, res)
                 bridge.step_ids.join()
                 if res.ok:
                     self._recompute(llm, res)
                     bridge.step_ids.join()
+            except promises.NotRun:
+                pass
             except Exception as exc:
                 res.mismatches.append(Mismatch(bridge.engine_step, None, None, None, None,
                                                f"the engine raised {type(exc).__name__}: {exc}"))
             finally:
                 self._stop.set()
                 consumer.join(timeout=60)
+            res.ranks = [{**bridge.hooks.rank_stats(), "engine_steps": bridge.engine_step,
+                          "zero_token_steps": bridge.zero_token_steps}]
             self._check_exactly_once(bridge, res)
             res.preemptions = bridge.preemptions
             res.steps = bridge.engine_step
@@ -263,8 +282,12 @@ class VllmSimulation:
         res.chunked_prefills, res.served_from_cache, res.rows_verified = (
             cap.chunked_prefills, cap.served_from_cache, cap.rows_verified)
         res.computed_tokens = cap.rows_captured
+        promises.preemption_problem(self.config, res, preset_plan=self.preset_plan)
         res.wall_s = time.perf_counter() - t0
         return res
+
+    def _after_step(self, llm: Any, res: VllmSimResult) -> None:
+        """After each engine step (worker-process runs gather the workers' records here)."""
 
     def _observe_with(self, bridge: Any) -> Any:
         def observe(rec: Any) -> None:
@@ -304,6 +327,7 @@ class VllmSimulation:
             for out in le.step():
                 if out.finished and out.request_id in by_name and out.request_id not in aborted:
                     self._finished.append(by_name[out.request_id])
+            self._after_step(llm, res)
             step += 1
             if step >= self.config.steps_limit:
                 res.mismatches.append(Mismatch(step, None, None, None, None,
@@ -330,6 +354,7 @@ class VllmSimulation:
                 for out in le.step():
                     if out.finished:
                         cached = out.num_cached_tokens
+                self._after_step(llm, res)
             if cached:
                 res.mismatches.append(Mismatch(None, None, name, None, None,
                                                f"the recomputation was served {cached} tokens from the KV cache"))

@@ -2,8 +2,9 @@
 
 Owns: ``summarize`` (``VllmSimResult`` -> dict, the keys of the simulated
 engine's summary where they mean the same, plus ``engine``, ``vllm_version``,
-``hit_tokens``, ``preemptions``, ``rows_verified`` and the three checks) and
-``render``. Invariants: none enforced here.
+``hit_tokens``, ``preemptions``, ``rows_verified``, the three checks, the
+worker ``ranks`` with their host bytes and what the run did less than asked,
+``incomplete``) and ``render``. Invariants: none enforced here.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from omni_cache.vllm_sim.engine import VllmSimResult
@@ -21,7 +23,7 @@ MAX_REPORTED = 20
 def summarize(res: VllmSimResult) -> dict[str, Any]:
     cfg = res.config
     return {
-        "ok": res.ok,
+        "ok": res.ok and not res.incomplete,
         "engine": "vllm",
         "vllm_version": res.vllm_version,
         "preset": cfg.preset,
@@ -47,6 +49,11 @@ def summarize(res: VllmSimResult) -> dict[str, Any]:
                            "unconsumed_at_shutdown": len(res.unconsumed),
                            "second_materialize_refused": res.double_consume_refused},
         },
+        "parallel": {"tp": cfg.tp, "pp": cfg.pp, "workers": cfg.tp * cfg.pp,
+                     "check_ranks": cfg.check_ranks, "rank_rows_compared": res.rank_rows_compared},
+        "kv_blocks": {"asked": cfg.as_dict()["kv_blocks"], "engine": res.kv_blocks_engine},
+        "ranks": [dict(r) for r in res.ranks],
+        "incomplete": list(res.incomplete),
         "engine_start_s": round(res.engine_start_s, 3),
         "wall_s": round(res.wall_s, 3),
         "num_mismatches": len(res.mismatches),
@@ -74,8 +81,15 @@ def render(s: dict[str, Any], console: Console) -> None:
          f"{b['bit_identical_rows']} bit-identical"),
         ("(c) step ids consumed once", f"{c['consumed']} of {c['published']}, {c['unconsumed_at_shutdown']} "
          f"left, second materialize {'refused' if c['second_materialize_refused'] else 'NOT refused'}"),
+        ("KV blocks (asked / engine)", f"{s['kv_blocks']['asked']} / {s['kv_blocks']['engine']}"),
+        *[(f"rank {r.get('rank', i)} (tp {r.get('tp_rank')}, pp {r.get('pp_rank')})",
+           f"{r['host_bytes']:,} host bytes{' (output rank)' if r.get('output_rank') else ''}")
+          for i, r in enumerate(s["ranks"])],
+        *([("(ranks) rows equal on every TP rank", str(s["parallel"]["rank_rows_compared"]))]
+          if s["parallel"]["check_ranks"] else []),
         ("engine start / wall time", f"{s['engine_start_s']:.1f} s / {s['wall_s']:.1f} s"),
-        ("result", "[green]OK[/]" if s["ok"] else f"[red]FAILED: {s['num_mismatches']} mismatch(es)[/]"),
+        ("result", f"[red]FAILED: {s['num_mismatches']} mismatch(es)[/]" if s["num_mismatches"] else
+         "[yellow]INCOMPLETE: " + escape("; ".join(s["incomplete"])) + "[/]" if s["incomplete"] else "[green]OK[/]"),
     ]
     for name, value in rows:
         table.add_row(name, value)

@@ -40,6 +40,7 @@ class VllmPreset:
     wave_gap_steps: int = 6
     long_prompt_tokens: int = 400  # > max_batched_tokens: a chunked prefill
     aborts: int = 2
+    promises_preemptions: bool = False  # run as the preset, the engine must preempt (else exit 3)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -52,6 +53,7 @@ PRESETS: dict[str, VllmPreset] = {
         "a 48-block KV cache (preemption) and two aborts",
         requests=24,
         kv_blocks=48,
+        promises_preemptions=True,
     ),
     "pressure": VllmPreset(
         "pressure",
@@ -63,6 +65,7 @@ PRESETS: dict[str, VllmPreset] = {
         wave_gap_steps=3,
         long_prompt_tokens=300,
         aborts=1,
+        promises_preemptions=True,
     ),
 }
 
