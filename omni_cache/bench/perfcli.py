@@ -64,6 +64,8 @@ def run_extra(args: argparse.Namespace, console: Any, sizes: list[int], repeats:
     if args.profile:
         doc["breakdown"] = run_breakdown(args, console, sizes, kwargs)
     if args.sweep:
+        from omni_cache.bench.provenance import load_average, provenance_line
+        from omni_cache.bench.report import machine_description
         from omni_cache.bench.sweep import (
             growth_lines,
             run_sweep,
@@ -72,11 +74,17 @@ def run_extra(args: argparse.Namespace, console: Any, sizes: list[int], repeats:
             write_sweep_plot,
         )
 
+        load_before = load_average()
         points = run_sweep(repeats=repeats, eager=eager, decode_steps=steps, progress=say)
         path = None
         if args.sweep is not True:  # a FILE.png was given
-            path = write_sweep_plot(points, args.sweep, title=f"omni-cache bench --sweep ({mode}; full widths: median "
-                                    f"of {repeats} passes; narrow rows: per-step min of {max(5, 2 * repeats)} passes)")
+            command = "omni-cache bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else ["--sweep", "..."])
+            path = write_sweep_plot(
+                points, args.sweep,
+                title=f"{mode} mode; full widths: median of {repeats} pass{'es' if repeats != 1 else ''}; narrow rows: per-step minimum of "
+                      f"{max(5, 2 * repeats)} passes",
+                footnote=f"{provenance_line(machine_description(), load_before, load_average())}\n"
+                         f"command: {command}")
         doc["sweep"] = {**sweep_summary(points), "plot": None if path is None else str(path)}
         if not args.json:
             console.print(sweep_table(points, mode=mode, repeats=repeats))

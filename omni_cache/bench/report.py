@@ -221,7 +221,7 @@ def write_plot(result: BenchResult, path: str | Path) -> Path:
              f"{cfg['block_size']}, {cfg['num_blocks']} blocks, {cfg['prompt_tokens']}-token prompts (half hit "
              f"{cfg['hit_tokens']}), {cfg['decode_steps']} decode steps, torch threads "
              f"{cfg.get('torch_threads', '?')}.\nmachine: {cfg.get('machine', '?')}; {load_text}.\n"
-             f"measured {when}: {cfg.get('command') or 'omni-cache bench'}",
+             f"measured {when}, commit {cfg.get('commit', '?')}: {cfg.get('command') or 'omni-cache bench'}",
              ha="left", va="bottom", fontsize=7.5, color="0.25")
     fig.tight_layout(rect=(0, 0.09, 1, 0.86))
     with matplotlib.rc_context({"svg.fonttype": "none"}):  # SVG keeps its text as text (searchable)
