@@ -1,6 +1,6 @@
-"""A user's mistakes get one clear line and the right exit code, never a traceback (issue 14).
+"""A user's mistakes get one clear line and the right exit code, never a traceback.
 
-Each case below is one of the mistakes a new user made (issue 14, "Why"): the
+Each case below is one of the mistakes a new user made: the
 command must exit with the documented code (2: bad arguments, with the usage of
 the subcommand the flag belongs to; 3: ran clean but did less than asked), name
 the flag and what it accepts, and print no traceback. Runs that verified nothing,
@@ -10,6 +10,7 @@ or fewer requests than asked, are not OK.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -66,6 +67,14 @@ USAGE_ERRORS = [
     (["verify", "--jobs", "0"], "usage: omni-cache verify", "argument --jobs: wants an integer from 1 to 64, got 0"),
     (["verify", "--timeout", "0"], "usage: omni-cache verify", "argument --timeout: wants a number > 0"),
     (["verify", "--expect", "STARTED"], "usage: omni-cache verify", "argument --expect: wants one of ok, deadlock"),
+    # Refused after parsing (they need the preset tables or the file system), with the usage all the same.
+    (["simulate", "--engine", "vllm", "--preset", "chat"], "usage: omni-cache simulate",
+     "--preset chat is a preset of the simulated engine; --engine vllm takes mixed, pressure"),
+    (["simulate", "--engine", "vllm", "--num-blocks", "3"], "usage: omni-cache simulate",
+     "--num-blocks must be at least 17"),
+    (["simulate", "--preset", "pressure"], "usage: omni-cache simulate", "--preset pressure needs --engine vllm"),
+    (["verify", "--only", "no-such-model"], "usage: omni-cache verify", "no manifest entry matches --only"),
+    (["verify", "--cfg", "no/such.cfg"], "usage: omni-cache verify", "--cfg no/such.cfg does not exist"),
 ]
 
 
@@ -168,3 +177,100 @@ def test_validators_name_the_range() -> None:
     assert int_list(1, 9)("3,1,3") == [1, 3]
     with pytest.raises(argparse.ArgumentTypeError, match=r"ending in \.png or \.svg"):
         plot_path("plot.pdf")
+
+
+# ---------------------------------------------------------------------------------------------
+# Parse first, import torch after: an argument error answers at once
+# ---------------------------------------------------------------------------------------------
+_PARSE_ONLY = """
+import sys
+from omni_cache.cli import main
+try:
+    main(sys.argv[1:])
+except SystemExit as exc:
+    print(exc.code, sorted(m for m in ("torch", "numpy", "rich", "matplotlib", "vllm") if m in sys.modules))
+"""
+
+
+@pytest.mark.parametrize("argv", [["simulate", "--requests", "0"], ["bench", "--repeats", "0"],
+                                  ["verify", "--jobs", "0"], ["diagram", "--machine", "nope"], ["--bogus"]])
+def test_an_argument_error_is_answered_before_torch_is_imported(argv: list[str]) -> None:
+    """The cost of an argument error is Python's start plus argparse: torch (seconds to import) is
+    imported only by a command that runs."""
+    done = subprocess.run([sys.executable, "-c", _PARSE_ONLY, *argv], capture_output=True, text=True, cwd=ROOT,
+                          timeout=120)
+    assert done.stdout.split("\n")[0] == "2 []", (done.stdout, done.stderr[-500:])
+    assert "usage: omni-cache" in done.stderr
+
+
+def test_simulate_help_offers_each_engine_its_own_presets(capsys: pytest.CaptureFixture[str]) -> None:
+    from omni_cache.vllm_sim.workload import PRESETS as VLLM_PRESETS
+
+    code, out, _err = _run(["simulate", "--help"], capsys)
+    assert code == 0
+    help_text = " ".join(out.split())
+    sim = ", ".join(sorted(PRESETS))
+    real = ", ".join(sorted(VLLM_PRESETS))
+    assert f"workload: {sim} (default chat); with --engine vllm: {real} (default mixed)" in help_text
+    assert "{" + ",".join(sorted(set(PRESETS) | set(VLLM_PRESETS))) + "}" not in out  # no mixed choice list
+
+
+def test_the_tiny_llama_model_folder_is_removed_when_the_process_exits(tmp_path: Path) -> None:
+    """``simulate --engine vllm`` writes its model's config.json into a temporary folder; nothing of
+    it stays in the temporary directory after the command."""
+    code = ("from omni_cache.vllm_sim.engine import tiny_llama_dir; import os; p = tiny_llama_dir(); "
+            "print(p, os.path.isfile(os.path.join(p, 'config.json')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                          env={**os.environ, "TMPDIR": str(tmp_path)})
+    path, existed = done.stdout.split()
+    assert existed == "True" and Path(path).parent == tmp_path, done.stdout
+    assert list(tmp_path.iterdir()) == [], "the model folder outlived the process"
+
+
+def test_bench_sweep_without_a_path_writes_nothing(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """``--sweep`` alone prints the table; only ``--sweep FILE.png`` writes a file (none into the
+    source tree by default)."""
+    import omni_cache.bench.sweep as sweep
+
+    calls: list[Any] = []
+    monkeypatch.setattr(sweep, "run_sweep", lambda **kw: calls.append(kw) or [])
+    monkeypatch.setattr(sweep, "sweep_table", lambda points, **kw: "TABLE")
+    monkeypatch.setattr(sweep, "growth_lines", lambda points: [])
+    monkeypatch.setattr(sweep, "sweep_summary", lambda points: {})
+    written: list[Any] = []
+    monkeypatch.setattr(sweep, "write_sweep_plot", lambda points, path, **kw: written.append(path) or Path(path))
+    monkeypatch.chdir(tmp_path)
+    before = {p: p.stat().st_mtime_ns for p in (ROOT / "docs").glob("*.png")}
+    code, out, _err = _run(["bench", "--sweep", "--repeats", "1"], capsys)
+    assert code == 0 and calls and written == [], (code, out[-500:])
+    assert "no plot written (pass --sweep FILE.png for one)" in out
+    assert {p: p.stat().st_mtime_ns for p in (ROOT / "docs").glob("*.png")} == before
+    code, out, _err = _run(["bench", "--sweep", "mine.png", "--repeats", "1"], capsys)
+    assert code == 0 and written == [Path("mine.png")]
+
+
+def test_bench_names_its_timing_difference_for_what_it_is() -> None:
+    """omni_cache - floor is a difference of two timings (negative when the floor's per-request
+    clones cost more than the cache's per-key copies), never called bookkeeping."""
+    from omni_cache.bench.report import verdict_lines
+
+    class Result:  # what verdict_lines reads of a BenchResult
+        config, results, target_ratio, ground_truth = {"quick": False}, (), 0.5, "OK"
+        batch_sizes = (8, 32)
+        passed = True
+
+        def overhead_growth_us_per_request(self) -> float:
+            return (-150.0 + 108.7) / 24
+
+        def ratio(self, b: int, decode: bool = False) -> float:
+            return 0.9
+
+        def overhead_us_per_step(self, b: int) -> float:
+            return -108.7 if b == 8 else -150.0
+
+    lines = verdict_lines(Result())  # type: ignore[arg-type]
+    text = "\n".join(lines)
+    assert "bookkeeping (omni_cache - floor)" not in text and "bookkeeping growth" not in text
+    assert "decode step time omni_cache - floor -108.7 µs" in lines[0]
+    assert "not the bookkeeping" in text and "--sweep FILE.png" in text

@@ -341,6 +341,19 @@ def test_saved_at_is_the_first_frame_outside_the_runtime_or_in_a_driver() -> Non
     assert saved_at.startswith(os.path.join(os.path.dirname(__file__), "cache_helpers.py") + ":")
 
 
+def test_the_compiled_stand_in_files_are_not_reported_by_coverage() -> None:
+    """The two functions above claim files that do not exist; coverage must skip them (else the
+    test run warns "Couldn't parse ... fake_hook.py / fake_driver.py")."""
+    import fnmatch
+    import pathlib
+
+    tomllib = pytest.importorskip("tomllib")
+    pyproject = pathlib.Path(PACKAGE).parent / "pyproject.toml"
+    omit = tomllib.loads(pyproject.read_text())["tool"]["coverage"]["run"]["omit"]
+    for name in (os.path.join(PACKAGE, "integration", "fake_hook.py"), os.path.join(PACKAGE, "bench", "fake_driver.py")):
+        assert any(fnmatch.fnmatch(name, pattern) for pattern in omit), name
+
+
 # ---- the staging calls whose trace notes are now built only for a recorder keep their lock ----
 @pytest.mark.parametrize("what", ["hold", "unhold", "done_reading"])
 def test_staging_hold_unhold_and_done_reading_wait_for_the_pool_lock(what: str) -> None:

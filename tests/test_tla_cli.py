@@ -51,8 +51,11 @@ def test_verify_table_and_surprise_exit(tmp_path: Path, capsys: pytest.CaptureFi
 
 
 def test_verify_no_match_and_bad_expect(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["verify", "--only", "no-such-model"]) == 2
-    assert "no manifest entry matches" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:
+        main(["verify", "--only", "no-such-model"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: omni-cache verify") and "no manifest entry matches" in err
     cfg = TLA / "staging" / "MCStaging.cfg"
     with pytest.raises(SystemExit) as exited:  # refused at parse time, with verify's usage
         main(["verify", "--cfg", str(cfg), "--expect", "fine"])

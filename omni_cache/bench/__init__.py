@@ -19,9 +19,24 @@ Owns nothing at run time; ``omni-cache bench`` (``omni_cache.cli.bench``) drives
   breakdown ``--profile`` prints).
 """
 
-from omni_cache.bench.machine import MachineBenchResult, run_machine_bench
-from omni_cache.bench.runner import TARGET_RATIO, BenchResult, ImplResult, run_bench
-from omni_cache.bench.workload import GroundTruthError, WorkloadSpec, build_workload, check_outputs
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from omni_cache._lazy import lazy_exports
+
+_EXPORTS: dict[str, str] = {
+    "MachineBenchResult": "omni_cache.bench.machine",
+    "run_machine_bench": "omni_cache.bench.machine",
+    "TARGET_RATIO": "omni_cache.bench.runner",
+    "BenchResult": "omni_cache.bench.runner",
+    "ImplResult": "omni_cache.bench.runner",
+    "run_bench": "omni_cache.bench.runner",
+    "GroundTruthError": "omni_cache.bench.workload",
+    "WorkloadSpec": "omni_cache.bench.workload",
+    "build_workload": "omni_cache.bench.workload",
+    "check_outputs": "omni_cache.bench.workload",
+}
 
 __all__ = [
     "TARGET_RATIO",
@@ -35,3 +50,10 @@ __all__ = [
     "run_bench",
     "run_machine_bench",
 ]
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
+
+if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
+    from omni_cache.bench.machine import MachineBenchResult, run_machine_bench
+    from omni_cache.bench.runner import TARGET_RATIO, BenchResult, ImplResult, run_bench
+    from omni_cache.bench.workload import GroundTruthError, WorkloadSpec, build_workload, check_outputs

@@ -28,11 +28,12 @@ from omni_cache.cli.args import EXIT_INCOMPLETE, plot_path
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                        help="run a named workload against its targets (decode13: issue 13's decode workload)")
-    parser.add_argument("--sweep", nargs="?", const="docs/bench_sweep.png", default=None, metavar="FILE.png",
+                        help="run a named workload against its targets (decode13: the decode-heavy workload: hidden 2048 + "
+                             "mm 512 bf16, 512-token prompts, then 200 one-token decode steps at 8 and 32 requests)")
+    parser.add_argument("--sweep", nargs="?", const=True, default=None, metavar="FILE.png",
                         type=plot_path,
-                        help="bookkeeping per decode step over requests 1/8/32/128 x num_blocks 1k/4k/16k, "
-                             "plotted to FILE.png (default docs/bench_sweep.png)")
+                        help="bookkeeping per decode step over requests 1/8/32/128 x num_blocks 1k/4k/16k: a table, "
+                             "and a plot in FILE.png when given (nothing is written without it)")
     parser.add_argument("--memory", action="store_true",
                         help="host bytes of pool + staging + tenancy vs the documented formula vs peak RSS")
 
@@ -63,6 +64,8 @@ def run_extra(args: argparse.Namespace, console: Any, sizes: list[int], repeats:
     if args.profile:
         doc["breakdown"] = run_breakdown(args, console, sizes, kwargs)
     if args.sweep:
+        from omni_cache.bench.provenance import load_average, provenance_line
+        from omni_cache.bench.report import machine_description
         from omni_cache.bench.sweep import (
             growth_lines,
             run_sweep,
@@ -71,15 +74,23 @@ def run_extra(args: argparse.Namespace, console: Any, sizes: list[int], repeats:
             write_sweep_plot,
         )
 
+        load_before = load_average()
         points = run_sweep(repeats=repeats, eager=eager, decode_steps=steps, progress=say)
-        path = write_sweep_plot(points, args.sweep, title=f"omni-cache bench --sweep ({mode}; full widths: median of {repeats} "
-                                f"passes; narrow rows: per-step min of {max(5, 2 * repeats)} passes)")
-        doc["sweep"] = {**sweep_summary(points), "plot": str(path)}
+        path = None
+        if args.sweep is not True:  # a FILE.png was given
+            command = "omni-cache bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else ["--sweep", "..."])
+            path = write_sweep_plot(
+                points, args.sweep,
+                title=f"{mode} mode; full widths: median of {repeats} pass{'es' if repeats != 1 else ''}; narrow rows: per-step minimum of "
+                      f"{max(5, 2 * repeats)} passes",
+                footnote=f"{provenance_line(machine_description(), load_before, load_average())}\n"
+                         f"command: {command}")
+        doc["sweep"] = {**sweep_summary(points), "plot": None if path is None else str(path)}
         if not args.json:
             console.print(sweep_table(points, mode=mode, repeats=repeats))
             for line in growth_lines(points):
                 console.print(line)
-            console.print(f"wrote {path}")
+            console.print(f"wrote {path}" if path is not None else "no plot written (pass --sweep FILE.png for one)")
     if args.memory:
         from omni_cache.bench.memory import memory_report, memory_table
         from omni_cache.bench.preset import PRESETS as _P2

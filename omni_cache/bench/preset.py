@@ -6,7 +6,7 @@ step by step in the same passes, median over ``repeats``, every materialized
 row checked against the ground truth) and judges each case's ratio against its
 own target.
 
-``decode13`` is the workload of issue 13: hidden 2048 bf16 plus one immediate
+``decode13`` is the decode-heavy workload: hidden 2048 bf16 plus one immediate
 per-token mm key of width 512 bf16, block size 16, 4096 blocks, 512-token
 prompts, one prefill step per request in order, request i (odd i, never the
 first) starting with a 256-token block-aligned hit on request i-1's blocks,
@@ -22,10 +22,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from omni_cache.bench.runner import ImplResult, ManagerFactory, bench_batch
-from omni_cache.bench.workload import WorkloadSpec
+if TYPE_CHECKING:  # imported where used: the CLI reads PRESETS before torch is loaded
+    from omni_cache.bench.runner import ImplResult, ManagerFactory
 
 
 @dataclass(frozen=True)
@@ -84,6 +84,9 @@ def run_preset(
     """Every case of preset ``name``; ``decode_steps`` overrides the preset's (smoke runs)."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; known: {sorted(PRESETS)}")
+    from omni_cache.bench.runner import bench_batch
+    from omni_cache.bench.workload import WorkloadSpec
+
     out = []
     for case in PRESETS[name]:
         kwargs = dict(case.spec)

@@ -59,18 +59,24 @@ def verdict_lines(result: BenchResult) -> list[str]:
             f" (target >= {result.target_ratio:.0%}) {'PASS' if ratio >= result.target_ratio else 'FAIL'}")
         lines.append(
             f"batch {b}: omni_cache/floor tokens/s = {ratio:.1%}{verdict}; "
-            f"decode steps only {result.ratio(b, decode=True):.1%}; bookkeeping (omni_cache - floor) "
-            f"{result.overhead_us_per_step(b):,.1f} µs per decode step"
+            f"decode steps only {result.ratio(b, decode=True):.1%}; decode step time omni_cache - floor "
+            f"{result.overhead_us_per_step(b):+,.1f} µs"
         )
     if len(sizes) > 1:
         lines.append(
-            f"bookkeeping growth: {result.overhead_growth_us_per_request():+,.1f} µs per decode step per extra "
-            f"request (batch {sizes[0]} -> {sizes[-1]}; 0 means it does not grow with the number of requests)"
+            f"change of that difference: {result.overhead_growth_us_per_request():+,.1f} µs per extra request "
+            f"(batch {sizes[0]} -> {sizes[-1]})"
+        )
+        lines.append(
+            "(omni_cache - floor is a difference of two timings, not the bookkeeping: the floor clones each "
+            "request's rows, the cache copies once per key, so it can be negative; `omni-cache bench --sweep "
+            "FILE.png` measures the bookkeeping alone)"
         )
     rows = sum(r.rows_checked for r in result.results)
     lines.append(f"ground truth: {result.ground_truth} ({rows:,} materialized rows checked, every key)")
     if quick:
-        lines.append("no verdict for --quick (a smoke run; the 50% target is judged on the full workload)")
+        lines.append(f"no verdict for --quick (a smoke run; the {result.target_ratio:.0%} target is judged on the "
+                     "full workload)")
     else:
         lines.append(f"overall: {'PASS' if result.passed else 'FAIL'}")
     return lines
@@ -215,7 +221,7 @@ def write_plot(result: BenchResult, path: str | Path) -> Path:
              f"{cfg['block_size']}, {cfg['num_blocks']} blocks, {cfg['prompt_tokens']}-token prompts (half hit "
              f"{cfg['hit_tokens']}), {cfg['decode_steps']} decode steps, torch threads "
              f"{cfg.get('torch_threads', '?')}.\nmachine: {cfg.get('machine', '?')}; {load_text}.\n"
-             f"measured {when}: {cfg.get('command') or 'omni-cache bench'}",
+             f"measured {when}, commit {cfg.get('commit', '?')}: {cfg.get('command') or 'omni-cache bench'}",
              ha="left", va="bottom", fontsize=7.5, color="0.25")
     fig.tight_layout(rect=(0, 0.09, 1, 0.86))
     with matplotlib.rc_context({"svg.fonttype": "none"}):  # SVG keeps its text as text (searchable)

@@ -112,11 +112,12 @@ class BenchResult:
         return getattr(self.get(OMNI, batch_size), field_name) / floor if floor else float("nan")
 
     def overhead_us_per_step(self, batch_size: int) -> float:
-        """Decode µs/step of omni_cache minus the floor's: the bookkeeping per step."""
+        """Decode µs/step of omni_cache minus the floor's (a difference of two timings that can be
+        negative: the floor clones per request and key; ``bench.narrow`` measures the bookkeeping)."""
         return self.get(OMNI, batch_size).decode_us_per_step - self.get(FLOOR, batch_size).decode_us_per_step
 
     def overhead_growth_us_per_request(self) -> float:
-        """How the decode bookkeeping per step grows per extra request, smallest -> largest batch."""
+        """How ``overhead_us_per_step`` changes per extra request, smallest -> largest batch."""
         lo, hi = self.batch_sizes[0], self.batch_sizes[-1]
         if hi == lo:
             return 0.0

@@ -56,10 +56,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
     try:
-        return int(args.func(args) or 0)
+        args = parse_args(argv)
     except KeyboardInterrupt:
+        print("omni-cache: interrupted", file=sys.stderr)
+        return 130
+    try:
+        return int(args.func(args) or 0)  # torch and the rest are imported in here, after parsing
+    except KeyboardInterrupt:  # Ctrl-C, also while torch loads: one line, exit 130
         print(f"omni-cache {args.command}: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:

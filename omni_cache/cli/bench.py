@@ -158,6 +158,9 @@ def _run_engine(args: argparse.Namespace, console: Any) -> int:
     result.config["machine"] = report.machine_description()
     result.config["load_avg_1min"] = [load_before, _load()]
     result.config["measured_at"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    from omni_cache.bench.provenance import source_commit
+
+    result.config["commit"] = source_commit()
     result.config["command"] = "omni-cache bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else [])
     result.config["quick"] = bool(args.quick)
     if not args.no_verify:

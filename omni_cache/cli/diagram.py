@@ -47,19 +47,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         default=None,
         help="the spec file for --write/--check (default: spec/state_machines.md of this checkout)",
     )
-    parser.set_defaults(func=run)
+    parser.set_defaults(func=run, error=parser.error)
 
 
 def run(args: argparse.Namespace) -> int:
     from omni_cache import spec_render
 
     if (args.write or args.check) and args.path is None and not spec_render.IN_SOURCE_CHECKOUT:
-        print(
-            f"omni-cache diagram: {spec_render.SPEC_FILE.parent.parent} is not a source checkout "
-            "(no pyproject.toml beside the package); pass --path spec/state_machines.md",
-            file=sys.stderr,
-        )
-        return 2
+        args.error(f"{spec_render.SPEC_FILE.parent.parent} is not a source checkout "
+                   "(no pyproject.toml beside the package); pass --path spec/state_machines.md")
     if args.write:
         path = spec_render.write_state_machines_md(args.path)
         print(f"wrote {path}")

@@ -49,8 +49,9 @@ def register(subparsers: Any) -> None:
         "2 bad arguments, or a configuration that cannot run one request; 3 clean but incomplete "
         "(requests dropped or steps cut; --allow-incomplete makes that 0).",
     )
-    parser.add_argument("--preset", choices=sorted(set(PRESETS) | set(simulate_vllm.PRESETS)),
-                        help="workload (default: chat; --engine vllm: mixed)")
+    parser.add_argument("--preset", metavar="NAME", choices=sorted(set(PRESETS) | set(simulate_vllm.PRESETS)),
+                        help=f"workload: {', '.join(sorted(PRESETS))} (default chat); with --engine vllm: "
+                        f"{', '.join(sorted(simulate_vllm.PRESETS))} (default mixed)")
     parser.add_argument("--requests", type=positive_int, help="number of requests, >= 1 (multiturn: turns)")
     parser.add_argument("--max-batched-tokens", type=int_range(1, 1 << 20),
                         help="scheduler token budget per step, 1 to 1,048,576")

@@ -30,8 +30,7 @@ _SIM_ONLY = ("block_size", "max_num_seqs", "hidden_width", "embeds_width", "dtyp
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--engine", choices=["sim", "vllm"], default="sim",
-        help="the thinker: the simulated engine (default) or a real vLLM CPU engine (needs the [vllm] "
-        f"extra; presets {', '.join(sorted(PRESETS))}, default mixed)",
+        help="the thinker: the simulated engine (default) or a real vLLM CPU engine (needs the [vllm] extra)",
     )
     parser.add_argument("--tolerance", type=float_range(0, 1, lo_open=True),
                         help="--engine vllm: check (b) tolerance, max |diff| over the row's max |value| (default 1e-5)")
@@ -58,6 +57,9 @@ def run_vllm(args: argparse.Namespace) -> int:
     given = [f"--{name.replace('_', '-')}" for name in _SIM_ONLY if getattr(args, name, None) is not None]
     if given:
         args.error(f"{', '.join(given)} only apply to --engine sim")
+    if args.preset is not None and args.preset not in PRESETS:
+        args.error(f"--preset {args.preset} is a preset of the simulated engine; --engine vllm takes "
+                   f"{', '.join(sorted(PRESETS))}")
     if importlib.util.find_spec("vllm") is None:
         err.print("omni-cache simulate --engine vllm: vLLM is not installed; see the README's third command "
                   "(pip install -e '.[vllm]', then remove torchvision)", markup=False)
@@ -77,8 +79,7 @@ def run_vllm(args: argparse.Namespace) -> int:
             kwargs["steps_limit"] = args.steps_limit
         cfg = VllmSimConfig(**kwargs)
     except (ValueError, TypeError) as exc:
-        err.print(f"omni-cache simulate: {exc}", markup=False)
-        return 2
+        args.error(str(exc))  # the subcommand's usage, one line, exit 2
     refusal = kv_space_override()
     if refusal:
         err.print(f"omni-cache simulate: {refusal}", markup=False, soft_wrap=True)

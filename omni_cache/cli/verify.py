@@ -74,7 +74,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "--expect", default="ok", type=choice_pattern("ok", "deadlock", "invariant:", "property:"),
         help="with --cfg: the expected result (ok, deadlock, invariant:<Name>, property:<Name>; default ok)",
     )
-    parser.set_defaults(func=run)
+    parser.set_defaults(func=run, error=parser.error)
 
 
 def _adhoc_entry(args: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -158,14 +158,16 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         if args.cfg is not None:
-            entry, tla_dir = _adhoc_entry(args)
+            try:
+                entry, tla_dir = _adhoc_entry(args)
+            except ManifestError as exc:  # --cfg/--spec/--expect name something that is not there
+                args.error(str(exc))
             entries = [entry]
         else:
             tla_dir = args.tla_dir or default_tla_dir()
             entries = select(load_manifest(tla_dir), args.only, args.tier)
             if not entries:
-                print(f"omni-cache verify: no manifest entry matches --only {args.only!r}", file=sys.stderr)
-                return EXIT_USAGE
+                args.error(f"no manifest entry matches --only {args.only!r} (tier {args.tier})")
         start = time.perf_counter()
         results = run_manifest(entries, tla_dir, jobs=args.jobs, timeout_s=args.timeout)
         wall_s = time.perf_counter() - start

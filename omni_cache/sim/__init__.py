@@ -17,8 +17,24 @@ Everything the cache returns is checked against the ground truth, so a run
 that exits 0 has exercised I1, I2, I4-I7 and I9 on a realistic workload.
 """
 
-from omni_cache.sim.config import SimConfig
-from omni_cache.sim.engine import SimResult, Simulation
-from omni_cache.sim.workload import PRESETS
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from omni_cache._lazy import lazy_exports
+
+_EXPORTS: dict[str, str] = {
+    "SimConfig": "omni_cache.sim.config",
+    "SimResult": "omni_cache.sim.engine",
+    "Simulation": "omni_cache.sim.engine",
+    "PRESETS": "omni_cache.sim.workload",
+}
 
 __all__ = ["PRESETS", "SimConfig", "SimResult", "Simulation"]
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
+
+if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
+    from omni_cache.sim.config import SimConfig
+    from omni_cache.sim.engine import SimResult, Simulation
+    from omni_cache.sim.workload import PRESETS

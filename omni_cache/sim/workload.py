@@ -27,8 +27,10 @@ import random
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from omni_cache.sim.request import SimRequest
+if TYPE_CHECKING:  # imported where used: the CLI reads PRESETS before torch is loaded
+    from omni_cache.sim.request import SimRequest
 
 
 @dataclass(frozen=True)
@@ -199,6 +201,8 @@ class Workload:
         abort_at = None
         if rng.random() < self.preset.abort_rate:
             abort_at = step + rng.randint(1, 24)
+        from omni_cache.sim.request import SimRequest
+
         req = SimRequest(
             req_id=f"req-{self._created}" if self.preset.turns == (1, 1) else f"req-{self._created}-c{conv}t{turn}",
             prompt=prompt,

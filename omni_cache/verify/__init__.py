@@ -9,28 +9,33 @@ I6 NeverSilentMiss, I7 NoStaleTenant, I8 StickyFailure, I9 AbortsLand, and
 that the runtime's machines only take the transitions the models checked.
 """
 
-from omni_cache.verify.conformance import check_conformance, compare_graph
-from omni_cache.verify.tlc import (
-    ManifestEntry,
-    ManifestError,
-    RunResult,
-    TLCUnavailable,
-    default_tla_dir,
-    find_java,
-    find_tla2tools,
-    load_manifest,
-    parse_tlc_output,
-    run_entry,
-    run_manifest,
-    tlc_available,
-)
-from omni_cache.verify.traces import (
-    TraceCheck,
-    TraceReplayError,
-    check_trace_tlc,
-    replay,
-    validate_trace,
-)
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from omni_cache._lazy import lazy_exports
+
+_EXPORTS: dict[str, str] = {
+    "check_conformance": "omni_cache.verify.conformance",
+    "compare_graph": "omni_cache.verify.conformance",
+    "ManifestEntry": "omni_cache.verify.tlc",
+    "ManifestError": "omni_cache.verify.tlc",
+    "RunResult": "omni_cache.verify.tlc",
+    "TLCUnavailable": "omni_cache.verify.tlc",
+    "default_tla_dir": "omni_cache.verify.tlc",
+    "find_java": "omni_cache.verify.tlc",
+    "find_tla2tools": "omni_cache.verify.tlc",
+    "load_manifest": "omni_cache.verify.tlc",
+    "parse_tlc_output": "omni_cache.verify.tlc",
+    "run_entry": "omni_cache.verify.tlc",
+    "run_manifest": "omni_cache.verify.tlc",
+    "tlc_available": "omni_cache.verify.tlc",
+    "TraceCheck": "omni_cache.verify.traces",
+    "TraceReplayError": "omni_cache.verify.traces",
+    "check_trace_tlc": "omni_cache.verify.traces",
+    "replay": "omni_cache.verify.traces",
+    "validate_trace": "omni_cache.verify.traces",
+}
 
 __all__ = [
     "ManifestEntry",
@@ -53,3 +58,23 @@ __all__ = [
     "tlc_available",
     "validate_trace",
 ]
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
+
+if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
+    from omni_cache.verify.conformance import check_conformance, compare_graph
+    from omni_cache.verify.tlc import (
+        ManifestEntry,
+        ManifestError,
+        RunResult,
+        TLCUnavailable,
+        default_tla_dir,
+        find_java,
+        find_tla2tools,
+        load_manifest,
+        parse_tlc_output,
+        run_entry,
+        run_manifest,
+        tlc_available,
+    )
+    from omni_cache.verify.traces import TraceCheck, TraceReplayError, check_trace_tlc, replay, validate_trace

@@ -22,7 +22,6 @@ Upholds (by checking that the models can fail): I1-I3 (Staging), I6/I7
 
 from __future__ import annotations
 
-import concurrent.futures
 import hashlib
 import json
 import random
@@ -33,6 +32,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from omni_cache.verify import tlc_procs
 from omni_cache.verify.tlc import (
     EXIT_INVARIANT,
     EXIT_PARSE,
@@ -269,7 +269,7 @@ def run_mutants(
     mutants = [m for m in all_mutants(tla_dir, per_model=per_model) if not only or only in m.ident]
     java, jar = find_java(), find_tla2tools()
     results: list[MutantResult] = []
-    with open_pool(java, jar) as tlc, concurrent.futures.ThreadPoolExecutor(max_workers=jobs or default_jobs()) as pool:
+    with open_pool(java, jar) as tlc, tlc_procs.executor(jobs or default_jobs()) as pool:
         futures = [pool.submit(_check, m, tla_dir, java, jar, timeout_s, tlc) for m in mutants]
         for mutant, fut in zip(mutants, futures, strict=True):
             runs = fut.result()

@@ -20,7 +20,6 @@ I3 PageExclusive (tla/staging), I6 NeverSilentMiss, I7 NoStaleTenant
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import importlib.resources
 import importlib.util
@@ -36,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from omni_cache.verify import tlc_procs
 from omni_cache.verify.tlc_batch import FAST_JVM_FLAGS, TLCPool, driver_classpath
 
 # TLC exit codes (tlc2.output.EC.ExitStatus).
@@ -291,14 +291,22 @@ def run_tlc(
     jvm = FAST_JVM_FLAGS if short else ("-XX:+UseParallelGC",)
     cmd = [java, *jvm, f"-Djava.io.tmpdir={workdir}", "-cp", str(jar), "tlc2.TLC", *flags,
            "-config", str(cfg.resolve()), spec.name]
+    proc = tlc_procs.start(cmd, cwd=spec.parent, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        proc = subprocess.run(
-            cmd, cwd=spec.parent, capture_output=True, text=True, timeout=timeout_s, check=False
-        )
-    except subprocess.TimeoutExpired as exc:
-        out = exc.stdout if isinstance(exc.stdout, str) else (exc.stdout or b"").decode(errors="replace")
-        return TLCRun(-1, out + f"\nomni-cache: TLC timed out after {timeout_s:.0f}s", time.perf_counter() - start)
-    return TLCRun(proc.returncode, proc.stdout + proc.stderr, time.perf_counter() - start)
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, _ = proc.communicate()
+        return TLCRun(-1, stdout + f"\nomni-cache: TLC timed out after {timeout_s:.0f}s", time.perf_counter() - start)
+    except BaseException:  # Ctrl-C in this thread: the JVM goes with it
+        proc.kill()
+        proc.wait()
+        raise
+    finally:
+        tlc_procs.ended(proc)
+    if tlc_procs.stopped():
+        raise tlc_procs.TLCStopped("interrupted: this TLC run was ended")
+    return TLCRun(proc.returncode, stdout + stderr, time.perf_counter() - start)
 
 
 @dataclass
@@ -422,7 +430,7 @@ def run_manifest(
     jobs = jobs or default_jobs()
     java, jar = find_java(), find_tla2tools()
     tla_dir = tla_dir or default_tla_dir()
-    with open_pool(java, jar) as tlc, concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+    with open_pool(java, jar) as tlc, tlc_procs.executor(jobs) as pool:
         futures = [
             pool.submit(run_entry, e, tla_dir, timeout_s=timeout_s, java=java, jar=jar, pool=tlc) for e in entries
         ]

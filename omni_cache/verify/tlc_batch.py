@@ -32,6 +32,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from omni_cache.verify import tlc_procs
+
 # A driver JVM is replaced after this many runs: each run's class loader is unloaded only when
 # TLC's threads let go of it, so a long-lived JVM can run short of heap or metaspace (a full
 # `--all-mutants` run with --jobs 1 once ended two checks in TLC's general error, exit 255).
@@ -139,6 +141,7 @@ class _Worker:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait()
+        tlc_procs.ended(self.proc)
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
@@ -164,11 +167,15 @@ class TLCPool:
 
     def _start(self) -> _Worker:
         tmp = Path(tempfile.mkdtemp(prefix="omni-tlc-jvm-"))
-        proc = subprocess.Popen(
-            [self._java, *FAST_JVM_FLAGS, f"-Djava.io.tmpdir={tmp}", "-cp", str(self._cp), "OmniTLCBatch",
-             str(self._jar)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1,
-        )
+        try:
+            proc = tlc_procs.start(
+                [self._java, *FAST_JVM_FLAGS, f"-Djava.io.tmpdir={tmp}", "-cp", str(self._cp), "OmniTLCBatch",
+                 str(self._jar)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1,
+            )
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         lines: queue.Queue[str | None] = queue.Queue()
 
         def pump() -> None:

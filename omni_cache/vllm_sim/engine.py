@@ -17,10 +17,12 @@ error. I1, I4, I6, I7, I9 are checked from outside.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
 import queue
+import shutil
 import sys
 import tempfile
 import threading
@@ -53,8 +55,11 @@ TINY_LLAMA = {
 
 
 def tiny_llama_dir(path: str | None = None) -> str:
-    """A model directory holding only a ``config.json`` (weights: ``load_format="dummy"``)."""
-    path = path or tempfile.mkdtemp(prefix="omni-cache-tiny-llama-")
+    """A model directory holding only a ``config.json`` (weights: ``load_format="dummy"``); one
+    made here (no ``path``) is removed when this process exits."""
+    if path is None:
+        path = tempfile.mkdtemp(prefix="omni-cache-tiny-llama-")
+        atexit.register(shutil.rmtree, path, True)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(TINY_LLAMA, f)
     return path
