@@ -29,6 +29,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the thinker: the simulated engine (default) or a real vLLM CPU engine (needs the [vllm] "
         f"extra; presets {', '.join(sorted(PRESETS))}, default mixed)",
     )
+    parser.add_argument("--kv-connector", choices=["example"], default=None,
+                        help="--engine vllm: run vLLM's ExampleConnector under omni-cache's OmniKVConnector (disk "
+                        "store in a temp dir), reset the prefix cache and serve prefixes that come back through it "
+                        "(docs/kv-tier.md)")
     parser.add_argument("--tolerance", type=float_range(0, 1, lo_open=True),
                         help="--engine vllm: check (b) tolerance, max |diff| over the row's max |value| (default 1e-5)")
 
@@ -54,14 +58,28 @@ def run_vllm(args: argparse.Namespace) -> int:
                                       tolerance=DEFAULT_TOLERANCE if args.tolerance is None else args.tolerance)
         if args.steps_limit is not None:
             kwargs["steps_limit"] = args.steps_limit
+        if getattr(args, "kv_connector", None) is not None:
+            kwargs["kv_connector"] = args.kv_connector
         cfg = VllmSimConfig(**kwargs)
+        if cfg.kv_connector is not None:
+            from omni_cache.vllm_sim.tier_run import TierSimulation
+
+            sim: VllmSimulation = TierSimulation(cfg)
+        else:
+            sim = VllmSimulation(cfg)
     except (ValueError, TypeError) as exc:
         err.print(f"omni-cache simulate: {exc}", markup=False)
         return 2
-    result = VllmSimulation(cfg).run()
+    result = sim.run()
     summary = summarize(result)
+    if cfg.kv_connector is not None:
+        from omni_cache.vllm_sim.tier_run import add_tier_summary, render_tier
+
+        add_tier_summary(summary, sim)
     if args.json:
         print(json.dumps(summary, indent=2, default=str))
     else:
         render(summary, Console())
+        if cfg.kv_connector is not None:
+            render_tier(summary, Console())
     return 0 if result.ok else 1

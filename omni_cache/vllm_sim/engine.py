@@ -104,6 +104,7 @@ class VllmSimConfig:
     eager: bool = True
     steps_limit: int = 2000
     tolerance: float = DEFAULT_TOLERANCE
+    kv_connector: str | None = None  # "example": ExampleConnector under OmniKVConnector (vllm_sim.tier_run)
 
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:
@@ -317,7 +318,8 @@ class VllmSimulation:
         from vllm.inputs import TokensPrompt
 
         le = llm.llm_engine
-        sp = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, ignore_eos=True)
+        sp = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, ignore_eos=True,
+                            skip_reading_prefix_cache=True)  # no local nor KV-connector hit
         tol = self.config.tolerance
         for r in self._finished:
             if not le.reset_prefix_cache():
