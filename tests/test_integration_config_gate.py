@@ -102,3 +102,40 @@ def test_missing_sizing_fields_raise_value_error() -> None:
     kv.num_blocks = None  # type: ignore[assignment]
     with pytest.raises(ValueError, match="kv_cache_config has no num_blocks"):
         stage_prefix_cache_config(VllmConfig(), kv)
+
+
+@pytest.mark.parametrize("connector", ["ExampleConnector", "OffloadingConnector", "LMCacheConnectorV1",
+                                       "SomeUsersConnector"])
+def test_a_producer_whose_connector_still_loads_is_refused(connector: str) -> None:
+    vc = VllmConfig(kv_transfer_config=KVTransferConfig(kv_connector=connector, kv_role="kv_producer"))
+    with pytest.raises(OmniPrefixCacheUnmatchError, match=rf"KV connector {connector} can load KV") as info:
+        stage_prefix_cache_config(vc, kv_cache_config(8, 16))
+    assert "kv_connector='OmniKVConnector'" in str(info.value)  # the way out, named
+    assert f"'connector': '{connector}'" in str(info.value)
+
+
+@pytest.mark.parametrize("role", ["kv_producer", "kv_consumer", "kv_both"])
+def test_the_omni_connector_wrapper_is_accepted_in_every_role(role: str) -> None:
+    vc = VllmConfig(kv_transfer_config=KVTransferConfig(kv_connector="OmniKVConnector", kv_role=role))
+    assert stage_prefix_cache_config(vc, kv_cache_config(8, 16)) is not None
+
+
+def test_a_multi_connector_loads_if_any_child_loads() -> None:
+    class Multi:
+        kv_connector = "MultiConnector"
+        kv_role = "kv_producer"
+
+        def __init__(self, children: list[dict]) -> None:
+            self.kv_connector_extra_config = {"connectors": children}
+
+    mooncake = {"kv_connector": "MooncakeConnector", "kv_role": "kv_producer"}
+    assert stage_prefix_cache_config(VllmConfig(kv_transfer_config=Multi([mooncake])),  # type: ignore[arg-type]
+                                     kv_cache_config(8, 16)) is not None
+    wrapped = {"kv_connector": "OmniKVConnector"}
+    unwrapped = {"kv_connector": "OffloadingConnector"}
+    for children in ([mooncake, unwrapped], [wrapped, unwrapped], [unwrapped, wrapped]):
+        with pytest.raises(OmniPrefixCacheUnmatchError, match="MultiConnector child: OffloadingConnector loads"):
+            stage_prefix_cache_config(VllmConfig(kv_transfer_config=Multi(children)),  # type: ignore[arg-type]
+                                      kv_cache_config(8, 16))
+    assert stage_prefix_cache_config(VllmConfig(kv_transfer_config=Multi([mooncake, wrapped])),  # type: ignore[arg-type]
+                                     kv_cache_config(8, 16)) is not None

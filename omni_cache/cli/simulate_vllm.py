@@ -32,6 +32,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--engine", choices=["sim", "vllm"], default="sim",
         help="the thinker: the simulated engine (default) or a real vLLM CPU engine (needs the [vllm] extra)",
     )
+    parser.add_argument("--kv-connector", choices=["example"], default=None,
+                        help="--engine vllm: run vLLM's ExampleConnector under omni-cache's OmniKVConnector (disk "
+                        "store in a temp dir), reset the prefix cache and serve prefixes that come back through it "
+                        "(docs/kv-tier.md)")
     parser.add_argument("--tolerance", type=float_range(0, 1, lo_open=True),
                         help="--engine vllm: check (b) tolerance, max |diff| over the row's max |value| (default 1e-5)")
     parser.add_argument("--tp", type=int_range(1, 8), help="--engine vllm: tensor-parallel worker processes "
@@ -64,7 +68,7 @@ def run_vllm(args: argparse.Namespace) -> int:
         err.print("omni-cache simulate --engine vllm: vLLM is not installed; see the README's third command "
                   "(pip install -e '.[vllm]', then remove torchvision)", markup=False)
         return 2
-    from omni_cache.vllm_sim.engine import DEFAULT_TOLERANCE, VllmSimConfig
+    from omni_cache.vllm_sim.engine import DEFAULT_TOLERANCE, VllmSimConfig, VllmSimulation
     from omni_cache.vllm_sim.parallel import make_simulation
     from omni_cache.vllm_sim.promises import kv_space_override
     from omni_cache.vllm_sim.report import render, summarize
@@ -77,19 +81,35 @@ def run_vllm(args: argparse.Namespace) -> int:
                                       tp=args.tp or 1, pp=args.pp or 1, check_ranks=bool(args.check_ranks))
         if args.steps_limit is not None:
             kwargs["steps_limit"] = args.steps_limit
+        if getattr(args, "kv_connector", None) is not None:
+            kwargs["kv_connector"] = args.kv_connector
         cfg = VllmSimConfig(**kwargs)
+        if cfg.kv_connector is not None and cfg.tp * cfg.pp > 1:
+            raise ValueError("--kv-connector runs the engine in this process: it does not combine with --tp/--pp")
+        if cfg.kv_connector is not None:
+            from omni_cache.vllm_sim.tier_run import TierSimulation
+
+            sim: VllmSimulation = TierSimulation(cfg)
+        else:
+            sim = make_simulation(cfg)
     except (ValueError, TypeError) as exc:
         args.error(str(exc))  # the subcommand's usage, one line, exit 2
     refusal = kv_space_override()
     if refusal:
         err.print(f"omni-cache simulate: {refusal}", markup=False, soft_wrap=True)
         return 2
-    result = make_simulation(cfg).run()
+    result = sim.run()
     summary = summarize(result)
+    if cfg.kv_connector is not None:
+        from omni_cache.vllm_sim.tier_run import add_tier_summary, render_tier
+
+        add_tier_summary(summary, sim)
     if args.json:
         print(json.dumps(summary, indent=2, default=str))
     else:
         render(summary, Console())
+        if cfg.kv_connector is not None:
+            render_tier(summary, Console())
     if not result.ok:
         return 1
     if result.incomplete:

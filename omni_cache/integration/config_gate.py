@@ -9,7 +9,9 @@ the cache unsound.
 Upholds I5 and I6 at their root: the cache is keyed by the KV cache's slots and
 trusts the engine's ``num_computed_tokens`` to be a block-aligned *local*
 prefix hit. Every configuration under which that is false is refused here:
-tokens received through a KV connector (consumer stages), speculative decoding
+tokens a KV connector can load into the engine's blocks (decided by
+``kv_capability.connector_verdict`` from what the connector class does in its
+role, not from the role's name; ``OmniKVConnector`` serves them), speculative decoding
 (rejected draft rows would be written), decode context parallel (tokens are
 striped across ranks, so one rank's slots do not hold the prefix; refused as the
 reference does), sub-block prefix matching (unaligned hits), several KV-cache groups or a group that is not full attention (there is
@@ -21,6 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from omni_cache.errors import OmniPrefixCacheUnmatchError
+from omni_cache.integration.kv_capability import OMNI_CONNECTOR, connector_verdict
 from omni_cache.interface import PrefixCacheConfig
 
 __all__ = ["stage_prefix_cache_config"]
@@ -40,15 +43,20 @@ def _is_pooling(model_config: Any) -> bool:
     return getattr(model_config, "pooler_config", None) is not None
 
 
-def _is_kv_consumer(kv_transfer_config: Any) -> bool:
-    if kv_transfer_config is None:
-        return False
-    flag = getattr(kv_transfer_config, "is_kv_consumer", None)
-    if isinstance(flag, bool):
-        return flag
-    return (
-        getattr(kv_transfer_config, "kv_connector", None) is not None
-        and getattr(kv_transfer_config, "kv_role", None) in _CONSUMER_ROLES
+def _refuse_loading_connector(kv_transfer_config: Any) -> None:
+    """Refuse a KV connector that can load KV into this engine unless ``OmniKVConnector`` wraps it."""
+    verdict = connector_verdict(kv_transfer_config)
+    if not verdict.loads or verdict.wrapped:
+        return
+    consumer = verdict.role in _CONSUMER_ROLES
+    raise _refuse(
+        f"KV connector {verdict.name} can load KV into this engine's blocks ({verdict.why})"
+        + (f"; it is a KV-consumer stage (kv_transfer_config.kv_role={verdict.role!r})" if consumer else "")
+        + ": tokens received through the KV connector cannot be told apart from locally cached ones, so a "
+        "hit could name rows this cache never saw. Wrap it in the omni-cache connector (kv_connector="
+        f"'{OMNI_CONNECTOR}', kv_connector_module_path='omni_cache.integration.kv_tier', "
+        f"kv_connector_extra_config={{'omni_cache': {{'connector': '{verdict.name}', ...}}}}), which brings the "
+        "hidden rows back with the KV (docs/kv-tier.md), or disable prefix caching on this stage"
     )
 
 
@@ -81,7 +89,8 @@ def stage_prefix_cache_config(vllm_config: Any, kv_cache_config: Any) -> PrefixC
     ``kv_cache_groups[i].kv_cache_spec`` (``block_size``).
 
     Returns ``None`` when prefix caching is off or the stage is a pooling
-    model. Raises ``OmniPrefixCacheUnmatchError`` for a KV-consumer stage,
+    model. Raises ``OmniPrefixCacheUnmatchError`` for a KV connector that can load
+KV into this engine (unless ``OmniKVConnector`` wraps it),
     speculative decoding, decode context parallel, sub-block prefix matching, more than one KV-cache
     group or a group that is not full attention, and ``ValueError`` when
     ``kv_cache_config`` lacks what sizing needs.
@@ -94,13 +103,7 @@ def stage_prefix_cache_config(vllm_config: Any, kv_cache_config: Any) -> PrefixC
         return None
 
     kv_transfer_config = getattr(vllm_config, "kv_transfer_config", None)
-    if _is_kv_consumer(kv_transfer_config):
-        raise _refuse(
-            f"it is a KV-consumer stage (kv_transfer_config.kv_role="
-            f"{getattr(kv_transfer_config, 'kv_role', None)!r}): tokens received through the KV "
-            "connector cannot be told apart from locally cached ones, so a hit could name rows this "
-            "cache never saw. Disable prefix caching on this stage or make it a kv_producer"
-        )
+    _refuse_loading_connector(kv_transfer_config)
     if getattr(vllm_config, "speculative_config", None) is not None:
         raise _refuse(
             "speculative decoding is enabled (speculative_config is set): draft tokens that the "

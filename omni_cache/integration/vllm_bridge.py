@@ -14,6 +14,9 @@ config gate, I5) at the top of ``initialize_kv_cache``, so a refused
 configuration fails at engine start, before any step; ``begin_step`` at the top
 of ``execute_model``, before vLLM drops finished requests (also for steps that
 schedule zero tokens: their finished ids still reach the cache);
+then, when the step's KV connector metadata carries an ``OmniKVConnector`` tier
+plan (``omni_cache.integration.kv_tier``), the plan is applied (stores, then
+loads) so restored rows are registered before the forward's save;
 ``after_forward`` right after the model forward, with the forward's hidden
 states and the runner's block table (V1: ``runner.input_batch``; Model Runner
 V2: ``runner.block_tables`` and its per-step ``InputBatch``). Upholds I1 on
@@ -31,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from omni_cache.errors import OmniPrefixCacheUnmatchError
 from omni_cache.integration.block_table import BlockTableView
 from omni_cache.integration.runner_hooks import PrefixCacheRunnerHooks
 from omni_cache.interface import ModelCachePolicy, ReqId, StepId
@@ -189,6 +193,10 @@ class VllmRunnerBridge:
         self.zero_token_steps = 0  # steps that scheduled no token here (e.g. a non-last PP rank's)
         self._scheduler_output: Any = None
         self.v2_mirror: V2BlockTableMirror | None = None
+        # The hidden-state tier of this worker's OmniKVConnector (found on first use; tests may set it).
+        self.tier_applier: Any = None
+        # Sees every step's scheduler output at the top of begin_step (the simulation's tier truth).
+        self.step_observer: Callable[[Any], None] | None = None
 
     @classmethod
     def from_vllm_config(cls, vllm_config: Any) -> VllmRunnerBridge:
@@ -216,6 +224,23 @@ class VllmRunnerBridge:
         self.zero_token_steps += int(not getattr(scheduler_output, "total_num_scheduled_tokens", 0))
         self._scheduler_output = scheduler_output
         self.hooks.begin_step(scheduler_output)
+        plan = getattr(getattr(scheduler_output, "kv_connector_metadata", None), "omni_tier", None)
+        if self.step_observer is not None:
+            self.step_observer(scheduler_output)
+        if plan and self.active:
+            self._apply_tier(plan)
+
+    def _apply_tier(self, plan: Any) -> None:
+        """The ``OmniKVConnector`` tier plan of this step (stores, then loads), before the forward."""
+        if self.tier_applier is None:
+            from omni_cache.integration.kv_tier import worker_tier_applier
+
+            self.tier_applier = worker_tier_applier()
+        if self.tier_applier is None:
+            raise OmniPrefixCacheUnmatchError(
+                f"engine step {self.engine_step}: the KV connector metadata carries an omni-cache tier plan "
+                "but this worker has no OmniKVConnector; the hidden rows of its external KV cannot be restored")
+        self.tier_applier.apply(plan, self.hooks.manager)
 
     def after_forward_v1(
         self, runner: Any, hidden_states: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor

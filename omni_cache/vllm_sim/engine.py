@@ -113,6 +113,7 @@ class VllmSimConfig:
     tp: int = 1  # tensor-parallel workers (> 1 or pp > 1: worker processes, vllm_sim.parallel)
     pp: int = 1  # pipeline-parallel stages
     check_ranks: bool = False  # a cache on every TP rank of the last stage, each compared bit for bit
+    kv_connector: str | None = None  # "example": ExampleConnector under OmniKVConnector (vllm_sim.tier_run)
 
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:
@@ -346,7 +347,8 @@ class VllmSimulation:
         from vllm.inputs import TokensPrompt
 
         le = llm.llm_engine
-        sp = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, ignore_eos=True)
+        sp = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, ignore_eos=True,
+                            skip_reading_prefix_cache=True)  # no local nor KV-connector hit
         tol = self.config.tolerance
         for r in self._finished:
             if not le.reset_prefix_cache():

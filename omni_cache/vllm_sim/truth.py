@@ -114,6 +114,18 @@ class ForwardCapture:
             hashes.append(hash((prev, tokens[len(hashes)])))
         return hashes[pos]
 
+    def place(self, slot: int, engine_step: int, cap: _Capture) -> None:
+        """Slot ``slot`` holds ``cap``'s row from ``engine_step`` on (a row restored into a new KV
+        slot, as the hidden-state tier does: the later check of a hit on it expects ``cap``)."""
+        with self._lock:
+            self._slots[int(slot)].append(_Capture(engine_step, cap.prefix, cap.hidden, cap.mm))
+
+    def latest(self, slot: int) -> _Capture | None:
+        """The newest row captured (or placed) at ``slot``."""
+        with self._lock:
+            caps = self._slots.get(int(slot))
+            return caps[-1] if caps else None
+
     # ------------------------------------------------------------ engine thread
     def observe(self, rec: ForwardRecord) -> None:
         so = rec.scheduler_output

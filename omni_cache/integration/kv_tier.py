@@ -1,0 +1,176 @@
+"""``OmniKVConnector``: the user's vLLM KV connector(s), plus hidden rows that follow their KV.
+
+Owns: the scheduler-side bookkeeping of which blocks the wrapped connector
+fills with external KV (per request: the local hit it was offered and the
+external tokens the scheduler allocated for) and which blocks finished requests
+leave behind (their full blocks, by block hash), and ``OmniTierMetadata``, the
+connector metadata that carries the children's metadata plus a
+``tier_apply.TierPlan`` to the worker each step. On the worker side it owns the
+``TierApplier`` (the ``HiddenTier`` host store under a byte budget, optionally a
+safetensors directory) that the runner bridge applies at the top of each step.
+
+Configure it with ``kv_transfer_config = {"kv_connector": "OmniKVConnector",
+"kv_connector_module_path": "omni_cache.integration.kv_tier", "kv_role": ...,
+"kv_connector_extra_config": {"connectors": [<the user's connector config>],
+"omni_cache": {"tier_bytes": N, "tier_dir": PATH}}}``. It is vLLM's
+``MultiConnector`` underneath, so every KV call (load, save, finished,
+load errors, handshakes, stats, HMA) is delegated to the wrapped connectors
+exactly as ``MultiConnector`` does; only ``get_num_new_matched_tokens``,
+``update_state_after_alloc``, ``request_finished(_all_groups)`` and
+``build_connector_meta`` add to it. The class is built on first attribute
+access (PEP 562), so importing this module never imports vLLM.
+
+Upholds contract section 4.10 on the scheduler side: a load names, for each
+block the connector fills, the block hash vLLM computed for the request's tokens
+there (content identity) and the block id it was given now (the new slots); a
+store names the full blocks a finished request computed (``num_computed_tokens
+// block_size``, never a partial block), by the same hash.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from omni_cache.integration.tier_apply import TierApplier, TierLoad, TierPlan, TierStore
+
+__all__ = ["SETTINGS_KEY", "tier_settings"]
+
+SETTINGS_KEY = "omni_cache"
+"""``kv_connector_extra_config[SETTINGS_KEY]``: the tier's settings."""
+_DEFAULT_TIER_BYTES = 256 << 20
+
+
+def tier_settings(extra: dict[str, Any]) -> dict[str, Any]:
+    """The tier settings in ``kv_connector_extra_config`` (``tier_bytes``, ``tier_dir``), checked."""
+    settings = dict(extra.get(SETTINGS_KEY) or {})
+    unknown = set(settings) - {"tier_bytes", "tier_dir"}
+    if unknown:
+        raise ValueError(f"OmniKVConnector: unknown kv_connector_extra_config['{SETTINGS_KEY}'] keys {sorted(unknown)}")
+    budget = settings.get("tier_bytes", _DEFAULT_TIER_BYTES)
+    if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
+        raise ValueError(f"OmniKVConnector: tier_bytes must be a non-negative int, got {budget!r}")
+    if not list(extra.get("connectors") or ()):
+        raise ValueError(
+            "OmniKVConnector: kv_connector_extra_config['connectors'] must list the KV connector(s) it wraps, "
+            "e.g. [{'kv_connector': 'ExampleConnector', 'kv_role': 'kv_both', 'kv_connector_extra_config': {...}}]")
+    return {"tier_bytes": budget, "tier_dir": settings.get("tier_dir")}
+
+
+def _without_hybrid_manager(vllm_config: Any, kv_cache_config: Any) -> Any:
+    """``vllm_config`` as ``MultiConnector`` may see it with children that lack HMA support.
+
+    vLLM enables its hybrid KV-cache manager for this class (it subclasses ``SupportsHMA`` through
+    ``MultiConnector``), and ``MultiConnector`` then refuses children without HMA support. With one
+    KV-cache group -- the only layout the omni cache runs on -- the hybrid manager changes nothing,
+    so the children get a copy that says it is off; with several groups the refusal stands."""
+    import copy
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
+
+    sched = vllm_config.scheduler_config
+    if sched.disable_hybrid_kv_cache_manager or MultiConnector.all_children_support_hma(vllm_config.kv_transfer_config):
+        return vllm_config
+    groups = len(getattr(kv_cache_config, "kv_cache_groups", None) or ()) if kv_cache_config is not None else 1
+    if groups > 1:
+        raise ValueError(
+            f"OmniKVConnector: the KV cache has {groups} KV-cache groups and a wrapped connector lacks hybrid "
+            "KV-cache manager support; set disable_hybrid_kv_cache_manager=True")
+    config = copy.copy(vllm_config)
+    config.scheduler_config = copy.copy(sched)
+    config.scheduler_config.disable_hybrid_kv_cache_manager = True
+    return config
+
+
+@functools.cache
+def _build() -> dict[str, type]:
+    from dataclasses import dataclass, field
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
+        MultiConnector,
+        MultiKVConnectorMetadata,
+    )
+
+    from omni_cache.tier import HiddenTier
+
+    @dataclass
+    class OmniTierMetadata(MultiKVConnectorMetadata):
+        """The wrapped connectors' metadata plus this step's tier plan."""
+
+        omni_tier: TierPlan = field(default_factory=TierPlan)
+
+    class OmniKVConnector(MultiConnector):  # type: ignore[misc, valid-type]
+        """See ``omni_cache.integration.kv_tier``."""
+
+        def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
+            settings = tier_settings(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+            super().__init__(_without_hybrid_manager(vllm_config, kv_cache_config), role, kv_cache_config)
+            self._omni_block_size = int(vllm_config.cache_config.block_size)
+            # Scheduler side (the scheduler thread only): req -> local hit offered to the connector.
+            self._omni_local: dict[str, int] = {}
+            self._omni_loads: list[TierLoad] = []
+            self._omni_stores: dict[str, list[TierStore]] = {}  # by request: recorded once per finish
+            self.omni_tier_applier: TierApplier | None = None
+            if role == KVConnectorRole.WORKER:
+                self.omni_tier_applier = TierApplier(
+                    HiddenTier(settings["tier_bytes"], settings["tier_dir"]), self._omni_block_size)
+
+        # ---------------------------------------------------------- scheduler side
+        def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+            result = super().get_num_new_matched_tokens(request, num_computed_tokens)
+            self._omni_local[request.request_id] = int(num_computed_tokens)
+            return result
+
+        def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+            super().update_state_after_alloc(request, blocks, num_external_tokens)
+            local = self._omni_local.pop(request.request_id, 0)
+            if num_external_tokens <= 0:
+                return
+            bs = self._omni_block_size
+            ids = blocks.get_block_ids()[0]
+            hashes = request.block_hashes
+            for index in range(local // bs, min((local + num_external_tokens) // bs, len(hashes), len(ids))):
+                self._omni_loads.append(TierLoad(request.request_id, index, bytes(hashes[index]), int(ids[index])))
+
+        def _omni_record_finish(self, request: Any, block_ids: list[int]) -> None:
+            n = min(len(request.block_hashes), int(request.num_computed_tokens) // self._omni_block_size,
+                    len(block_ids))
+            self._omni_local.pop(request.request_id, None)
+            self._omni_stores[request.request_id] = [
+                TierStore(request.request_id, bytes(request.block_hashes[i]), int(block_ids[i])) for i in range(n)]
+
+        def request_finished(self, request: Any, blocks: list[int]) -> tuple[bool, dict[str, Any] | None]:
+            self._omni_record_finish(request, blocks)
+            return super().request_finished(request, blocks)
+
+        def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]) -> Any:
+            self._omni_record_finish(request, block_ids[0])
+            return super().request_finished_all_groups(request, block_ids)
+
+        def build_connector_meta(self, scheduler_output: Any) -> OmniTierMetadata:
+            inner = super().build_connector_meta(scheduler_output)
+            stores = tuple(s for per_req in self._omni_stores.values() for s in per_req)
+            plan = TierPlan(stores=stores, loads=tuple(self._omni_loads))
+            self._omni_stores, self._omni_loads = {}, []
+            return OmniTierMetadata(metadata=inner.metadata, extra_async_saves=inner.extra_async_saves,
+                                    omni_tier=plan)
+
+    for cls in (OmniKVConnector, OmniTierMetadata):  # picklable by name (module __getattr__ finds them)
+        cls.__module__, cls.__qualname__ = __name__, cls.__name__
+    return {"OmniKVConnector": OmniKVConnector, "OmniTierMetadata": OmniTierMetadata}
+
+
+def worker_tier_applier() -> TierApplier | None:
+    """The ``TierApplier`` of this worker's ``OmniKVConnector`` (``None`` when vLLM runs another connector)."""
+    from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group, has_kv_transfer_group
+
+    if not has_kv_transfer_group():
+        return None
+    return getattr(get_kv_transfer_group(), "omni_tier_applier", None)
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("OmniKVConnector", "OmniTierMetadata"):
+        return _build()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

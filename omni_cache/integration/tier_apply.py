@@ -1,0 +1,110 @@
+"""The worker half of the hidden-state tier: apply the connector's per-step plan to the cache.
+
+Owns: ``TierPlan`` (what ``OmniKVConnector.build_connector_meta`` sends the
+worker each step inside the connector metadata: ``stores``, blocks of finished
+requests whose rows go to the tier under their block hash, and ``loads``, the
+new blocks the scheduler filled with external KV for a request, each with the
+block hash of the content it holds), and ``TierApplier`` (the tier's counters
+and the one call, ``apply``, the runner bridge makes at the top of each step,
+after ``new_step_starts`` and before the forward, so every restored row is
+registered before ``save_outputs`` plans the hit's read). Plain data and no
+vLLM import: the plan crosses the scheduler/worker process boundary pickled
+inside vLLM's ``SchedulerOutput``.
+
+Upholds contract section 4.10: stores are applied before loads (a block freed
+by a finished request and handed to a new request in the same step is read
+before its new rows are placed), a load places exactly the rows the tier holds
+for the block's hash into the block's *new* slots, and a load the tier cannot
+serve restores nothing, so the hit's read raises "is not readable" (I6) --
+never zeros; ``load_failures`` names each such block.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from omni_cache.tier import HiddenTier
+from omni_cache.tier_rows import block_rows, restore_rows
+
+__all__ = ["TierApplier", "TierLoad", "TierPlan", "TierStore"]
+
+
+@dataclass(frozen=True)
+class TierStore:
+    req_id: str
+    block_hash: bytes
+    block_id: int
+
+
+@dataclass(frozen=True)
+class TierLoad:
+    req_id: str
+    block_index: int  # the block's index in the request (its tokens start at block_index * block_size)
+    block_hash: bytes
+    block_id: int
+
+
+@dataclass(frozen=True)
+class TierPlan:
+    stores: tuple[TierStore, ...] = ()
+    loads: tuple[TierLoad, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.stores or self.loads)
+
+
+@dataclass
+class TierApplier:
+    """The worker's tier and what applying plans did to it (counters read by reports)."""
+
+    tier: HiddenTier
+    block_size: int
+    stored_blocks: int = 0
+    store_skipped: int = 0  # blocks with a key absent in the pool (never stored half)
+    restored_blocks: int = 0
+    tier_hit_tokens: int = 0
+    load_failures: list[dict[str, Any]] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def slots_of(self, block_id: int) -> torch.Tensor:
+        bs = self.block_size
+        return torch.from_numpy(np.arange(block_id * bs, (block_id + 1) * bs, dtype=np.int64))
+
+    def apply(self, plan: TierPlan, manager: Any) -> None:
+        """Stores, then loads (see the module docstring); engine thread, before the forward."""
+        for store in plan.stores:
+            rows = block_rows(manager, self.slots_of(store.block_id))
+            with self._lock:
+                if rows is None:
+                    self.store_skipped += 1
+                    continue
+            if self.tier.put(store.block_hash, rows):
+                with self._lock:
+                    self.stored_blocks += 1
+        for load in plan.loads:
+            rows = self.tier.get(load.block_hash)
+            if rows is None:
+                with self._lock:
+                    self.load_failures.append({"req_id": load.req_id, "block_index": load.block_index,
+                                               "block_id": load.block_id, "block_hash": load.block_hash.hex()})
+                continue  # nothing restored: the hit's read raises "is not readable" (I6), never zeros
+            restore_rows(manager, self.slots_of(load.block_id), rows)
+            with self._lock:
+                self.restored_blocks += 1
+                self.tier_hit_tokens += self.block_size
+
+    def summary(self) -> dict[str, Any]:
+        stats = self.tier.stats()
+        with self._lock:
+            return {"tier_hit_tokens": self.tier_hit_tokens, "tier_bytes": stats.bytes,
+                    "tier_entries": stats.entries, "tier_evictions": stats.evictions,
+                    "tier_spilled": stats.spilled, "tier_disk_hits": stats.disk_hits,
+                    "tier_stored_blocks": self.stored_blocks, "tier_store_skipped": self.store_skipped,
+                    "tier_restored_blocks": self.restored_blocks,
+                    "tier_load_failures": len(self.load_failures),
+                    "tier_load_failure_blocks": list(self.load_failures[:8])}
