@@ -52,8 +52,9 @@ class EventPlan:
     stale: int = 0
 
 
-def lookup_of(event: PrefixCacheRequestEvent, block_size: int) -> Lookup:
-    return event.hit_end, event.group0_block_ids[: max(event.hit_end, 0) // block_size]
+def lookup_of(event: PrefixCacheRequestEvent, block_size: int, group_id: int = 0) -> Lookup:
+    """The hit length and the hit's blocks of the output KV-cache group ``group_id``."""
+    return event.hit_end, event.group_block_ids(group_id)[: max(event.hit_end, 0) // block_size]
 
 
 def _owners(event: PrefixCacheRequestEvent, current: Admission) -> str:
@@ -64,9 +65,11 @@ def plan_events(
     events: Sequence[PrefixCacheRequestEvent],
     live: Mapping[ReqId, Admission],
     block_size: int,
+    group_id: int = 0,
 ) -> EventPlan:
     """The changes ``events`` make to ``live``: terminal events first, then the rest in order, then
-    the terminals of owners the rest carry (each event applies to the admission it names).
+    the terminals of owners the rest carry (each event applies to the admission it names); lookups
+    read the blocks of KV-cache group ``group_id`` (the config's ``output_group_id``).
 
     Raises ``OmniPrefixCacheUnmatchError`` (and plans nothing) for a REPLACED
     without an owner, a STARTED for a live id that is not a newer admission, a
@@ -89,7 +92,7 @@ def plan_events(
 
     def install(event: PrefixCacheRequestEvent) -> None:
         plan.changes.append(("lookup", event.req_id, event))
-        state[event.req_id] = Admission(state[event.req_id].owner, lookup_of(event, block_size))
+        state[event.req_id] = Admission(state[event.req_id].owner, lookup_of(event, block_size, group_id))
 
     def terminal(event: PrefixCacheRequestEvent) -> None:
         current = state.get(event.req_id)
@@ -130,10 +133,10 @@ def plan_events(
             if not newer:  # a duplicate control of the live owner
                 if event.lookup_complete and current.lookup is None:
                     install(event)
-                elif event.lookup_complete and current.lookup != lookup_of(event, block_size):
+                elif event.lookup_complete and current.lookup != lookup_of(event, block_size, group_id):
                     raise OmniPrefixCacheUnmatchError(
                         f"new_step_starts: conflicting initial lookup for {_owners(event, current)}: "
-                        f"{lookup_of(event, block_size)} after {current.lookup} (I12)")
+                        f"{lookup_of(event, block_size, group_id)} after {current.lookup} (I12)")
                 continue
             if kind is K.STARTED and current.owner is not None and event.owner is not None \
                     and event.owner.admission_id == current.owner.admission_id:
@@ -152,10 +155,10 @@ def plan_events(
                 install(event)
                 continue
             if event.owner is not None and current.owner is not None:  # same owner, lookup done
-                if event.lookup_complete and current.lookup != lookup_of(event, block_size):
+                if event.lookup_complete and current.lookup != lookup_of(event, block_size, group_id):
                     raise OmniPrefixCacheUnmatchError(
                         f"new_step_starts: conflicting initial lookup for {_owners(event, current)}: "
-                        f"{lookup_of(event, block_size)} after {current.lookup} (I12)")
+                        f"{lookup_of(event, block_size, group_id)} after {current.lookup} (I12)")
                 continue
             raise OmniPrefixCacheUnmatchError(
                 f"new_step_starts: STARTED for request {req_id!r}, which is still live "

@@ -153,7 +153,11 @@ class PrefixCacheRequestEvent:
 
     @property
     def group0_block_ids(self) -> tuple[int, ...]:
-        return self.block_ids[0] if self.block_ids else ()
+        return self.group_block_ids(0)
+
+    def group_block_ids(self, group_id: int) -> tuple[int, ...]:
+        """The block ids of KV-cache group ``group_id`` (``()`` when the event carries fewer groups)."""
+        return self.block_ids[group_id] if 0 <= group_id < len(self.block_ids) else ()
 
 
 @dataclass(frozen=True)

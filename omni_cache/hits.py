@@ -1,6 +1,6 @@
 """Pending prefix hits: a started or resumed request's hit, served by its next save.
 
-Owns: ``PendingHits`` -- req -> (hit_end, the hit's group-0 block ids), installed
+Owns: ``PendingHits`` -- req -> (hit_end, the hit's block ids in the output KV-cache group), installed
 by ``new_step_starts`` for the request's current admission and taken by the save
 that carries the request's first rows (restored if that save fails) -- the KV
 slots of a hit's blocks, and the memo of a policy's hit keys per key set.
@@ -23,14 +23,15 @@ from omni_cache.errors import OmniPrefixCacheUnmatchError
 from omni_cache.events import PrefixCacheRequestEvent, StepRows
 from omni_cache.interface import ModelCachePolicy, ReqId
 
-Hit = tuple[int, tuple[int, ...]]  # (hit_end, the hit's group-0 block ids)
+Hit = tuple[int, tuple[int, ...]]  # (hit_end, the hit's block ids in the output KV-cache group)
 
 
 class PendingHits:
     """The hits registered by ``new_step_starts`` and not yet served by a save."""
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, group_id: int = 0) -> None:
         self.block_size = block_size
+        self.group_id = group_id  # the KV-cache group whose blocks address the rows (output_group_id)
         self._pending: dict[ReqId, Hit] = {}
         # per-token key tuple -> (policy, its hit keys); engine thread only.
         self._hit_keys: dict[tuple[str, ...], tuple[ModelCachePolicy, tuple[str, ...]]] = {}
@@ -42,7 +43,7 @@ class PendingHits:
     def install(self, req_id: ReqId, event: PrefixCacheRequestEvent) -> bool:
         """The lookup of ``event``: a hit is pending from now on, a miss drops any. Caller holds the lock."""
         if event.hit_end > 0:
-            blocks = event.group0_block_ids[: event.hit_end // self.block_size]
+            blocks = event.group_block_ids(self.group_id)[: event.hit_end // self.block_size]
             self._pending[req_id] = (event.hit_end, blocks)
             return True
         self._pending.pop(req_id, None)

@@ -97,8 +97,14 @@ class PrefixCacheConfig:
     staging_capacity_tokens: int = 1024
     staging_claim_timeout_s: float = 30.0
     copy_chunk_bytes: int = 16 << 20
+    output_group_id: int = 0
+    """The KV-cache group whose slots address the rows (``block_ids[output_group_id]`` of an event);
+    the reference's name. The configuration gate picks the engine's full-attention group."""
 
     def __post_init__(self) -> None:
+        group = self.output_group_id
+        if isinstance(group, bool) or not isinstance(group, int) or group < 0:
+            raise ValueError(f"PrefixCacheConfig.output_group_id must be an int >= 0, got {group!r}")
         for name in (
             "num_blocks",
             "block_size",
@@ -133,6 +139,7 @@ class PrefixCacheConfig:
         block_size: int,
         scheduler_config: Any = None,
         model_config: Any = None,
+        output_group_id: int = 0,
     ) -> PrefixCacheConfig:
         """Size device->host staging from the running scheduler.
 
@@ -140,6 +147,7 @@ class PrefixCacheConfig:
         ``max_model_len`` (scheduler config, then model config), else 1024;
         never clamped: a non-positive or non-int value of the attribute chosen raises
         ``ValueError`` (naming it). ``staging_depth`` stays the default (4).
+        ``output_group_id``: the KV-cache group whose slots address the rows.
         """
         capacity: Any = None
         chosen = "default"
@@ -163,6 +171,7 @@ class PrefixCacheConfig:
             num_blocks=num_blocks,
             block_size=block_size,
             staging_capacity_tokens=operator.index(capacity),
+            output_group_id=output_group_id,
         )
 
 

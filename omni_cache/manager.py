@@ -140,7 +140,7 @@ class OmniPrefixCacheManager:
         self._num_saved = 0
         self._requests: dict[ReqId, _Request] = {}
         # req -> (hit_end, group-0 block ids) from STARTED/RESUMED, served by its next save.
-        self._hits = PendingHits(config.block_size)
+        self._hits = PendingHits(config.block_size, config.output_group_id)
         self._contexts: dict[StepId, StepContext] = {}
         self._scheduled: dict[ReqId, int] = {}
         self._last_sequence: int | None = None  # of the last applied PrefixCacheStep (I13)
@@ -201,7 +201,7 @@ class OmniPrefixCacheManager:
                 return
             # only the ids this step names: O(events), not O(live requests)
             live = {e.req_id: r.admission for e in step.events if (r := self._requests.get(e.req_id)) is not None}
-        plan = plan_events(step.events, live, self.config.block_size)
+        plan = plan_events(step.events, live, self.config.block_size, self.config.output_group_id)
         for op, _, event in plan.changes:  # validate everything first: an error changes nothing
             if op == "lookup" and (event.hit_end or event.hit_start):  # type: ignore[union-attr]
                 validate_hit(event, self.config)  # type: ignore[arg-type]
@@ -228,7 +228,7 @@ class OmniPrefixCacheManager:
     def _install_lookup(self, req_id: ReqId, event: PrefixCacheRequestEvent) -> None:
         """A lookup's hit (or miss) for the request's current admission. Caller holds the lock."""
         request = self._requests[req_id]
-        request.admission = Admission(request.admission.owner, lookup_of(event, self.config.block_size))
+        request.admission = Admission(request.admission.owner, lookup_of(event, self.config.block_size, self.config.output_group_id))
         if self._hits.install(req_id, event):
             self.counters["hits"] += 1
             self.counters["hit_tokens"] += event.hit_end

@@ -36,7 +36,8 @@ from omni_cache.interface import HIDDEN_KEY, ModelCachePolicy, PrefixCacheConfig
 
 
 def validate_hit(event: PrefixCacheRequestEvent, config: PrefixCacheConfig) -> None:
-    """A hit is block aligned, starts at 0 and carries enough in-range block ids (I5)."""
+    """A hit is block aligned, starts at 0 and carries enough in-range block ids in the output
+    KV-cache group (``config.output_group_id``) (I5)."""
     bs = config.block_size
     where = (
         f"new_step_starts: {event.kind.name} request {event.req_id!r} "
@@ -47,9 +48,12 @@ def validate_hit(event: PrefixCacheRequestEvent, config: PrefixCacheConfig) -> N
         raise OmniPrefixCacheUnmatchError(f"{where}: prefix hit {PHRASE_NOT_ALIGNED} (block_size {bs}) (I5)")
     if event.hit_start != 0 or event.hit_end < 0:
         raise OmniPrefixCacheUnmatchError(f"{where}: a prefix hit must start at position 0 (I5)")
-    blocks = event.group0_block_ids
+    group = config.output_group_id
+    blocks = event.group_block_ids(group)
     if not blocks:
-        raise OmniPrefixCacheUnmatchError(f"{where} {PHRASE_NO_BLOCK_IDS} (I5)")
+        groups = "" if group == 0 else (
+            f" for KV-cache group {group} (output_group_id; the event carries {len(event.block_ids)} groups)")
+        raise OmniPrefixCacheUnmatchError(f"{where} {PHRASE_NO_BLOCK_IDS}{groups} (I5)")
     need = event.hit_end // bs
     if len(blocks) < need:
         raise OmniPrefixCacheUnmatchError(

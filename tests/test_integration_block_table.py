@@ -1,8 +1,9 @@
 """BlockTableView: CPU slots of a step from a vLLM-style input batch.
 
 Checks slot = table[i, p // block_size] * block_size + p % block_size against a
-scalar reference over random batches, the block-size refusal (I5's input:
-kernel-block splitting would address other rows), positions past the row's
+scalar reference over random batches, kernel-block tables (a manager block split
+into kernel blocks gives the manager's slots; any other split or size is refused,
+I5's input), positions past the row's
 blocks, device tensors refused (no sync), and that the view is a snapshot of the
 persistent batch (I4's input).
 """
@@ -53,9 +54,28 @@ def test_from_input_batch_reads_order_and_computed_tokens() -> None:
     assert view.slots_for_spans([("c", 8, 10)]).tolist() == [12, 13]
 
 
-def test_block_size_mismatch_is_refused() -> None:
-    batch = _batch([("a", 0, [1])], block_size=16)
-    with pytest.raises(ValueError, match=r"block size mismatch.*32-token blocks but this block table uses 16"):
+def test_a_table_block_size_that_does_not_divide_the_caches_is_refused() -> None:
+    batch = _batch([("a", 0, [1])], block_size=24)
+    with pytest.raises(ValueError, match=r"block size mismatch.*32-token blocks but this block table uses 24"):
+        BlockTableView.from_input_batch(batch, block_size=32)
+
+
+def test_a_kernel_block_table_gives_the_managers_slots() -> None:
+    """Manager blocks of 32 split into kernel blocks of 8: block b is kernel blocks 4b .. 4b+3."""
+    manager_blocks = [5, 2, 9]
+    kernel = [4 * b + j for b in manager_blocks for j in range(4)]
+    view = BlockTableView.from_input_batch(_batch([("a", 0, kernel)], block_size=8, max_blocks=16), block_size=32)
+    assert view.kernel_blocks_per_block == 4 and view.blocks_of("a") == tuple(manager_blocks)
+    expected = [manager_blocks[p // 32] * 32 + p % 32 for p in range(96)]
+    assert view.slots_for_spans([("a", 0, 96)]).tolist() == expected
+
+
+@pytest.mark.parametrize("kernel", [[8, 9, 10, 12], [9, 10, 11, 12], [8, 9, 10]],
+                         ids=["broken-run", "unaligned-run", "partial-block"])
+def test_a_kernel_table_that_is_not_the_managers_split_is_refused(kernel) -> None:
+    """A packed stride, an unaligned run or half a manager block would give slots the hits never name."""
+    batch = _batch([("a", 0, kernel)], block_size=8, max_blocks=16)
+    with pytest.raises(ValueError, match=r"request 'a' .* does not hold each 32-token block b as kernel blocks"):
         BlockTableView.from_input_batch(batch, block_size=32)
 
 

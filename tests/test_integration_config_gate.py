@@ -83,18 +83,40 @@ def test_sub_block_prefix_matching_is_refused() -> None:
     assert stage_prefix_cache_config(same, kv_cache_config(8, 16)) is not None
 
 
-def test_several_kv_cache_groups_are_refused() -> None:
-    kv = kv_cache_config(8, 16, FullAttentionSpec(16), SlidingWindowSpec(16))
-    with pytest.raises(OmniPrefixCacheUnmatchError, match="2 KV-cache groups"):
-        stage_prefix_cache_config(VllmConfig(), kv)
-    with pytest.raises(OmniPrefixCacheUnmatchError, match="0 KV-cache groups"):
+def test_a_hybrid_layout_is_addressed_by_its_full_attention_group() -> None:
+    kv = kv_cache_config(8, 16, SlidingWindowSpec(16), SlidingWindowSpec(16), FullAttentionSpec(16),
+                         SlidingWindowSpec(16))
+    cfg = stage_prefix_cache_config(VllmConfig(), kv)
+    assert cfg is not None and (cfg.output_group_id, cfg.block_size, cfg.num_blocks) == (2, 16, 8)
+
+
+def test_of_several_full_attention_groups_the_lowest_id_is_chosen() -> None:
+    kv = kv_cache_config(8, 16, SlidingWindowSpec(16), MLAAttentionSpec(16), FullAttentionSpec(16))
+    cfg = stage_prefix_cache_config(VllmConfig(), kv)
+    assert cfg is not None and cfg.output_group_id == 1
+
+
+def test_the_output_group_block_size_is_used() -> None:
+    kv = kv_cache_config(8, 16, SlidingWindowSpec(64), FullAttentionSpec(32))
+    cfg = stage_prefix_cache_config(VllmConfig(), kv)
+    assert cfg is not None and (cfg.output_group_id, cfg.block_size) == (1, 32)
+
+
+def test_no_kv_cache_group_is_refused() -> None:
+    kv = kv_cache_config(8, 16)
+    with pytest.raises(OmniPrefixCacheUnmatchError, match=r"0 KV-cache group\(s\) \(none\)"):
         stage_prefix_cache_config(VllmConfig(), type(kv)(8, [], []))
 
 
-@pytest.mark.parametrize("spec", [SlidingWindowSpec(16), MambaSpec(16)])
-def test_a_group_that_is_not_full_attention_is_refused(spec) -> None:
-    with pytest.raises(OmniPrefixCacheUnmatchError, match=f"group 0 is {type(spec).__name__}, not full attention"):
-        stage_prefix_cache_config(VllmConfig(), kv_cache_config(8, 16, spec))
+@pytest.mark.parametrize("specs", [(SlidingWindowSpec(16),), (MambaSpec(16),),
+                                   (SlidingWindowSpec(16), SlidingWindowSpec(16), MambaSpec(16))])
+def test_a_layout_without_a_full_attention_group_is_refused(specs) -> None:
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="none is a prefix-cacheable full-attention group") as info:
+        stage_prefix_cache_config(VllmConfig(), kv_cache_config(8, 16, *specs))
+    message = str(info.value)
+    assert f"{len(specs)} KV-cache group(s)" in message
+    for i, spec in enumerate(specs):  # every group is named with its spec
+        assert f"group {i}: {type(spec).__name__}(block_size=16)" in message
 
 
 def test_missing_sizing_fields_raise_value_error() -> None:

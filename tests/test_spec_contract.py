@@ -87,7 +87,8 @@ def test_every_config_field_is_documented_with_its_default() -> None:
     for f in dataclasses.fields(PrefixCacheConfig):
         default = "required" if f.default is dataclasses.MISSING else _human_default(f.default)
         assert f"| `{f.name}` | {default} |" in table, f.name
-    assert "from_vllm_config(*, num_blocks, block_size, scheduler_config=None,\n  model_config=None)" in table
+    assert ("from_vllm_config(*, num_blocks, block_size, scheduler_config=None,\n  model_config=None, "
+            "output_group_id=0)") in table
 
 
 def test_every_policy_member_is_documented() -> None:

@@ -165,7 +165,7 @@ def test_the_v2_view_reads_slots_from_the_cpu_mirror(v2) -> None:
         bridge.v2_mirror.view(batch, block_size=BS)
     with pytest.raises(ValueError, match="block size mismatch"):
         BlockTableView.from_v2_input_batch(batch, bridge.v2_mirror.table, bridge.v2_mirror.counts,
-                                           table_block_size=16, block_size=BS)
+                                           table_block_size=24, block_size=BS)
     bridge.hooks.discard(sid)
     assert bridge.shutdown() == {}
 

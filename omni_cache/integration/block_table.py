@@ -2,19 +2,24 @@
 
 Owns: ``BlockTableView`` -- a snapshot of the batch order of request ids, each
 row's ``num_computed_tokens`` and the rows of the CPU block table of one KV
-cache group -- and the step-slot computation
-``slot = table[i, p // block_size] * block_size + p % block_size``.
+cache group (the output group, ``PrefixCacheConfig.output_group_id``) -- and
+the step-slot computation ``slot = table[i, p // table_block_size] *
+table_block_size + p % table_block_size``, with the table's own block size,
+as vLLM's slot mapping computes it.
 
 Everything is read from CPU tensors or numpy arrays (vLLM keeps CPU mirrors of
 the block table and of ``num_computed_tokens``), so computing a step's slots
 never synchronizes with the device.
 
-Upholds the input side of I5 and of the "slot mapping covers" check: a view
-refuses a block size that does not match its table (vLLM's kernel-block
-splitting makes ``BlockTable.block_size`` differ from the KV manager's block
-size, and slots computed at the wrong granularity would address other
-requests' rows), and a position past the row's allocated blocks raises instead
-of reading block 0. The view copies what it reads, so later changes to the
+Upholds the input side of I5 and of the "slot mapping covers" check. A table
+may hold kernel blocks: when an attention backend needs blocks smaller than
+the KV manager's, vLLM splits manager block ``b`` into kernel blocks ``b*k +
+j`` (``k = block_size // kernel_block_size``), and then ``kernel_block *
+kernel_block_size + offset`` equals the manager slot ``b * block_size +
+offset``: one slot space either way. A view accepts a table block size that
+divides the cache's block size, checks that every row holds such runs (a
+packed stride would give other slots) and refuses any other size; a position
+past the row's allocated blocks raises instead of reading block 0. The view copies what it reads, so later changes to the
 engine's persistent batch cannot change a layout built from it (I4's input).
 """
 
@@ -47,9 +52,11 @@ class BlockTableView:
     """Batch order, computed tokens and block-table rows of one KV group.
 
     ``req_ids[i]`` is row ``i`` of ``block_table_cpu`` and of
-    ``num_computed_tokens``. ``block_size`` is the table's block size; when
-    ``expected_block_size`` (the cache's block size) differs, construction
-    raises. ``num_blocks_per_row`` (optional) bounds each row's valid blocks.
+    ``num_computed_tokens``. ``block_size`` is the table's block size (the
+    kernel block size where vLLM splits blocks); ``expected_block_size`` is the
+    cache's (the KV manager's) block size, which it must divide, else
+    construction raises. ``num_blocks_per_row`` (optional) bounds each row's
+    valid blocks (in the table's blocks).
     """
 
     def __init__(
@@ -62,16 +69,19 @@ class BlockTableView:
         expected_block_size: int | None = None,
         num_blocks_per_row: Any = None,
     ) -> None:
-        if expected_block_size is not None and int(block_size) != int(expected_block_size):
-            raise ValueError(
-                f"BlockTableView: block size mismatch: the prefix cache addresses KV slots with "
-                f"{expected_block_size}-token blocks but this block table uses {block_size}-token "
-                "blocks (vLLM's kernel block size differs from the KV cache block size?); slots "
-                "computed from it would address the wrong rows. Use a table whose block size is "
-                f"{expected_block_size}."
-            )
         if int(block_size) <= 0:
             raise ValueError(f"BlockTableView: block_size must be positive, got {block_size!r}")
+        manager_block_size = int(block_size if expected_block_size is None else expected_block_size)
+        if manager_block_size % int(block_size):
+            raise ValueError(
+                f"BlockTableView: block size mismatch: the prefix cache addresses KV slots with "
+                f"{manager_block_size}-token blocks but this block table uses {block_size}-token "
+                "blocks, which do not divide them; slots computed from it would address the wrong "
+                f"rows. Use a table whose block size is {manager_block_size} or one of its divisors "
+                "(vLLM's kernel block size)."
+            )
+        # Kernel blocks per KV-manager block (1: the table holds manager blocks).
+        self.kernel_blocks_per_block = manager_block_size // int(block_size)
         self.block_size = int(block_size)
         self.req_ids: tuple[ReqId, ...] = tuple(req_ids)
         n = len(self.req_ids)
@@ -102,6 +112,28 @@ class BlockTableView:
             per_row = torch.full((n,), self._table.shape[1], dtype=torch.int64)
         self._blocks_per_row = per_row
         self._row_of = {rid: i for i, rid in enumerate(self.req_ids)}
+        if self.kernel_blocks_per_block > 1:
+            self._check_kernel_runs()
+
+    def _check_kernel_runs(self) -> None:
+        """A kernel-block table must hold each manager block ``b`` as the run ``b*k .. b*k+k-1``:
+        then ``kernel_block * kernel_size + offset`` is the manager slot ``b * block_size +
+        offset`` the hits are addressed by. A packed layout (another stride) is refused."""
+        k = self.kernel_blocks_per_block
+        cols = torch.arange(self._table.shape[1], dtype=torch.int64)
+        valid = cols.unsqueeze(0) < self._blocks_per_row.unsqueeze(1)
+        partial = (self._blocks_per_row % k) != 0
+        first = self._table[:, (cols // k) * k]
+        bad = valid & ((self._table != first + cols % k) | (first % k != 0))
+        if bool(bad.any()) or bool(partial.any()):
+            row = int((bad.any(dim=1) | partial).nonzero()[0, 0])
+            count = int(self._blocks_per_row[row])
+            raise ValueError(
+                f"BlockTableView: the kernel block table row of request {self.req_ids[row]!r} "
+                f"({self._table[row, :count].tolist()[:16]}, {count} kernel blocks) does not hold each "
+                f"{k * self.block_size}-token block b as kernel blocks b*{k} .. b*{k}+{k - 1}; its slots "
+                "would not be the KV manager's slots the cache's hits are addressed by"
+            )
 
     @classmethod
     def from_input_batch(
@@ -184,9 +216,11 @@ class BlockTableView:
             ) from None
 
     def blocks_of(self, req_id: ReqId) -> tuple[int, ...]:
-        """The request's allocated block ids (its row, up to its block count)."""
+        """The request's allocated KV-manager block ids (its row, up to its block count; a
+        kernel-block table's runs read back as the manager blocks they split)."""
         row = self.row_of(req_id)
-        return tuple(int(b) for b in self._table[row, : int(self._blocks_per_row[row])].tolist())
+        k = self.kernel_blocks_per_block
+        return tuple(int(b) // k for b in self._table[row, : int(self._blocks_per_row[row]) : k].tolist())
 
     def slots_for_spans(self, spans: Sequence[tuple[ReqId, int, int]]) -> torch.Tensor:
         """KV slots of positions ``[start, end)`` of each request, concatenated

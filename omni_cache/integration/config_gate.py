@@ -14,8 +14,12 @@ tokens a KV connector can load into the engine's blocks (decided by
 role, not from the role's name; ``OmniKVConnector`` serves them), speculative decoding
 (rejected draft rows would be written), decode context parallel (tokens are
 striped across ranks, so one rank's slots do not hold the prefix; refused as the
-reference does), sub-block prefix matching (unaligned hits), several KV-cache groups or a group that is not full attention (there is
-no single slot space, or slots do not cover the whole prefix).
+reference does), sub-block prefix matching (unaligned hits), and a KV cache with no
+full-attention group (no group's slots cover the whole prefix). With several
+KV-cache groups (vLLM's hybrid manager: sliding-window and full-attention
+layers) the rows are addressed by one full-attention group's slots, the
+lowest-id one (``kv_groups.select_output_group``), carried as
+``PrefixCacheConfig.output_group_id``.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Any
 
 from omni_cache.errors import OmniPrefixCacheUnmatchError
 from omni_cache.integration.kv_capability import OMNI_CONNECTOR, connector_verdict
+from omni_cache.integration.kv_groups import select_output_group
 from omni_cache.interface import PrefixCacheConfig
 
 __all__ = ["stage_prefix_cache_config"]
@@ -72,11 +77,6 @@ def _dcp_world_size(vllm_config: Any) -> int:
     return 1
 
 
-def _is_full_attention(spec: Any) -> bool:
-    """True for vLLM's ``FullAttentionSpec`` and its subclasses (e.g. MLA)."""
-    return any(cls.__name__ == "FullAttentionSpec" for cls in type(spec).__mro__)
-
-
 def stage_prefix_cache_config(vllm_config: Any, kv_cache_config: Any) -> PrefixCacheConfig | None:
     """The stage's ``PrefixCacheConfig``, ``None``, or a refusal.
 
@@ -86,13 +86,14 @@ def stage_prefix_cache_config(vllm_config: Any, kv_cache_config: Any) -> PrefixC
     ``vllm_config.speculative_config``, ``vllm_config.parallel_config``
     (``decode_context_parallel_size``), ``vllm_config.kv_transfer_config``
     (``kv_connector``, ``kv_role``) and ``kv_cache_config.num_blocks`` /
-    ``kv_cache_groups[i].kv_cache_spec`` (``block_size``).
+    ``kv_cache_groups[i].kv_cache_spec`` (its class and ``block_size``).
 
     Returns ``None`` when prefix caching is off or the stage is a pooling
     model. Raises ``OmniPrefixCacheUnmatchError`` for a KV connector that can load
-KV into this engine (unless ``OmniKVConnector`` wraps it),
-    speculative decoding, decode context parallel, sub-block prefix matching, more than one KV-cache
-    group or a group that is not full attention, and ``ValueError`` when
+    KV into this engine (unless ``OmniKVConnector`` wraps it), speculative decoding, decode
+    context parallel, sub-block prefix matching and a KV cache with no full-attention group
+    (the message names every group and its spec); the config's ``output_group_id`` is the
+    chosen group. Raises ``ValueError`` when
     ``kv_cache_config`` lacks what sizing needs.
     """
     cache_config = getattr(vllm_config, "cache_config", None)
@@ -119,27 +120,17 @@ KV into this engine (unless ``OmniKVConnector`` wraps it),
             "prefix caching on it"
         )
 
-    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
-    if len(groups) != 1:
-        raise _refuse(
-            f"the KV cache has {len(groups)} KV-cache groups (kv_cache_config.kv_cache_groups); the "
-            "cache needs exactly one full-attention group so that one slot space covers the prefix"
-        )
-    spec = getattr(groups[0], "kv_cache_spec", None)
-    if spec is None or not _is_full_attention(spec):
-        raise _refuse(
-            f"KV-cache group 0 is {type(spec).__name__}, not full attention: its blocks do not hold "
-            "the whole prefix, so a hit's rows cannot be addressed by its slots"
-        )
-    block_size = getattr(spec, "block_size", None)
-    if block_size is None:
-        raise ValueError("stage_prefix_cache_config: kv_cache_groups[0].kv_cache_spec has no block_size")
+    try:
+        output = select_output_group(kv_cache_config)
+    except LookupError as exc:
+        raise _refuse(str(exc)) from None
+    block_size = output.block_size
     hash_block_size = getattr(cache_config, "hash_block_size", None)
     if hash_block_size is not None and int(hash_block_size) != int(block_size):
         raise _refuse(
             f"sub-block prefix matching is enabled (cache_config.hash_block_size={hash_block_size} "
-            f"but the KV block size is {block_size}): hits are only served block aligned. Leave "
-            "hash_block_size unset or equal to the block size"
+            f"but the KV block size of output group {output.group_id} is {block_size}): hits are only "
+            "served block aligned. Leave hash_block_size unset or equal to the block size"
         )
     num_blocks = getattr(kv_cache_config, "num_blocks", None)
     if num_blocks is None:
@@ -149,4 +140,5 @@ KV into this engine (unless ``OmniKVConnector`` wraps it),
         block_size=int(block_size),
         scheduler_config=getattr(vllm_config, "scheduler_config", None),
         model_config=model_config,
+        output_group_id=output.group_id,
     )

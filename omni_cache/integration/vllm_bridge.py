@@ -18,7 +18,8 @@ then, when the step's KV connector metadata carries an ``OmniKVConnector`` tier
 plan (``omni_cache.integration.kv_tier``), the plan is applied (stores, then
 loads) so restored rows are registered before the forward's save;
 ``after_forward`` right after the model forward, with the forward's hidden
-states and the runner's block table (V1: ``runner.input_batch``; Model Runner
+states and the runner's block table of the output KV-cache group
+(``PrefixCacheConfig.output_group_id``; V1: ``runner.input_batch``; Model Runner
 V2: ``runner.block_tables`` and its per-step ``InputBatch``). Upholds I1 on
 the producer side: every saved step id is published exactly once on
 ``step_ids`` (the consumer must materialize or discard it exactly once).
@@ -91,7 +92,7 @@ def bridge_of(llm: Any) -> VllmRunnerBridge:
 
 
 class V2BlockTableMirror:
-    """A CPU copy of group 0 of Model Runner V2's ``BlockTables``.
+    """A CPU copy of one KV-cache group (the output group) of Model Runner V2's ``BlockTables``.
 
     V2 keeps block ids only on the device (staged writes applied by a kernel).
     ``install`` wraps the instance's ``append_block_ids(req_index,
@@ -101,19 +102,27 @@ class V2BlockTableMirror:
     against the mirror's at every view.
     """
 
-    def __init__(self, block_tables: Any, max_num_reqs: int, max_num_blocks: int) -> None:
+    def __init__(self, block_tables: Any, max_num_reqs: int, max_num_blocks: int, group_id: int = 0) -> None:
         self.block_tables = block_tables
-        self.block_size = int(block_tables.block_sizes[0])
+        self.group_id = group_id  # the output KV-cache group (PrefixCacheConfig.output_group_id)
+        self.block_size = int(block_tables.block_sizes[group_id])
         self.table = np.zeros((max_num_reqs, max_num_blocks), dtype=np.int64)
         self.counts = np.zeros(max_num_reqs, dtype=np.int64)
 
     @classmethod
-    def install(cls, block_tables: Any) -> V2BlockTableMirror:
-        if getattr(block_tables, "omni_cache_mirror", None) is not None:
-            return block_tables.omni_cache_mirror
+    def install(cls, block_tables: Any, group_id: int = 0) -> V2BlockTableMirror:
+        installed = getattr(block_tables, "omni_cache_mirror", None)
+        if installed is not None:
+            if installed.group_id != group_id:
+                raise ValueError(f"V2BlockTableMirror: this BlockTables already mirrors KV-cache group "
+                                 f"{installed.group_id}, not {group_id}")
+            return installed
         counts = np.asarray(block_tables.num_blocks.np)
-        max_blocks = int(block_tables.block_tables[0].gpu.shape[1])
-        mirror = cls(block_tables, int(counts.shape[1]), max_blocks)
+        if not 0 <= group_id < counts.shape[0]:
+            raise ValueError(f"V2BlockTableMirror: KV-cache group {group_id} is outside the runner's "
+                             f"{counts.shape[0]} block tables")
+        max_blocks = int(block_tables.block_tables[group_id].gpu.shape[1])
+        mirror = cls(block_tables, int(counts.shape[1]), max_blocks, group_id)
         real = block_tables.append_block_ids
 
         def append_block_ids(req_index: int, new_block_ids: Any, overwrite: bool) -> None:
@@ -125,7 +134,7 @@ class V2BlockTableMirror:
         return mirror
 
     def append(self, req_index: int, new_block_ids: Any, overwrite: bool) -> None:
-        ids = [int(b) for b in new_block_ids[0]]
+        ids = [int(b) for b in new_block_ids[self.group_id]]
         start = 0 if overwrite else int(self.counts[req_index])
         end = start + len(ids)
         if end > self.table.shape[1]:
@@ -134,7 +143,7 @@ class V2BlockTableMirror:
         self.counts[req_index] = end
 
     def view(self, input_batch: Any, *, block_size: int) -> BlockTableView:
-        engine_counts = np.asarray(self.block_tables.num_blocks.np)[0]
+        engine_counts = np.asarray(self.block_tables.num_blocks.np)[self.group_id]
         num_reqs = int(input_batch.num_reqs)
         states = np.asarray(input_batch.idx_mapping_np)[:num_reqs]
         if not np.array_equal(engine_counts[states], self.counts[states]):
@@ -250,14 +259,15 @@ class VllmRunnerBridge:
         if so is None:
             return None
         input_batch = runner.input_batch
-        view = BlockTableView.from_input_batch(input_batch, block_size=self._block_size())
-        slot_mapping = input_batch.block_table.block_tables[0].slot_mapping.cpu
+        group = self._output_group()
+        view = BlockTableView.from_input_batch(input_batch, block_size=self._block_size(), kv_cache_group_id=group)
+        slot_mapping = input_batch.block_table.block_tables[group].slot_mapping.cpu
         return self._save(so, view, hidden_states, input_ids, positions, slot_mapping)
 
     def install_v2_block_mirror(self, block_tables: Any) -> V2BlockTableMirror:
         """Model Runner V2, after ``initialize_kv_cache``: mirror its device-only
-        block table on the CPU (group 0) so views never read the device."""
-        self.v2_mirror = V2BlockTableMirror.install(block_tables)
+        block table on the CPU (the output group) so views never read the device."""
+        self.v2_mirror = V2BlockTableMirror.install(block_tables, self._output_group())
         return self.v2_mirror
 
     def after_forward_v2(self, runner: Any, input_batch: Any, hidden_states: torch.Tensor) -> StepId | None:
@@ -291,6 +301,11 @@ class VllmRunnerBridge:
         config = self.hooks.config
         assert config is not None, "bridge active without a config: the gate must have run"
         return config.block_size
+
+    def _output_group(self) -> int:
+        """The KV-cache group whose block table addresses the rows (``output_group_id``)."""
+        config = self.hooks.config
+        return 0 if config is None else config.output_group_id
 
     def _save(
         self, so: Any, view: BlockTableView, hidden_states: torch.Tensor, input_ids: Any, positions: Any, slot_mapping: Any
