@@ -1,0 +1,12 @@
+"""``omni-cache pipeline``: a two-stage omni pipeline on real vLLM engines.
+
+A vLLM thinker (automatic prefix caching on, the omni prefix cache installed
+through ``worker_cls``) hands each finished request's full-prompt hidden states,
+materialized through the cache, to a vLLM talker engine as ``prompt_embeds``.
+The talker's tokens and logprobs are compared with the same workload run with
+prefix caching off on the thinker (ground truth), and two negative controls
+must be caught. Modules: ``workload`` (presets, the plan), ``stages`` (engine
+construction and the two stages), ``run`` (the interleaved driver and the
+measurements), ``checks`` (the comparisons and the controls), ``report``.
+Nothing here imports vLLM at module scope.
+"""

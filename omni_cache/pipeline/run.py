@@ -1,0 +1,288 @@
+"""The run of ``omni-cache pipeline``: both pipelines, the controls and the measurements.
+
+Owns: ``PipelineConfig``, ``PipelineResult``, ``drive`` (one pipeline: the
+planned turns arrive at their steps, the thinker steps, each request it
+finishes goes onto the handoff queue, the talker takes it in the same pipeline
+step and steps too -- both engines' steps interleaved, the talker never waits
+for the whole thinker batch) and ``Pipeline.run`` (build the talker checkpoint
+and the three engines, run the pipeline with prefix caching and the cache,
+then with prefix caching off on the thinker (ground truth), then the two
+negative controls on the talker, and compare).
+
+Measured in the same run: thinker prefill tokens computed and thinker time
+(its engine steps, the handoff included, the checker's own time excluded) and
+end-to-end time (first arrival to last talker output, checker excluded) with
+and without prefix caching, and the cache's cost (save and materialize per
+step against the forward). Invariants: checks I1, I4, I6, I7 from outside
+(see ``stages``).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from omni_cache.pipeline.checks import DEFAULT_LOGPROB_TOLERANCE, Verdict, compare_all, perturb_row, row_diff
+from omni_cache.pipeline.stages import (
+    StageOptions,
+    StageTimers,
+    TalkerStage,
+    ThinkerStage,
+    talker_checkpoint,
+    talker_kwargs,
+    thinker_kwargs,
+)
+from omni_cache.pipeline.workload import PRESETS, PlannedTurn, plan_turns, resolve_prompt
+from omni_cache.sim.checker import Mismatch
+
+__all__ = ["PipelineConfig", "PipelineResult", "RunStats", "drive", "run_pipeline"]
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    preset: str = "mix"
+    seed: int = 0
+    requests: int | None = None
+    talker_tokens: int | None = None
+    tolerance: float = DEFAULT_LOGPROB_TOLERANCE
+    steps_limit: int = 5000
+    extra_engine_args: tuple[tuple[str, Any], ...] = ()  # every engine, e.g. parallelism
+
+    def __post_init__(self) -> None:
+        if self.preset not in PRESETS:
+            raise ValueError(f"unknown preset {self.preset!r} (choose from {', '.join(sorted(PRESETS))})")
+        if self.talker_tokens is not None and not 1 <= self.talker_tokens <= 64:
+            raise ValueError(f"--talker-tokens must be from 1 to 64, got {self.talker_tokens}")
+        if not self.tolerance >= 0:
+            raise ValueError(f"--tolerance must be >= 0, got {self.tolerance}")
+        plan_turns(PRESETS[self.preset], seed=self.seed, requests=self.requests)  # raises on a bad size
+
+    def as_dict(self) -> dict[str, Any]:
+        preset = PRESETS[self.preset]
+        return {**asdict(self), "requests": self.requests or preset.requests,
+                "talker_tokens": self.talker_tokens or preset.talker_tokens, "kv_blocks": preset.kv_blocks,
+                "max_batched_tokens": preset.max_batched_tokens, "max_model_len": preset.max_model_len}
+
+
+@dataclass
+class RunStats:
+    """One pipeline run (with or without prefix caching on the thinker)."""
+
+    finished: int = 0
+    talker_finished: int = 0
+    pipeline_steps: int = 0
+    prefill_tokens: int = 0
+    hit_tokens: int = 0  # the engine's num_cached_tokens, summed over requests
+    hit_requests: int = 0
+    thinker_s: float = 0.0
+    end_to_end_s: float = 0.0
+    talker_s: float = 0.0
+    overlap_steps: int = 0  # pipeline steps in which both engines stepped
+    timers: StageTimers = field(default_factory=StageTimers)
+
+
+@dataclass
+class PipelineResult:
+    config: PipelineConfig
+    vllm_version: str = ""
+    requests: int = 0
+    with_apc: RunStats = field(default_factory=RunStats)
+    without_apc: RunStats = field(default_factory=RunStats)
+    identity: Verdict = field(default_factory=Verdict)
+    thinker_answers_equal: int = 0
+    row_max_rel_diff: float = 0.0
+    control_computed: Verdict = field(default_factory=Verdict)
+    control_perturbed: Verdict = field(default_factory=Verdict)
+    perturbed: str = ""  # "request, position" of control (ii)
+    rows_verified: int = 0
+    served_from_cache: int = 0
+    same_step_hits: int = 0
+    double_materialize_refused: bool = False
+    engine_start_s: float = 0.0
+    wall_s: float = 0.0
+    mismatches: list[Mismatch] = field(default_factory=list)
+
+    @property
+    def controls_caught(self) -> int:
+        return int(self.control_computed.all_differ) + int(self.control_perturbed.all_differ)
+
+    @property
+    def talker_identical(self) -> bool:
+        return self.identity.all_identical and self.identity.compared == self.requests
+
+    @property
+    def failed(self) -> bool:
+        """A check failed (exit 1)."""
+        return bool(self.mismatches) or not self.talker_identical or self.controls_caught < 2 \
+            or self.thinker_answers_equal != self.requests
+
+    @property
+    def incomplete(self) -> bool:
+        """Ran clean but proved less than asked (exit 3): no request hit the prefix cache."""
+        return self.with_apc.hit_tokens == 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed and not self.incomplete
+
+
+def drive(thinker: ThinkerStage, talker: TalkerStage, plan: list[PlannedTurn], *, turn_gap: int,
+          steps_limit: int, prefix: str = "") -> tuple[RunStats, dict[str, tuple[int, ...]], list[str]]:
+    """One pipeline run; the stats, every turn's prompt, and the talker's request names (``prefix`` + turn)."""
+    stats = RunStats()
+    children: dict[str, list[PlannedTurn]] = collections.defaultdict(list)
+    due: list[tuple[int, PlannedTurn]] = []
+    for turn in plan:
+        if turn.parent is None:
+            due.append((turn.arrive_step, turn))
+        else:
+            children[turn.parent].append(turn)
+    prompts: dict[str, tuple[int, ...]] = {}
+    answers: dict[str, tuple[int, ...]] = {}
+    handoff: collections.deque[str] = collections.deque()  # finished by the thinker, not yet taken by the talker
+    sent: list[str] = []
+    step = 0
+    t0 = time.perf_counter()
+    while True:
+        due.sort(key=lambda d: d[0])
+        while due and due[0][0] <= step:
+            turn = due.pop(0)[1]
+            prompts[turn.name] = resolve_prompt(turn, prompts, answers)
+            thinker.add(turn.name, prompts[turn.name], turn.max_tokens)
+        stepped = False
+        if thinker.busy():
+            stepped = True
+            for name, answer in thinker.step():
+                answers[name] = answer
+                handoff.append(name)
+                due.extend((step + turn_gap, child) for child in children.pop(name, ()))
+        while handoff:
+            name = handoff.popleft()
+            talker.add(prefix + name, thinker.prompt_rows(name))
+            sent.append(prefix + name)
+        if talker.busy():
+            stats.overlap_steps += int(stepped)
+            talker.step()
+        if not due and not thinker.busy() and not talker.busy():
+            break
+        step += 1
+        if not thinker.busy() and not talker.busy() and due:
+            step = max(step, min(d[0] for d in due))
+        if step >= steps_limit:
+            raise RuntimeError(f"the pipeline did not finish within {steps_limit} steps")
+    wall = time.perf_counter() - t0
+    t = thinker.timers
+    stats.pipeline_steps = step + 1
+    stats.finished = len(answers)
+    stats.talker_finished = sum(1 for n in sent if n in talker.outputs)
+    stats.prefill_tokens = thinker.prefill_tokens
+    stats.hit_tokens = sum(thinker.cached_tokens.values())
+    stats.hit_requests = sum(1 for v in thinker.cached_tokens.values() if v > 0)
+    stats.thinker_s = t.step_s - t.checker_s
+    stats.end_to_end_s = wall - t.checker_s
+    stats.timers = t
+    thinker.answers = answers  # type: ignore[attr-defined]
+    return stats, prompts, sent
+
+
+class Pipeline:
+    def __init__(self, config: PipelineConfig) -> None:
+        self.config = config
+        self.preset = PRESETS[config.preset]
+        self.plan = plan_turns(self.preset, seed=config.seed, requests=config.requests)
+        p = self.preset
+        self.opts = StageOptions(kv_blocks=p.kv_blocks, max_batched_tokens=p.max_batched_tokens,
+                                 max_model_len=p.max_model_len, seed=config.seed, extra=config.extra_engine_args)
+        self.talker_tokens = config.talker_tokens or p.talker_tokens
+
+    def run(self, engines: dict[str, Any] | None = None) -> PipelineResult:
+        """Build the engines (or use ``engines``: ``thinker_apc``, ``thinker_truth``, ``talker``) and run."""
+        from omni_cache.vllm_sim.engine import prepare_vllm_env, stdout_to_stderr
+
+        res = PipelineResult(self.config, requests=len(self.plan))
+        t0 = time.perf_counter()
+        prepare_vllm_env()
+        with stdout_to_stderr(), contextlib.ExitStack() as stack:
+            import vllm
+
+            res.vllm_version = vllm.__version__
+            if engines is None:
+                engines = self._build(stack)
+            res.engine_start_s = time.perf_counter() - t0
+            self._run(engines, res)
+        res.wall_s = time.perf_counter() - t0
+        return res
+
+    def _build(self, stack: contextlib.ExitStack) -> dict[str, Any]:
+        import tempfile
+
+        from omni_cache.pipeline.stages import build_llm
+        from omni_cache.vllm_sim.engine import tiny_llama_dir
+
+        ckpt = stack.enter_context(talker_checkpoint(self.config.seed))
+        thinker_dir = tiny_llama_dir(tempfile.mkdtemp(prefix="omni-cache-thinker-"))
+        stack.callback(shutil.rmtree, thinker_dir, True)
+        engines = {"talker": build_llm(talker_kwargs(ckpt, self.opts)),
+                   "thinker_apc": build_llm(thinker_kwargs(thinker_dir, self.opts, prefix_caching=True)),
+                   "thinker_truth": build_llm(thinker_kwargs(thinker_dir, self.opts, prefix_caching=False))}
+        for llm in engines.values():
+            stack.callback(_shutdown, llm)
+        return engines
+
+    def _run(self, engines: dict[str, Any], res: PipelineResult) -> None:
+        from omni_cache.pipeline.stages import TalkerStage
+
+        talker = TalkerStage(engines["talker"], self.talker_tokens)
+        gap, limit = self.preset.turn_gap_steps, self.config.steps_limit
+        # With prefix caching first: the talker and the process warm up on it, which favours the ground truth.
+        apc = ThinkerStage(engines["thinker_apc"], cached=True)
+        res.with_apc, prompts, _ = drive(apc, talker, self.plan, turn_gap=gap, steps_limit=limit, prefix="apc:")
+        apc.finish()
+        res.mismatches.extend(apc.mismatches)
+        truth = ThinkerStage(engines["thinker_truth"], cached=False)
+        res.without_apc, prompts_truth, _ = drive(truth, talker, self.plan, turn_gap=gap, steps_limit=limit,
+                                                  prefix="truth:")
+        names = [t.name for t in self.plan]
+        truth_out = {n: talker.outputs[f"truth:{n}"] for n in names if f"truth:{n}" in talker.outputs}
+        got = {n: talker.outputs[f"apc:{n}"] for n in names if f"apc:{n}" in talker.outputs}
+        tol = self.config.tolerance
+        res.identity = compare_all(truth_out, got, tol)
+        res.thinker_answers_equal = sum(1 for n in names if apc.answers.get(n) is not None  # type: ignore[attr-defined]
+                                        and apc.answers.get(n) == truth.answers.get(n)  # type: ignore[attr-defined]
+                                        and prompts.get(n) == prompts_truth.get(n))
+        res.row_max_rel_diff = max((row_diff(apc.prompt_rows(n), truth.prompt_rows(n)) for n in names
+                                    if n in apc.internal and n in truth.internal), default=0.0)
+        cap = apc.capture
+        res.rows_verified, res.served_from_cache, res.same_step_hits = (
+            cap.rows_verified, cap.served_from_cache, cap.same_step_hits)
+        res.double_materialize_refused = apc.double_materialize_refused
+        self._controls(apc, talker, truth_out, res)
+
+    def _controls(self, apc: ThinkerStage, talker: TalkerStage, truth_out: dict[str, Any], res: PipelineResult) -> None:
+        """(i) prefix caching on, the talker fed only the rows the forward computed; (ii) one prefix row perturbed."""
+        hits = {n: c for n, c in apc.cached_tokens.items() if c > 0}
+        tol = self.config.tolerance
+        computed = {f"ctl-computed:{n}": apc.computed_rows(n) for n in hits}
+        out = talker.run_all(computed)
+        res.control_computed = compare_all(truth_out, out, tol, {k: k.split(":", 1)[1] for k in out})
+        if not hits:
+            return
+        name = max(hits, key=lambda n: (hits[n], n))
+        pos = hits[name] // 2
+        res.perturbed = f"{name}, position {pos} (of {hits[name]} cached)"
+        key = f"ctl-perturbed:{name}"
+        out = talker.run_all({key: perturb_row(apc.prompt_rows(name), pos)})
+        res.control_perturbed = compare_all(truth_out, out, tol, {key: name})
+
+
+def _shutdown(llm: Any) -> None:
+    with contextlib.suppress(Exception):
+        llm.llm_engine.engine_core.shutdown()
+
+
+def run_pipeline(config: PipelineConfig, engines: dict[str, Any] | None = None) -> PipelineResult:
+    return Pipeline(config).run(engines)
