@@ -19,7 +19,9 @@ Request identity (I12, I13): every request is an admission with its own
 ``PrefixCacheRequestOwner``; ``reuse_id`` gives a finished or a live request's
 id to a new admission (a live one is REPLACED; a stale terminal of the old owner
 may follow), and every step carries a ``sequence`` so ``replay_last_step`` can
-send it again, which must change nothing.
+send it again, which must change nothing; ``start_and_abort`` begins an admission and
+aborts it in one step. ``deliver`` is how a step reaches the manager: ``new_step_starts``
+itself, or tests/adapter_transport.py's scheduler outputs through the adapter.
 
 Used by tests/test_manager_stateful.py (Hypothesis), tests/test_soak.py
 (threads) and tests/test_faults.py (fault injection).
@@ -271,6 +273,12 @@ class Engine:
         self.n_reqs = 0
         self.n_admissions = 0
         self.controls: list[PrefixCacheRequestEvent] = []  # REPLACED controls for the next step (I12)
+        # rid -> how its REPLACED control is built when held until the new admission's first schedule:
+        # "held_complete" (the control carries that step's lookup) or "held_default" (built with the
+        # default lookup_complete=True, a miss: only the adapter, whose new request carries the hit).
+        self.held: dict[str, str] = {}
+        self.bursts: list[PrefixCacheRequestEvent] = []  # sent with the next step, in this order
+        self.deliver = manager.new_step_starts  # how a step reaches the manager (tests/adapter_transport.py)
         self.late: list[PrefixCacheRequestEvent] = []  # stale terminals, sent once the new admission runs
         self.admitted: dict[str, PrefixCacheRequestOwner | None] = {}  # the manager's live ids, per I12
         self.sequence = 0  # of the last step sent (I13)
@@ -297,49 +305,109 @@ class Engine:
         return rid
 
     def reuse_id(self, live: bool, i: int, arrival: tuple[int, int, Sequence[int], int],
-                 stale_terminal: bool) -> str | None:
+                 stale_terminal: bool, control: str = "pending") -> str | None:
         """A new admission takes an existing request id (I12).
 
         ``live``: the id of a request that has not ended; it is REPLACED (a control
-        with the new owner, lookup pending, goes out with the next step) and its
-        admission ends without a terminal event. Otherwise the id of an ended one;
+        with the new owner, lookup pending, goes out with the next step -- or, for
+        ``control`` "held_complete"/"held_default", with the new admission's first
+        scheduled step) and its admission ends without a terminal event. Otherwise the id of an ended one;
         ``stale_terminal`` then re-sends the old admission's terminal with its old
         owner, which must not end the new admission.
         """
         pool = [r for r, q in self.active.items()] if live else \
-            [r for r, q in self.reqs.items() if q.state == "ended"]
+            [r for r, q in self.reqs.items() if q.state == "ended" and r not in self._unsent()]
         if not pool:
             return None
         rid = pool[i % len(pool)]
         old = self.reqs[rid]
         if live:
+            self._release_held(rid)
             if old.state == "running":
                 self.alloc.release(old.blocks)
             old.blocks, old.state = [], "ended"
             self.active.pop(rid, None)
         self.add_request(*arrival, rid=rid)
         new = self.reqs[rid]
-        if live:
+        if live and control != "pending":
+            self.held[rid] = control
+        elif live:
             self.controls.append(PrefixCacheRequestEvent(rid, E.REPLACED, owner=new.owner, lookup_complete=False))
         elif stale_terminal:  # arrives after the new admission started: it must not end it
             self.late.append(PrefixCacheRequestEvent(rid, E.FINISHED, owner=old.owner))
         return rid
 
+    def _unsent(self) -> set[str]:
+        """Ids an unsent start-and-abort admitted: a scheduler output holds one admission of an id
+        per step, so none is admitted again before the step goes out."""
+        return {e.req_id for e in self.bursts}
+
+    def _release_held(self, rid: str) -> None:
+        """A held control goes out with the next step after all (its admission ends or is replaced
+        before its first schedule)."""
+        if self.held.pop(rid, None) is not None:
+            self.controls.append(PrefixCacheRequestEvent(rid, E.REPLACED, owner=self.reqs[rid].owner,
+                                                         lookup_complete=False))
+
+    def start_and_abort(self, arrival: tuple[int, int, Sequence[int], int], replace: bool, i: int,
+                        terminal_first: bool, lookup_complete: bool) -> str | None:
+        """A new admission begins and is aborted in one step, before any token of it is scheduled
+        (I12: each event applies to the admission it names, whatever its position in the step).
+
+        ``replace``: a live request's id is REPLACED by the new owner (the old admission ends by
+        the control) and the new owner is ABORTED; else a new request is STARTED (with the hit
+        the allocator would give it) and ABORTED. Either way nothing of it stays live.
+        """
+        if replace:
+            pool = [r for r in self.active if r not in self._unsent()]
+            if not pool:
+                return None
+            rid = pool[i % len(pool)]
+            old = self.reqs[rid]
+            self._release_held(rid)
+            if old.state == "running":
+                self.alloc.release(old.blocks)
+            old.blocks, old.state = [], "ended"
+            self.active.pop(rid, None)
+            self.add_request(*arrival, rid=rid)
+            q = self.reqs[rid]
+            first = PrefixCacheRequestEvent(rid, E.REPLACED, owner=q.owner, lookup_complete=lookup_complete)
+        else:
+            rid = self.add_request(*arrival)
+            q = self.reqs[rid]
+            hit = self.alloc.match(self.block_hashes(q, min(q.prompt_len, len(q.tokens) - 1) // self.bs * self.bs))
+            first = PrefixCacheRequestEvent(rid, E.STARTED, 0, len(hit) * self.bs, (tuple(hit),) if hit else (),
+                                            owner=q.owner)
+        q.state = "ended"
+        self.active.pop(rid, None)
+        abort = PrefixCacheRequestEvent(rid, E.ABORTED, owner=q.owner)
+        self.bursts.extend([abort, first] if terminal_first else [first, abort])
+        return rid
+
     def send(self, events: Sequence[PrefixCacheRequestEvent], counts: dict[str, int]) -> None:
         """``new_step_starts`` of one step, numbered (I13)."""
         step = PrefixCacheStep(tuple(events), counts, self.sequence + 1)
-        self.m.new_step_starts(step)
+        self.deliver(step)
         self.sequence, self.last_step = step.sequence, step  # only once applied
         self._track_admissions(step.events)
 
     def _track_admissions(self, events: Sequence[PrefixCacheRequestEvent]) -> None:
-        """The live ids the manager must hold after ``events`` (I12; terminal events first)."""
+        """The live ids the manager must hold after ``events`` (I12: each event applies to the
+        admission it names -- terminal events first, except those of an owner another event of
+        the step carries, which end it after them)."""
         live = self.admitted
+        terminal = (E.FINISHED, E.ABORTED)
+        named = {(e.req_id, e.owner) for e in events if e.kind not in terminal and e.owner is not None}
+
+        def end(e: PrefixCacheRequestEvent) -> None:
+            cur = live.get(e.req_id)
+            if not (e.owner is not None and cur is not None and e.owner < cur):
+                live.pop(e.req_id, None)
+
+        later = [e for e in events if e.kind in terminal and e.owner is not None and (e.req_id, e.owner) in named]
         for e in events:
-            if e.kind in (E.FINISHED, E.ABORTED):
-                cur = live.get(e.req_id)
-                if not (e.owner is not None and cur is not None and e.owner < cur):
-                    live.pop(e.req_id, None)
+            if e.kind in terminal and e not in later:
+                end(e)
         for e in events:
             if e.kind in (E.FINISHED, E.ABORTED):
                 continue
@@ -348,12 +416,14 @@ class Engine:
                 continue
             if e.kind in (E.REPLACED, E.STARTED) or e.req_id not in live:
                 live[e.req_id] = e.owner
+        for e in later:
+            end(e)
 
     def replay_last_step(self) -> bool:
         """Send the last step again (same sequence): the manager must change nothing (I13)."""
         if self.last_step is None:
             return False
-        self.m.new_step_starts(self.last_step)
+        self.deliver(self.last_step)
         return True
 
     def live(self, *states: str) -> list[str]:
@@ -370,6 +440,7 @@ class Engine:
         q = self.reqs[rid]
         if q.state == "ended":
             return
+        self._release_held(rid)
         if q.state == "running":
             self.alloc.release(q.blocks)
         q.blocks = []
@@ -451,8 +522,15 @@ class Engine:
         late = [e for e in self.late if self.reqs[e.req_id].started]  # before this step schedules
         self.late = [e for e in self.late if e not in late]
         sched = forced if forced is not None else self.schedule(picks)
-        events = [*self.controls, *self.terminal, *late, *(e for *_, e in sched)]
-        self.terminal, self.controls = [], []
+        for q, _, _, e in sched:  # a held control goes out with its admission's first scheduled step
+            mode = self.held.pop(q.rid, None) if e.kind is E.STARTED else None
+            if mode == "held_complete":
+                self.controls.append(PrefixCacheRequestEvent(q.rid, E.REPLACED, 0, e.hit_end, e.block_ids,
+                                                             owner=e.owner))
+            elif mode is not None:  # "held_default": built with the defaults, a complete miss
+                self.controls.append(PrefixCacheRequestEvent(q.rid, E.REPLACED, owner=e.owner))
+        events = [*self.controls, *self.terminal, *late, *self.bursts, *(e for *_, e in sched)]
+        self.terminal, self.controls, self.bursts = [], [], []
         counts = {q.rid: n for q, _, n, _ in sched}
         if not sched:
             if events:
@@ -551,7 +629,7 @@ class Engine:
         """Terminate every request and tell the manager (the end of a run)."""
         for rid in list(self.active):
             self.end(rid, aborted=False)
-        if self.terminal or self.controls or self.late:
-            self.send([*self.controls, *self.terminal, *self.late], {})
-            self.terminal, self.controls, self.late = [], [], []
+        if self.terminal or self.controls or self.late or self.bursts:
+            self.send([*self.controls, *self.terminal, *self.late, *self.bursts], {})
+            self.terminal, self.controls, self.late, self.bursts = [], [], [], []
 

@@ -15,7 +15,9 @@ reused (new tenants, I7), prefill/decode steps with several requests (some omitt
 hit that needs it from a slot whose tenant did not write it raises), padded
 steps and padded mm, finish/abort/preempt/resume, deferred and leftover mm, the
 hidden opt-out policy, request ids reused by new admissions (a live one REPLACED,
-a finished one followed by a stale terminal of its old owner: I12) and replayed
+its control sent at once or with the new admission's first step; a finished one
+followed by a stale terminal of its old owner: I12), admissions started or
+replaced-to and aborted in one step (nothing of them stays live: I12), and replayed
 scheduler steps (same sequence: nothing changes, I13), materialize of any pending step in any order (or
 discard), a hit the cache cannot serve (I6), and misuse: double consume and
 unknown ids (I1), requests outside the snapshot (I4), unaligned or blockless
@@ -115,6 +117,7 @@ SETUP = dict(hidden=st.booleans(), defer=st.sampled_from([(), (EMBEDS,), (EMBEDS
 
 class ManagerMachine(RuleBasedStateMachine):
     MODE = "eager"
+    ADAPTER = False  # steps reach the manager through the adapter (tests/test_adapter_stateful.py)
     CHECK_WITH_TLC = False  # the Python replay always runs; TLC only in TestManagerTracesWithTLC
     TLC_VERDICTS: ClassVar[list[TraceCheck] | None] = None  # with TLC: every verdict of every example
     pending = PENDING
@@ -202,13 +205,30 @@ class ManagerMachine(RuleBasedStateMachine):
         else:
             self.engine.end(rids[i % len(rids)], aborted=kind == "abort")
 
-    @rule(live=st.booleans(), i=st.integers(0, 63), arrival=ARRIVAL, stale_terminal=st.booleans())
-    def reuse_id(self, live: bool, i: int, arrival: tuple[int, int, list[int], int], stale_terminal: bool) -> None:
-        """A new admission takes a live (REPLACED) or finished request's id (I12)."""
-        rid = self._rule(lambda: self.engine.reuse_id(live, i, arrival, stale_terminal))
+    @rule(live=st.booleans(), i=st.integers(0, 63), arrival=ARRIVAL, stale_terminal=st.booleans(),
+          control=st.sampled_from(["pending", "held_complete", "held_default"]))
+    def reuse_id(self, live: bool, i: int, arrival: tuple[int, int, list[int], int], stale_terminal: bool,
+                 control: str) -> None:
+        """A new admission takes a live (REPLACED) or finished request's id (I12). The REPLACED
+        control goes out at once with its lookup pending, or with the new admission's first
+        scheduled step carrying that step's lookup -- or, through the adapter only, built with
+        the defaults (a complete miss: the adapter's new request must carry the hit)."""
+        if control == "held_default" and not self.ADAPTER:
+            control = "held_complete"  # the manager refuses a second lookup of the same owner
+        rid = self._rule(lambda: self.engine.reuse_id(live, i, arrival, stale_terminal, control))
         if rid is not None:
-            event(f"reuse: a {'live id replaced' if live else 'finished id'}"
+            event(f"reuse: a {'live id replaced (' + control + ')' if live else 'finished id'}"
                   + (" + stale terminal" if stale_terminal and not live else ""))
+
+    @rule(arrival=ARRIVAL, replace=st.booleans(), i=st.integers(0, 63), terminal_first=st.booleans(),
+          lookup_complete=st.booleans())
+    def start_and_abort(self, arrival: tuple[int, int, list[int], int], replace: bool, i: int,
+                        terminal_first: bool, lookup_complete: bool) -> None:
+        """An admission begins (STARTED, or REPLACED over a live id) and is aborted in the same step,
+        in either order: nothing of it stays live (I12; checked by live_requests_follow_admissions)."""
+        rid = self._rule(lambda: self.engine.start_and_abort(arrival, replace, i, terminal_first, lookup_complete))
+        if rid is not None:
+            event(f"identity: {'REPLACED' if replace else 'STARTED'} + ABORTED of one owner in one step")
 
     @rule()
     def replay_step(self) -> None:
