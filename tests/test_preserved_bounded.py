@@ -20,7 +20,7 @@ TENANTS = 30
 
 
 @pytest.mark.parametrize("eager", MODES)
-def test_tenants_rewriting_a_planned_hit_keep_one_preserved_version_per_slot(eager: bool) -> None:
+def test_I7_tenants_rewriting_a_planned_hit_keep_one_preserved_version_per_slot(eager: bool) -> None:
     m = manager(eager=eager, staging_depth=4)
     m.new_step_starts([started("a", scheduled=8)])
     s_a, rows_a = save(m, [("a", [0, 1], 0, 8)])

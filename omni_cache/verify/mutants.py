@@ -80,7 +80,7 @@ MODELS: tuple[Model, ...] = (
     Model(
         "writes", "Writes.tla",
         ("EndAdmission", "admit", "finish", "register", "enqueue", "start_copy", "finish_copy",
-         "commit", "fail"),
+         "commit", "fail", "shutdown", "stop"),
         ("pending", "queued", "copying", "host_ready", "written", "failed"),
         (("MCWrites.tla", "MCWrites.cfg"), ("MCWrites.tla", "MCWritesLive.cfg")),
         ("WriteMachine.tla",),

@@ -124,7 +124,7 @@ Trace == <<
 
 
 def _tenancy_cfg(constants: dict[str, int]) -> str:
-    return trace_cfg(constants, "TypeOK NeverSilentMiss NoStaleTenant HitServed NewestLanded HitOwned KeptNeeded "
+    return trace_cfg(constants, "TypeOK NeverSilentMiss NoStaleTenant HitServed NewestLanded HitOwned KeptNeeded KeptBounded "
                      "WritesCarryKeys EachKeyLandsOnce ReplacedIsNew")
 
 

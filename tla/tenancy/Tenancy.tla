@@ -40,6 +40,8 @@
 (* pin), HitServed (I7's preservation, against pin), NewestLanded (an      *)
 (* older write never overwrites a newer tenant, against arrived), HitOwned *)
 (* (a read is made by the admission that planned it), KeptNeeded,         *)
+(* KeptBounded (at most one preserved version per planned read of a slot, *)
+(* however many tenants overwrite it),                                    *)
 (* WritesCarryKeys, EachKeyLandsOnce (a tenant's registered keys are each  *)
 (* in exactly one write in transit, or landed), ReplacedIsNew.  Property   *)
 (* (LiveSpec: the engine, the committer and the readers fair; the cache    *)
@@ -322,6 +324,18 @@ ReplacedIsNew == \A r \in Readers : rstate[r] = "dropped" => pgen[r] < rgen[r]
 
 \* Preserved rows are kept only while a planned read needs them (bounded).
 KeptNeeded == \A c \in kept : Needed(c.slot, c.ver, c.key)
+
+\* The rows kept aside for key k of slot s, and the versions the planned
+\* reads of (s, k) pin.
+KeptAt(s, k) == {c \in kept : c.slot = s /\ c.key = k}
+PlannedVersions(s, k) ==
+    {want[r][2] : r \in {q \in Readers : rstate[q] = "planned" /\ want[q][1] = s /\ want[q][3] = k}}
+
+\* I7's bound: a (slot, key) keeps at most one preserved version per version
+\* its planned reads pin (so at most one per planned read), however many
+\* tenants overwrote the slot meanwhile.
+KeptBounded ==
+    \A s \in Slots, k \in Keys : Cardinality(KeptAt(s, k)) <= Cardinality(PlannedVersions(s, k))
 
 \* Liveness: every reader gets a hit to read and its delayed read ends: the
 \* rows it pinned land or are preserved, so it never waits forever (slot

@@ -18,4 +18,7 @@ LiveSpec ==
     /\ Spec
     /\ WF_vars(\E r \in Reqs, s \in Seqs : admit(r, s) \/ \E g \in Gens : finish(r, g, s))
     /\ \A i \in Writes : WF_vars(register(i))
+
+\* The cfgs that model shutdown substitute this for Writes' ShutdownModeled.
+MCShutdownModeled == TRUE
 =============================================================================

@@ -30,6 +30,7 @@ admit_when_failed(r, seq) ==
           THEN EndAdmission(<<r, gen[r]>>)
           ELSE UNCHANGED <<w, ended, queue>>
     /\ UNCHANGED <<own, deferred, busy, terminals, failure, errors>>
+    /\ UNCHANGED <<shut, stopped>>
 
 finish_ends_nothing(r, g, seq) ==
     /\ ~failure
@@ -39,6 +40,7 @@ finish_ends_nothing(r, g, seq) ==
     /\ applied' = applied \cup {seq}
     /\ terminals' = terminals \cup {<<r, g>>}
     /\ UNCHANGED <<w, ended, queue, own, deferred, busy, gen, admits, failure, errors>>
+    /\ UNCHANGED <<shut, stopped>>
 
 finish_no_advance(r, g, seq) ==
     /\ ~failure
@@ -50,6 +52,7 @@ finish_no_advance(r, g, seq) ==
           THEN EndAdmission(<<r, g>>)
           ELSE UNCHANGED <<w, ended, queue>>
     /\ UNCHANGED <<own, deferred, busy, gen, lastSeq, admits, failure, errors>>
+    /\ UNCHANGED <<shut, stopped>>
 
 \* The first error, as fail's ELSE branch, but the error is not counted.
 fail_uncounted(i) ==
@@ -61,6 +64,7 @@ fail_uncounted(i) ==
     /\ queue' = <<>>
     /\ busy' = IF busy = i THEN 0 ELSE busy
     /\ UNCHANGED <<own, deferred, gen, ended, lastSeq, applied, admits, terminals, errors>>
+    /\ UNCHANGED <<shut, stopped>>
 
 \* An error on any registered write, landed ones included.
 fail_landed(i) ==
@@ -73,6 +77,7 @@ fail_landed(i) ==
     /\ queue' = <<>>
     /\ busy' = IF busy = i THEN 0 ELSE busy
     /\ UNCHANGED <<own, deferred, gen, ended, lastSeq, applied, admits, terminals>>
+    /\ UNCHANGED <<shut, stopped>>
 
 finish_refused(r, g, seq) == FALSE
 
@@ -84,4 +89,5 @@ register_first_admission_only(i) ==
     /\ own' = [own EXCEPT ![i] = <<ReqOf(i), gen[ReqOf(i)]>>]
     /\ deferred' \in {[deferred EXCEPT ![i] = d] : d \in BOOLEAN}
     /\ UNCHANGED <<w, queue, busy, gen, ended, lastSeq, applied, admits, terminals, failure, errors>>
+    /\ UNCHANGED <<shut, stopped>>
 ===============================================================================

@@ -10,4 +10,5 @@ start_copy_ignoring_failure(i) ==
     /\ queue' = Tail(queue)
     /\ busy' = i
     /\ UNCHANGED <<own, deferred, gen, ended, lastSeq, applied, admits, terminals, failure, errors>>
+    /\ UNCHANGED <<shut, stopped>>
 =============================================================================

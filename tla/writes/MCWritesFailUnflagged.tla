@@ -11,4 +11,5 @@ fail_unflagged(i) ==
     /\ queue' = Remove(queue, i)
     /\ busy' = IF busy = i THEN 0 ELSE busy
     /\ UNCHANGED <<own, deferred, gen, ended, lastSeq, applied, admits, terminals, failure>>
+    /\ UNCHANGED <<shut, stopped>>
 =============================================================================

@@ -11,4 +11,5 @@ finish_ownerless(r, g, seq) ==
     /\ terminals' = terminals \cup {<<r, g>>}
     /\ IF <<r, gen[r]>> \notin ended THEN EndAdmission(<<r, gen[r]>>) ELSE UNCHANGED <<w, ended, queue>>
     /\ UNCHANGED <<own, deferred, busy, gen, admits, failure, errors>>
+    /\ UNCHANGED <<shut, stopped>>
 =============================================================================

@@ -10,4 +10,5 @@ replay_applied(s) ==
                        /\ IF <<r, gen[r]>> \notin ended THEN EndAdmission(<<r, gen[r]>>)
                                                      ELSE UNCHANGED <<w, ended, queue>>
     /\ UNCHANGED <<own, deferred, busy, lastSeq, applied, admits, terminals, failure, errors>>
+    /\ UNCHANGED <<shut, stopped>>
 =============================================================================

@@ -15,7 +15,11 @@
 (* scheduler step carries a sequence number; a replayed step (a sequence   *)
 (* already applied) changes nothing.  One committer pops the queue head,   *)
 (* copies and commits it.  An error fails a write and every queued write   *)
-(* and makes the manager failed for good.                                  *)
+(* and makes the manager failed for good.  Shutdown (contract 4.6; in the  *)
+(* cfgs that set ShutdownModeled): once it began, saves and scheduler      *)
+(* steps are refused, the saves already in progress push their writes,    *)
+(* and the committer stops only after the queue drained: no write is ever *)
+(* left queued without a committer.                                        *)
 (*                                                                         *)
 (* Actions that move a write are named like WRITE_TABLE's triggers         *)
 (* (enqueue, start_copy, finish_copy, commit, fail); finish and admit      *)
@@ -32,7 +36,10 @@
 (* Properties: StickyFailure (I8, action), FrontFirst                     *)
 (* (I9 ordering, action), AbortsLand (I9: every write of an ended          *)
 (* admission ends) under weak fairness of the committer alone, and         *)
-(* FailureEndsAll (I8: once failed, every registered write ends).          *)
+(* FailureEndsAll (I8: once failed, every registered write ends);        *)
+(* ShutdownDrains (once the committer stopped, nothing is queued or in    *)
+(* copy and every save's immediate write has ended) and the action        *)
+(* property NoSaveAfterShutdown.                                          *)
 (***************************************************************************)
 EXTENDS Naturals, Sequences, FiniteSets, WriteMachine
 
@@ -66,9 +73,16 @@ VARIABLES
     admits,    \* ghost: <<r, seq>> of every admission a scheduler step made
     terminals, \* ghost: the owners <<r, g>> that FINISHED/ABORTED events named
     failure,   \* the sticky failure (I8)
-    errors     \* spontaneous errors so far
+    errors,    \* spontaneous errors so far
+    shut,      \* shutdown began: saves and scheduler steps are refused (contract 4.6)
+    stopped    \* the committer stopped (shutdown drained the queue first)
 
-vars == <<w, own, deferred, queue, busy, gen, ended, lastSeq, applied, admits, terminals, failure, errors>>
+vars == <<w, own, deferred, queue, busy, gen, ended, lastSeq, applied, admits, terminals, failure, errors,
+          shut, stopped>>
+
+\* Whether the model includes shutdown: FALSE here (the cfgs of a running
+\* manager), TRUE in the cfgs that substitute MCWrites' MCShutdownModeled.
+ShutdownModeled == FALSE
 
 Range(s) == {s[k] : k \in 1..Len(s)}
 Remove(s, i) == SelectSeq(s, LAMBDA x : x # i)
@@ -101,6 +115,8 @@ TypeOK ==
     /\ terminals \subseteq Reqs \X Gens
     /\ failure \in BOOLEAN
     /\ errors \in 0..MaxErrors
+    /\ shut \in BOOLEAN
+    /\ stopped \in BOOLEAN
 
 Init ==
     /\ w = [i \in Writes |-> "pending"]
@@ -116,6 +132,8 @@ Init ==
     /\ terminals = {}
     /\ failure = FALSE
     /\ errors = 0
+    /\ shut = FALSE
+    /\ stopped = FALSE
 
 \* The orderings of a finite set S (sequences holding each element once).
 \* (WritesTrace narrows this to the order the runtime logged.)
@@ -136,6 +154,7 @@ EndAdmission(a) ==
 \* admission already (that admission ends now; its writes still land).
 admit(r, seq) ==
     /\ ~failure
+    /\ ~shut
     /\ seq = lastSeq + 1
     /\ gen[r] < MaxGen
     /\ gen' = [gen EXCEPT ![r] = @ + 1]
@@ -146,11 +165,13 @@ admit(r, seq) ==
           THEN EndAdmission(<<r, gen[r]>>)
           ELSE UNCHANGED <<w, ended, queue>>
     /\ UNCHANGED <<own, deferred, busy, terminals, failure, errors>>
+    /\ UNCHANGED <<shut, stopped>>
 
 \* Step seq carries FINISHED/ABORTED for owner <<r, g>>.  The current live
 \* admission ends; a late terminal event of an older admission ends nothing.
 finish(r, g, seq) ==
     /\ ~failure
+    /\ ~shut
     /\ seq = lastSeq + 1
     /\ g \in 1..gen[r]
     /\ lastSeq' = seq
@@ -160,6 +181,7 @@ finish(r, g, seq) ==
           THEN EndAdmission(<<r, g>>)
           ELSE UNCHANGED <<w, ended, queue>>
     /\ UNCHANGED <<own, deferred, busy, gen, admits, failure, errors>>
+    /\ UNCHANGED <<shut, stopped>>
 
 \* A scheduler step already applied (same sequence) comes again: no-op.
 replay(seq) ==
@@ -169,28 +191,39 @@ replay(seq) ==
 (***************************************************************************)
 (* Engine (save_outputs) and committer                                     *)
 (***************************************************************************)
-\* save_outputs registers write i for the live admission of its request.
+\* save_outputs registers write i for the live admission of its request; a
+\* save is refused once shutdown began (it had not claimed its page then; a
+\* save that had claimed it registered before).
 register(i) ==
     /\ ~failure
+    /\ ~shut
     /\ ~Registered(i)
     /\ gen[ReqOf(i)] > 0
     /\ <<ReqOf(i), gen[ReqOf(i)]>> \notin ended
     /\ own' = [own EXCEPT ![i] = <<ReqOf(i), gen[ReqOf(i)]>>]
     /\ deferred' \in {[deferred EXCEPT ![i] = d] : d \in BOOLEAN}
     /\ UNCHANGED <<w, queue, busy, gen, ended, lastSeq, applied, admits, terminals, failure, errors>>
+    /\ UNCHANGED <<shut, stopped>>
 
 \* Push a registered pending write to the back of the queue: an immediate
 \* write at save, or a deferred one flushed early by the GPU-byte budget.
 \* (The engine checked the failure before it saved; the committer may fail
 \* meanwhile, so this may race with the failure.)
+\* A budget flush runs inside a save, so no deferred write is pushed once the
+\* committer stopped; an immediate write is pushed by the save that
+\* registered it, whenever that save gets there (the engine does not look at
+\* the committer).
 enqueue(i) ==
     /\ Registered(i)
+    /\ deferred[i] => ~stopped
     /\ WMove(i, "enqueue")
     /\ queue' = Append(queue, i)
     /\ UNCHANGED <<own, deferred, busy, gen, ended, lastSeq, applied, admits, terminals, failure, errors>>
+    /\ UNCHANGED <<shut, stopped>>
 
 start_copy(i) ==
     /\ ~failure
+    /\ ~stopped
     /\ busy = 0
     /\ queue # <<>>
     /\ First(queue) = i
@@ -198,17 +231,20 @@ start_copy(i) ==
     /\ queue' = Tail(queue)
     /\ busy' = i
     /\ UNCHANGED <<own, deferred, gen, ended, lastSeq, applied, admits, terminals, failure, errors>>
+    /\ UNCHANGED <<shut, stopped>>
 
 finish_copy(i) ==
     /\ busy = i
     /\ WMove(i, "finish_copy")
     /\ UNCHANGED <<own, deferred, queue, busy, gen, ended, lastSeq, applied, admits, terminals, failure, errors>>
+    /\ UNCHANGED <<shut, stopped>>
 
 commit(i) ==
     /\ busy = i
     /\ WMove(i, "commit")
     /\ busy' = 0
     /\ UNCHANGED <<own, deferred, queue, gen, ended, lastSeq, applied, admits, terminals, failure, errors>>
+    /\ UNCHANGED <<shut, stopped>>
 
 \* An error on live write i (the committer's copy, or a save that fails after
 \* registering i): i and every queued write fail, the failure is set (I8).
@@ -231,6 +267,33 @@ fail(i) ==
                /\ queue' = <<>>
                /\ busy' = IF busy = i THEN 0 ELSE busy
     /\ UNCHANGED <<own, deferred, gen, ended, lastSeq, applied, admits, terminals>>
+    /\ UNCHANGED <<shut, stopped>>
+
+(***************************************************************************)
+(* Shutdown (contract 4.6)                                                 *)
+(***************************************************************************)
+\* A save in progress: it registered its immediate write and has not pushed it.
+SaveInProgress == \E i \in Writes : Registered(i) /\ ~deferred[i] /\ w[i] = "pending"
+
+\* shutdown() begins: from now on saves and scheduler steps are refused.
+shutdown ==
+    /\ ShutdownModeled
+    /\ ~shut
+    /\ shut' = TRUE
+    /\ UNCHANGED <<w, own, deferred, queue, busy, gen, ended, lastSeq, applied, admits, terminals,
+                   failure, errors, stopped>>
+
+\* The committer stops once the saves in progress pushed their writes and
+\* the queue drained (a failed manager's queue is empty already).
+stop ==
+    /\ shut
+    /\ ~stopped
+    /\ ~SaveInProgress
+    /\ queue = <<>>
+    /\ busy = 0
+    /\ stopped' = TRUE
+    /\ UNCHANGED <<w, own, deferred, queue, busy, gen, ended, lastSeq, applied, admits, terminals,
+                   failure, errors, shut>>
 
 \* Nothing queued or being copied and no scheduler step left: stutter.
 Terminating ==
@@ -243,6 +306,7 @@ Next ==
                          \/ commit(i) \/ fail(i)
     \/ \E r \in Reqs, s \in Seqs : admit(r, s) \/ \E g \in Gens : finish(r, g, s)
     \/ \E s \in Seqs : replay(s)
+    \/ shutdown \/ stop
     \/ Terminating
 
 \* Only the committer is fair: nobody has to flush, finish or replace.  Once
@@ -326,6 +390,19 @@ LiveFor(i) == /\ ~failure
               /\ gen[ReqOf(i)] > 0
               /\ <<ReqOf(i), gen[ReqOf(i)]>> \notin ended
 SavesAccepted == \A i \in Writes : (~Registered(i) /\ LiveFor(i)) ~> (Registered(i) \/ ~LiveFor(i))
+
+\* Contract 4.6: once the committer stopped, no write is queued or in copy,
+\* and every save's immediate write has ended (landed, or failed with the
+\* manager): a save accepted after shutdown would leave its write queued
+\* with no committer.
+ShutdownDrains ==
+    stopped => /\ queue = <<>>
+               /\ busy = 0
+               /\ \A i \in Writes : (Registered(i) /\ ~deferred[i]) => w[i] \in EndStates
+
+\* Contract 4.6: once shutdown began, no save registers a write and no
+\* scheduler step is applied.
+NoSaveAfterShutdown == [][shut => own' = own /\ lastSeq' = lastSeq]_vars
 
 \* I9: every write of an ended admission ends (written or failed).
 AbortsLand ==
