@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 import pytest
 import torch
-from cache_helpers import BS, MODES, manager, save, settle, started, truth
+from cache_helpers import BS, MODES, manager, save, settle, started, truth, wait_for_waiter
 
 from omni_cache import (
     ModelCachePolicy,
@@ -176,7 +176,7 @@ def _real_waits(pool: StagingPool, n: int) -> None:
 
         def release(s: Any = slot, ready: threading.Event = ready) -> None:
             ready.wait(5)
-            time.sleep(0.0002)
+            wait_for_waiter(pool, "the claim waits for the held page")  # so each claim really waits
             pool.abort(s)
 
         t = threading.Thread(target=release)
@@ -199,11 +199,21 @@ def test_I2_claim_wait_history_is_bounded_and_stats_cost_is_constant() -> None:
     assert pool.stats()["claim_waits"] == 200_050
     p50, p99 = pool.wait_percentiles((0.5, 0.99))
     assert 0.003 <= p50 <= 0.003 * 1.2 and 0.003 <= p99 <= 0.003 * 1.2, (p50, p99)
-    start = time.perf_counter()
-    for _ in range(200):
-        pool.stats()
-    per_call = (time.perf_counter() - start) / 200
-    assert per_call < 0.002, f"stats() took {per_call * 1e3:.2f} ms after a long run"
+    fresh = StagingPool(1, 4, 5.0)
+    fresh.record_claim_wait(0.003)
+    base, per_call = _stats_cost(fresh), _stats_cost(pool)  # a ratio, not an absolute time
+    assert per_call < 20 * base, f"stats() took {per_call * 1e6:.1f} us after a long run, {base * 1e6:.1f} us fresh"
+
+
+def _stats_cost(pool: StagingPool) -> float:
+    """Seconds per ``stats()`` call: the best of five batches (a descheduled batch does not count)."""
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(200):
+            pool.stats()
+        best = min(best, (time.perf_counter() - start) / 200)
+    return best
 
 
 def test_I2_manager_stats_percentiles_come_from_the_histogram() -> None:

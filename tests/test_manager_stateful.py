@@ -415,14 +415,33 @@ class TLCTracedMachine(ManagerMachine):
 
 
 class DeferredTLCMachine(TLCTracedMachine):
-    """The TLC-traced machine with deferred keys always on: every step with rows registers an
-    immediate and a deferred write on its KV slots (one tenant, two writes in transit)."""
+    """The TLC-traced machine with deferred keys always on and full hidden states cached: every
+    step with rows registers an immediate (hidden) and a deferred write on its KV slots (one
+    tenant, two writes in transit).
+
+    Every program opens, whatever the draw, on such a step, a finish that lands its deferred
+    write, and a second request that hits its blocks (a planned read of a split tenant); the
+    random rules follow. So each example's tenancy trace has split writes for TLC to check: the
+    test below does not hope a seed schedules a step before the program ends.
+    """
 
     TLC_VERDICTS: ClassVar[list[TraceCheck] | None] = []
 
-    @initialize(**{**SETUP, "defer": st.sampled_from([(EMBEDS,), (EMBEDS, CODES)])})
+    @initialize(**{**SETUP, "hidden": st.just(True), "defer": st.sampled_from([(EMBEDS,), (EMBEDS, CODES)])})
     def setup(self, **kwargs: object) -> None:  # type: ignore[override]
         super().setup(**kwargs)  # type: ignore[arg-type]
+        writer = self.engine.add_request(0, 2, [1], 0)  # 9 prompt tokens: two full blocks and one more
+        self._opening_step(writer)
+        self.engine.end(writer, aborted=False)  # its FINISHED (next step) lands the deferred write
+        self._opening_step(self.engine.add_request(0, 2, [2], 0))  # hits the writer's two blocks
+
+    def _opening_step(self, rid: str) -> None:
+        """One step that schedules only ``rid``'s whole prompt, materialized at once."""
+        cands = [q.rid for q in self.engine.active.values() if q.left > 0]
+        exp = self.engine.step([(cands.index(rid), CAPACITY)])
+        assert exp is not None and sorted(exp.spans) == [rid], exp
+        assert self.m is not None
+        check_outputs(exp, [rid], self.m.materialize(exp.step_id, [rid]))
 
 
 class ThreadedMachine(ManagerMachine):
