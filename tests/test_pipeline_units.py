@@ -246,3 +246,40 @@ def test_missing_vllm_is_one_line_and_exit_2(monkeypatch: pytest.MonkeyPatch, ca
     assert main(["pipeline", "--requests", "2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "vLLM is not installed" in err[0]
+
+
+def test_the_command_prints_what_it_verified_and_exits_with_its_code(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The subcommand's own path, on made-up results (the real engines run in test_vllm_pipeline.py)."""
+    import json
+
+    import omni_cache.pipeline.run as run_mod
+    from omni_cache.pipeline.checks import Comparison
+    from omni_cache.pipeline.run import RunStats
+
+    results = iter([_result(), _result(), _result(identity=Verdict([Comparison("r0", False, 2.0, 1e-4, "tokens differ "
+                                                                                  "from output position 0")])),
+                    _result(with_apc=RunStats(hit_tokens=0, thinker_s=1.0, end_to_end_s=1.0))])
+    seen: list[Any] = []
+
+    def fake_run(config: Any, engines: Any = None) -> Any:
+        seen.append(config)
+        return next(results)
+
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else real(name, *a))
+    monkeypatch.setattr(run_mod, "run_pipeline", fake_run)
+    assert main(["pipeline", "--json", "--requests", "2", "--rounds", "1"]) == EXIT_OK
+    s = json.loads(capsys.readouterr().out)
+    assert s["ok"] and s["talker_identical"] and s["controls_caught"] == 2 and s["hit_tokens"] == 64
+    assert seen[0].requests == 2 and seen[0].rounds == 1 and seen[0].tolerance == DEFAULT_LOGPROB_TOLERANCE
+    assert main(["pipeline", "--tolerance", "0.001"]) == EXIT_OK and seen[1].tolerance == 0.001
+    out = capsys.readouterr().out
+    assert "talker output vs APC off" in out and "caught" in out and "OK" in out
+    assert main(["pipeline"]) == EXIT_FAILED
+    out = capsys.readouterr().out
+    assert "FAILED" in out and "r0: tokens differ from output position 0" in out
+    assert main(["pipeline"]) == EXIT_INCOMPLETE
+    assert "INCOMPLETE: no request hit" in capsys.readouterr().out
