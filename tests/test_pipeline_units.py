@@ -211,8 +211,13 @@ def test_exit_codes_and_summary_fields() -> None:
     assert exit_code(short) == EXIT_FAILED
     from omni_cache.pipeline.run import RunStats
 
-    no_hits = _result(with_apc=RunStats(hit_tokens=0, thinker_s=1.0, end_to_end_s=1.0))
+    no_hits = _result(with_apc=RunStats(hit_tokens=0, thinker_s=1.0, end_to_end_s=1.0),
+                      control_computed=Verdict(), control_perturbed=Verdict())  # nothing for a control to change
     assert exit_code(no_hits) == EXIT_INCOMPLETE and not summarize(no_hits)["ok"]
+    assert summarize(no_hits)["controls_caught"] == 0
+    no_hits_wrong = _result(with_apc=RunStats(hit_tokens=0), control_computed=Verdict(), control_perturbed=Verdict(),
+                            identity=Verdict([Comparison("r0", False, 1.0, 1e-4), Comparison("r1", True, 0.0, 1e-4)]))
+    assert exit_code(no_hits_wrong) == EXIT_FAILED  # a wrong output is a failure, hits or not
 
 
 # ---------------------------------------------------------------------- argument errors

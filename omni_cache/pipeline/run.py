@@ -124,8 +124,10 @@ class PipelineResult:
 
     @property
     def failed(self) -> bool:
-        """A check failed (exit 1)."""
-        return bool(self.mismatches) or not self.talker_identical or self.controls_caught < 2 \
+        """A check failed (exit 1). Without a hit the controls have nothing to change: that run is
+        ``incomplete``, not failed."""
+        controls_missed = self.with_apc.hit_tokens > 0 and self.controls_caught < 2
+        return bool(self.mismatches) or not self.talker_identical or controls_missed \
             or self.thinker_answers_equal != self.requests * self.config.rounds
 
     @property
