@@ -264,7 +264,8 @@ def test_the_command_prints_what_it_verified_and_exits_with_its_code(
 
     results = iter([_result(), _result(), _result(identity=Verdict([Comparison("r0", False, 2.0, 1e-4, "tokens differ "
                                                                                   "from output position 0")])),
-                    _result(with_apc=RunStats(hit_tokens=0, thinker_s=1.0, end_to_end_s=1.0))])
+                    _result(with_apc=RunStats(hit_tokens=0, thinker_s=1.0, end_to_end_s=1.0),
+                            control_computed=Verdict(), control_perturbed=Verdict())])
     seen: list[Any] = []
 
     def fake_run(config: Any, engines: Any = None) -> Any:
@@ -287,4 +288,5 @@ def test_the_command_prints_what_it_verified_and_exits_with_its_code(
     out = capsys.readouterr().out
     assert "FAILED" in out and "r0: tokens differ from output position 0" in out
     assert main(["pipeline"]) == EXIT_INCOMPLETE
-    assert "INCOMPLETE: no request hit" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "INCOMPLETE: no request hit" in out and out.count("not run: no request hit") == 2

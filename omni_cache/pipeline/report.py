@@ -114,6 +114,12 @@ def _check(v: dict[str, Any], what: str) -> str:
             f"max |logprob diff| {v['max_logprob_diff']:.3g}{what}")
 
 
+def _control(v: dict[str, Any], what: str, caught: dict[bool, str]) -> str:
+    if not v["compared"]:
+        return "not run: no request hit the prefix cache"
+    return f"{caught[v['caught']]}: " + _check(v, what)
+
+
 def render(s: dict[str, Any], console: Console) -> None:
     title = f"omni-cache pipeline (vLLM {s['vllm_version']}): preset {s['preset']}, seed {s['seed']}"
     table = Table(title=title, show_header=True, header_style="bold")
@@ -131,8 +137,8 @@ def render(s: dict[str, Any], console: Console) -> None:
         ("thinker answers identical to APC off", f"{s['thinker_answers_identical']}/{s['requests']}"),
         ("full-prompt rows vs APC off (max rel diff)", f"{s['prompt_rows_max_rel_diff']:.3g}"),
         ("talker output vs APC off", _check(idt, f" (tolerance {idt['tolerance']:g})")),
-        ("control (i): only the computed rows", f"{caught[c1['caught']]}: " + _check(c1, "")),
-        ("control (ii): one prefix row perturbed", f"{caught[c2['caught']]}: " + _check(c2, f" ({c2['row']})")),
+        ("control (i): only the computed rows", _control(c1, "", caught)),
+        ("control (ii): one prefix row perturbed", _control(c2, f" ({c2['row']})", caught)),
         ("thinker prefill tokens, APC on / off", f"{s['prefill_tokens_with_apc']} / {s['prefill_tokens_without_apc']}"
          + (f" ({100 * s['prefill_saving']:.0f}% saved)" if s["prefill_saving"] is not None else "")),
         ("thinker time, APC on / off", f"{s['thinker_s_with_apc']:.3f} s / {s['thinker_s_without_apc']:.3f} s "

@@ -15,9 +15,12 @@ caching off, the full-prompt rows are read from the forward itself by
 ``prompt_embeds``). The projection between the stages is the identity (both
 widths are ``TINY_LLAMA``'s 128); ``project`` refuses other widths.
 
-Timers (seconds, written by the engine thread only): forward, save (the
-cache's ``after_forward``), materialize, and the checker's own time (check (a)
-and the forward capture), kept apart so the measured stage times exclude it.
+Timers (seconds, written by the engine thread only): forward (the runner's
+``_model_forward`` without the bridge's ``after_forward_v1`` inside it), save
+(``after_forward_v1``: block-table view, stand-in per-token outputs, the
+cache's save; without the checker inside it), materialize, and the checker's
+own time (check (a), the forward capture, the ground truth's tap), kept apart
+so the measured stage times exclude it.
 vLLM is imported only inside functions. Checks I1 (every saved step id
 materialized exactly once, a second refused), I4, I6 and I7 from outside.
 """
