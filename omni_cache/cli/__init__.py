@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from omni_cache.cli.args import EXIT_FAILED, CliParser, add_debug_flag
 
 # Subcommands, in the order ``omni-cache --help`` lists them.
-SUBCOMMANDS: tuple[str, ...] = ("selfcheck", "diagram", "simulate", "bench", "verify")
+SUBCOMMANDS: tuple[str, ...] = ("selfcheck", "diagram", "simulate", "pipeline", "bench", "verify")
 
 
 def build_parser() -> argparse.ArgumentParser:

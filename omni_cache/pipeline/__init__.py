@@ -8,5 +8,7 @@ prefix caching off on the thinker (ground truth), and two negative controls
 must be caught. Modules: ``workload`` (presets, the plan), ``stages`` (engine
 construction and the two stages), ``run`` (the interleaved driver and the
 measurements), ``checks`` (the comparisons and the controls), ``report``.
-Nothing here imports vLLM at module scope.
+Nothing here imports vLLM at module scope. Checks I1 (every saved step id
+materialized exactly once), I4, I6 and I7 (served rows are the forward's rows
+of the same token prefix) from outside, end to end through the next stage.
 """

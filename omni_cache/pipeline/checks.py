@@ -51,9 +51,7 @@ def compare(name: str, truth: TalkerResult, got: TalkerResult, tolerance: float)
         return Comparison(name, False, float("inf"), tolerance,
                           f"{len(got.logprobs)} logprobs, ground truth {len(truth.logprobs)}")
     diffs = [abs(a - b) for a, b in zip(got.logprobs, truth.logprobs, strict=True)]
-    worst = max(diffs, default=0.0)
-    if worst != worst:  # NaN never compares equal
-        worst = float("inf")
+    worst = float("inf") if any(d != d for d in diffs) else max(diffs, default=0.0)  # a NaN is never identical
     detail = ""
     if not tokens_equal:
         first = next((i for i, (a, b) in enumerate(zip(got.tokens, truth.tokens, strict=False)) if a != b),

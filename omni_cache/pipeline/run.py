@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import gc
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
@@ -36,10 +37,10 @@ from omni_cache.pipeline.stages import (
     talker_kwargs,
     thinker_kwargs,
 )
-from omni_cache.pipeline.workload import PRESETS, PlannedTurn, plan_turns, resolve_prompt
+from omni_cache.pipeline.workload import PRESETS, PlannedTurn, max_prompt_len, plan_turns, resolve_prompt
 from omni_cache.sim.checker import Mismatch
 
-__all__ = ["PipelineConfig", "PipelineResult", "RunStats", "drive", "run_pipeline"]
+__all__ = ["Drive", "PipelineConfig", "PipelineResult", "RunStats", "drive", "run_pipeline"]
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class PipelineConfig:
     requests: int | None = None
     talker_tokens: int | None = None
     tolerance: float = DEFAULT_LOGPROB_TOLERANCE
+    rounds: int = 2  # each pipeline runs this often, alternating (on, off, off, on, ...); times: the fastest
     steps_limit: int = 5000
     extra_engine_args: tuple[tuple[str, Any], ...] = ()  # every engine, e.g. parallelism
 
@@ -57,6 +59,8 @@ class PipelineConfig:
             raise ValueError(f"unknown preset {self.preset!r} (choose from {', '.join(sorted(PRESETS))})")
         if self.talker_tokens is not None and not 1 <= self.talker_tokens <= 64:
             raise ValueError(f"--talker-tokens must be from 1 to 64, got {self.talker_tokens}")
+        if not 1 <= self.rounds <= 5:
+            raise ValueError(f"--rounds must be from 1 to 5, got {self.rounds}")
         if not self.tolerance >= 0:
             raise ValueError(f"--tolerance must be >= 0, got {self.tolerance}")
         plan_turns(PRESETS[self.preset], seed=self.seed, requests=self.requests)  # raises on a bad size
@@ -81,6 +85,8 @@ class RunStats:
     thinker_s: float = 0.0
     end_to_end_s: float = 0.0
     talker_s: float = 0.0
+    thinker_cpu_s: float = 0.0  # process CPU time, all threads
+    end_to_end_cpu_s: float = 0.0
     overlap_steps: int = 0  # pipeline steps in which both engines stepped
     timers: StageTimers = field(default_factory=StageTimers)
 
@@ -98,6 +104,8 @@ class PipelineResult:
     control_computed: Verdict = field(default_factory=Verdict)
     control_perturbed: Verdict = field(default_factory=Verdict)
     perturbed: str = ""  # "request, position" of control (ii)
+    rounds_with_apc: list[dict[str, float]] = field(default_factory=list)
+    rounds_without_apc: list[dict[str, float]] = field(default_factory=list)
     rows_verified: int = 0
     served_from_cache: int = 0
     same_step_hits: int = 0
@@ -112,13 +120,15 @@ class PipelineResult:
 
     @property
     def talker_identical(self) -> bool:
-        return self.identity.all_identical and self.identity.compared == self.requests
+        return self.identity.all_identical and self.identity.compared == self.requests * self.config.rounds
 
     @property
     def failed(self) -> bool:
-        """A check failed (exit 1)."""
-        return bool(self.mismatches) or not self.talker_identical or self.controls_caught < 2 \
-            or self.thinker_answers_equal != self.requests
+        """A check failed (exit 1). Without a hit the controls have nothing to change: that run is
+        ``incomplete``, not failed."""
+        controls_missed = self.with_apc.hit_tokens > 0 and self.controls_caught < 2
+        return bool(self.mismatches) or not self.talker_identical or controls_missed \
+            or self.thinker_answers_equal != self.requests * self.config.rounds
 
     @property
     def incomplete(self) -> bool:
@@ -130,9 +140,19 @@ class PipelineResult:
         return not self.failed and not self.incomplete
 
 
+@dataclass
+class Drive:
+    """What one pipeline run produced: stats, each turn's prompt and answer, the talker's request names."""
+
+    stats: RunStats
+    prompts: dict[str, tuple[int, ...]]
+    answers: dict[str, tuple[int, ...]]
+    sent: list[str]
+
+
 def drive(thinker: ThinkerStage, talker: TalkerStage, plan: list[PlannedTurn], *, turn_gap: int,
-          steps_limit: int, prefix: str = "") -> tuple[RunStats, dict[str, tuple[int, ...]], list[str]]:
-    """One pipeline run; the stats, every turn's prompt, and the talker's request names (``prefix`` + turn)."""
+          steps_limit: int, prefix: str = "") -> Drive:
+    """One pipeline run; the talker's requests are named ``prefix`` + turn."""
     stats = RunStats()
     children: dict[str, list[PlannedTurn]] = collections.defaultdict(list)
     due: list[tuple[int, PlannedTurn]] = []
@@ -146,7 +166,8 @@ def drive(thinker: ThinkerStage, talker: TalkerStage, plan: list[PlannedTurn], *
     handoff: collections.deque[str] = collections.deque()  # finished by the thinker, not yet taken by the talker
     sent: list[str] = []
     step = 0
-    t0 = time.perf_counter()
+    talker0 = talker.step_s
+    t0, cpu0 = time.perf_counter(), time.process_time()
     while True:
         due.sort(key=lambda d: d[0])
         while due and due[0][0] <= step:
@@ -174,7 +195,7 @@ def drive(thinker: ThinkerStage, talker: TalkerStage, plan: list[PlannedTurn], *
             step = max(step, min(d[0] for d in due))
         if step >= steps_limit:
             raise RuntimeError(f"the pipeline did not finish within {steps_limit} steps")
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     t = thinker.timers
     stats.pipeline_steps = step + 1
     stats.finished = len(answers)
@@ -184,9 +205,11 @@ def drive(thinker: ThinkerStage, talker: TalkerStage, plan: list[PlannedTurn], *
     stats.hit_requests = sum(1 for v in thinker.cached_tokens.values() if v > 0)
     stats.thinker_s = t.step_s - t.checker_s
     stats.end_to_end_s = wall - t.checker_s
+    stats.thinker_cpu_s = t.step_cpu_s - t.checker_cpu_s
+    stats.end_to_end_cpu_s = cpu - t.checker_cpu_s
+    stats.talker_s = talker.step_s - talker0
     stats.timers = t
-    thinker.answers = answers  # type: ignore[attr-defined]
-    return stats, prompts, sent
+    return Drive(stats, prompts, answers, sent)
 
 
 class Pipeline:
@@ -234,33 +257,53 @@ class Pipeline:
         return engines
 
     def _run(self, engines: dict[str, Any], res: PipelineResult) -> None:
-        from omni_cache.pipeline.stages import TalkerStage
-
         talker = TalkerStage(engines["talker"], self.talker_tokens)
-        gap, limit = self.preset.turn_gap_steps, self.config.steps_limit
-        # With prefix caching first: the talker and the process warm up on it, which favours the ground truth.
-        apc = ThinkerStage(engines["thinker_apc"], cached=True)
-        res.with_apc, prompts, _ = drive(apc, talker, self.plan, turn_gap=gap, steps_limit=limit, prefix="apc:")
-        apc.finish()
-        res.mismatches.extend(apc.mismatches)
-        truth = ThinkerStage(engines["thinker_truth"], cached=False)
-        res.without_apc, prompts_truth, _ = drive(truth, talker, self.plan, turn_gap=gap, steps_limit=limit,
-                                                  prefix="truth:")
+        self._warm_up(talker)
+        runs: dict[bool, list[tuple[ThinkerStage, Drive]]] = {True: [], False: []}
+        for r in range(self.config.rounds):  # on, off, off, on, ...: drift and warm-up fall on both
+            for cached in ((True, False) if r % 2 == 0 else (False, True)):
+                stage = ThinkerStage(engines["thinker_apc" if cached else "thinker_truth"], cached=cached)
+                gc.collect()
+                gc.disable()  # no collector pauses inside the timed runs (the checker's many small tensors)
+                try:
+                    out = drive(stage, talker, self.plan, turn_gap=self.preset.turn_gap_steps,
+                                steps_limit=self.config.steps_limit, prefix=f"{'apc' if cached else 'truth'}{r}:")
+                finally:
+                    gc.enable()
+                stage.finish()
+                res.mismatches.extend(stage.mismatches)
+                runs[cached].append((stage, out))
+        res.rounds_with_apc = [_times(d.stats) for _, d in runs[True]]
+        res.rounds_without_apc = [_times(d.stats) for _, d in runs[False]]
+        res.with_apc = _fastest([d.stats for _, d in runs[True]])
+        res.without_apc = _fastest([d.stats for _, d in runs[False]])
         names = [t.name for t in self.plan]
-        truth_out = {n: talker.outputs[f"truth:{n}"] for n in names if f"truth:{n}" in talker.outputs}
-        got = {n: talker.outputs[f"apc:{n}"] for n in names if f"apc:{n}" in talker.outputs}
+        truth, truth_run = runs[False][0]
+        truth_out = {n: talker.outputs[f"truth0:{n}"] for n in names if f"truth0:{n}" in talker.outputs}
         tol = self.config.tolerance
-        res.identity = compare_all(truth_out, got, tol)
-        res.thinker_answers_equal = sum(1 for n in names if apc.answers.get(n) is not None  # type: ignore[attr-defined]
-                                        and apc.answers.get(n) == truth.answers.get(n)  # type: ignore[attr-defined]
-                                        and prompts.get(n) == prompts_truth.get(n))
-        res.row_max_rel_diff = max((row_diff(apc.prompt_rows(n), truth.prompt_rows(n)) for n in names
-                                    if n in apc.internal and n in truth.internal), default=0.0)
+        for r, (stage, d) in enumerate(runs[True]):
+            got = {f"{n} (round {r})": talker.outputs[f"apc{r}:{n}"] for n in names if f"apc{r}:{n}" in talker.outputs}
+            res.identity.comparisons += compare_all(truth_out, got, tol, {k: k.split(" ")[0] for k in got}).comparisons
+            res.thinker_answers_equal += sum(1 for n in names if n in d.answers and d.answers[n] == truth_run.answers.get(n)
+                                             and d.prompts[n] == truth_run.prompts.get(n))
+            res.row_max_rel_diff = max([res.row_max_rel_diff] + [row_diff(stage.prompt_rows(n), truth.prompt_rows(n))
+                                        for n in names if n in stage.internal and n in truth.internal])
+        apc = runs[True][0][0]
         cap = apc.capture
         res.rows_verified, res.served_from_cache, res.same_step_hits = (
             cap.rows_verified, cap.served_from_cache, cap.same_step_hits)
-        res.double_materialize_refused = apc.double_materialize_refused
+        res.double_materialize_refused = all(s.double_materialize_refused for s, _ in runs[True])
         self._controls(apc, talker, truth_out, res)
+
+    def _warm_up(self, talker: TalkerStage) -> None:
+        """The talker is shared by both runs: warm it (prompt lengths like the workload's, batched and alone)
+        so that neither run's end-to-end time carries its first steps."""
+        import torch
+
+        g = torch.Generator().manual_seed(self.config.seed)
+        longest = max_prompt_len(self.preset)
+        talker.run_all({f"warm-up:{n}": torch.randn(n, talker.width, generator=g) for n in (32, longest // 2, longest)})
+        talker.run_all({"warm-up:alone": torch.randn(longest // 3, talker.width, generator=g)})
 
     def _controls(self, apc: ThinkerStage, talker: TalkerStage, truth_out: dict[str, Any], res: PipelineResult) -> None:
         """(i) prefix caching on, the talker fed only the rows the forward computed; (ii) one prefix row perturbed."""
@@ -277,6 +320,20 @@ class Pipeline:
         key = f"ctl-perturbed:{name}"
         out = talker.run_all({key: perturb_row(apc.prompt_rows(name), pos)})
         res.control_perturbed = compare_all(truth_out, out, tol, {key: name})
+
+
+def _fastest(stats: list[RunStats]) -> RunStats:
+    """The counts of the first round, the smallest time of each kind over the rounds."""
+    first = stats[0]
+    for attr in ("thinker_s", "end_to_end_s", "talker_s", "thinker_cpu_s", "end_to_end_cpu_s"):
+        setattr(first, attr, min(getattr(s, attr) for s in stats))
+    return first
+
+
+def _times(s: RunStats) -> dict[str, float]:
+    return {"thinker_s": round(s.thinker_s, 4), "end_to_end_s": round(s.end_to_end_s, 4),
+            "talker_s": round(s.talker_s, 4), "thinker_cpu_s": round(s.thinker_cpu_s, 4),
+            "end_to_end_cpu_s": round(s.end_to_end_cpu_s, 4)}
 
 
 def _shutdown(llm: Any) -> None:

