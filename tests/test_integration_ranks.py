@@ -56,11 +56,13 @@ def test_only_the_output_rank_builds_a_manager_and_holds_bytes(rank: WorkerRank)
         assert stats["holds_cache"] and stats["output_rank"]
         assert stats["pool_bytes"] > 0 and stats["staging_bytes"] > 0
         assert stats["host_bytes"] == stats["pool_bytes"] + stats["staging_bytes"]
+        assert hooks.stats()["manager"]["pool_bytes"] and hooks.stats()["host_bytes"] == stats["host_bytes"]
         hooks.materialize(step_id)
     else:
         # No manager, no call into one, nothing allocated: the hooks are no-ops here.
         assert step_id is None and spy.managers == [] and spy.calls == [] and hooks.manager is None
         assert not stats["holds_cache"] and stats["host_bytes"] == 0
+        assert hooks.stats()["manager"] is None
 
 
 @pytest.mark.parametrize("rank", [r for r in GRID if r.is_last_pp_stage], ids=str)

@@ -136,11 +136,14 @@ def test_a_resume_served_without_its_prefix_is_caught(llm, monkeypatch) -> None:
 def test_the_cli_reports_json_and_names_a_mismatch(llm, monkeypatch, capsys) -> None:
     real_run = VllmSimulation.run
     monkeypatch.setattr(VllmSimulation, "run", lambda self, _llm=None: real_run(self, llm))
-    assert main(["simulate", "--engine", "vllm", "--requests", "4", "--seed", "2", "--json"]) == 0
+    # --num-blocks 24: this module's engine (a run refuses an engine with other KV blocks than it asks for).
+    assert main(["simulate", "--engine", "vllm", "--requests", "4", "--seed", "2", "--num-blocks", "24", "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["ok"] and summary["engine"] == "vllm" and summary["vllm_version"] == "0.32.0"
     assert summary["rows_verified"] > 0 and summary["checks"]["c_step_ids"]["unconsumed_at_shutdown"] == 0
     assert {"hit_tokens", "preemptions", "mismatches", "num_mismatches"} <= set(summary)
+    (rank,) = summary["ranks"]  # one worker, the engine in this process: it is the output rank
+    assert rank["output_rank"] and rank["holds_cache"] and rank["host_bytes"] == rank["pool_bytes"] + rank["staging_bytes"] > 0
 
     real = PrefixCacheRunnerHooks.materialize
 
@@ -151,7 +154,14 @@ def test_the_cli_reports_json_and_names_a_mismatch(llm, monkeypatch, capsys) -> 
         return out
 
     monkeypatch.setattr(PrefixCacheRunnerHooks, "materialize", corrupt)
-    assert main(["simulate", "--engine", "vllm", "--requests", "4", "--seed", "2"]) == 1
+    assert main(["simulate", "--engine", "vllm", "--requests", "4", "--seed", "2", "--num-blocks", "24"]) == 1
     text = capsys.readouterr().out
     assert "FAILED" in text and "Mismatches" in text
     assert re.search(r"step \d+ \(step id \d+\), request \S+, key hidden, position \d+: row differs", text), text[-800:]
+
+
+def test_an_engine_with_other_kv_blocks_than_asked_runs_nothing_and_is_incomplete(llm) -> None:
+    # This module's engine has 24 KV blocks; the mixed preset asks for 48 (its preemptions depend on them).
+    res = VllmSimulation(VllmSimConfig(preset="mixed", requests=2)).run(llm)
+    assert res.ok and res.kv_blocks_engine == 24 and res.requests_created == 0 and res.published == 0
+    assert len(res.incomplete) == 1 and "got 24 KV blocks, the run asked for 48" in res.incomplete[0]

@@ -13,6 +13,12 @@ buffer vLLM's skipped warm-up would have).
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
 import pytest
 from vllm_support import require_vllm
 
@@ -25,43 +31,54 @@ pytestmark = pytest.mark.vllm
 REQUESTS = 8  # mixed preset's first requests: shared system prompts (hits), a chunked prefill, a repeat, aborts
 
 
-def _run(**kwargs):
+def _cli(*flags: str) -> dict[str, Any]:
+    """The command as a user runs it: a fresh ``python -m omni_cache.cli`` process (its workers are
+    spawned from it, so its entry-point guard and its own environment preparation are exercised)."""
     require_vllm()
-    res = ParallelVllmSimulation(VllmSimConfig(preset="mixed", requests=REQUESTS, **kwargs)).run()
-    assert res.ok, [str(m) for m in res.mismatches[:5]]
-    assert not res.incomplete, res.incomplete
-    assert res.hit_tokens > 0 and res.served_from_cache > 0 and res.rows_verified > 0
-    assert res.recompute_requests == res.finished > 0 and res.recompute_exact_rows == res.recompute_rows > 0
-    assert res.published == res.consumed > 0 and res.double_consume_refused and not res.unconsumed
-    assert res.kv_blocks_engine == 48
-    return res
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_OMP_THREADS_BIND"}
+    out = subprocess.run([sys.executable, "-m", "omni_cache.cli", "simulate", "--engine", "vllm", *flags, "--json"],
+                         capture_output=True, text=True, timeout=900, env=env)
+    assert out.returncode == 0, (out.returncode, out.stdout[-2000:], out.stderr[-3000:])
+    s = json.loads(out.stdout)
+    b, c = s["checks"]["b_recompute"], s["checks"]["c_step_ids"]
+    assert s["ok"] and s["num_mismatches"] == 0 and not s["incomplete"]
+    assert s["hit_tokens"] > 0 and s["served_from_cache_tokens"] > 0 and s["rows_verified"] > 0
+    assert s["preemptions"] > 0  # the preset's promise, run as the preset
+    assert b["requests"] == s["requests"]["finished"] > 0 and b["bit_identical_rows"] == b["rows"] > 0
+    assert c["published"] == c["consumed"] > 0 and c["unconsumed_at_shutdown"] == 0 and c["second_materialize_refused"]
+    assert s["kv_blocks"] == {"asked": 48, "engine": 48}
+    return s
 
 
-def _ranks(res) -> dict[tuple[int, int], dict]:
-    return {(r["tp_rank"], r["pp_rank"]): r for r in res.ranks}
+def _ranks(ranks: list[dict[str, Any]]) -> dict[tuple[int, int], dict[str, Any]]:
+    return {(r["tp_rank"], r["pp_rank"]): r for r in ranks}
 
 
 def test_tp2_caches_on_the_output_rank_only() -> None:
-    res = _run(tp=2)
-    ranks = _ranks(res)
+    s = _cli("--tp", "2")
+    ranks = _ranks(s["ranks"])
     assert set(ranks) == {(0, 0), (1, 0)} and output_rank_index(2, 1) == 0
     assert ranks[(0, 0)]["output_rank"] and ranks[(0, 0)]["holds_cache"] and ranks[(0, 0)]["host_bytes"] > 0
     assert not ranks[(1, 0)]["holds_cache"] and ranks[(1, 0)]["host_bytes"] == 0
-    assert ranks[(1, 0)]["engine_steps"] == ranks[(0, 0)]["engine_steps"] == res.steps  # both ran every step
-
-
-def test_tp2_check_ranks_compares_every_served_row() -> None:
-    res = _run(tp=2, check_ranks=True)
-    ranks = _ranks(res)
-    assert ranks[(0, 0)]["host_bytes"] == ranks[(1, 0)]["host_bytes"] > 0
-    # Every row check (a) verified on the output rank (hidden + 2 keys) was also equal on TP rank 1.
-    assert res.rank_rows_compared >= res.rows_verified > 0
+    assert ranks[(1, 0)]["engine_steps"] == ranks[(0, 0)]["engine_steps"] == s["steps"]["run"]  # both ran every step
 
 
 def test_pp2_in_eager_mode_serves_from_the_last_stage() -> None:
-    res = _run(pp=2)
-    ranks = _ranks(res)
+    s = _cli("--pp", "2")
+    assert s["mode"] == "eager" and s["config"]["pp"] == 2
+    ranks = _ranks(s["ranks"])
     assert set(ranks) == {(0, 0), (0, 1)} and output_rank_index(1, 2) == 1
     first, last = ranks[(0, 0)], ranks[(0, 1)]
     assert last["output_rank"] and last["holds_cache"] and last["host_bytes"] > 0
     assert not first["holds_cache"] and first["host_bytes"] == 0 and first["engine_steps"] > 0
+
+
+def test_tp2_check_ranks_compares_every_served_row() -> None:
+    require_vllm()
+    res = ParallelVllmSimulation(VllmSimConfig(preset="mixed", requests=REQUESTS, tp=2, check_ranks=True)).run()
+    assert res.ok, [str(m) for m in res.mismatches[:5]]
+    assert res.hit_tokens > 0 and res.served_from_cache > 0 and res.recompute_exact_rows == res.recompute_rows > 0
+    ranks = _ranks(res.ranks)
+    assert ranks[(0, 0)]["host_bytes"] == ranks[(1, 0)]["host_bytes"] > 0
+    # Every row check (a) verified on the output rank (hidden + 2 keys) was equal on TP rank 1 too.
+    assert res.rank_rows_compared == res.rows_verified > 0

@@ -186,3 +186,12 @@ def test_parallel_options_need_the_vllm_engine(capsys) -> None:
         with pytest.raises(SystemExit) as exc:
             main(["simulate", *flag])
         assert exc.value.code == 2 and "only apply to --engine vllm" in capsys.readouterr().err
+
+
+def test_the_in_process_run_refuses_a_parallel_config() -> None:
+    from omni_cache.vllm_sim.engine import VllmSimulation
+
+    with pytest.raises(ValueError, match="make_simulation"):
+        VllmSimulation(VllmSimConfig(tp=2)).run()
+    with pytest.raises(ValueError, match="builds its own engine"):
+        ParallelVllmSimulation(VllmSimConfig(tp=2)).run(object())

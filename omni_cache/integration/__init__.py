@@ -2,7 +2,8 @@
 
 Owns nothing stateful itself; re-exports the pieces a vLLM-style model runner
 wires in: ``BlockTableView`` (CPU slots of a step), ``stage_prefix_cache_config``
-(the configuration gate) and ``PrefixCacheRunnerHooks`` (the per-step calls).
+(the configuration gate) and ``PrefixCacheRunnerHooks`` (the per-step calls);
+``ranks`` decides which worker of a TP/PP stage holds the cache.
 The scheduler adapter is ``omni_cache.adapter.PrefixCacheSchedulerAdapter``.
 
 No module here imports vLLM at module scope (a test scans the package); vLLM

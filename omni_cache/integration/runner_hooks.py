@@ -186,6 +186,10 @@ class PrefixCacheRunnerHooks:
         return {**(rank.as_dict() if rank is not None else {}), "holds_cache": self._manager is not None,
                 **cache_bytes(self._manager)}
 
+    def stats(self) -> dict[str, Any]:
+        """``rank_stats()`` plus the manager's own ``stats()`` (``None`` on a rank without a cache)."""
+        return {**self.rank_stats(), "manager": self._manager.stats() if self._manager is not None else None}
+
     def _resolve_rank(self) -> WorkerRank:
         source = self._rank_source if self._rank_source is not None else vllm_worker_rank
         rank = source() if callable(source) else source

@@ -239,6 +239,8 @@ class VllmSimulation:
 
     def run(self, llm: Any = None) -> VllmSimResult:
         """Build an engine (or reuse ``llm``, given a fresh cache) and run the workload and the checks."""
+        if self.config.tp * self.config.pp > 1:
+            raise ValueError("VllmSimulation runs one worker in this process; use vllm_sim.parallel.make_simulation")
         res = VllmSimResult(self.config)
         t0 = time.perf_counter()
         owned = llm is None

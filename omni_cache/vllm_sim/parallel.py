@@ -49,13 +49,13 @@ MAX_WORKERS = 8
 
 def check_parallel_config(cfg: Any) -> None:
     """Raise ``ValueError`` (one line for the CLI) for a grid the tiny model cannot run."""
-    layers, kv_heads = TINY_LLAMA["num_hidden_layers"], TINY_LLAMA["num_attention_heads"]
+    layers, heads = TINY_LLAMA["num_hidden_layers"], TINY_LLAMA["num_attention_heads"]
     if cfg.tp < 1 or cfg.pp < 1:
         raise ValueError(f"--tp and --pp must be at least 1, got --tp {cfg.tp} --pp {cfg.pp}")
     if cfg.tp * cfg.pp > MAX_WORKERS:
         raise ValueError(f"--tp {cfg.tp} x --pp {cfg.pp} = {cfg.tp * cfg.pp} workers; at most {MAX_WORKERS}")
-    if kv_heads % cfg.tp:
-        raise ValueError(f"--tp {cfg.tp} does not divide the model's {kv_heads} attention heads (use 1 or 2)")
+    if heads % cfg.tp:
+        raise ValueError(f"--tp {cfg.tp} does not divide the model's {heads} attention heads (use 1 or 2)")
     if cfg.pp > layers:
         raise ValueError(f"--pp {cfg.pp} exceeds the model's {layers} layers")
     if cfg.check_ranks and cfg.tp < 2:
@@ -122,14 +122,7 @@ class ParallelVllmSimulation(VllmSimulation):
                 infos = llm.collective_rpc(worker_probe.install)
                 res.kv_blocks_engine = min(int(i["num_blocks"]) for i in infos)
                 self._run_workload(llm, res)
-                finals = llm.collective_rpc(worker_probe.finish)
-                self._absorb(finals, res)
-                self._close_ranks(res)
-                self._exactly_once(finals[self.output_rank], res)
-                res.ranks = [{**f["rank"], "engine_steps": f["engine_steps"], "zero_token_steps": f["zero_token_steps"]}
-                             for f in finals]
-                res.preemptions = int(finals[self.output_rank]["preemptions"])
-                res.steps = int(finals[self.output_rank]["engine_steps"])
+                self._finish(llm, res)
             finally:
                 with contextlib.suppress(Exception):
                     llm.llm_engine.engine_core.shutdown()
@@ -142,6 +135,21 @@ class ParallelVllmSimulation(VllmSimulation):
         promises.preemption_problem(self.config, res, preset_plan=self.preset_plan)
         res.wall_s = time.perf_counter() - t0
         return res
+
+    def _finish(self, llm: Any, res: VllmSimResult) -> None:
+        try:
+            finals = llm.collective_rpc(worker_probe.finish)
+        except Exception as exc:  # the workers are gone: check (c) cannot be done, which is a finding
+            res.mismatches.append(Mismatch(None, None, None, None, None,
+                                           f"the workers' final report failed ({type(exc).__name__}: {exc})"))
+            return
+        self._absorb(finals, res)
+        self._close_ranks(res)
+        self._exactly_once(finals[self.output_rank], res)
+        res.ranks = [{**f["rank"], "engine_steps": f["engine_steps"], "zero_token_steps": f["zero_token_steps"]}
+                     for f in finals]
+        res.preemptions = int(finals[self.output_rank]["preemptions"])
+        res.steps = int(finals[self.output_rank]["engine_steps"])
 
     def _run_workload(self, llm: Any, res: VllmSimResult) -> None:
         if promises.kv_block_problem(self.config, res.kv_blocks_engine, res):
