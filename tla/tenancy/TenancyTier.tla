@@ -22,7 +22,8 @@
 (*                    new tenant: restore_rows registers the tier's rows   *)
 (*                    for c as the new tenant's write into s               *)
 (*                    (RestoreTarget); a content the tier lacks restores   *)
-(*                    nothing (the tenant's rows are absent);              *)
+(*                    nothing and vacates the slot: the new tenant wrote   *)
+(*                    nothing, so its rows are absent (MissTag);           *)
 (*  - a hit on s (the KV holds content cont[s]) reads the pool: the        *)
 (*    tenant's rows, or Raised when absent (I6) -- ReadResult; the         *)
 (*    invariants check the read a hit would make in every reachable state. *)
@@ -96,6 +97,10 @@ StoreRows(s) == IF tag[s] = ver[s] THEN pool[s] ELSE NoRows
 \* restore_rows writes into the slot the connector loaded: the new one.
 RestoreTarget(s, c) == s
 
+\* A load the tier cannot serve: vacate_rows makes the new tenant one that
+\* wrote nothing (the pool row stays the previous tenant's, now absent).
+MissTag(s) == tag[s]
+
 compute(s, c) ==
     /\ ver[s] < MaxVer
     /\ origin' = origin + 1
@@ -135,7 +140,8 @@ load(s, c) ==
                /\ tag' = [tag EXCEPT ![s] = ver'[s]]
                /\ restored' = [restored EXCEPT ![s] = tier[c]]
           ELSE /\ restored' = [restored EXCEPT ![s] = NoRows]
-               /\ UNCHANGED <<pool, tag>>
+               /\ tag' = [tag EXCEPT ![s] = MissTag(s)]
+               /\ UNCHANGED pool
     /\ UNCHANGED <<tier, from, origin>>
 
 \* A hit on slot s reads the tenant's rows, or raises when they are absent (I6).
