@@ -101,7 +101,7 @@ def test_a_key_the_tier_entry_lacks_is_refused_never_served_from_the_old_tenant(
     restore_rows(m, slots([3], 0, BS), {"hidden": truth("c", range(4))})  # no audio.codes
     m.new_step_starts([started("c", hit_end=4, blocks=[3, 5])])
     s2, _ = save(m, [("c", [3, 5], 4, 6)], mm_key="audio.codes")
-    with pytest.raises(OmniPrefixCacheUnmatchError, match="'audio.codes' at KV slot 12 is not readable"):
+    with pytest.raises(OmniPrefixCacheUnmatchError, match=r"'audio\.codes' at KV slot 12 is not readable"):
         m.materialize(s2, ["c"])
     m.shutdown()
 
@@ -117,7 +117,7 @@ def test_a_previous_tenants_late_deferred_write_never_lands_over_restored_rows()
     restored = {"hidden": truth("r", range(4)), "audio.embeds": torch.full((4, 3), 9.0)}
     restore_rows(m, slots([4], 0, BS), restored)  # block 4 reassigned while a's write is still open
     m.new_step_starts([finished("a"), started("r", hit_end=4, blocks=[4, 6])])
-    s2, rows_r = save(m, [("r", [4, 6], 4, 5)], mm={"audio.embeds": torch.zeros(1, 3)})
+    s2, _ = save(m, [("r", [4, 6], 4, 5)], mm={"audio.embeds": torch.zeros(1, 3)})
     out = m.materialize(s2, ["r"])
     assert torch.equal(out.hidden_states["r"][:4], restored["hidden"])
     assert torch.equal(out.mm_outputs["audio.embeds"]["r"][:4], restored["audio.embeds"])
