@@ -6,7 +6,9 @@ the step ids it took from the process-wide counter (another manager's id is neve
 one of ours), the open deferred writes and their GPU-byte budget, and
 the state lock over all of those. It composes the staging pool (pages), the
 write book (write lifecycle and queue), the committer (copies and landing),
-the block pool and the slot tenancy (versions and preserved rows).
+the block pool and the slot tenancy (versions and preserved rows). The hidden-state
+tier's pool side (``omni_cache.tier_rows``: restores registered as writes, reads of a
+block's rows) uses these same collaborators and the state lock, on the engine thread.
 
 Per real scheduler step (DESIGN section 2): ``new_step_starts`` ->
 forward -> ``save_outputs`` -> exactly one of ``materialize`` / ``discard_step``
@@ -144,7 +146,7 @@ class OmniPrefixCacheManager:
         self._contexts: dict[StepId, StepContext] = {}
         self._scheduled: dict[ReqId, int] = {}
         self._last_sequence: int | None = None  # of the last applied PrefixCacheStep (I13)
-        self._ids_issued = 0  # step ids this manager took from _STEP_IDS
+        self._ids_issued = 0  # step ids this manager took from _STEP_IDS (also by tier_rows, under _lock)
         self._last_immediate: PoolWrite | None = None
         self._deferred_open: dict[int, PoolWrite] = {}
         self._deferred_bytes = 0

@@ -2,8 +2,10 @@
 
 Owns: ``block_rows(manager, slots)`` (the rows of one KV block at the versions its
 slots' tenant wrote, for every key the pool holds, or ``None`` when any key is
-absent there) and ``restore_rows(manager, slots, rows)`` (rows that came back
-from the tier, registered as a new write on the block's new slots). Both run on
+absent there), ``restore_rows(manager, slots, rows)`` (rows that came back
+from the tier, registered as a new write on the block's new slots) and
+``vacate_rows(manager, slots)`` (a load the tier cannot serve: the new block's
+slots get a new tenant that wrote nothing, so every key is absent there). Both run on
 the engine thread, between ``new_step_starts`` and the step's ``save_outputs``;
 they use the manager's collaborators and its state lock, never holding the lock
 across a wait (I11).
@@ -32,7 +34,7 @@ from omni_cache.validation import check_held_sigs, row_sig
 if TYPE_CHECKING:
     from omni_cache.manager import OmniPrefixCacheManager
 
-__all__ = ["block_rows", "restore_rows"]
+__all__ = ["block_rows", "restore_rows", "vacate_rows"]
 
 _MAX_WAITS = 1000
 
@@ -105,4 +107,19 @@ def restore_rows(manager: OmniPrefixCacheManager, slots: torch.Tensor, rows: dic
         manager._flush(front, front=True, why="older tenants of restored slots")
     manager.book.enqueue([write])
     manager.committer.kick()
+    return step_id
+
+
+def vacate_rows(manager: OmniPrefixCacheManager, slots: torch.Tensor) -> StepId:
+    """``slots`` (a block the KV connector filled with content the tier cannot serve) get a new
+    tenant that wrote no key: a hit on them raises "is not readable" instead of serving the rows of
+    the block's previous tenant (another content). Returns the tenant's step id."""
+    manager._check_usable("vacate KV slots the hidden-state tier cannot serve")
+    slots_np: np.ndarray = manager.pool.check_slots(slots.to(torch.int64).contiguous(), where="tier vacate")
+    with manager._lock:
+        from omni_cache.manager import _STEP_IDS
+
+        step_id = next(_STEP_IDS)
+        manager._ids_issued += 1
+    manager.tenancy.take_slots(slots_np, step_id=step_id)
     return step_id

@@ -94,6 +94,8 @@ def run(args: argparse.Namespace) -> int:
         return simulate_vllm.run_vllm(args)
     if given := simulate_vllm.vllm_only_given(args):
         args.error(f"{', '.join(given)} only apply to --engine vllm")
+    if getattr(args, "kv_connector", None) is not None:
+        args.error("--kv-connector needs --engine vllm")
     if args.preset is None:
         args.preset = "chat"
     elif args.preset not in PRESETS:

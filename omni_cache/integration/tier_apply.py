@@ -15,8 +15,9 @@ Upholds contract section 4.10: stores are applied before loads (a block freed
 by a finished request and handed to a new request in the same step is read
 before its new rows are placed), a load places exactly the rows the tier holds
 for the block's hash into the block's *new* slots, and a load the tier cannot
-serve restores nothing, so the hit's read raises "is not readable" (I6) --
-never zeros; ``load_failures`` names each such block.
+serve restores nothing and vacates the new block (its previous tenant's rows
+are of another content), so the hit's read raises "is not readable" (I6) --
+never zeros nor another block's rows; ``load_failures`` names each such block.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import numpy as np
 import torch
 
 from omni_cache.tier import HiddenTier
-from omni_cache.tier_rows import block_rows, restore_rows
+from omni_cache.tier_rows import block_rows, restore_rows, vacate_rows
 
 __all__ = ["TierApplier", "TierLoad", "TierPlan", "TierStore"]
 
@@ -92,7 +93,10 @@ class TierApplier:
                 with self._lock:
                     self.load_failures.append({"req_id": load.req_id, "block_index": load.block_index,
                                                "block_id": load.block_id, "block_hash": load.block_hash.hex()})
-                continue  # nothing restored: the hit's read raises "is not readable" (I6), never zeros
+                # the new block's previous tenant (another content) must not serve the hit: it
+                # raises "is not readable" (I6), never zeros nor another block's rows
+                vacate_rows(manager, self.slots_of(load.block_id))
+                continue
             restore_rows(manager, self.slots_of(load.block_id), rows)
             with self._lock:
                 self.restored_blocks += 1

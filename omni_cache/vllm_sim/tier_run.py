@@ -80,6 +80,8 @@ class TierSimulation(VllmSimulation):
         self.phase1, self.phase2 = tier_plan(config.seed, config.requests or 6)
         super().__init__(config, plan=list(self.phase1))
         self.tier_bytes, self.tier_dir = tier_bytes, tier_dir
+        self.kv_blocks = config.kv_blocks or TIER_KV_BLOCKS
+        self.max_batched_tokens = config.max_batched_tokens or 512
         self.expect_load_failures = expect_load_failures
         self.storage = tempfile.mkdtemp(prefix="omni-cache-example-connector-")
         self.tier_summary: dict[str, Any] = {}
@@ -106,8 +108,7 @@ class TierSimulation(VllmSimulation):
         from vllm import LLM
 
         p = self.preset
-        return LLM(**engine_kwargs(_tiny_llama_dir(), kv_blocks=self.config.kv_blocks or TIER_KV_BLOCKS,
-                                   max_batched_tokens=self.config.max_batched_tokens or 512,
+        return LLM(**engine_kwargs(_tiny_llama_dir(), kv_blocks=self.kv_blocks, max_batched_tokens=self.max_batched_tokens,
                                    max_model_len=p.max_model_len, eager=self.config.eager,
                                    kv_transfer_config=self.kv_transfer_config()))
 
@@ -162,6 +163,9 @@ def add_tier_summary(summary: dict[str, Any], sim: VllmSimulation) -> None:
     ``tier_hit_tokens``, ``tier_bytes`` and ``tier_load_failures``."""
     tier = dict(getattr(sim, "tier_summary", {}) or {})
     summary["kv_connector"] = sim.config.kv_connector
+    if isinstance(sim, TierSimulation):  # the run's own sizes, not the preset's
+        summary["config"].update(requests=len(sim.phase1) + len(sim.phase2), kv_blocks=sim.kv_blocks,
+                                 max_batched_tokens=sim.max_batched_tokens, tier_bytes_budget=sim.tier_bytes)
     summary["tier"] = tier
     for key in ("tier_hit_tokens", "tier_bytes", "tier_load_failures"):
         summary[key] = tier.get(key, 0)

@@ -1,0 +1,111 @@
+"""``OmniKVConnector`` on vLLM's real classes, without an engine (marker ``vllm``).
+
+The scheduler half is driven by hand with vLLM's own ``ExampleConnector`` as
+the wrapped child (its disk store in a temp dir): the blocks it fills beyond
+the local hit become tier loads with the request's block hashes and *new*
+block ids, a finished request's full blocks become stores, and the metadata
+(the child's, plus the plan) survives pickling, the scheduler/worker channel
+under multiprocessing. Also, on CPU: vLLM's ``OffloadingConnector`` and
+``LMCacheConnectorV1`` import (they cannot run here: the first refuses
+non-CUDA platforms, the second needs the ``lmcache`` package), expose the
+hooks the wrapper builds on with the signatures it calls, and are refused by
+the gate unless wrapped.
+"""
+
+from __future__ import annotations
+
+import inspect
+import pickle
+from types import SimpleNamespace
+
+import pytest
+from test_vllm_gate import _vllm_config, base_kwargs  # noqa: F401  (fixture)
+from vllm_support import require_vllm
+
+from omni_cache.integration.kv_capability import connector_verdict
+from omni_cache.integration.tier_apply import TierLoad, TierStore
+
+pytestmark = pytest.mark.vllm
+BS = 32
+
+
+def _wrapped(path: str, role: str = "kv_both") -> dict:
+    return {"kv_connector": "OmniKVConnector", "kv_connector_module_path": "omni_cache.integration.kv_tier",
+            "kv_role": role, "kv_connector_extra_config": {
+                "connectors": [{"kv_connector": "ExampleConnector", "kv_role": role,
+                                "kv_connector_extra_config": {"shared_storage_path": path}}],
+                "omni_cache": {"tier_bytes": 1 << 20}}}
+
+
+class _Blocks:
+    def __init__(self, ids: list[int]) -> None:
+        self.ids = ids
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return (self.ids,)
+
+
+def test_scheduler_half_names_new_blocks_by_hash_and_stores_finished_full_blocks(base_kwargs, tmp_path) -> None:  # noqa: F811
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    vllm_config = _vllm_config(base_kwargs, kv_transfer_config=_wrapped(str(tmp_path)))
+    cls = KVConnectorFactory.get_connector_class(vllm_config.kv_transfer_config)
+    assert cls.__name__ == "OmniKVConnector"
+    conn = cls(vllm_config, KVConnectorRole.SCHEDULER, None)
+    assert conn.omni_tier_applier is None  # the tier lives on the worker side only
+    example = conn.sub_connectors[0]
+    prompt = list(range(3, 3 + 4 * BS + 10))  # ExampleConnector stores/looks up 4 full blocks of it
+    import torch
+
+    example._generate_foldername_debug(torch.tensor(prompt[: 4 * BS]), [], create_folder=True)  # "stored"
+    hashes = [bytes([i]) * 8 for i in range(5)]
+    req = SimpleNamespace(request_id="r", prompt_token_ids=prompt, mm_features=[], block_hashes=hashes,
+                          num_computed_tokens=0, all_token_ids=prompt)
+    assert conn.get_num_new_matched_tokens(req, BS) == (3 * BS, False)  # 1 local block, 3 external
+    ids = [7, 11, 12, 13, 20]
+    conn.update_state_after_alloc(req, _Blocks(ids), 3 * BS)
+    new_req = SimpleNamespace(req_id="r", prompt_token_ids=prompt, mm_features=[], block_ids=(ids,))
+    so = SimpleNamespace(scheduled_new_reqs=[new_req],
+                         scheduled_cached_reqs=SimpleNamespace(req_ids=[], resumed_req_ids=set()),
+                         num_scheduled_tokens={"r": 10})
+    meta = pickle.loads(pickle.dumps(conn.build_connector_meta(so)))
+    assert type(meta).__name__ == "OmniTierMetadata" and len(meta.metadata) == 1
+    assert [r.is_store for r in meta.metadata[0].requests] == [False]  # the child's own load
+    assert meta.omni_tier.loads == tuple(TierLoad("r", i, hashes[i], ids[i]) for i in (1, 2, 3))
+    assert meta.omni_tier.stores == ()
+    req.num_computed_tokens = 4 * BS + 9  # finished: 4 full blocks computed
+    conn.request_finished(req, ids)
+    after = conn.build_connector_meta(SimpleNamespace(
+        scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(req_ids=[], resumed_req_ids=set()),
+        num_scheduled_tokens={}))
+    assert after.omni_tier.stores == tuple(TierStore("r", hashes[i], ids[i]) for i in range(4))
+    assert after.omni_tier.loads == ()
+    again = conn.build_connector_meta(SimpleNamespace(
+        scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(req_ids=[], resumed_req_ids=set()),
+        num_scheduled_tokens={}))
+    assert not again.omni_tier  # each instruction is sent once
+
+
+@pytest.mark.parametrize(("module", "name"), [
+    ("vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector", "OffloadingConnector"),
+    ("vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector", "LMCacheConnectorV1"),
+])
+def test_gpu_tier_connectors_expose_the_hooks_the_wrapper_builds_on(module: str, name: str) -> None:
+    require_vllm()
+    import importlib
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    cls = getattr(importlib.import_module(module), name)
+    assert issubclass(cls, KVConnectorBase_V1)
+    wanted = {"get_num_new_matched_tokens": ["request", "num_computed_tokens"],
+              "update_state_after_alloc": ["request", "blocks", "num_external_tokens"],
+              "request_finished": ["request", "block_ids"], "build_connector_meta": ["scheduler_output"]}
+    for hook, params in wanted.items():
+        assert list(inspect.signature(getattr(cls, hook)).parameters)[1:] == params, (name, hook)
+    for role in ("kv_producer", "kv_both"):
+        verdict = connector_verdict({"kv_connector": name, "kv_role": role})
+        assert verdict.loads and not verdict.wrapped, (name, role)
+    assert connector_verdict({"kv_connector": "MultiConnector", "kv_role": "kv_producer",
+                              "kv_connector_extra_config": {"connectors": [{"kv_connector": name}]}}).loads

@@ -1,0 +1,195 @@
+"""Model-based test of the hidden-state tier on a real manager: store, evict, load, hit.
+
+``TierMachine`` plays the engine and a KV connector against the real
+``OmniPrefixCacheManager`` (eager and async) and ``TierApplier``: requests
+compute a content into a block (a new tenant), finished blocks are stored under
+their content's hash, the tier's LRU evicts under its byte budget (the model
+mirrors the order), and a connector load puts a content into a *new* block that
+the next step reads as a hit. Every hit is checked against the model: exactly
+the rows stored for that content, or -- when the tier no longer holds it -- the
+"is not readable" contract error, never zeros nor the rows of the block's
+previous tenant (another content, still in the pool). The model keeps each
+KV slot's rows (``None``: absent for its tenant); a store of a block with an
+absent slot stores nothing. Stores are of blocks whose content a request
+computed or a load restored (as vLLM's ``request_finished`` reports them);
+``store_unwritten`` tries the others. A fixed run reaches store, eviction, a
+served load and a refused one deterministically.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import hypothesis.strategies as st
+import pytest
+import torch
+from cache_helpers import BS, WIDTH, config, finished, settle, slots, started, truth
+from hypothesis import settings
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from omni_cache import PrefixCacheWriteLayout
+from omni_cache.errors import OmniPrefixCacheUnmatchError
+from omni_cache.integration.tier_apply import TierApplier, TierLoad, TierPlan, TierStore
+from omni_cache.manager import OmniPrefixCacheManager
+from omni_cache.tier import HiddenTier
+
+NUM_BLOCKS = 6
+CONTENTS = 3
+CAP = 2  # tier entries the budget holds
+ENTRY = BS * WIDTH * 4 + BS * 2 * 4  # hidden + audio.codes rows of one block, fp32
+
+
+def _hash(c: int) -> bytes:
+    return f"content-{c}".encode()
+
+
+class TierMachine(RuleBasedStateMachine):
+    eager = True
+
+    @initialize()
+    def setup(self) -> None:
+        self.m = OmniPrefixCacheManager(config(num_blocks=NUM_BLOCKS), eager=self.eager)
+        self.applier = TierApplier(HiddenTier(CAP * ENTRY), BS)
+        self.n = 0
+        self.live: list[str] = []
+        self.rows: dict[int, torch.Tensor | None] = dict.fromkeys(range(NUM_BLOCKS * BS))  # per KV slot
+        self.content: dict[int, int | None] = dict.fromkeys(range(NUM_BLOCKS))  # block -> content it holds
+        self.tier: OrderedDict[int, torch.Tensor] = OrderedDict()  # content -> rows, LRU first
+        self.stores = self.evictions = self.loads = self.refusals = self.skipped = 0
+
+    def _events(self, *more):  # finish last step's requests with this step's events
+        done, self.live = self.live, []
+        return [finished(r) for r in done] + list(more)
+
+    def _save(self, req: str, blocks: list[int], start: int, end: int, rows: torch.Tensor) -> int:
+        layout = PrefixCacheWriteLayout.packed([(req, start, end)], slots(blocks, start, end))
+        n = end - start
+        step = self.m.save_outputs(rows, {"audio.codes": -rows[:, :2].clone()}, num_tokens_unpadded=n,
+                                   num_tokens_padded=n, write_layout=layout)
+        for i, slot in enumerate(slots(blocks, start, end).tolist()):
+            self.rows[slot] = rows[i]
+        return step
+
+    def _block_rows(self, b: int) -> torch.Tensor | None:
+        got = [self.rows[b * BS + i] for i in range(BS)]
+        return None if any(r is None for r in got) else torch.stack(got)  # type: ignore[misc]
+
+    @rule(b=st.integers(0, NUM_BLOCKS - 1), c=st.integers(0, CONTENTS - 1))
+    def compute(self, b: int, c: int) -> None:
+        self.n += 1
+        req = f"r{self.n}"
+        self.m.new_step_starts(self._events(started(req)))
+        self.m.materialize(self._save(req, [b], 0, BS, truth(f"{c}/{self.n}", range(BS))), [req])
+        self.live.append(req)
+        self.content[b] = c
+
+    @rule(b=st.integers(0, NUM_BLOCKS - 1))
+    def take_block(self, b: int) -> None:
+        """A new tenant writes only the block's first row (a request of one token)."""
+        self.n += 1
+        req = f"r{self.n}"
+        self.m.new_step_starts(self._events(started(req)))
+        self.m.materialize(self._save(req, [b], 0, 1, truth(f"partial/{self.n}", range(1))), [req])
+        self.live.append(req)
+        self.content[b] = None
+
+    def _put(self, c: int, rows: torch.Tensor) -> None:
+        self.tier.pop(c, None)
+        self.tier[c] = rows
+        while len(self.tier) > CAP:
+            self.tier.popitem(last=False)
+            self.evictions += 1
+
+    def _store(self, b: int, c: int) -> None:
+        self.m.new_step_starts(self._events())
+        settle(self.m)
+        skipped = self.applier.store_skipped
+        self.applier.apply(TierPlan(stores=(TierStore("done", _hash(c), b),)), self.m)
+        held = self._block_rows(b)
+        if held is None:
+            assert self.applier.store_skipped == skipped + 1
+            self.skipped += 1
+        else:
+            self._put(c, held)
+            self.stores += 1
+
+    @precondition(lambda self: any(c is not None for c in self.content.values()))
+    @rule(data=st.data())
+    def store(self, data: st.DataObject) -> None:
+        b = data.draw(st.sampled_from(sorted(k for k, c in self.content.items() if c is not None)))
+        self._store(b, self.content[b])  # type: ignore[arg-type]
+
+    @precondition(lambda self: any(c is None for c in self.content.values()))
+    @rule(data=st.data(), c=st.integers(0, CONTENTS - 1))
+    def store_unwritten(self, data: st.DataObject, c: int) -> None:
+        self._store(data.draw(st.sampled_from(sorted(k for k, v in self.content.items() if v is None))), c)
+
+    @rule(dst=st.integers(0, NUM_BLOCKS - 1), extra=st.integers(0, NUM_BLOCKS - 1), c=st.integers(0, CONTENTS - 1))
+    def load_and_hit(self, dst: int, extra: int, c: int) -> None:
+        if dst == extra:
+            extra = (dst + 1) % NUM_BLOCKS
+        self.n += 1
+        req = f"r{self.n}"
+        self.m.new_step_starts(self._events())
+        failures = len(self.applier.load_failures)
+        self.applier.apply(TierPlan(loads=(TierLoad(req, 0, _hash(c), dst),)), self.m)
+        expected = self.tier.get(c)
+        if expected is not None:
+            self.tier.move_to_end(c)
+        assert len(self.applier.load_failures) == failures + (expected is None)
+        for i in range(BS):
+            self.rows[dst * BS + i] = None if expected is None else expected[i]
+        self.loads += 1
+        self.m.new_step_starts([started(req, hit_end=BS, blocks=[dst, extra])])
+        new_row = truth(f"tail/{self.n}", range(BS, BS + 1))
+        step = self._save(req, [dst, extra], BS, BS + 1, new_row)
+        self.live.append(req)
+        self.content[extra] = None
+        self.content[dst] = None if expected is None else c
+        if expected is None:
+            with pytest.raises(OmniPrefixCacheUnmatchError, match="is not readable"):
+                self.m.materialize(step, [req])
+            self.refusals += 1
+            return
+        out = self.m.materialize(step, [req])
+        assert torch.equal(out.hidden_states[req], torch.cat([expected, new_row]))
+        assert torch.equal(out.mm_outputs["audio.codes"][req][:BS], -expected[:, :2])
+
+    @invariant()
+    def tier_matches_the_model(self) -> None:
+        if not hasattr(self, "m"):
+            return
+        stats = self.applier.tier.stats()
+        assert stats.entries == len(self.tier) and stats.evictions == self.evictions
+        assert stats.bytes == len(self.tier) * ENTRY
+
+    def teardown(self) -> None:
+        if hasattr(self, "m"):
+            self.m.new_step_starts(self._events())
+            assert self.m.shutdown() == {}
+
+
+class TierMachineAsync(TierMachine):
+    eager = False
+
+
+TestTierEager = TierMachine.TestCase
+TestTierEager.settings = settings(max_examples=40, stateful_step_count=25, deadline=None)
+TestTierAsync = TierMachineAsync.TestCase
+TestTierAsync.settings = settings(max_examples=20, stateful_step_count=25, deadline=None)
+
+
+def test_one_fixed_run_reaches_store_evict_load_and_refusal() -> None:
+    """The states the machine must reach, reached deterministically (not by a lucky seed)."""
+    machine = TierMachine()
+    machine.setup()
+    for c, b in ((0, 0), (1, 1), (2, 2)):
+        machine.compute(b, c)
+        machine._store(b, c)  # the third store evicts content 0 (LRU, two entries)
+    machine.load_and_hit(3, 4, 2)  # served from the tier into new block 3
+    machine.load_and_hit(1, 4, 0)  # evicted: refused, never block 1's previous rows (content 1)
+    machine.take_block(5)
+    machine._store(5, 2)  # a block its tenant did not wholly write: nothing stored
+    machine.tier_matches_the_model()
+    assert (machine.stores, machine.evictions, machine.loads, machine.refusals, machine.skipped) == (3, 1, 2, 1, 1)
+    machine.teardown()
