@@ -91,6 +91,8 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.engine == "vllm":
         return simulate_vllm.run_vllm(args)
+    if getattr(args, "model", None) is not None:
+        args.error(f"--model {args.model} only applies to --engine vllm")
     if args.preset is None:
         args.preset = "chat"
     elif args.preset not in PRESETS:

@@ -14,6 +14,7 @@ import json
 from typing import Any
 
 from omni_cache.cli.args import float_range
+from omni_cache.vllm_sim.models import DEFAULT_MODEL, MODELS
 from omni_cache.vllm_sim.workload import PRESETS
 
 __all__ = ["PRESETS", "add_arguments", "run_vllm"]
@@ -29,6 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the thinker: the simulated engine (default) or a real vLLM CPU engine (needs the [vllm] "
         f"extra; presets {', '.join(sorted(PRESETS))}, default mixed)",
     )
+    parser.add_argument("--model", choices=sorted(MODELS),
+                        help=f"--engine vllm: the thinker model, built at run time (default {DEFAULT_MODEL}; hybrid: "
+                        "sliding-window and full-attention layers, several KV-cache groups)")
     parser.add_argument("--tolerance", type=float_range(0, 1, lo_open=True),
                         help="--engine vllm: check (b) tolerance, max |diff| over the row's max |value| (default 1e-5)")
 
@@ -51,7 +55,8 @@ def run_vllm(args: argparse.Namespace) -> int:
     try:
         kwargs: dict[str, Any] = dict(preset=preset, seed=args.seed, requests=args.requests, kv_blocks=args.num_blocks,
                                       max_batched_tokens=args.max_batched_tokens, eager=args.eager,
-                                      tolerance=DEFAULT_TOLERANCE if args.tolerance is None else args.tolerance)
+                                      tolerance=DEFAULT_TOLERANCE if args.tolerance is None else args.tolerance,
+                                      model=args.model or DEFAULT_MODEL)
         if args.steps_limit is not None:
             kwargs["steps_limit"] = args.steps_limit
         cfg = VllmSimConfig(**kwargs)

@@ -2,7 +2,8 @@
 
 Owns: ``summarize`` (``VllmSimResult`` -> dict, the keys of the simulated
 engine's summary where they mean the same, plus ``engine``, ``vllm_version``,
-``hit_tokens``, ``preemptions``, ``rows_verified`` and the three checks) and
+``hit_tokens``, ``preemptions``, ``rows_verified``, ``model``, ``kv_groups``,
+``output_group_id`` and the three checks) and
 ``render``. Invariants: none enforced here.
 """
 
@@ -25,6 +26,9 @@ def summarize(res: VllmSimResult) -> dict[str, Any]:
         "engine": "vllm",
         "vllm_version": res.vllm_version,
         "preset": cfg.preset,
+        "model": cfg.model,
+        "kv_groups": res.kv_groups,
+        "output_group_id": res.output_group_id,
         "seed": cfg.seed,
         "mode": "eager" if cfg.eager else "async",
         "config": cfg.as_dict(),
@@ -55,7 +59,8 @@ def summarize(res: VllmSimResult) -> dict[str, Any]:
 
 
 def render(s: dict[str, Any], console: Console) -> None:
-    title = f"omni-cache simulate --engine vllm (vLLM {s['vllm_version']}): preset {s['preset']}, seed {s['seed']}, {s['mode']}"
+    title = (f"omni-cache simulate --engine vllm (vLLM {s['vllm_version']}): model {s['model']}, preset {s['preset']}, "
+             f"seed {s['seed']}, {s['mode']}")
     table = Table(title=title, show_header=True, header_style="bold")
     table.add_column("metric")
     table.add_column("value", justify="right")
@@ -64,6 +69,7 @@ def render(s: dict[str, Any], console: Console) -> None:
     rows = [
         ("requests", f"{r['created']}: {r['finished']} finished, {r['aborted']} aborted"),
         ("preemptions", str(r["preemptions"])),
+        ("KV-cache groups (rows addressed by)", f"{s['kv_groups']} (group {s['output_group_id']})"),
         ("engine steps", f"{st['run']} ({st['saved']} saved)"),
         ("tokens computed", f"{tk['computed']} ({tk['chunked_prefills']} chunked-prefill continuations)"),
         ("prefix hit tokens (engine)", f"{pc['hit_tokens']} ({pc['same_step_hits']} same-step hits)"),
