@@ -17,7 +17,7 @@ from omni_cache.cli.args import float_range
 from omni_cache.vllm_sim.models import DEFAULT_MODEL, MODELS
 from omni_cache.vllm_sim.workload import PRESETS
 
-__all__ = ["PRESETS", "add_arguments", "run_vllm"]
+__all__ = ["PRESETS", "add_arguments", "add_model_argument", "run_vllm"]
 
 # Options of the simulated engine that mean nothing for the real one.
 _SIM_ONLY = ("block_size", "max_num_seqs", "hidden_width", "embeds_width", "dtype", "gpu_staging_bytes",
@@ -30,11 +30,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the thinker: the simulated engine (default) or a real vLLM CPU engine (needs the [vllm] "
         f"extra; presets {', '.join(sorted(PRESETS))}, default mixed)",
     )
-    parser.add_argument("--model", choices=sorted(MODELS),
-                        help=f"--engine vllm: the thinker model, built at run time (default {DEFAULT_MODEL}; hybrid: "
-                        "sliding-window and full-attention layers, several KV-cache groups)")
+    add_model_argument(parser, "--engine vllm: ")
     parser.add_argument("--tolerance", type=float_range(0, 1, lo_open=True),
                         help="--engine vllm: check (b) tolerance, max |diff| over the row's max |value| (default 1e-5)")
+
+
+def add_model_argument(parser: argparse.ArgumentParser, scope: str = "") -> None:
+    """``--model`` (``omni_cache.vllm_sim.models``), for every command that builds a real thinker."""
+    parser.add_argument("--model", choices=sorted(MODELS),
+                        help=f"{scope}the thinker model, built at run time (default {DEFAULT_MODEL}; hybrid: "
+                        "sliding-window and full-attention layers, several KV-cache groups)")
 
 
 def run_vllm(args: argparse.Namespace) -> int:

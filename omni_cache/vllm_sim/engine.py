@@ -31,7 +31,15 @@ from typing import Any
 from omni_cache.errors import OmniPrefixCacheUnmatchError
 from omni_cache.integration.vllm_bridge import runner_of
 from omni_cache.sim.checker import Mismatch
-from omni_cache.vllm_sim.models import BLOCK_SIZE, DEFAULT_MODEL, MODELS, TINY_LLAMA, model_dir, sim_model
+from omni_cache.vllm_sim.models import (
+    BLOCK_SIZE,
+    DEFAULT_MODEL,
+    MODELS,
+    TINY_LLAMA,
+    model_dir,
+    model_engine_kwargs,
+    sim_model,
+)
 from omni_cache.vllm_sim.truth import DEFERRED_KEY, ForwardCapture, derive_mm
 from omni_cache.vllm_sim.workload import PRESETS, PlannedRequest, plan_requests
 
@@ -166,12 +174,11 @@ class VllmSimulation:
         from vllm import LLM
 
         p = self.preset
-        model, kv_blocks = sim_model(self.config.model), self.config.kv_blocks or p.kv_blocks
-        return LLM(**engine_kwargs(model_dir(model.name), kv_blocks=kv_blocks,
+        kv_blocks = self.config.kv_blocks or p.kv_blocks
+        model = model_engine_kwargs(self.config.model, kv_blocks=kv_blocks)
+        return LLM(**engine_kwargs(model.pop("model"), kv_blocks=kv_blocks,
                                    max_batched_tokens=self.config.max_batched_tokens or p.max_batched_tokens,
-                                   max_model_len=p.max_model_len, eager=self.config.eager,
-                                   kv_cache_memory_bytes=model.kv_cache_memory_bytes(kv_blocks),
-                                   **model.engine_options))
+                                   max_model_len=p.max_model_len, eager=self.config.eager, **model))
 
     @staticmethod
     def runner_of(llm: Any) -> Any:

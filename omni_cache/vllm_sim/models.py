@@ -5,10 +5,11 @@ engine options it needs), ``MODELS`` (``llama``: a 2-layer Llama, one KV-cache
 group; ``hybrid``: a 4-layer Gemma 3 text model, three sliding-window layers
 with window 64 and one full-attention layer, which vLLM's hybrid KV-cache
 manager gives four KV-cache groups), ``sim_model`` (a name to its model, with
-one error line for a bad name) and ``model_dir`` (a directory holding only the
-``config.json``; weights are ``load_format="dummy"``). Every command that
-builds a real thinker (``simulate --engine vllm``, and later ``pipeline``)
-takes ``--model`` through ``sim_model``. vLLM is not imported here.
+one error line for a bad name), ``model_dir`` (a directory holding only the
+``config.json``; weights are ``load_format="dummy"``) and
+``model_engine_kwargs`` (the ``LLM`` arguments a model needs). Every command
+that builds a real thinker (``simulate --engine vllm``, and later ``pipeline``)
+takes ``--model`` through these. vLLM is not imported here.
 
 Invariants: none enforced here (input generation only); the ``hybrid`` model is
 what exercises the output KV-cache group of spec/contract.md section 7.1.
@@ -22,7 +23,7 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["DEFAULT_MODEL", "MODELS", "SimModel", "model_dir", "sim_model"]
+__all__ = ["DEFAULT_MODEL", "MODELS", "SimModel", "model_dir", "model_engine_kwargs", "sim_model"]
 
 BLOCK_SIZE = 32  # the CPU attention backend needs a multiple of 32
 _FP32 = 4
@@ -95,6 +96,15 @@ def sim_model(name: str) -> SimModel:
         return MODELS[name]
     except KeyError:
         raise ValueError(f"unknown model {name!r} (choose from {', '.join(sorted(MODELS))})") from None
+
+
+def model_engine_kwargs(name: str, *, kv_blocks: int) -> dict[str, Any]:
+    """``LLM(...)`` arguments that model ``name`` needs: ``model`` (a fresh ``model_dir``), the KV
+    memory for ``kv_blocks`` preset blocks and its engine options (the caller's other options
+    come from ``vllm_sim.engine.engine_kwargs``)."""
+    model = sim_model(name)
+    return {"model": model_dir(name), "kv_cache_memory_bytes": model.kv_cache_memory_bytes(kv_blocks),
+            **model.engine_options}
 
 
 def model_dir(name: str = DEFAULT_MODEL, path: str | None = None) -> str:
