@@ -89,7 +89,8 @@ class PrefixCacheSchedulerAdapter:
       lookup must have its ``hit_end``, else the step is refused.
     * ``scheduled_new_reqs`` (``NewRequestData``: ``req_id`` -- or
       ``request_id`` -- ``num_computed_tokens``, ``block_ids`` flat or one list
-      per KV group), each with the hit ``[0, num_computed_tokens)``: STARTED for
+      per KV group, every group kept: the manager reads the hit from
+      ``block_ids[output_group_id]``), each with the hit ``[0, num_computed_tokens)``: STARTED for
       an id not live (or live under an older owner, after a REPLACED control);
       RESUMED for a live id that ``preempted_req_ids`` reported preempted (Model
       Runner V2 re-delivers resumed requests here); EXTENDED otherwise.

@@ -2,7 +2,7 @@
 
 Each refusal is tried on a ``VllmConfig`` built by vLLM's own ``EngineArgs``
 (speculative decoding, a KV-consumer role, decode context parallel) or a real
-``KVCacheConfig`` (several KV-cache groups), through the same bridge call the
+``KVCacheConfig`` (a sliding-window-only layout; a hybrid one is accepted), through the same bridge call the
 model runner makes at KV-cache initialisation; a control config passes. One
 refusal is also tried at a real engine start (in a subprocess): the engine
 fails to start with the gate's message, before any step.
@@ -88,12 +88,12 @@ def test_the_gate_refuses_real_engine_configs(base_kwargs, extra, phrase) -> Non
     assert "cannot run on this stage" in str(info.value)
 
 
-def test_the_gate_refuses_several_kv_cache_groups(base_kwargs) -> None:
+def test_the_gate_takes_the_full_attention_group_of_several(base_kwargs) -> None:
     vllm_config = _vllm_config(base_kwargs)
-    with pytest.raises(OmniPrefixCacheUnmatchError, match="2 KV-cache groups"):
-        _gate(vllm_config, _kv_cache_config(num_groups=2))
+    config = _gate(vllm_config, _kv_cache_config(num_groups=2))
+    assert config is not None and config.output_group_id == 0  # full attention is group 0 here
     one_window = dataclasses.replace(_kv_cache_config(2), kv_cache_groups=_kv_cache_config(2).kv_cache_groups[1:])
-    with pytest.raises(OmniPrefixCacheUnmatchError, match="not full attention"):
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="none is a prefix-cacheable full-attention group"):
         _gate(vllm_config, one_window)
 
 

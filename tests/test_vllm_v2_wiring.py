@@ -179,3 +179,35 @@ def test_a_zero_token_step_still_passes_finished_ids(v2) -> None:
     assert runner.step(_so(v2, finished={"A"}), [], {}) is None  # zero tokens scheduled, A aborted
     assert bridge.hooks.manager.stats()["live_requests"] == 0  # the manager saw A end
     bridge.shutdown()
+
+
+def _hybrid_new(v2, rid, prompt_len, computed, sliding, full):
+    return dataclasses.replace(_new(v2, rid, prompt_len, computed, full), block_ids=(list(sliding), list(full)))
+
+
+def test_a_hybrid_layout_mirrors_and_serves_the_output_group(v2) -> None:
+    """Two KV-cache groups (0: sliding window, its early blocks the null block 0; 1: full
+    attention): the mirror holds group 1, slots and hits are group 1's."""
+    bridge = VllmRunnerBridge()
+    bridge.hooks.configure(PrefixCacheConfig(num_blocks=16, block_size=BS, staging_capacity_tokens=256,
+                                             output_group_id=1))
+    bridge.on_model_loaded(SimpleNamespace())
+    bt = _block_tables(v2)
+    bt.block_sizes, bt.num_kv_cache_groups = [BS, BS], 2
+    bt.num_blocks = SimpleNamespace(np=np.zeros((2, 4), dtype=np.int32))
+    bt.block_tables = bt.block_tables * 2
+    runner = _Runner.__new__(_Runner)
+    runner.v2, runner.bridge, runner.block_tables, runner.state_of = v2, bridge, bt, {}
+    mirror = bridge.install_v2_block_mirror(bt)
+    assert mirror.group_id == 1
+    s1 = runner.step(_so(v2, new=[_hybrid_new(v2, "A", 80, 0, [7, 8, 9], [1, 2, 3])], scheduled={"A": 80}),
+                     ["A"], {"A": 0}, salt=1.0)
+    first = bridge.hooks.materialize(s1).hidden_states["A"]
+    assert mirror.table[0, :3].tolist() == [1, 2, 3]  # the full-attention group's row
+    so2 = _so(v2, new=[_hybrid_new(v2, "B", 80, 64, [0, 0, 10], [1, 2, 5])], scheduled={"B": 16})
+    s2 = runner.step(so2, ["B"], {"B": 64}, salt=2.0)
+    out = bridge.hooks.materialize(s2).hidden_states["B"]
+    assert out.shape[0] == 80 and torch.equal(out[:64], first[:64])  # the hit, from group 1's blocks 1, 2
+    batch = _input_batch(v2, ["B"], runner.state_of, {"B": 64}, {"B": 16})
+    assert mirror.view(batch, block_size=BS).slots_for_spans([("B", 64, 80)]).tolist() == [5 * BS + p for p in range(16)]
+    assert bridge.shutdown() == {}

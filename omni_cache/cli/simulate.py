@@ -96,6 +96,8 @@ def run(args: argparse.Namespace) -> int:
         args.error(f"{', '.join(given)} only apply to --engine vllm")
     if getattr(args, "kv_connector", None) is not None:
         args.error("--kv-connector needs --engine vllm")
+    if getattr(args, "model", None) is not None:
+        args.error(f"--model {args.model} only applies to --engine vllm")
     if args.preset is None:
         args.preset = "chat"
     elif args.preset not in PRESETS:

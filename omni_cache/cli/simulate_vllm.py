@@ -18,9 +18,10 @@ import json
 from typing import Any
 
 from omni_cache.cli.args import EXIT_INCOMPLETE, float_range, int_range
+from omni_cache.vllm_sim.models import DEFAULT_MODEL, MODELS
 from omni_cache.vllm_sim.workload import PRESETS
 
-__all__ = ["PRESETS", "add_arguments", "run_vllm"]
+__all__ = ["PRESETS", "add_arguments", "add_model_argument", "run_vllm"]
 
 # Options of the simulated engine that mean nothing for the real one.
 _SIM_ONLY = ("block_size", "max_num_seqs", "hidden_width", "embeds_width", "dtype", "gpu_staging_bytes",
@@ -36,6 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--engine vllm: run vLLM's ExampleConnector under omni-cache's OmniKVConnector (disk "
                         "store in a temp dir), reset the prefix cache and serve prefixes that come back through it "
                         "(docs/kv-tier.md)")
+    add_model_argument(parser, "--engine vllm: ")
     parser.add_argument("--tolerance", type=float_range(0, 1, lo_open=True),
                         help="--engine vllm: check (b) tolerance, max |diff| over the row's max |value| (default 1e-5)")
     parser.add_argument("--tp", type=int_range(1, 8), help="--engine vllm: tensor-parallel worker processes "
@@ -52,6 +54,13 @@ VLLM_ONLY = ("tolerance", "tp", "pp", "check_ranks")
 def vllm_only_given(args: argparse.Namespace) -> list[str]:
     """The ``--engine vllm`` options given to a simulated-engine run."""
     return [f"--{name.replace('_', '-')}" for name in VLLM_ONLY if getattr(args, name, None) is not None]
+
+
+def add_model_argument(parser: argparse.ArgumentParser, scope: str = "") -> None:
+    """``--model`` (``omni_cache.vllm_sim.models``), for every command that builds a real thinker."""
+    parser.add_argument("--model", choices=sorted(MODELS),
+                        help=f"{scope}the thinker model, built at run time (default {DEFAULT_MODEL}; hybrid: "
+                        "sliding-window and full-attention layers, several KV-cache groups)")
 
 
 def run_vllm(args: argparse.Namespace) -> int:
@@ -78,7 +87,8 @@ def run_vllm(args: argparse.Namespace) -> int:
         kwargs: dict[str, Any] = dict(preset=preset, seed=args.seed, requests=args.requests, kv_blocks=args.num_blocks,
                                       max_batched_tokens=args.max_batched_tokens, eager=args.eager,
                                       tolerance=DEFAULT_TOLERANCE if args.tolerance is None else args.tolerance,
-                                      tp=args.tp or 1, pp=args.pp or 1, check_ranks=bool(args.check_ranks))
+                                      tp=args.tp or 1, pp=args.pp or 1, check_ranks=bool(args.check_ranks),
+                                      model=args.model or DEFAULT_MODEL)
         if args.steps_limit is not None:
             kwargs["steps_limit"] = args.steps_limit
         if getattr(args, "kv_connector", None) is not None:

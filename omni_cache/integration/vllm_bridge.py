@@ -261,7 +261,10 @@ class VllmRunnerBridge:
         input_batch = runner.input_batch
         group = self._output_group()
         view = BlockTableView.from_input_batch(input_batch, block_size=self._block_size(), kv_cache_group_id=group)
-        slot_mapping = input_batch.block_table.block_tables[group].slot_mapping.cpu
+        # The engine's own slot mapping, for the observer: the buffer vLLM's slot-mapping kernel
+        # writes (``.gpu``; its ``.cpu`` half is never filled, and the CPU runner aliases the two
+        # only for the input batch it builds first, not for one rebuilt for several KV-cache groups).
+        slot_mapping = input_batch.block_table.block_tables[group].slot_mapping.gpu
         return self._save(so, view, hidden_states, input_ids, positions, slot_mapping)
 
     def install_v2_block_mirror(self, block_tables: Any) -> V2BlockTableMirror:

@@ -1,7 +1,7 @@
 """``omni-cache simulate --engine vllm``: a real vLLM engine as the thinker.
 
-Owns: ``VllmSimConfig``, ``VllmSimulation`` (builds a tiny dummy-weight Llama
-engine in this process with ``OmniCPUWorker`` installed through vLLM's
+Owns: ``VllmSimConfig``, ``VllmSimulation`` (builds a tiny dummy-weight engine
+-- the model of ``--model``, ``omni_cache.vllm_sim.models`` -- in this process with ``OmniCPUWorker`` installed through vLLM's
 ``worker_cls``, drives the planned workload step by step, runs the consumer
 thread that materializes every step id, then the recomputation run) and
 ``VllmSimResult``. vLLM is imported only inside functions.
@@ -17,14 +17,10 @@ error. I1, I4, I6, I7, I9 are checked from outside.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import json
 import os
 import queue
-import shutil
 import sys
-import tempfile
 import threading
 import time
 from collections import Counter
@@ -36,33 +32,27 @@ from omni_cache.errors import OmniPrefixCacheUnmatchError
 from omni_cache.integration.vllm_bridge import runner_of
 from omni_cache.sim.checker import Mismatch
 from omni_cache.vllm_sim import promises
+from omni_cache.vllm_sim.models import (
+    BLOCK_SIZE,
+    DEFAULT_MODEL,
+    MODELS,
+    TINY_LLAMA,
+    model_dir,
+    model_engine_kwargs,
+    sim_model,
+)
 from omni_cache.vllm_sim.truth import DEFERRED_KEY, ForwardCapture, derive_mm
 from omni_cache.vllm_sim.workload import PRESETS, PlannedRequest, plan_requests
 
-__all__ = ["DEFAULT_TOLERANCE", "VllmSimConfig", "VllmSimResult", "VllmSimulation", "tiny_llama_dir"]
+__all__ = ["DEFAULT_TOLERANCE", "TINY_LLAMA", "VllmSimConfig", "VllmSimResult", "VllmSimulation", "tiny_llama_dir"]
 
-BLOCK_SIZE = 32  # the CPU attention backend needs a multiple of 32
-KV_BLOCK_BYTES = 2 * 2 * BLOCK_SIZE * 1 * 64 * 4  # layers x (K, V) x tokens x kv heads x head dim x fp32
+KV_BLOCK_BYTES = MODELS["llama"].kv_bytes_per_block
 DEFAULT_TOLERANCE = 1e-5  # check (b): max |diff| / max |row|, per row; see README "tolerance of check (b)"
 WORKER_CLS = "omni_cache.integration.vllm_worker.OmniCPUWorker"
 
-TINY_LLAMA = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,
-    "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 256,
-    "num_hidden_layers": 2, "vocab_size": 512, "torch_dtype": "float32",
-    "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "bos_token_id": 1, "eos_token_id": 2,
-}
-
-
 def tiny_llama_dir(path: str | None = None) -> str:
-    """A model directory holding only a ``config.json`` (weights: ``load_format="dummy"``); one
-    made here (no ``path``) is removed when this process exits."""
-    if path is None:
-        path = tempfile.mkdtemp(prefix="omni-cache-tiny-llama-")
-        atexit.register(shutil.rmtree, path, True)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(TINY_LLAMA, f)
-    return path
+    """A model directory holding only a ``config.json`` (weights: ``load_format="dummy"``)."""
+    return model_dir("llama", path)
 
 
 def engine_kwargs(model_dir: str, *, kv_blocks: int, max_batched_tokens: int, max_model_len: int,
@@ -114,8 +104,10 @@ class VllmSimConfig:
     pp: int = 1  # pipeline-parallel stages
     check_ranks: bool = False  # a cache on every TP rank of the last stage, each compared bit for bit
     kv_connector: str | None = None  # "example": ExampleConnector under OmniKVConnector (vllm_sim.tier_run)
+    model: str = DEFAULT_MODEL
 
     def __post_init__(self) -> None:
+        sim_model(self.model)  # an unknown model: ValueError naming the choices
         if self.preset not in PRESETS:
             raise ValueError(f"unknown preset {self.preset!r} (choose from {sorted(PRESETS)})")
         if self.kv_blocks is not None and self.kv_blocks < 17:
@@ -163,6 +155,8 @@ class VllmSimResult:
     double_consume_refused: bool = False
     engine_start_s: float = 0.0
     wall_s: float = 0.0
+    kv_groups: int = 0  # the engine's KV-cache groups (above 1: a hybrid layout)
+    output_group_id: int = 0  # the group whose slots address the cache's rows
     mismatches: list[Mismatch] = field(default_factory=list)
     ranks: list[dict[str, Any]] = field(default_factory=list)  # one per worker: place, host bytes
     rank_rows_compared: int = 0  # --check-ranks: rows compared between TP ranks
@@ -193,9 +187,11 @@ class VllmSimulation:
         from vllm import LLM
 
         p = self.preset
-        return LLM(**engine_kwargs(tiny_llama_dir(), kv_blocks=self.config.kv_blocks or p.kv_blocks,
+        kv_blocks = self.config.kv_blocks or p.kv_blocks
+        model = model_engine_kwargs(self.config.model, kv_blocks=kv_blocks)
+        return LLM(**engine_kwargs(model.pop("model"), kv_blocks=kv_blocks,
                                    max_batched_tokens=self.config.max_batched_tokens or p.max_batched_tokens,
-                                   max_model_len=p.max_model_len, eager=self.config.eager))
+                                   max_model_len=p.max_model_len, eager=self.config.eager, **model))
 
     @staticmethod
     def runner_of(llm: Any) -> Any:
@@ -255,6 +251,8 @@ class VllmSimulation:
                 bridge = self.attach(llm)
             res.engine_start_s = time.perf_counter() - t0
             res.kv_blocks_engine = int(self.runner_of(llm).kv_cache_config.num_blocks)
+            res.kv_groups = len(self.runner_of(llm).kv_cache_config.kv_cache_groups)
+            res.output_group_id = bridge.hooks.config.output_group_id if bridge.hooks.config is not None else 0
             bridge.mm_outputs_fn = derive_mm
             bridge.observer = self._observe_with(bridge)
             self.bridge = bridge

@@ -2,9 +2,10 @@
 
 Owns: ``summarize`` (``VllmSimResult`` -> dict, the keys of the simulated
 engine's summary where they mean the same, plus ``engine``, ``vllm_version``,
-``hit_tokens``, ``preemptions``, ``rows_verified``, the three checks, the
-worker ``ranks`` with their host bytes and what the run did less than asked,
-``incomplete``) and ``render``. Invariants: none enforced here.
+``hit_tokens``, ``preemptions``, ``rows_verified``, ``model``, ``kv_groups``,
+``output_group_id``, the three checks, the worker ``ranks`` with their host
+bytes and what the run did less than asked, ``incomplete``) and ``render``.
+Invariants: none enforced here.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ def summarize(res: VllmSimResult) -> dict[str, Any]:
         "engine": "vllm",
         "vllm_version": res.vllm_version,
         "preset": cfg.preset,
+        "model": cfg.model,
+        "kv_groups": res.kv_groups,
+        "output_group_id": res.output_group_id,
         "seed": cfg.seed,
         "mode": "eager" if cfg.eager else "async",
         "config": cfg.as_dict(),
@@ -62,7 +66,8 @@ def summarize(res: VllmSimResult) -> dict[str, Any]:
 
 
 def render(s: dict[str, Any], console: Console) -> None:
-    title = f"omni-cache simulate --engine vllm (vLLM {s['vllm_version']}): preset {s['preset']}, seed {s['seed']}, {s['mode']}"
+    title = (f"omni-cache simulate --engine vllm (vLLM {s['vllm_version']}): model {s['model']}, preset {s['preset']}, "
+             f"seed {s['seed']}, {s['mode']}")
     table = Table(title=title, show_header=True, header_style="bold")
     table.add_column("metric")
     table.add_column("value", justify="right")
@@ -71,6 +76,7 @@ def render(s: dict[str, Any], console: Console) -> None:
     rows = [
         ("requests", f"{r['created']}: {r['finished']} finished, {r['aborted']} aborted"),
         ("preemptions", str(r["preemptions"])),
+        ("KV-cache groups (rows addressed by)", f"{s['kv_groups']} (group {s['output_group_id']})"),
         ("engine steps", f"{st['run']} ({st['saved']} saved)"),
         ("tokens computed", f"{tk['computed']} ({tk['chunked_prefills']} chunked-prefill continuations)"),
         ("prefix hit tokens (engine)", f"{pc['hit_tokens']} ({pc['same_step_hits']} same-step hits)"),

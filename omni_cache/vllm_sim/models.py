@@ -1,0 +1,121 @@
+"""The tiny thinker models a real-engine run can use, built at run time.
+
+Owns: ``SimModel`` (a model's ``config.json``, how its KV memory is sized and the
+engine options it needs), ``MODELS`` (``llama``: a 2-layer Llama, one KV-cache
+group; ``hybrid``: a 4-layer Gemma 3 text model, three sliding-window layers
+with window 64 and one full-attention layer, which vLLM's hybrid KV-cache
+manager gives four KV-cache groups), ``sim_model`` (a name to its model, with
+one error line for a bad name), ``model_dir`` (a directory holding only the
+``config.json``; weights are ``load_format="dummy"``) and
+``model_engine_kwargs`` (the ``LLM`` arguments a model needs). Every command
+that builds a real thinker (``simulate --engine vllm``, and later ``pipeline``)
+takes ``--model`` through these. vLLM is not imported here.
+
+Invariants: none enforced here (input generation only); the ``hybrid`` model is
+what exercises the output KV-cache group of spec/contract.md section 7.1.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["DEFAULT_MODEL", "MODELS", "SimModel", "model_dir", "model_engine_kwargs", "sim_model"]
+
+BLOCK_SIZE = 32  # the CPU attention backend needs a multiple of 32
+_FP32 = 4
+
+
+@dataclass(frozen=True)
+class SimModel:
+    """A tiny dummy-weight model. ``kv_bytes_per_block``: bytes of one KV block id in the
+    engine's pool; ``pool_blocks_per_block``: pool blocks given per block the workload preset
+    asks for (a hybrid layout's groups share one pool, and each sliding-window group holds
+    its window's blocks beside the full-attention group's)."""
+
+    name: str
+    description: str
+    config: dict[str, Any]
+    kv_bytes_per_block: int
+    pool_blocks_per_block: int = 1
+    engine_options: dict[str, Any] = field(default_factory=dict)
+
+    def kv_cache_memory_bytes(self, kv_blocks: int) -> int:
+        return kv_blocks * self.pool_blocks_per_block * self.kv_bytes_per_block
+
+
+TINY_LLAMA: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,
+    "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 256,
+    "num_hidden_layers": 2, "vocab_size": 512, "torch_dtype": "float32",
+    "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "bos_token_id": 1, "eos_token_id": 2,
+}
+
+SLIDING_WINDOW = 64
+TINY_GEMMA3: dict[str, Any] = {
+    "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 128,
+    "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64, "intermediate_size": 256,
+    "num_hidden_layers": 4, "vocab_size": 512, "torch_dtype": "float32",
+    "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "bos_token_id": 1, "eos_token_id": 2,
+    "pad_token_id": 0, "query_pre_attn_scalar": 64, "sliding_window": SLIDING_WINDOW,
+    "layer_types": ["sliding_attention"] * 3 + ["full_attention"],
+    "final_logit_softcapping": None, "attn_logit_softcapping": None, "tie_word_embeddings": True,
+}
+
+
+def _kv_bytes(layers_per_block: int, kv_heads: int, head_dim: int) -> int:
+    """(K, V) x tokens x kv heads x head dim x fp32, times the layers one block id spans."""
+    return layers_per_block * 2 * BLOCK_SIZE * kv_heads * head_dim * _FP32
+
+
+MODELS: dict[str, SimModel] = {
+    "llama": SimModel(
+        "llama", "2-layer Llama (full attention only: one KV-cache group)", TINY_LLAMA,
+        kv_bytes_per_block=_kv_bytes(2, 1, 64),
+    ),
+    "hybrid": SimModel(
+        "hybrid",
+        f"4-layer Gemma 3 text model: 3 sliding-window layers (window {SLIDING_WINDOW}) and 1 "
+        "full-attention layer; vLLM's hybrid KV-cache manager gives 4 KV-cache groups",
+        TINY_GEMMA3,
+        # One KV-cache tensor per layer slot shared by the groups: a block id is one layer's page.
+        kv_bytes_per_block=_kv_bytes(1, 1, 64),
+        pool_blocks_per_block=4,
+        engine_options={"disable_hybrid_kv_cache_manager": False},
+    ),
+}
+DEFAULT_MODEL = "llama"
+
+
+def sim_model(name: str) -> SimModel:
+    """The model called ``name``; ``ValueError`` (one line, the choices) for another name."""
+    try:
+        return MODELS[name]
+    except KeyError:
+        raise ValueError(f"unknown model {name!r} (choose from {', '.join(sorted(MODELS))})") from None
+
+
+def model_engine_kwargs(name: str, *, kv_blocks: int) -> dict[str, Any]:
+    """``LLM(...)`` arguments that model ``name`` needs: ``model`` (a fresh ``model_dir``), the KV
+    memory for ``kv_blocks`` preset blocks and its engine options (the caller's other options
+    come from ``vllm_sim.engine.engine_kwargs``)."""
+    model = sim_model(name)
+    return {"model": model_dir(name), "kv_cache_memory_bytes": model.kv_cache_memory_bytes(kv_blocks),
+            **model.engine_options}
+
+
+def model_dir(name: str = DEFAULT_MODEL, path: str | None = None) -> str:
+    """A model directory holding only the ``config.json`` of model ``name`` (weights:
+    ``load_format="dummy"``); one made here (no ``path``) is removed when this process exits."""
+    model = sim_model(name)
+    if path is None:
+        path = tempfile.mkdtemp(prefix=f"omni-cache-tiny-{model.name}-")
+        atexit.register(shutil.rmtree, path, True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(model.config, f)
+    return path
