@@ -11,6 +11,8 @@ idle requests.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -245,3 +247,38 @@ def test_layout_is_a_snapshot_of_the_view() -> None:
     table.fill_(7)
     computed[0] = 3
     assert layout.slots_cpu.tolist() == [4, 5, 6, 7, 8]
+
+
+# ---- the adapter: a new request without num_computed_tokens is a miss --------------------
+def test_a_new_request_without_num_computed_tokens_is_a_miss() -> None:
+    """Mutant: ``getattr(new_req, "num_computed_tokens", 0)`` -> default 1."""
+
+    bare = SimpleNamespace(req_id="r", block_ids=([3, 4],))  # no num_computed_tokens at all
+    output = SimpleNamespace(scheduled_new_reqs=[bare], scheduled_cached_reqs=None,
+                             num_scheduled_tokens={"r": 8}, finished_req_ids=set())
+    (event,) = PrefixCacheSchedulerAdapter().translate_scheduler_output(output)
+    assert (event.kind, event.hit_start, event.hit_end) == (PrefixCacheEventKind.STARTED, 0, 0)
+    assert event.group0_block_ids == (3, 4)
+
+
+# ---- the adapter forgets a preempted id when it ends -------------------------------------
+def _namespace_so(new=(), finished=(), scheduled=None, **extra):  # type: ignore[no-untyped-def]
+    return SimpleNamespace(scheduled_new_reqs=list(new), scheduled_cached_reqs=None,
+                           num_scheduled_tokens=dict(scheduled or {}), finished_req_ids=set(finished), **extra)
+
+
+def _namespace_new(req: str) -> SimpleNamespace:
+    return SimpleNamespace(req_id=req, num_computed_tokens=0, block_ids=([],))
+
+
+@pytest.mark.parametrize("how", ["finished", "aborted"])
+def test_a_preempted_request_that_ends_is_no_longer_preempted(how: str) -> None:
+    """Mutant: ``adapter:...translate_scheduler_output:del_call:7c1a06ae`` (the terminal
+    ``self._preempted.discard(req_id)`` deleted: the ended id stays "preempted" forever)."""
+    a = PrefixCacheSchedulerAdapter()
+    a.translate_step(_namespace_so(new=[_namespace_new("v"), _namespace_new("w")], scheduled={"v": 4, "w": 4}))
+    a.translate_step(_namespace_so(preempted_req_ids={"v", "w"}))
+    assert a.preempted_req_ids == {"v", "w"}
+    a.translate_step(_namespace_so(finished={"v"}) if how == "finished" else _namespace_so(aborted_req_ids={"v"}))
+    assert "v" not in a.live_req_ids
+    assert a.preempted_req_ids == {"w"}, "an ended request is still reported preempted (not live)"

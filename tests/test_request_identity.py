@@ -25,6 +25,7 @@ from omni_cache import (
     PrefixCacheStep,
 )
 from omni_cache.adapter import PrefixCacheRequestOwner as Owner
+from omni_cache.events import PrefixCacheRequestOwner
 
 K = PrefixCacheEventKind
 MODES = [True, False]
@@ -243,3 +244,24 @@ def test_adapter_replayed_step_yields_nothing_and_changes_nothing() -> None:
     replay = a.translate_step(first)
     assert (replay.events, replay.scheduled_tokens, replay.sequence) == ((), {}, 5)
     assert "r" not in a.live_req_ids
+
+
+@pytest.mark.parametrize("field", ["admission_id", "generation"])
+@pytest.mark.parametrize("bad", [-1, True, 1.0, "1", None])
+def test_a_malformed_owner_is_refused_where_it_is_built(field: str, bad: object) -> None:
+    """Mutant: ``events:PrefixCacheRequestOwner.__post_init__:del_raise:3a5afb80``. An owner's
+    fields order admissions (I12): a negative, bool, float, string or missing one is refused at
+    construction with its name, never compared later."""
+    kwargs: dict[str, object] = {"admission_id": 3, "generation": 0, field: bad}
+    with pytest.raises(ValueError, match=rf"PrefixCacheRequestOwner\.{field} must be an int >= 0, got {bad!r}"):
+        PrefixCacheRequestOwner(**kwargs)  # type: ignore[arg-type]
+    assert PrefixCacheRequestOwner(0, 0) < PrefixCacheRequestOwner(0, 1) < PrefixCacheRequestOwner(1, 0)
+
+
+# ---- I12: a first admission is generation 0 ----------------------------------------------
+def test_a_first_admission_is_older_than_its_first_replacement() -> None:
+    """Mutant: ``events:PrefixCacheRequestOwner:int_off:ee162ae5`` (``generation`` default 0 -> 1)."""
+    first = PrefixCacheRequestOwner(5)
+    replaced = PrefixCacheRequestOwner(5, 1)
+    assert first.generation == 0, "a first admission must start at generation 0"
+    assert first < replaced, "the first replacement of an admission must compare newer than it (I12)"

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omni_cache.verify import tlc_procs
+import omni_cache.verify.tlc_procs as tlc_procs
 from omni_cache.verify.tlc_batch import FAST_JVM_FLAGS, TLCPool, driver_classpath
 
 # TLC exit codes (tlc2.output.EC.ExitStatus).

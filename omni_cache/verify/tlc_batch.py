@@ -32,7 +32,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from omni_cache.verify import tlc_procs
+import omni_cache.verify.tlc_procs as tlc_procs
 
 # A driver JVM is replaced after this many runs: each run's class loader is unloaded only when
 # TLC's threads let go of it, so a long-lived JVM can run short of heap or metaspace (a full
