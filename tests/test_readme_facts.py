@@ -1,0 +1,31 @@
+"""The README's facts table says what this tree counts (tools/readme_facts.py).
+
+Tests collected, ``vllm`` tests, the mutation fast subset, TLC runs and pinned states, and the
+runtime Python lines of a decode step are computed here and compared with the README's marked
+table; a difference names the fact and the command that regenerates the table.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+
+import readme_facts  # noqa: E402  (tools/ is not a package)
+
+
+def test_the_readme_states_every_fact_once() -> None:
+    assert set(readme_facts.stated()) == {f.label for f in readme_facts.FACTS}
+
+
+def test_the_readme_facts_are_this_trees() -> None:
+    have, now = readme_facts.stated(), readme_facts.compute()
+    wrong = {k: (have.get(k), v) for k, v in now.items() if have.get(k) != v}
+    assert not wrong, f"README facts (stated, now): {wrong}; run: .venv/bin/python tools/readme_facts.py --write"
+
+
+def test_the_table_reads_back_what_it_writes() -> None:
+    values = {f.label: 1000 + i for i, f in enumerate(readme_facts.FACTS)}
+    assert readme_facts.stated("intro\n" + readme_facts.render(values) + "\nrest") == values
