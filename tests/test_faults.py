@@ -317,7 +317,7 @@ def test_a_save_that_fails_before_registering_changes_nothing(eager: bool, fault
     else:
         prepared.mm["mm.lock"] = [threading.Lock()]  # a leftover value that cannot be copied
         with pytest.raises(OmniPrefixCacheUnmatchError, match="cannot be copied faithfully") as info:
-            eng.save(prepared)  # refused before the claim (issue 11 item 6), chained to the copy's error
+            eng.save(prepared)  # refused before the claim, chained to the copy's error
         assert isinstance(info.value.__cause__, TypeError), repr(info.value.__cause__)
         del prepared.mm["mm.lock"]
     settle(m)  # async: step 0's pool write may still read its page; it lands and frees the page

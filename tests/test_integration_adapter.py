@@ -1,7 +1,6 @@
 """PrefixCacheSchedulerAdapter over fakes that mirror vLLM's SchedulerOutput.
 
-Checks the event translation rules of issue 7, in the reference's order since
-issue 10 (controls, new, resumed then other cached requests, terminal last;
+Checks the event translation rules, in the reference's order (controls, new, resumed then other cached requests, terminal last;
 STARTED / EXTENDED / RESUMED / FINISHED / ABORTED, never an inferred abort,
 re-STARTED after a terminal in the same step), that events and layouts are
 immutable snapshots (I4's input; I5's block ids are copied), and that the write
@@ -137,7 +136,7 @@ def test_older_resumed_from_preemption_flags_are_read() -> None:
 
 
 def test_cached_rows_shorter_than_their_ids_read_as_a_miss() -> None:
-    # Issue 10 item 5: the reference reads missing per-request entries as 0 / no blocks.
+    # The reference reads missing per-request entries as 0 / no blocks.
     short = _cached([("a", 1, None, 0), ("r", 8, ([4, 5],), 2)], resumed={"r"})
     short.num_computed_tokens = [1]
     short.new_block_ids = [None]
@@ -213,7 +212,7 @@ def test_layout_packs_rows_in_batch_order_with_view_slots() -> None:
     assert [(w.req_id, w.row_start, w.row_end, w.token_start, w.token_end) for w in layout.writes] == [
         ("b", 0, 3, 6, 9),
         ("a", 3, 6, 0, 3),
-        ("idle", 6, 6, 3, 3),  # a zero-row write: rows do not advance (issue 10 item 2)
+        ("idle", 6, 6, 3, 3),  # a zero-row write: rows do not advance
     ]
     assert layout.total_rows == 6
     # b: p6, p7 in its 2nd block (2) -> 10, 11; p8 in its 3rd block (6) -> 24; a: block 5 -> 20..22

@@ -1,4 +1,4 @@
-"""Regressions for issue 11 items 5-8: what the manager accepts at its door, and what it keeps.
+"""What the manager accepts at its door, and what it keeps: a refused call changes nothing.
 
 Each test was written first and seen failing on the code before its fix:
 

