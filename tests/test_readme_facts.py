@@ -7,6 +7,7 @@ table; a difference names the fact and the command that regenerates the table.
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -34,7 +35,6 @@ def test_the_table_reads_back_what_it_writes() -> None:
 def test_one_java_version_everywhere_and_the_jar_runs_on_it() -> None:
     """Every text a user reads names the Java that ``verify`` needs the same way, and that is true
     of the jar: its classes are no newer than Java 11's class-file version (55)."""
-    import re
     import zipfile
 
     from omni_cache.verify.tlc import JAVA_NEEDED, find_tla2tools
@@ -51,3 +51,10 @@ def test_one_java_version_everywhere_and_the_jar_runs_on_it() -> None:
     with zipfile.ZipFile(jar) as z:
         header = z.read("tlc2/TLC.class")[:8]
     assert header[:4] == b"\xca\xfe\xba\xbe" and int.from_bytes(header[6:8], "big") <= 55
+
+
+def test_the_module_map_is_the_modules_docstrings() -> None:
+    """docs/architecture.md's module map is what the modules' docstrings say (a new module gets its row)."""
+    assert readme_facts.stated_module_map() == readme_facts.module_map(), (
+        "docs/architecture.md's module map is stale; run: .venv/bin/python tools/readme_facts.py --write")
+    assert "| `manager.py` |" in readme_facts.module_map()

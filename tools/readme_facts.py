@@ -1,6 +1,7 @@
 """The README's countable facts, computed from this tree: print them, check them, or rewrite them.
 
-The README holds them in one marked table (between ``<!-- facts:begin -->`` and
+It also keeps docs/architecture.md's module map (between ``<!-- module-map:begin -->`` and
+``<!-- module-map:end -->``) equal to the modules' docstrings. The README holds the facts in one marked table (between ``<!-- facts:begin -->`` and
 ``<!-- facts:end -->``): tests collected, ``vllm``-marked tests, the mutation fast subset, TLC
 runs and pinned distinct states per tier, and runtime Python lines per decode step. Each row
 names the command that gives its number. ``tests/test_readme_facts.py`` runs ``--check``'s
@@ -30,6 +31,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 BEGIN, END = "<!-- facts:begin -->", "<!-- facts:end -->"
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+MAP_BEGIN, MAP_END = "<!-- module-map:begin -->", "<!-- module-map:end -->"
 
 
 _COLLECT = """
@@ -140,6 +143,29 @@ def stated(text: str | None = None) -> dict[str, int]:
     return out
 
 
+def module_map() -> str:
+    """docs/architecture.md's module map: each module's docstring's first paragraph, by package."""
+    import ast
+
+    groups: dict[str, list[str]] = {}
+    for path in sorted((ROOT / "omni_cache").rglob("*.py")):
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        first = " ".join(doc.split("\n\n")[0].split()).replace("|", "/")
+        named = sorted(set(re.findall(r"\bI1[0-3]\b|\bI[1-9]\b", doc)), key=lambda i: int(i[1:]))
+        package = ".".join(path.parent.relative_to(ROOT).parts)
+        groups.setdefault(package, []).append(f"| `{path.name}` | {first} | {', '.join(named) or '-'} |")
+    parts = [f"### `{package}`\n\n| module | what it owns | invariants it names |\n|---|---|---|\n" + "\n".join(rows)
+             for package, rows in groups.items()]
+    return f"{MAP_BEGIN}\n" + "\n\n".join(parts) + f"\n{MAP_END}"
+
+
+def stated_module_map() -> str:
+    match = re.search(re.escape(MAP_BEGIN) + r".*?" + re.escape(MAP_END), ARCHITECTURE.read_text(), re.S)
+    if not match:
+        raise ValueError(f"docs/architecture.md has no {MAP_BEGIN} ... {MAP_END} block")
+    return match.group(0)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     mode = parser.add_mutually_exclusive_group()
@@ -154,11 +180,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"README.md has no {BEGIN} ... {END} block", file=sys.stderr)
             return 2
         README.write_text(new)
-        print(f"wrote {len(values)} facts into README.md")
+        stated_module_map()  # the block must exist
+        arch = ARCHITECTURE.read_text()
+        ARCHITECTURE.write_text(re.sub(re.escape(MAP_BEGIN) + r".*?" + re.escape(MAP_END), lambda _m: module_map(),
+                                       arch, flags=re.S))
+        print(f"wrote {len(values)} facts into README.md and the module map into docs/architecture.md")
         return 0
     if args.check:
         have = stated()
         wrong = [f"{k}: README says {have.get(k)}, this tree has {v}" for k, v in values.items() if have.get(k) != v]
+        if stated_module_map() != module_map():
+            wrong.append("docs/architecture.md: the module map differs from the modules' docstrings")
         for line in wrong:
             print(line, file=sys.stderr)
         if wrong:

@@ -43,7 +43,7 @@ MAX_RUNS_PER_JVM = 24
 EXIT_TLC_ERROR = 255
 
 # Short TLC runs: C1 only (C2 compiles burn more CPU than a few-second run gains) and the
-# serial collector (no GC threads). Measured on the CI tier: see README, "Model checking".
+# serial collector (no GC threads); see docs/formal-verification.md.
 FAST_JVM_FLAGS = ("-XX:+UseSerialGC", "-XX:TieredStopAtLevel=1")
 
 _DRIVER = r"""

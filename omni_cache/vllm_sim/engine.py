@@ -42,7 +42,7 @@ __all__ = ["DEFAULT_TOLERANCE", "VllmSimConfig", "VllmSimResult", "VllmSimulatio
 
 BLOCK_SIZE = 32  # the CPU attention backend needs a multiple of 32
 KV_BLOCK_BYTES = 2 * 2 * BLOCK_SIZE * 1 * 64 * 4  # layers x (K, V) x tokens x kv heads x head dim x fp32
-DEFAULT_TOLERANCE = 1e-5  # check (b): max |diff| / max |row|, per row; see README "tolerance of check (b)"
+DEFAULT_TOLERANCE = 1e-5  # check (b): max |diff| / max |row|, per row; see docs/vllm-integration.md, "Tolerance of check (b)"
 WORKER_CLS = "omni_cache.integration.vllm_worker.OmniCPUWorker"
 
 TINY_LLAMA = {
