@@ -1,6 +1,6 @@
 """The adapter on vLLM's real scheduler data classes, shaped as Model Runner V2 emits them.
 
-Issue 15 item 4 (adapter side): vLLM 0.32's V2 scheduler re-delivers a resumed
+The adapter side: vLLM 0.32's V2 scheduler re-delivers a resumed
 request among ``scheduled_new_reqs`` and names preempted ids in
 ``SchedulerOutput.preempted_req_ids``; the adapter must emit RESUMED with the hit
 (so materialize returns the full prefix: 80 rows, not this step's 16), a step

@@ -1,7 +1,7 @@
 """tools/ast_mutants.py itself: operators, stable ids, the seeded sample, the run on a copy.
 
 Invariants touched: none of the runtime's; this guards the tool that measures how
-well the suite guards them (issue 11 item 10).
+well the suite guards them.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""Tests of the issue-13 bench machinery: the decode13 preset, the breakdown, the sweep, memory.
+"""Tests of the bench's workload machinery: the decode13 preset, the breakdown, the sweep, memory.
 
 Structure and correctness only -- never timings (CI machines are noisy): the
-preset is the issue's workload, the staggered workload is checked row by row
+preset is the decode-heavy workload, the staggered workload is checked row by row
 against the ground truth, the per-category breakdown restores everything it
 instrumented and its *call counts* per decode step do not grow with the number
 of requests (the bookkeeping is O(1) calls per step), the sweep covers its grid
@@ -109,7 +109,7 @@ def test_breakdown_restores_what_it_instruments_and_its_calls_do_not_grow_with_r
         # a decode step: one staging copy and one pool scatter per key, one clone per key
         assert by["copies"].calls_per_step == 6
         assert by["state machine"].calls_per_step == 8  # 4 staging + 4 write triggers
-    # O(1) timed calls per decode step: 8 requests make exactly as many as 2 (issue 13 item 3)
+    # O(1) timed calls per decode step: 8 requests make exactly as many as 2
     assert [r.calls_per_step for r in small.rows] == [r.calls_per_step for r in large.rows]
 
 

@@ -11,6 +11,7 @@ runs after the take) pushes a write to the front, as a finish on another thread 
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -76,3 +77,23 @@ def test_a_front_push_during_a_copy_passes_trace_validation() -> None:
     _, rec, _ = _run(threaded=False)
     verdict = check_writes_trace_tlc(rec)
     assert verdict.accepted, verdict.explain() + verdict.output
+
+
+# ---- I11: a queued write wakes a committer that waits for one ------------------------------
+def test_enqueue_wakes_a_committer_waiting_for_work() -> None:
+    """Mutant: ``writes:WriteBook.enqueue:negate_cond:6d8245e3`` (no notify while a thread waits: the
+    committer slept out its whole wait before it saw the write)."""
+    book = WriteBook(30.0)
+    write = book.register(WriteSchedule.JOIN_NEXT_STEP, 1, torch.arange(2), {"hidden": torch.zeros(2, 2)})
+    taken: list[object] = []
+    waiter = threading.Thread(target=lambda: taken.append(book.start_next(block=True, timeout_s=30.0)))
+    waiter.start()
+    for _ in range(500):  # until the committer is inside its wait
+        if book._num_waiting:
+            break
+        threading.Event().wait(0.01)
+    assert book._num_waiting == 1, "the committer never started waiting"
+    book.enqueue([write])
+    waiter.join(5.0)
+    assert not waiter.is_alive(), "enqueue did not wake the waiting committer (it sleeps out its 30 s wait)"
+    assert taken == [write] and write.state == "copying"

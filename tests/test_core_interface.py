@@ -68,7 +68,7 @@ def test_from_vllm_config_sizing_order() -> None:
     model = SimpleNamespace(max_model_len=2048)
     assert PrefixCacheConfig.from_vllm_config(num_blocks=8, block_size=16, model_config=model).staging_capacity_tokens == 2048
     assert PrefixCacheConfig.from_vllm_config(num_blocks=8, block_size=16).staging_capacity_tokens == 1024
-    zero = SimpleNamespace(max_num_batched_tokens=0)  # refused, never clamped to 1 (issue 11 item 8)
+    zero = SimpleNamespace(max_num_batched_tokens=0)  # refused, never clamped to 1
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         PrefixCacheConfig.from_vllm_config(num_blocks=8, block_size=16, scheduler_config=zero)
 

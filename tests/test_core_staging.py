@@ -8,11 +8,19 @@ import threading
 
 import pytest
 import torch
-from cache_helpers import wait_for_waiter
+from cache_helpers import BS, manager, save, started, wait_for_waiter
 
 import omni_cache
-from omni_cache import OmniPrefixCacheStagingTimeoutError, OmniPrefixCacheUnmatchError, TraceRecorder
-from omni_cache.errors import PHRASE_CAPACITY, PHRASE_NOT_SAVED, PHRASE_UNCONSUMED
+from omni_cache import (
+    OmniPrefixCacheStagingTimeoutError,
+    OmniPrefixCacheUnmatchError,
+    TraceRecorder,
+)
+from omni_cache.errors import (
+    PHRASE_CAPACITY,
+    PHRASE_NOT_SAVED,
+    PHRASE_UNCONSUMED,
+)
 from omni_cache.staging import StagingPool
 
 
@@ -125,3 +133,75 @@ def test_no_other_module_touches_the_page_storage() -> None:
         and any(isinstance(n, ast.Attribute) and n.attr in storage for n in ast.walk(fn))
     }
     assert users == {"__init__", "_page", "_head_view", "page_rows", "pages_rows", "page_bytes", "abort"}
+
+
+# ---- I3/I11: staging pages are read only through a slot in the right state, under the lock -
+def _claimed_and_saved() -> tuple[StagingPool, object, object]:
+    pool = StagingPool(3, 4, 0.05)
+    saved = pool.claim(2)
+    pool.claimed_pages(saved, {"k": torch.ones(2, 3)})["k"].copy_(torch.ones(2, 3))
+    pool.save(saved, 1, "engine.py:1")
+    return pool, pool.claim(2), saved
+
+
+@pytest.mark.parametrize("read", ["pages_rows", "page_rows"])
+def test_reading_a_page_through_a_claimed_or_free_slot_is_refused(read: str) -> None:
+    """Mutant: delete the ``_require`` state check of ``StagingPool.pages_rows`` (or ``page_rows``)."""
+    pool, claimed, saved = _claimed_and_saved()
+    calls = {
+        "pages_rows": lambda slot: pool.pages_rows(slot, ("k",), 0, 2)["k"],
+        "page_rows": lambda slot: pool.page_rows(slot, "k", 0, 2),
+    }
+    assert torch.equal(calls[read](saved), torch.ones(2, 3))
+    free = next(s for s in pool._slots if s.state == "free")
+    for slot in (claimed, free):
+        with pytest.raises(OmniPrefixCacheUnmatchError, match=r"allows it only in states \('saved', 'materialized'\)"):
+            calls[read](slot)
+
+
+# ---- I3: an aborted claim forgets the pages it created --------------------------------------
+def test_an_aborted_slot_does_not_drop_a_page_that_a_later_saved_step_holds() -> None:
+    """Mutant: delete ``slot.new_keys = []`` in ``StagingPool.abort``.
+
+    The slot would remember "a" from its first, aborted claim; its second abort would
+    then drop the page "a" that another slot's saved step created and still holds.
+    """
+    pool = StagingPool(2, 4, 0.05)
+    first = pool.claim(2)
+    pool.claimed_pages(first, {"a": torch.ones(2, 3)})
+    pool.abort(first)  # a refused save: its new page "a" is given back
+    assert "a" not in pool.page_bytes()
+    again, other = pool.claim(2), pool.claim(2)
+    assert again.index == first.index != other.index
+    pool.claimed_pages(other, {"a": torch.ones(2, 3)})["a"].copy_(torch.full((2, 3), 7.0))
+    pool.save(other, 1, "engine.py:1")
+    pool.claimed_pages(again, {"b": torch.ones(2, 5)})
+    pool.abort(again)  # drops only its own new page "b"
+    assert set(pool.page_bytes()) == {"a"}, pool.page_bytes()
+    assert torch.equal(pool.page_rows(other, "a", 0, 2), torch.full((2, 3), 7.0))
+
+
+# ---- I3: a refused save gives back only its own pages --------------------------------------
+def test_a_refused_save_on_a_reused_staging_slot_keeps_the_saved_steps_pages(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Mutant: ``staging:StagingPool.save:del_assign:7c518066`` (a saved slot kept the list of keys
+    whose pages its claim allocated, so a later refused save on that slot dropped those pages:
+    another saved step then read a page that no longer existed)."""
+    m = manager(staging_depth=2)
+    m.new_step_starts([started("A"), started("B")])
+    step_a, _ = save(m, [("A", [0], 0, BS)], mm_key="codes")  # slot 0: allocates the pages
+    step_b, rows_b = save(m, [("B", [1], 0, BS)], mm_key="codes")  # slot 1, left unconsumed
+    m.materialize(step_a, ["A"])  # slot 0 is free again
+    real = m.copies.copy_all
+
+    def refused(*args: object, **kwargs: object) -> object:
+        raise MemoryError("staging copy refused")
+
+    monkeypatch.setattr(m.copies, "copy_all", refused)
+    m.new_step_starts([started("C")])
+    with pytest.raises(MemoryError):
+        save(m, [("C", [2], 0, BS)], mm_key="codes")  # claims slot 0, fails, aborts
+    monkeypatch.setattr(m.copies, "copy_all", real)
+    out = m.materialize(step_b, ["B"])
+    assert torch.equal(out.hidden_states["B"], rows_b)
+    assert torch.equal(out.mm_outputs["codes"]["B"], -rows_b[:, :2])
+    m.shutdown()

@@ -2,13 +2,31 @@
 
 from __future__ import annotations
 
+import re
 import threading
 
 import pytest
 import torch
+from cache_helpers import (
+    MODES,
+    config,
+    save,
+    started,
+)
 
-from omni_cache import OmniPrefixCacheUnmatchError, PrefixBlockPool, WriteSchedule
-from omni_cache.writes import WriteBook
+from omni_cache import (
+    ModelCachePolicy,
+    OmniPrefixCacheStagingTimeoutError,
+    OmniPrefixCacheUnmatchError,
+    PrefixBlockPool,
+    PrefixCacheEventKind,
+    PrefixCacheRequestEvent,
+    WriteSchedule,
+)
+from omni_cache.faults import FaultHooks
+from omni_cache.manager import OmniPrefixCacheManager
+from omni_cache.staging import StagingPool
+from omni_cache.writes import PoolWrite, WriteBook
 
 
 def _write(book: WriteBook, n: int = 2):  # type: ignore[no-untyped-def]
@@ -75,3 +93,54 @@ def test_block_pool_rows_and_shapes() -> None:
     with pytest.raises(OmniPrefixCacheUnmatchError, match="no key"):
         pool.rows("audio", torch.tensor([0]))
     assert pool.keys() == ["hidden"]  # keys are never dropped
+
+
+# ---- I2: the timeout message's in-flight-writes list --------------------------------------
+def _book_with(n: int) -> WriteBook:
+    book = WriteBook(1.0)
+    for i in range(n):
+        book.register(WriteSchedule.JOIN_ON_FINISH, i + 1, torch.tensor([i]), {"k": torch.zeros(1, 2)})
+    return book
+
+
+def test_in_flight_list_says_none_when_no_write_is_live() -> None:
+    """Mutant: negate ``if not live`` in ``describe_in_flight`` (or drop its return)."""
+    assert _book_with(0).describe_in_flight() == "none"
+    pool = StagingPool(1, 4, 0.05, describe_in_flight=_book_with(0).describe_in_flight)
+    pool.save(pool.claim(1), 1, "engine.py:1")
+    with pytest.raises(OmniPrefixCacheStagingTimeoutError, match=r"in-flight writes: none\. Every step id"):
+        pool.claim(1)
+
+
+@pytest.mark.parametrize(("n", "listed", "more"), [(1, 1, None), (16, 16, None), (17, 16, 1), (40, 16, 24)])
+def test_in_flight_list_names_at_most_16_writes_then_counts_the_rest(n: int, listed: int, more: int | None) -> None:
+    """Mutants: the cap of 16 off by one, its comparison flipped, the "... N more" count wrong."""
+    text = _book_with(n).describe_in_flight()
+    assert text.count("write tid ") == listed, text
+    assert [int(t) for t in re.findall(r"write tid (\d+)", text)] == list(range(1, listed + 1))
+    if more is None:
+        assert "more" not in text
+    else:
+        assert text.endswith(f"; ... {more} more"), text
+
+
+# ---- a landed write keeps no rows --------------------------------------------------------
+@pytest.mark.parametrize("eager", MODES)
+def test_a_written_write_drops_its_rows(eager: bool) -> None:
+    """Mutants: delete ``write.host = None`` / ``write.source = {}`` after commit (rows kept per write)."""
+    seen: list[PoolWrite] = []
+
+    class Keep(FaultHooks):
+        def before_pool_write(self, write, key) -> None:  # type: ignore[no-untyped-def]
+            seen.append(write)
+
+    m = OmniPrefixCacheManager(config(), eager=eager, faults=Keep())
+    m.register_policy(ModelCachePolicy(deferred_keys=frozenset({"audio"})))
+    m.new_step_starts([started("a")])
+    step, _ = save(m, [("a", [0], 0, 4)], mm={"audio": torch.ones(4, 3)})
+    m.discard_step(step)
+    m.new_step_starts([PrefixCacheRequestEvent("a", PrefixCacheEventKind.FINISHED)])
+    m.shutdown()  # drains the queue
+    assert len({w.tid for w in seen}) == 2  # the immediate and the deferred write
+    for write in seen:
+        assert write.state == "written" and write.host is None and write.source == {}, write.describe()

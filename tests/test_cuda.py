@@ -10,7 +10,12 @@ import pytest
 import torch
 from cache_helpers import E, config, slots, started, truth
 
-from omni_cache import ModelCachePolicy, PrefixCacheRequestEvent, PrefixCacheWriteLayout
+from omni_cache import (
+    ModelCachePolicy,
+    PrefixCacheRequestEvent,
+    PrefixCacheWriteLayout,
+)
+from omni_cache.copier import CopyEngine
 from omni_cache.manager import OmniPrefixCacheManager
 
 pytestmark = [
@@ -66,3 +71,21 @@ def test_cuda_many_steps_with_a_late_builder() -> None:
     for step, r, want in pending:
         assert torch.equal(m.materialize(step, [r]).hidden_states[r], want)
     assert m.shutdown() == {}
+
+
+# ---- CUDA: the compute event is recorded on the compute stream --------------------------
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none here)")
+def test_the_compute_event_covers_work_queued_before_it() -> None:
+    """Mutant: ``copier:CopyEngine.record_compute_event:del_call:42299636`` (``event.record`` deleted).
+
+    An event never recorded reports complete at once; one recorded behind a long kernel
+    does not, so the copy stream waiting on it would not wait for the forward.
+    """
+    engine = CopyEngine(use_cuda=True, chunk_bytes=1 << 20)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of spinning on the compute stream
+    event = engine.record_compute_event()
+    assert not event.query(), "the compute event completed before the work queued ahead of it"
+    event.synchronize()
+    assert event.query()

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cache_helpers import wait_for_waiter
+from cache_helpers import MODES, manager, save, started, wait_for_waiter
 from reference_model import EMBEDS, Engine, check_outputs
 
 from omni_cache import (
@@ -49,7 +49,12 @@ from omni_cache import (
     PrefixCacheWrite,
     PrefixCacheWriteLayout,
 )
-from omni_cache.errors import PHRASE_NOT_SAVED, PHRASE_SLOT_MAPPING, PHRASE_UNCONSUMED, PHRASE_WRITE_FAILED
+from omni_cache.errors import (
+    PHRASE_NOT_SAVED,
+    PHRASE_SLOT_MAPPING,
+    PHRASE_UNCONSUMED,
+    PHRASE_WRITE_FAILED,
+)
 from omni_cache.faults import FaultHooks
 from omni_cache.manager import OmniPrefixCacheManager
 
@@ -315,7 +320,7 @@ def test_a_save_that_fails_before_registering_changes_nothing(eager: bool, fault
     else:
         prepared.mm["mm.lock"] = [threading.Lock()]  # a leftover value that cannot be copied
         with pytest.raises(OmniPrefixCacheUnmatchError, match="cannot be copied faithfully") as info:
-            eng.save(prepared)  # refused before the claim (issue 11 item 6), chained to the copy's error
+            eng.save(prepared)  # refused before the claim, chained to the copy's error
         assert isinstance(info.value.__cause__, TypeError), repr(info.value.__cause__)
         del prepared.mm["mm.lock"]
     settle(m)  # async: step 0's pool write may still read its page; it lands and frees the page
@@ -502,4 +507,43 @@ def test_rows_of_an_unannounced_request_still_land() -> None:
     assert m.stats()["deferred_open"] == 1
     m.new_step_starts([PrefixCacheRequestEvent("ghost", PrefixCacheEventKind.FINISHED)])
     assert m.stats()["deferred_open"] == 0 and m.stats()["writes_in_flight"] == 0
+    m.shutdown()
+
+
+# ---- I8: a save that fails after registering its writes ----------------------------------
+@pytest.mark.parametrize("keys", ["hidden", "hidden+audio", "audio"])
+@pytest.mark.parametrize("eager", MODES)
+def test_a_failure_after_registration_surfaces_as_itself_and_leaves_no_half_state(
+    eager: bool, keys: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Mutants: delete ``registered.append(imm)`` / ``registered.append(deferred)`` in ``save_outputs``,
+    or the ``book.fail`` of the writes after the first (hidden+audio: the deferred one stays live).
+
+    A failure after the writes are registered (planning the hit runs out of memory)
+    must raise that error (or one chained from it) and leave either the sticky
+    failure set, or nothing behind: no claimed page, no live write. ``audio`` is a
+    deferred key; "hidden" alone has only an immediate write, "audio" only a deferred one.
+    """
+    m = manager(eager)
+    m.register_policy(ModelCachePolicy(needs_full_hidden_states="hidden" in keys, deferred_keys=frozenset({"audio"})))
+    mm = (lambda n: {"audio": torch.ones(n, 3)}) if "audio" in keys else (lambda n: {})
+    m.new_step_starts([started("a")])
+    s1, _ = save(m, [("a", [0, 1], 0, 8)], mm=mm(8))
+    m.discard_step(s1)
+    m.new_step_starts([PrefixCacheRequestEvent("a", PrefixCacheEventKind.FINISHED),
+                       started("b", hit_end=8, blocks=[0, 1, 2])])
+
+    def out_of_memory(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise MemoryError("no memory for the planned read")
+
+    monkeypatch.setattr(m.tenancy, "plan", out_of_memory)
+    with pytest.raises(BaseException) as info:
+        save(m, [("b", [0, 1, 2], 8, 12)], mm=mm(4))
+    err = info.value
+    assert isinstance(err, MemoryError) or isinstance(err.__cause__, MemoryError), repr(err)
+    stats = m.stats()
+    clean = stats["staging"]["slots"]["claimed"] == 0 and stats["writes_in_flight"] == 0
+    assert stats["failed"] is not None or clean, stats
+    left = [w.describe() for w in m.book.live() if "b" in w.req_ids]
+    assert not left, f"the failed save left its registered writes live, not failed (I8): {left}"
     m.shutdown()

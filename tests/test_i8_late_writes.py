@@ -1,7 +1,7 @@
 """I8 after the failure: no copy starts, and every open write ends failed.
 
-Owns the regression tests of the late-write hole the TLA+ Writes model found
-(issue 12): once the manager has failed, a write queued afterwards (an enqueue
+Owns the regression tests of the late-write hole the TLA+ Writes model found:
+once the manager has failed, a write queued afterwards (an enqueue
 that raced with the committer's failure) must fail instead of being copied,
 and a deferred write still pending at the failure (its request never finishes:
 every later entry raises) must end failed instead of staying open for ever.

@@ -1,7 +1,6 @@
 """PrefixCacheSchedulerAdapter over fakes that mirror vLLM's SchedulerOutput.
 
-Checks the event translation rules of issue 7, in the reference's order since
-issue 10 (controls, new, resumed then other cached requests, terminal last;
+Checks the event translation rules, in the reference's order (controls, new, resumed then other cached requests, terminal last;
 STARTED / EXTENDED / RESUMED / FINISHED / ABORTED, never an inferred abort,
 re-STARTED after a terminal in the same step), that events and layouts are
 immutable snapshots (I4's input; I5's block ids are copied), and that the write
@@ -10,6 +9,8 @@ idle requests.
 """
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -135,7 +136,7 @@ def test_older_resumed_from_preemption_flags_are_read() -> None:
 
 
 def test_cached_rows_shorter_than_their_ids_read_as_a_miss() -> None:
-    # Issue 10 item 5: the reference reads missing per-request entries as 0 / no blocks.
+    # The reference reads missing per-request entries as 0 / no blocks.
     short = _cached([("a", 1, None, 0), ("r", 8, ([4, 5],), 2)], resumed={"r"})
     short.num_computed_tokens = [1]
     short.new_block_ids = [None]
@@ -211,7 +212,7 @@ def test_layout_packs_rows_in_batch_order_with_view_slots() -> None:
     assert [(w.req_id, w.row_start, w.row_end, w.token_start, w.token_end) for w in layout.writes] == [
         ("b", 0, 3, 6, 9),
         ("a", 3, 6, 0, 3),
-        ("idle", 6, 6, 3, 3),  # a zero-row write: rows do not advance (issue 10 item 2)
+        ("idle", 6, 6, 3, 3),  # a zero-row write: rows do not advance
     ]
     assert layout.total_rows == 6
     # b: p6, p7 in its 2nd block (2) -> 10, 11; p8 in its 3rd block (6) -> 24; a: block 5 -> 20..22
@@ -245,3 +246,38 @@ def test_layout_is_a_snapshot_of_the_view() -> None:
     table.fill_(7)
     computed[0] = 3
     assert layout.slots_cpu.tolist() == [4, 5, 6, 7, 8]
+
+
+# ---- the adapter: a new request without num_computed_tokens is a miss --------------------
+def test_a_new_request_without_num_computed_tokens_is_a_miss() -> None:
+    """Mutant: ``getattr(new_req, "num_computed_tokens", 0)`` -> default 1."""
+
+    bare = SimpleNamespace(req_id="r", block_ids=([3, 4],))  # no num_computed_tokens at all
+    output = SimpleNamespace(scheduled_new_reqs=[bare], scheduled_cached_reqs=None,
+                             num_scheduled_tokens={"r": 8}, finished_req_ids=set())
+    (event,) = PrefixCacheSchedulerAdapter().translate_scheduler_output(output)
+    assert (event.kind, event.hit_start, event.hit_end) == (PrefixCacheEventKind.STARTED, 0, 0)
+    assert event.group0_block_ids == (3, 4)
+
+
+# ---- the adapter forgets a preempted id when it ends -------------------------------------
+def _namespace_so(new=(), finished=(), scheduled=None, **extra):  # type: ignore[no-untyped-def]
+    return SimpleNamespace(scheduled_new_reqs=list(new), scheduled_cached_reqs=None,
+                           num_scheduled_tokens=dict(scheduled or {}), finished_req_ids=set(finished), **extra)
+
+
+def _namespace_new(req: str) -> SimpleNamespace:
+    return SimpleNamespace(req_id=req, num_computed_tokens=0, block_ids=([],))
+
+
+@pytest.mark.parametrize("how", ["finished", "aborted"])
+def test_a_preempted_request_that_ends_is_no_longer_preempted(how: str) -> None:
+    """Mutant: ``adapter:...translate_scheduler_output:del_call:7c1a06ae`` (the terminal
+    ``self._preempted.discard(req_id)`` deleted: the ended id stays "preempted" forever)."""
+    a = PrefixCacheSchedulerAdapter()
+    a.translate_step(_namespace_so(new=[_namespace_new("v"), _namespace_new("w")], scheduled={"v": 4, "w": 4}))
+    a.translate_step(_namespace_so(preempted_req_ids={"v", "w"}))
+    assert a.preempted_req_ids == {"v", "w"}
+    a.translate_step(_namespace_so(finished={"v"}) if how == "finished" else _namespace_so(aborted_req_ids={"v"}))
+    assert "v" not in a.live_req_ids
+    assert a.preempted_req_ids == {"w"}, "an ended request is still reported preempted (not live)"

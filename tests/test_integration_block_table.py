@@ -11,12 +11,14 @@ persistent batch (I4's input).
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 from fakes_vllm import InputBatch
 
+from omni_cache import PrefixCacheSchedulerAdapter, PrefixCacheWriteLayout
 from omni_cache.integration import BlockTableView
 
 
@@ -133,3 +135,23 @@ def test_empty_rows_inside_the_batch_are_refused() -> None:
 def test_numpy_and_list_inputs() -> None:
     view = BlockTableView(("a",), np.array([1], dtype=np.int32), [[2, 9]], block_size=2)
     assert view.slots_for_spans([("a", 1, 4)]).tolist() == [5, 18, 19]
+
+
+# ---- the adapter's view protocols ----------------------------------------------------------
+@pytest.mark.parametrize("present", ["req_ids", "slots_for_spans"])
+def test_a_view_with_half_of_the_block_table_protocol_is_refused_by_name(present: str) -> None:
+    """Mutant: ``adapter:_as_reference_view:boolop_swap:0b3f8f5a`` (either attribute was enough)."""
+    view = SimpleNamespace(**{present: ["A"] if present == "req_ids" else (lambda spans: torch.empty(0))},
+                           num_computed_tokens=[0])
+    with pytest.raises(TypeError, match=r"neither a reference group view .* nor a block-table view"):
+        PrefixCacheSchedulerAdapter().build_write_layout(view, num_scheduled_tokens={"A": 4})
+
+
+def test_a_step_layout_built_through_the_block_table_view_still_works() -> None:
+    """The refusal above is of half a protocol only: a whole block-table view is accepted."""
+    view = SimpleNamespace(
+        req_ids=["A"], num_computed_tokens=[0],
+        slots_for_spans=lambda spans: torch.arange(sum(e - s for _, s, e in spans), dtype=torch.int64),
+    )
+    layout = PrefixCacheSchedulerAdapter().build_write_layout(view, num_scheduled_tokens={"A": 3})
+    assert isinstance(layout, PrefixCacheWriteLayout) and layout.total_rows == 3

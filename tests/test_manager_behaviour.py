@@ -5,21 +5,38 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 
 import pytest
 import torch
-from cache_helpers import MODES, WIDTH, E, config, manager, save, settle, slots, started, truth
+from cache_helpers import (
+    MODES,
+    WIDTH,
+    E,
+    config,
+    finished,
+    manager,
+    save,
+    settle,
+    slots,
+    started,
+    truth,
+    wait_for_waiter,
+)
 
 from omni_cache import (
     HIDDEN_KEY,
     ModelCachePolicy,
     OmniPrefixCacheUnmatchError,
+    PrefixCacheEventKind,
     PrefixCacheRequestEvent,
     PrefixCacheStep,
     PrefixCacheWriteLayout,
 )
 from omni_cache.errors import PHRASE_SLOT_MAPPING
+from omni_cache.faults import FaultHooks
 from omni_cache.manager import OmniPrefixCacheManager
+from omni_cache.staging import StagingPool
 
 
 @pytest.mark.parametrize("eager", MODES)
@@ -320,3 +337,191 @@ def test_eager_drain_is_one_thread_at_a_time_in_queue_order() -> None:
     drainer.join(5)
     assert older.state == newer.state == "written"  # the drainer re-checked the queue
     assert torch.equal(pool.rows("k", slots_), torch.full((2, 2), 2.0))
+
+
+# ---- budget_flushes is an exact count -----------------------------------------------------
+@pytest.mark.parametrize("eager", MODES)
+def test_budget_flushes_counts_each_flush_exactly_once(eager: bool) -> None:
+    """Mutants: ``counters["budget_flushes"] += 1`` deleted or off by one; the budget loop's bounds.
+
+    The budget is exactly one step's deferred bytes: the first save fits, and
+    every later save pushes the total one write over, so exactly the oldest open
+    write is flushed per save.
+    """
+    per_step = 4 * 3 * 4  # 4 rows x 3 float32 columns
+    m = manager(eager, gpu_staging_bytes=per_step, staging_depth=8)
+    m.register_policy(ModelCachePolicy(deferred_keys=frozenset({"audio"})))
+    m.new_step_starts([started("a")])
+    ids = []
+    for i in range(5):
+        step, _ = save(m, [("a", range(5), 4 * i, 4 * i + 4)], mm={"audio": torch.full((4, 3), float(i + 1))})
+        ids.append(step)
+        stats = m.stats()
+        assert stats["budget_flushes"] == i, stats
+        assert stats["deferred_open"] == 1 and stats["deferred_bytes_on_device"] == per_step, stats
+    for step in ids:
+        m.discard_step(step)
+    m.shutdown()
+
+
+def test_one_byte_over_the_budget_flushes() -> None:
+    """Mutant: ``if over <= 0`` -> ``if over <= 1`` (a write one byte over the budget stays on device)."""
+    per_step = 4 * 3 * 4
+    m = manager(True, gpu_staging_bytes=2 * per_step - 1, staging_depth=8)
+    m.register_policy(ModelCachePolicy(deferred_keys=frozenset({"audio"})))
+    m.new_step_starts([started("a")])
+    step, _ = save(m, [("a", range(2), 0, 4)], mm={"audio": torch.ones(4, 3)})
+    assert m.stats()["budget_flushes"] == 0 and m.stats()["deferred_bytes_on_device"] == per_step
+    step2, _ = save(m, [("a", range(2), 4, 8)], mm={"audio": torch.ones(4, 3)})
+    stats = m.stats()
+    assert stats["budget_flushes"] == 1 and stats["deferred_bytes_on_device"] == per_step, stats
+    m.discard_step(step)
+    m.discard_step(step2)
+    m.shutdown()
+
+
+def test_no_budget_flush_while_under_budget() -> None:
+    m = manager(True, gpu_staging_bytes=10 * 4 * 3 * 4, staging_depth=8)
+    m.register_policy(ModelCachePolicy(deferred_keys=frozenset({"audio"})))
+    m.new_step_starts([started("a")])
+    for i in range(5):
+        step, _ = save(m, [("a", range(5), 4 * i, 4 * i + 4)], mm={"audio": torch.ones(4, 3)})
+        m.discard_step(step)
+    stats = m.stats()
+    assert stats["budget_flushes"] == 0 and stats["deferred_open"] == 5, stats
+    m.shutdown()
+
+
+# ---- stats() counters are exact -----------------------------------------------------------
+@pytest.mark.parametrize("eager", MODES)
+def test_stats_counters_count_each_event_once(eager: bool) -> None:
+    """Mutants: any counter increment deleted or off by one (saved, materialized, discarded, hits...)."""
+    m = manager(eager)
+    m.new_step_starts([started("a"), started("b")])
+    s1, _ = save(m, [("a", [0, 1], 0, 8)])
+    s2, _ = save(m, [("b", [2], 0, 4)])
+    m.materialize(s1, ["a"])
+    m.discard_step(s2)
+    m.new_step_starts([finished("a"), finished("b"), started("c", hit_end=8, blocks=[0, 1, 4]), started("d")])
+    s3, _ = save(m, [("c", [0, 1, 4], 8, 12), ("d", [5], 0, 4)])
+    m.materialize(s3, ["c", "d"])
+    stats = m.stats()
+    got = {k: stats[k] for k in ("saved", "materialized", "discarded", "hits", "hit_tokens", "misses", "budget_flushes")}
+    assert got == {"saved": 3, "materialized": 2, "discarded": 1, "hits": 1, "hit_tokens": 8, "misses": 3,
+                   "budget_flushes": 0}, got
+    assert stats["staging"]["claims"] == 3 and stats["live_requests"] == 2
+    m.shutdown()
+
+
+# ---- I2: an aborted claim wakes a waiting save --------------------------------------------
+def test_abort_wakes_a_save_waiting_for_a_page() -> None:
+    """Mutant: delete ``notify_all`` in ``StagingPool.abort`` (the waiter would sleep to its timeout)."""
+    pool = StagingPool(1, 4, 5.0)
+    slot = pool.claim(1)
+    got: list[object] = []
+    waiter = threading.Thread(target=lambda: got.append(pool.claim(1)))
+    waiter.start()
+    wait_for_waiter(pool, "the second claim waits for a page")  # the waiter is now in the condition wait
+    t0 = time.perf_counter()
+    pool.abort(slot)
+    waiter.join(4)
+    assert not waiter.is_alive() and got and time.perf_counter() - t0 < 2.0, "the waiter was not woken"
+    assert pool.slot_states() == ["claimed"] and pool.stats()["claim_waits"] == 1
+
+
+# ---- the on_blocking seam sees every blocking point of a save ------------------------------
+def test_on_blocking_sees_the_claim_and_the_wait_for_the_previous_write() -> None:
+    """Mutant: delete ``faults.on_blocking("save claims a staging slot")`` (an I11 check point lost)."""
+
+    class Seen(FaultHooks):
+        def __init__(self) -> None:
+            self.points: list[tuple[str, bool]] = []
+            self.m: OmniPrefixCacheManager | None = None
+
+        def on_blocking(self, what: str) -> None:
+            assert self.m is not None
+            self.points.append((what, self.m.state_lock_held_by_current_thread()))
+
+    seen = Seen()
+    m = OmniPrefixCacheManager(config(), eager=True, faults=seen)
+    seen.m = m
+    m.new_step_starts([started("a")])
+    step, _ = save(m, [("a", [0], 0, 4)])
+    assert ("save claims a staging slot", False) in seen.points
+    assert all(not held for _, held in seen.points), seen.points
+    m.discard_step(step)
+    m.shutdown()
+
+
+# ---- I9: shutdown closes the copy queue --------------------------------------------------
+@pytest.mark.parametrize("eager", MODES)
+def test_shutdown_closes_the_queue_so_a_blocking_pop_returns_at_once(eager: bool) -> None:
+    """Mutant: delete ``self.book.close()`` in ``Committer.stop`` (the committer would sleep out its poll)."""
+    m = manager(eager)
+    m.shutdown()
+    t0 = time.perf_counter()
+    assert m.book.start_next(block=True, timeout_s=5.0) is None
+    assert time.perf_counter() - t0 < 2.0, "the queue was not closed by shutdown"
+
+
+# ---- a hit of one block when a block is one token ------------------------------------------
+@pytest.mark.parametrize("eager", MODES)
+def test_a_one_token_hit_with_block_size_one_is_served(eager: bool) -> None:
+    """Mutant: ``if event.hit_end > 0`` -> ``> 1`` in ``_install_lookup`` (the hit dropped as a miss).
+
+    With ``block_size=1`` a hit of one token is aligned and real: b must be served a's
+    row at KV slot 5 before its own, and counted as one hit of one token.
+    """
+    m = OmniPrefixCacheManager(config(block_size=1), eager=eager)
+    m.new_step_starts([started("a")])
+    rows_a = torch.arange(16, dtype=torch.float32).reshape(2, 8) + 1
+    layout = PrefixCacheWriteLayout.packed([("a", 0, 2)], torch.tensor([5, 6]))
+    s1 = m.save_outputs(rows_a, {}, num_tokens_unpadded=2, num_tokens_padded=2, write_layout=layout)
+    m.discard_step(s1)
+    m.new_step_starts([PrefixCacheRequestEvent("a", PrefixCacheEventKind.FINISHED),
+                       started("b", hit_end=1, blocks=[5, 9])])
+    rows_b = torch.full((1, 8), -3.0)
+    layout = PrefixCacheWriteLayout.packed([("b", 1, 2)], torch.tensor([9]))
+    s2 = m.save_outputs(rows_b, {}, num_tokens_unpadded=1, num_tokens_padded=1, write_layout=layout)
+    out = m.materialize(s2, ["b"])
+    assert torch.equal(out.hidden_states["b"], torch.cat([rows_a[:1], rows_b])), out.hidden_states["b"]
+    stats = m.stats()
+    assert (stats["hits"], stats["hit_tokens"]) == (1, 1), stats
+    m.shutdown()
+
+
+# ---- I9: shutdown stops the committer once the queue is drained ---------------------------
+def test_shutdown_stops_the_committer_thread_after_draining() -> None:
+    """Mutant: ``copier:Committer._run:cmp_flip:419aef94`` (``queue_length() == 0`` -> ``!= 0``:
+    the closed committer spins on an empty queue forever and ``stop`` gives up after its timeout)."""
+    m = manager(False)
+    assert m.committer.alive
+    m.new_step_starts([started("a")])
+    step, rows = save(m, [("a", [0], 0, 4)])
+    m.discard_step(step)
+    t0 = time.monotonic()
+    m.shutdown()
+    assert not m.committer.alive, "the committer thread is still running after shutdown (I9)"
+    assert time.monotonic() - t0 < 5.0, "shutdown waited out the committer's stop timeout"
+    (key,) = m.pool.keys()
+    assert torch.equal(m.pool.rows(key, slots([0], 0, 4)), rows), "the queued write did not land"
+
+
+# ---- I5/I12: an ended request's untaken hit is dropped ------------------------------------
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "async"])
+def test_an_ended_requests_untaken_hit_is_never_served(eager: bool) -> None:
+    """Mutant: ``manager:OmniPrefixCacheManager.new_step_starts:del_call:a9b43551`` (the ``end``
+    op's ``self._hits.drop(req_id)`` deleted: the hit stays pending after FINISHED)."""
+    m = manager(eager)
+    try:
+        m.new_step_starts([started("x")])
+        step, _ = save(m, [("x", [0, 1], 0, 8)])
+        m.discard_step(step)
+        m.new_step_starts([started("a", 8, [0, 1], 4)])  # a hit of 8, never taken by a save
+        m.new_step_starts([PrefixCacheRequestEvent("a", PrefixCacheEventKind.FINISHED)])
+        # The id's next rows start afresh at 0: no hit of the ended request continues into them.
+        step, rows = save(m, [("a", [2], 0, 4)])
+        out = m.materialize(step, ["a"])
+        assert torch.equal(out.hidden_states["a"], rows), "an ended request's pending hit was served"
+    finally:
+        m.shutdown()

@@ -1,4 +1,4 @@
-"""Regressions for issue 11 items 5-8: what the manager accepts at its door, and what it keeps.
+"""What the manager accepts at its door, and what it keeps: a refused call changes nothing.
 
 Each test was written first and seen failing on the code before its fix:
 
@@ -26,17 +26,34 @@ from typing import Any, NamedTuple
 
 import pytest
 import torch
-from cache_helpers import BS, MODES, manager, save, settle, started, truth, wait_for_waiter
+from cache_helpers import (
+    BS,
+    MODES,
+    WIDTH,
+    config,
+    finished,
+    manager,
+    save,
+    settle,
+    started,
+    truth,
+    wait_for_waiter,
+)
 
 from omni_cache import (
     ModelCachePolicy,
+    OmniPrefixCacheStagingTimeoutError,
     OmniPrefixCacheUnmatchError,
     PrefixCacheConfig,
     PrefixCacheRequestEvent,
+    PrefixCacheWriteLayout,
 )
 from omni_cache.adapter import PrefixCacheEventKind as E
 from omni_cache.adapter import PrefixCacheWrite
+from omni_cache.block_pool import PrefixBlockPool
 from omni_cache.errors import PHRASE_NOT_SAVED
+from omni_cache.faults import FaultHooks
+from omni_cache.manager import OmniPrefixCacheManager
 from omni_cache.staging import StagingPool
 
 # ---- item 5: no autograd through the cache -----------------------------------------------
@@ -335,4 +352,141 @@ def test_I1_an_int_subclass_step_id_is_the_same_id(via: str) -> None:
     m.new_step_starts([started("b")])
     again, rows_b = save(m, [("b", [1], 0, 2)])  # depth 1: only a freed slot lets this save claim
     assert torch.equal(m.materialize(again, ["b"]).hidden_states["b"], rows_b)
+    m.shutdown()
+
+
+# ---- I3: abort refuses while a pool write holds the page ---------------------------------
+def test_abort_while_a_pool_write_holds_the_page_raises_and_changes_nothing() -> None:
+    """Mutant: delete the raise in ``StagingPool.abort`` (the page would be freed under a write)."""
+    pool = StagingPool(2, 4, 0.05)
+    slot = pool.claim(2)
+    pool.hold(slot)
+    with pytest.raises(OmniPrefixCacheUnmatchError, match=r"cannot abort staging slot 0 .*1 pool write\(s\) still read"):
+        pool.abort(slot)
+    assert pool.slot_states() == ["claimed", "free"] and slot.num_write_holds == 1 and slot.num_rows == 2
+    pool.unhold(slot)  # the write lands: the claimed page is still claimed, and now aborts cleanly
+    pool.abort(slot)
+    assert pool.slot_states() == ["free", "free"]
+
+
+# ---- I10/I11: a key's width/dtype is checked before the claim -----------------------------
+def _wrong_width_save(m, deferred: bool) -> None:  # type: ignore[no-untyped-def]
+    layout = PrefixCacheWriteLayout.packed([("z", 0, 4)], torch.arange(60, 64))
+    hidden = truth("z", range(4)) if deferred else truth("z", range(4), width=WIDTH + 2)
+    mm = {"audio": torch.ones(4, 5)} if deferred else {}
+    m.save_outputs(hidden, mm, num_tokens_unpadded=4, num_tokens_padded=4, write_layout=layout)
+
+
+@pytest.mark.parametrize("deferred", [False, True], ids=["immediate", "deferred"])
+@pytest.mark.parametrize("eager", MODES)
+def test_width_change_is_refused_before_the_claim_even_when_staging_is_full(eager: bool, deferred: bool) -> None:
+    """Mutant: delete the pre-claim ``check_sigs`` calls in ``save_outputs``.
+
+    With every page held by an unconsumed step, a save that brings a key with a new
+    width must be refused at once with the shape error -- not wait for a page and
+    time out (the claim comes after the check), and not fail the manager later.
+    """
+    m = manager(eager, staging_depth=2, staging_claim_timeout_s=1.5)
+    m.register_policy(ModelCachePolicy(deferred_keys=frozenset({"audio"})))
+    m.new_step_starts([started("x")])
+    s0, _ = save(m, [("x", [3], 0, 4)], mm={"audio": torch.ones(4, 3)})
+    m.discard_step(s0)
+    m.new_step_starts([finished("x"), started("a"), started("b"), started("z")])  # x's audio lands
+    settle(m)
+    s1, _ = save(m, [("a", [0], 0, 4)], mm={"audio": torch.ones(4, 3)})
+    s2, _ = save(m, [("b", [1], 0, 4)], mm={"audio": torch.ones(4, 3)})
+    claims = m.stats()["staging"]["claims"]
+    assert m.pool.has_key("audio") and m.staging.slot_states() == ["saved", "saved"]
+    t0 = time.perf_counter()
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="width and dtype never change") as info:
+        _wrong_width_save(m, deferred)
+    assert not isinstance(info.value, OmniPrefixCacheStagingTimeoutError)
+    assert time.perf_counter() - t0 < 1.0, "the shape check ran only after waiting for a page"
+    assert m.stats()["failed"] is None
+    assert m.stats()["staging"]["claims"] == claims  # nothing was claimed for the refused save
+    m.discard_step(s1)
+    s3, _ = save(m, [("z", [15], 0, 4)], mm={"audio": torch.ones(4, 3)})
+    assert s3 == s2 + 1  # the refused save burned no step id
+    m.discard_step(s2)
+    m.discard_step(s3)
+    assert m.stats()["failed"] is None
+    m.shutdown()
+
+
+class _HoldCopies(FaultHooks):
+    """Holds every device->host copy until released (the committer thread waits here)."""
+
+    def __init__(self) -> None:
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def before_device_to_host(self, write) -> None:  # type: ignore[no-untyped-def]
+        self.entered.set()
+        assert self.release.wait(10)
+
+
+def test_width_change_is_refused_by_the_staging_page_before_waiting_for_the_previous_write() -> None:
+    """Mutant: delete the pre-claim ``staging.check_sigs`` call (async: the pool has no tensor yet).
+
+    The first step's write is held in the committer, so only the staging page knows
+    hidden's width. A save with another width must be refused at once, not wait for
+    that write (and time out) or claim a page.
+    """
+    hold = _HoldCopies()
+    m = OmniPrefixCacheManager(config(staging_claim_timeout_s=1.5), eager=False, faults=hold)
+    try:
+        m.new_step_starts([started("a"), started("z")])
+        s1, _ = save(m, [("a", [0], 0, 4)])
+        assert hold.entered.wait(5) and not m.pool.has_key("hidden")
+        t0 = time.perf_counter()
+        with pytest.raises(OmniPrefixCacheUnmatchError, match="width and dtype never change"):
+            _wrong_width_save(m, deferred=False)
+        assert time.perf_counter() - t0 < 1.0, "the shape check ran only after waiting for the previous write"
+        assert m.stats()["staging"]["claims"] == 1
+        hold.release.set()
+        m.discard_step(s1)
+        s2, _ = save(m, [("z", [15], 0, 4)])
+        assert s2 == s1 + 1 and m.stats()["failed"] is None
+        m.discard_step(s2)
+    finally:
+        hold.release.set()
+        m.shutdown()
+
+
+# ---- slot range: the first and last legal KV slot, and one past each ----------------------
+def test_check_slots_accepts_exactly_zero_to_num_slots_minus_one() -> None:
+    """Mutants: ``low < 0`` -> ``low < -1`` / ``low < 1`` in ``PrefixBlockPool.check_slots``."""
+    pool = PrefixBlockPool(8)
+    pool.check_slots(torch.tensor([0, 7]))
+    pool.check_slots(torch.tensor([], dtype=torch.int64))
+    for bad in ([-1, 3], [3, 8]):
+        with pytest.raises(OmniPrefixCacheUnmatchError, match=r"KV slots out of range \[0, 8\)"):
+            pool.check_slots(torch.tensor(bad))
+
+
+@pytest.mark.parametrize("eager", MODES)
+def test_a_negative_slot_is_refused_at_save_and_changes_nothing(eager: bool) -> None:
+    m = manager(eager)
+    m.new_step_starts([started("a")])
+    layout = PrefixCacheWriteLayout.packed([("a", 0, 4)], torch.tensor([-1, 0, 1, 2]))
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="KV slots out of range"):
+        m.save_outputs(truth("a", range(4)), {}, num_tokens_unpadded=4, num_tokens_padded=4, write_layout=layout)
+    stats = m.stats()
+    assert stats["failed"] is None and stats["staging"]["claims"] == 0 and stats["writes_in_flight"] == 0
+    step, rows = save(m, [("a", [0], 0, 4)])
+    assert torch.equal(m.materialize(step, ["a"]).hidden_states["a"], rows)
+    m.shutdown()
+
+
+# ---- I5: hit block ids inside [0, num_blocks) ---------------------------------------------
+@pytest.mark.parametrize("blocks", [[31, 32], [-1, 0], [0, 32, 1]], ids=["past-end", "negative", "middle"])
+def test_a_hit_on_a_block_outside_the_pool_is_refused_and_changes_nothing(blocks: list[int]) -> None:
+    """Mutants: the "outside [0, num_blocks)" raise of ``validate_hit`` and its bounds (num_blocks 32)."""
+    m = manager(True)
+    before = m.stats()
+    with pytest.raises(OmniPrefixCacheUnmatchError, match=r"are outside \[0, 32\) \(I5\)"):
+        m.new_step_starts([started("a", hit_end=4 * len(blocks), blocks=blocks)])
+    after = m.stats()
+    assert (after["hits"], after["live_requests"]) == (before["hits"], before["live_requests"]) == (0, 0)
+    m.new_step_starts([started("a", hit_end=8, blocks=[0, 31])])  # the first and last block are fine
+    assert m.stats()["hits"] == 1
     m.shutdown()

@@ -1,4 +1,4 @@
-"""Regressions for the runtime holes of issue 11 (items 1-8), one test per invariant guarded.
+"""Regressions for runtime holes, one test per invariant guarded.
 
 Each test was written first and seen failing on the code before its fix (the
 commit that adds it names the break it was checked against):

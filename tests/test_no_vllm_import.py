@@ -3,7 +3,9 @@
 Scans every module's AST: an ``import vllm...`` / ``from vllm... import`` is
 allowed only inside a function body. Also checks that ``import omni_cache``
 (and the integration package) works in a fresh interpreter where any ``vllm``
-import would fail, and that the scanner itself flags a module-level import.
+import would fail, and that the scanner itself flags a module-level import. And no two modules
+import each other, directly or around a longer circle (a package's ``__init__`` only names its
+submodules' exports lazily, so its edges are left out).
 """
 
 from __future__ import annotations
@@ -79,3 +81,51 @@ def test_import_works_with_vllm_absent() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "PrefixCacheSchedulerAdapter"
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the omni_cache modules it imports anywhere (module scope or inside functions)."""
+    modules = {}
+    for path in PACKAGE_DIR.rglob("*.py"):
+        parts = ("omni_cache", *path.relative_to(PACKAGE_DIR).with_suffix("").parts)
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        if path.name == "__init__.py":
+            continue
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("omni_cache"):
+                deps.add(node.module)  # type: ignore[arg-type]
+                deps |= {f"{node.module}.{a.name}" for a in node.names}
+            elif isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names}
+        graph[name] = {d for d in deps if d in modules and d != name and modules[d].name != "__init__.py"}
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    found, state, stack = [], {}, []
+
+    def visit(node: str) -> None:
+        state[node] = "open"
+        stack.append(node)
+        for dep in sorted(graph.get(node, ())):
+            if state.get(dep) == "open":
+                found.append([*stack[stack.index(dep):], dep])
+            elif dep not in state:
+                visit(dep)
+        stack.pop()
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+    return found
+
+
+def test_no_two_modules_import_each_other() -> None:
+    graph = _import_graph()
+    assert "omni_cache.verify.trace_tlc" in graph["omni_cache.verify.tenancy_trace"]  # the scan sees imports
+    assert not _circles(graph), "import circles: " + "; ".join(" -> ".join(c) for c in _circles(graph))
+    assert _circles({"a": {"b"}, "b": {"a"}}) == [["a", "b", "a"]]  # and it would see one

@@ -1,5 +1,5 @@
 """The README stays true: its worked example runs and prints what it checked, .ci/run runs its
-test command, and every command it prints exists and parses (issue 14).
+test command, and every command it prints exists and parses.
 
 The command check reads whatever the README prints when it runs (nothing is listed here):
 every line of its shell blocks (indented or fenced, not ``python``) and every inline code span

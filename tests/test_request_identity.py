@@ -5,7 +5,7 @@ I12: a reused request id is a new admission -- the old admission's rows still la
 pending hit, a late terminal of the old owner never ends the new one, a delayed
 lookup is installed once. I13: a replayed step (same ``PrefixCacheStep.sequence``)
 changes nothing, in the manager and in the adapter. Plus the adapter's Model
-Runner V2 rule (issue 15 item 4): a preempted request re-delivered among the new
+Runner V2 rule: a preempted request re-delivered among the new
 requests is RESUMED with its hit and gets the full prefix.
 """
 
@@ -25,6 +25,7 @@ from omni_cache import (
     PrefixCacheStep,
 )
 from omni_cache.adapter import PrefixCacheRequestOwner as Owner
+from omni_cache.events import PrefixCacheRequestOwner
 
 K = PrefixCacheEventKind
 MODES = [True, False]
@@ -197,7 +198,7 @@ def test_adapter_preempted_request_back_among_new_ones_is_resumed_with_its_hit()
 
 
 def test_adapter_v2_resume_through_the_manager_serves_the_full_prefix() -> None:
-    """The issue-15 failure: 16 instead of 80 rows. Through the adapter and the manager it is 80."""
+    """The V2 resume failure: 16 instead of 80 rows. Through the adapter and the manager it is 80."""
     a, m = PrefixCacheSchedulerAdapter(), manager(staging_capacity_tokens=128, num_blocks=64)
     try:
         blocks = list(range(20, 40))
@@ -243,3 +244,24 @@ def test_adapter_replayed_step_yields_nothing_and_changes_nothing() -> None:
     replay = a.translate_step(first)
     assert (replay.events, replay.scheduled_tokens, replay.sequence) == ((), {}, 5)
     assert "r" not in a.live_req_ids
+
+
+@pytest.mark.parametrize("field", ["admission_id", "generation"])
+@pytest.mark.parametrize("bad", [-1, True, 1.0, "1", None])
+def test_a_malformed_owner_is_refused_where_it_is_built(field: str, bad: object) -> None:
+    """Mutant: ``events:PrefixCacheRequestOwner.__post_init__:del_raise:3a5afb80``. An owner's
+    fields order admissions (I12): a negative, bool, float, string or missing one is refused at
+    construction with its name, never compared later."""
+    kwargs: dict[str, object] = {"admission_id": 3, "generation": 0, field: bad}
+    with pytest.raises(ValueError, match=rf"PrefixCacheRequestOwner\.{field} must be an int >= 0, got {bad!r}"):
+        PrefixCacheRequestOwner(**kwargs)  # type: ignore[arg-type]
+    assert PrefixCacheRequestOwner(0, 0) < PrefixCacheRequestOwner(0, 1) < PrefixCacheRequestOwner(1, 0)
+
+
+# ---- I12: a first admission is generation 0 ----------------------------------------------
+def test_a_first_admission_is_older_than_its_first_replacement() -> None:
+    """Mutant: ``events:PrefixCacheRequestOwner:int_off:ee162ae5`` (``generation`` default 0 -> 1)."""
+    first = PrefixCacheRequestOwner(5)
+    replaced = PrefixCacheRequestOwner(5, 1)
+    assert first.generation == 0, "a first admission must start at generation 0"
+    assert first < replaced, "the first replacement of an admission must compare newer than it (I12)"

@@ -156,7 +156,7 @@ def test_cli_json_summary_and_steps_limit(capsys: pytest.CaptureFixture[str]) ->
         assert key in summary
     assert summary["staging"]["claim_wait_ms_p99"] >= summary["staging"]["claim_wait_ms_p50"] >= 0
     assert set(summary["bytes_cached"]["written"]) == {"hidden", "audio.codes", "audio.embeds"}
-    assert _cli(["--steps-limit", "5", "--json"]) == 3  # cut short: not OK (issue 14)
+    assert _cli(["--steps-limit", "5", "--json"]) == 3  # cut short: not OK
     limited = json.loads(capsys.readouterr().out)
     assert limited["steps"]["run"] == 5 and limited["steps"]["stopped_by_steps_limit"]
     assert not limited["complete"] and limited["ok"]

@@ -1,4 +1,4 @@
-"""Issue 13: a step's bookkeeping runs no Python per request, and the fast checks that make it so
+"""A step's bookkeeping runs no Python per request, and the fast checks that make it so
 refuse exactly what the per-write walks refuse.
 
 Deterministic, never timed: ``sys.settrace`` counts the Python lines the package runs for one
@@ -103,7 +103,7 @@ def _lines_of_one_step(n: int, *, new_hit: bool) -> Counter[tuple[str, str]]:
 
 @pytest.mark.parametrize("new_hit", [False, True], ids=["decode", "decode+new hit"])
 def test_a_decode_step_runs_the_same_python_lines_at_2_and_64_requests(new_hit: bool) -> None:
-    """Issue 13 item 3: per-step bookkeeping does not grow with the requests. A Python loop over
+    """Per-step bookkeeping does not grow with the requests. A Python loop over
     the step's requests anywhere in the package (validation, the scheduled counts, hits, the step
     context, the outputs) makes the 64-request step run more lines than the 2-request one."""
     small, large = _lines_of_one_step(2, new_hit=new_hit), _lines_of_one_step(64, new_hit=new_hit)

@@ -8,7 +8,7 @@ of V2 runs on a ``BlockTables`` shell (its device buffers need pinned memory,
 so only the attributes that method touches are set). The steps follow V2's
 runner: a preempted request comes back through ``scheduled_new_reqs`` with its
 prefix hit and ``overwrite=True`` blocks. The bridge must then serve the full
-prefix (the issue's "16 instead of 80" case), read slots from the CPU mirror,
+prefix (the "16 instead of 80 rows" case), read slots from the CPU mirror,
 refuse a mirror that drifted from the runner's block counts, and pass finished
 ids of a zero-token step through.
 """

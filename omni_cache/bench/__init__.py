@@ -2,7 +2,7 @@
 
 Owns nothing at run time; ``omni-cache bench`` (``omni_cache.cli.bench``) drives it.
 
-- ``workload``: the synthetic engine of issue 3 and its ground-truth checker
+- ``workload``: the synthetic engine and its ground-truth checker
   (``check_outputs`` catches I4 snapshot, I6 zero-served hit and I7 stale-tenant
   violations in what materialize returns).
 - ``floor``: the raw-copy floor (the same copies, no bookkeeping).
@@ -10,7 +10,7 @@ Owns nothing at run time; ``omni-cache bench`` (``omni_cache.cli.bench``) drives
 - ``machine``: the staging-slot machine's cost next to a dict-table baseline.
 - ``profiling``: cProfile and section timers of the manager's hot path.
 - ``report``: rich tables and the matplotlib plot.
-- ``preset``: named workloads with their targets (``decode13``: issue 13).
+- ``preset``: named workloads with their targets (``decode13``: the decode-heavy workload).
 - ``breakdown``: exclusive µs per decode step by category (validation, state
   machine, locks, staging slots, tenancy, write book, copies, output assembly).
 - ``sweep``: bookkeeping per decode step over requests x num_blocks, plotted.

@@ -1,4 +1,4 @@
-"""The state-machine cost benchmark (issue 2, "Performance"; DESIGN section 8).
+"""The state-machine cost benchmark (DESIGN section 8).
 
 Owns: ``run_machine_bench`` and the plain-Python baseline it compares against.
 Measured in one run, interleaved, median over repeats:

@@ -13,7 +13,7 @@ the ground truth at the end of its pass, so the checker's reads stay out of the 
   per request (``split_with_sizes``) and its ``{request: view}`` dict (what materialize returns
   for a decode step; request ids and sizes come from the layout's ``StepRows``, derived when the
   engine built the layout, as the manager's do); a step with a hit falls back to ``RawCopyFloor``'s per-request
-  ``index_select`` + ``cat``. Unlike ``RawCopyFloor`` (one clone per request and key, the issue's
+  ``index_select`` + ``cat``. Unlike ``RawCopyFloor`` (one clone per request and key, the bench's
   floor), its cost grows with the requests only as the manager's own outputs must.
 
 Per decode step the time of each is the **minimum over the passes** (a load burst only ever

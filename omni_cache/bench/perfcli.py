@@ -1,4 +1,4 @@
-"""The issue-13 options of ``omni-cache bench``: ``--preset``, ``--sweep``, ``--memory``, ``--breakdown``.
+"""The workload options of ``omni-cache bench``: ``--preset``, ``--sweep``, ``--memory``, ``--breakdown``.
 
 Owns: their argument definitions (``add_arguments``) and their runs
 (``run_extra``, called by ``omni_cache.cli.bench.run`` before the default
@@ -6,10 +6,10 @@ engine bench; it returns None when none of these options was given). Kept out
 of ``cli/bench.py`` so that module stays the default bench's. Upholds nothing;
 every run it starts checks the ground truth (runner).
 
-  --preset decode13   the issue-13 workload: ratios at 8 and 32 requests and at 8
+  --preset decode13   the decode-heavy workload: ratios at 8 and 32 requests and at 8
                       without hits against their targets (0.6 / 0.8 / 0.6)
   --sweep [FILE.png]  bookkeeping per decode step over requests 1/8/32/128 and
-                      num_blocks 1k/4k/16k, plotted
+                      num_blocks 1k/4k/16k; plotted into FILE.png only when given
   --memory            pool + staging + tenancy bytes vs the formula vs peak RSS
   --profile           (existing flag) also prints the per-category breakdown of a
                       decode step at each batch size (8 and 32 by default)

@@ -5,7 +5,7 @@ steps: events, write layouts and the forward's outputs, plus the ground-truth
 rows of every request) and ``check_outputs``, the ground-truth checker every
 materialized step goes through.
 
-The workload (issue 3, "Performance"): hidden width 2048 bf16 plus one
+The workload: hidden width 2048 bf16 plus one
 per-token mm key of width 512, block size 16, 4096 blocks, prompts of 512
 tokens. The first half of the requests (misses) prefill in step 0; the second
 half start in step 1 with a prefix hit of 256 tokens on the blocks of an
@@ -59,7 +59,7 @@ class WorkloadSpec:
     hit_tokens: int = 256
     decode_steps: int = 200
     seed: int = 0
-    # The issue-13 shape: one prefill step per request, in order; request i (odd i) hits
+    # The decode13 shape: one prefill step per request, in order; request i (odd i) hits
     # ``hit_tokens`` of request i-1's blocks. False: all misses prefill in step 0, all hits in step 1.
     staggered: bool = False
 

@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from omni_cache.verify import tlc_procs
+import omni_cache.verify.tlc_procs as tlc_procs
 from omni_cache.verify.tlc import (
     EXIT_INVARIANT,
     EXIT_PARSE,

@@ -35,7 +35,9 @@ from pathlib import Path
 
 from omni_cache.trace import TraceEvent, TraceRecorder
 from omni_cache.verify.tlc import default_tla_dir
-from omni_cache.verify.traces import TraceCheck, _run_trace_spec, _tla_string, trace_cfg
+from omni_cache.verify.trace_tlc import TraceCheck, trace_cfg
+from omni_cache.verify.trace_tlc import run_trace_spec as _run_trace_spec
+from omni_cache.verify.trace_tlc import tla_string as _tla_string
 
 MACHINE = "tenancy"
 RAISED = -1

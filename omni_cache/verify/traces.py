@@ -16,23 +16,17 @@ I2 along the trace (no more live step ids than staging slots).
 
 from __future__ import annotations
 
-import json
 import re
-import shutil
-import tempfile
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 from omni_cache.states import ALL_TABLES, STAGING_TABLE, WRITE_TABLE, StateTable
 from omni_cache.trace import TraceEvent, TraceRecorder
-from omni_cache.verify.tlc import (
-    EXIT_DEADLOCK,
-    EXIT_OK,
-    default_tla_dir,
-    parse_tlc_output,
-    run_tlc,
-)
+from omni_cache.verify.tenancy_trace import check_tenancy_trace_tlc, has_tenancy_notes
+from omni_cache.verify.tlc import default_tla_dir
+from omni_cache.verify.trace_tlc import TraceCheck, trace_cfg
+from omni_cache.verify.trace_tlc import run_trace_spec as _run_trace_spec
+from omni_cache.verify.trace_tlc import tla_string as _tla_string
 
 _TABLES = {t.name: t for t in ALL_TABLES}
 
@@ -113,12 +107,7 @@ def _check_step_id(
 
 # ---- TLC trace check ----------------------------------------------------------
 _NO_STEP = -1
-_L_RE = re.compile(r"^/\\ l = (\d+)$", re.M)
 _SLOT_RE = re.compile(r"(\d+)$")
-
-
-def _tla_string(text: str) -> str:
-    return json.dumps(text)  # a JSON string of ASCII text is a TLA+ string literal
 
 
 def _slot_index(obj: str) -> int:
@@ -164,15 +153,6 @@ def staging_trace_constants(events: Sequence[TraceEvent]) -> dict[str, int]:
     claims = sum(1 for e in events if e.trigger == "claim" and e.kind == "fire")
     rejects = sum(1 for e in events if e.trigger == "reject")
     return {"Depth": depth, "MaxSaves": claims + 1, "MaxBad": rejects}
-
-
-def trace_cfg(constants: dict[str, int], invariants: str, properties: str = "",
-              substitutions: tuple[str, ...] = ()) -> str:
-    """A trace spec's TLC cfg: its constants (and ``name <- def`` substitutions), the real invariants
-    and action properties checked along the trace."""
-    lines = [f"    {k} = {v}" for k, v in constants.items()] + [f"    {sub}" for sub in substitutions]
-    text = "CONSTANTS\n" + "\n".join(lines) + f"\nSPECIFICATION TraceSpec\nINVARIANTS {invariants}\n"
-    return text + (f"PROPERTIES {properties}\n" if properties else "")
 
 
 def _staging_cfg(constants: dict[str, int]) -> str:
@@ -249,47 +229,6 @@ def _writes_cfg(constants: dict[str, int]) -> str:
                      ("ReqOf <- TraceReqOf", "Orders <- TraceOrders"))
 
 
-@dataclass(frozen=True)
-class TraceCheck:
-    """TLC's verdict on a trace: accepted, or where it got stuck."""
-
-    accepted: bool
-    exit_code: int
-    result: str
-    num_events: int
-    stuck_at: int | None
-    output: str
-
-    def explain(self) -> str:
-        if self.accepted:
-            return f"TLC accepted the trace ({self.num_events} events)"
-        where = f" at event #{self.stuck_at}" if self.stuck_at is not None else ""
-        return f"TLC rejected the trace{where}: {self.result} (exit {self.exit_code})"
-
-
-def _run_trace_spec(
-    folder: Path, modules: tuple[str, ...], spec: str, data: str, cfg: str, num_events: int, timeout_s: float
-) -> TraceCheck:
-    with tempfile.TemporaryDirectory(prefix="omni-trace-") as tmp:
-        work = Path(tmp)
-        for module in modules:
-            shutil.copy(folder / module, work / module)
-        (work / f"{spec}Data.tla").write_text(data)
-        (work / f"{spec}.cfg").write_text(cfg)
-        run = run_tlc(work / f"{spec}.tla", work / f"{spec}.cfg", workdir=work / "tlc", timeout_s=timeout_s)
-    outcome = parse_tlc_output(run.output, run.exit_code, cfg)
-    stuck = None
-    if run.exit_code in (EXIT_DEADLOCK, 12, 13):
-        ls = _L_RE.findall(run.output)
-        if ls:  # l: the 1-based next event; a deadlock is stuck at it, an invariant broke at l - 1
-            stuck = int(ls[-1]) - 1 - (0 if run.exit_code == EXIT_DEADLOCK else 1)
-    return TraceCheck(
-        accepted=run.exit_code == EXIT_OK and outcome.result == "ok",
-        exit_code=run.exit_code, result=outcome.result, num_events=num_events,
-        stuck_at=stuck, output=run.output[-4000:],
-    )
-
-
 def check_trace_tlc(
     events: TraceRecorder | Iterable[TraceEvent],
     *,
@@ -342,8 +281,6 @@ def validate_trace(
     events = _events(trace)
     final = replay(events)
     if tlc:
-        from omni_cache.verify.tenancy_trace import check_tenancy_trace_tlc, has_tenancy_notes
-
         checks = [check_trace_tlc, check_writes_trace_tlc]
         if has_tenancy_notes(events):
             checks.append(check_tenancy_trace_tlc)

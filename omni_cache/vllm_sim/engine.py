@@ -47,7 +47,7 @@ from omni_cache.vllm_sim.workload import PRESETS, PlannedRequest, plan_requests
 __all__ = ["DEFAULT_TOLERANCE", "TINY_LLAMA", "VllmSimConfig", "VllmSimResult", "VllmSimulation", "tiny_llama_dir"]
 
 KV_BLOCK_BYTES = MODELS["llama"].kv_bytes_per_block
-DEFAULT_TOLERANCE = 1e-5  # check (b): max |diff| / max |row|, per row; see README "tolerance of check (b)"
+DEFAULT_TOLERANCE = 1e-5  # check (b): max |diff| / max |row|, per row; see docs/vllm-integration.md, "Tolerance of check (b)"
 WORKER_CLS = "omni_cache.integration.vllm_worker.OmniCPUWorker"
 
 def tiny_llama_dir(path: str | None = None) -> str:
