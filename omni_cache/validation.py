@@ -107,7 +107,10 @@ def check_held_sigs(
 
 
 def check_slot_mapping(slots: Any, n: int) -> torch.Tensor:
-    """``slots`` is a 1-D int64 CPU tensor of at least ``n`` KV slots; return its first ``n``."""
+    """``slots`` is a 1-D int64 CPU tensor of at least ``n`` KV slots; return a private copy of
+    its first ``n``: the save's writes read them until they land, so a later write into the
+    caller's tensor (the layout's ``slots_cpu``) never moves them (I4; one clone of ``n`` int64,
+    docs/performance-notes.md)."""
     problem = None
     if not isinstance(slots, torch.Tensor):
         problem = "is missing" if slots is None else f"is a {type(slots).__name__}, not a tensor"
@@ -126,7 +129,7 @@ def check_slot_mapping(slots: Any, n: int) -> torch.Tensor:
             f"save_outputs: the {PHRASE_SLOT_MAPPING} the step's {n} rows only as a 1-D integer CPU "
             f"tensor of at least {n} KV slots; slots_cpu {problem}"
         )
-    return slots if shape[0] == n else slots[:n]
+    return slots.clone() if shape[0] == n else slots[:n].clone()
 
 
 def validate_save(

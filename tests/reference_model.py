@@ -180,6 +180,7 @@ class Span:
     out_end: int
     start: int = 0  # this step's first position (out_start < start: a prefix hit is served)
     resumed: bool = False
+    hit_blocks: tuple[int, ...] = ()  # the blocks of the hit this step serves (its planned read)
 
 
 @dataclass
@@ -194,6 +195,9 @@ class StepExpect:
     where: str = ""
     keys: tuple[str, ...] = PER_TOKEN_KEYS  # the per-token mm keys this step carried
     stale_absent: frozenset[str] = frozenset()  # not_readable hits an older tenant's rows would have "served"
+    # (KV slot, key) pins of this step's planned hit reads: while it is unconsumed the manager may
+    # keep at most one preserved row per pin (I7's bound), however many tenants rewrite the slots.
+    pinned_rows: int = 0
 
     def must_raise(self, req_ids: Sequence[str]) -> bool:
         return any(r in self.not_readable for r in req_ids)
@@ -583,7 +587,9 @@ class Engine:
         tenant_keys = frozenset(p.keys) | ({HIDDEN_KEY} if self.policy.needs_full_hidden_states else set())
         for q, s, n, event in p.sched:
             hit = event.kind in (E.STARTED, E.RESUMED) and event.hit_end > 0
-            exp.spans[q.rid] = Span(q, 0 if hit else s, s + n, s, event.kind == E.RESUMED)
+            hit_blocks = tuple(event.group0_block_ids[: event.hit_end // self.bs]) if hit else ()
+            exp.spans[q.rid] = Span(q, 0 if hit else s, s + n, s, event.kind == E.RESUMED, hit_blocks)
+            exp.pinned_rows += len(hit_blocks) * self.bs * len(tenant_keys)
             q.computed = s + n
             q.progress = max(q.progress, q.computed)
             for pos in range(s, s + n):
@@ -624,6 +630,30 @@ class Engine:
         exp = self.step([], forced=[(q, self.bs, n, event)])
         self.end(rid, aborted=True)
         return exp
+
+    # ---- new tenants of chosen blocks (I7's bound on preserved rows) ----------
+    def rewrite_blocks(self, blocks: Sequence[int]) -> tuple[str, StepExpect | None] | None:
+        """A new request takes exactly ``blocks`` (all free: their cached hashes are evicted) and one
+        step computes every position of them: a new tenant of each of their KV slots. Returns the
+        request id and the step's expectation; None when a block is still held."""
+        if any(self.alloc.ref[b] for b in blocks):
+            return None
+        n = len(blocks) * self.bs
+        rid = self.add_request(0, 0, [(7 * self.n_reqs + k) % 5 for k in range(n)], 0)
+        q = self.reqs[rid]
+        for b in blocks:
+            self.alloc.take(b)
+        q.blocks = list(blocks)
+        q.started, q.state, q.computed = True, "running", 0
+        for k, b in enumerate(blocks):  # their new hashes, as a normal step publishes them
+            self.alloc.publish(b, q.hashes[(k + 1) * self.bs - 1])
+        event = PrefixCacheRequestEvent(rid, E.STARTED, 0, 0, (tuple(blocks),), n, owner=q.owner)
+        return rid, self.step([], forced=[(q, 0, n, event)])
+
+    def holders(self, blocks: Sequence[int]) -> list[str]:
+        """The live requests whose block tables hold any of ``blocks``."""
+        wanted = set(blocks)
+        return [r for r, q in self.active.items() if wanted & set(q.blocks)]
 
     def end_all(self) -> None:
         """Terminate every request and tell the manager (the end of a run)."""

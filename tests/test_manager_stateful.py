@@ -22,7 +22,13 @@ scheduler steps (same sequence: nothing changes, I13), materialize of any pendin
 discard), a hit the cache cannot serve (I6), and misuse: double consume and
 unknown ids (I1), requests outside the snapshot (I4), unaligned or blockless
 hits (I5), an oversized step (I10), a save with staging full (I2). Each misuse
-raises the documented phrase and later steps still verify. Teardown ends every
+raises the documented phrase and later steps still verify. Two rules drive rare
+states on purpose: new tenants rewrite the blocks of an unconsumed step's planned
+hit (after every rule the manager keeps at most one preserved row per planned
+(KV slot, key) pin, I7's bound), and, with a committer thread, ``shutdown`` while a
+save waits for a staging page (the save is refused, nothing is left queued,
+contract 4.6; the run goes on with a fresh manager, an old step id is another
+manager's: "already consumed or never saved"). Teardown ends every
 request, consumes every step, shuts down, and checks: nothing unconsumed, all
 staging slots free (I2/I3), no write left in flight (I9), and the recorded
 transition trace passes ``omni_cache.verify.traces.validate_trace`` (legal edges
@@ -57,6 +63,7 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
+from manager_rare_rules import RareStateRules
 from reference_model import CODES, EMBEDS, E, Engine, StepExpect, check_outputs, prefix_hashes, truth_rows
 from thread_helpers import Builder, HoldStep, SlowCommitter, expect_error
 
@@ -115,7 +122,7 @@ SETUP = dict(hidden=st.booleans(), defer=st.sampled_from([(), (EMBEDS,), (EMBEDS
              arrivals=st.lists(ARRIVAL, min_size=1, max_size=4), mru=st.booleans(), slow=st.booleans())
 
 
-class ManagerMachine(RuleBasedStateMachine):
+class ManagerMachine(RareStateRules, RuleBasedStateMachine):
     MODE = "eager"
     ADAPTER = False  # steps reach the manager through the adapter (tests/test_adapter_stateful.py)
     CHECK_WITH_TLC = False  # the Python replay always runs; TLC only in TestManagerTracesWithTLC
@@ -129,6 +136,9 @@ class ManagerMachine(RuleBasedStateMachine):
         self.m: OmniPrefixCacheManager | None = None
         self.builder = Builder(self.MODE == "threaded")
         self.cfg: PrefixCacheConfig | None = None
+        # step id -> its pinned rows, for steps handed to the builder and not yet read (the builder
+        # thread pops them once materialize/discard returned, i.e. after their plans were dropped).
+        self.reading: dict[int, int] = {}
 
     @initialize(**SETUP)
     def setup(self, hidden: bool, defer: tuple[str, ...], pass_hidden: bool, depth: int, budget: int,
@@ -137,16 +147,22 @@ class ManagerMachine(RuleBasedStateMachine):
         self.cfg = PrefixCacheConfig(num_blocks=num_blocks, block_size=BS, staging_depth=depth,
                                      staging_capacity_tokens=CAPACITY, gpu_staging_bytes=budget,
                                      staging_claim_timeout_s=0.05 if eager else 10.0)
+        self.policy = ModelCachePolicy(needs_full_hidden_states=hidden, deferred_keys=frozenset(defer))
+        self._start(pass_hidden=pass_hidden, mru=mru, slow=slow)
+        for arrival in arrivals:
+            self.engine.add_request(*arrival)
+        self.n_bad = 0
+        self.ok = True
+
+    def _start(self, *, pass_hidden: bool, mru: bool, slow: bool) -> None:
+        """A manager (and the engine around it) with this run's configuration and policy."""
+        eager = self.MODE == "eager"
+        self.started_with = dict(pass_hidden=pass_hidden, mru=mru, slow=slow)
         self.recorder = TraceRecorder()
         self.m = OmniPrefixCacheManager(self.cfg, eager=eager, recorder=self.recorder,
                                         faults=SlowCommitter() if slow and not eager else None)
-        policy = ModelCachePolicy(needs_full_hidden_states=hidden, deferred_keys=frozenset(defer))
-        self.engine = Engine(self.m, self.cfg, policy, pass_hidden_when_opted_out=pass_hidden, mru=mru)
-        for arrival in arrivals:
-            self.engine.add_request(*arrival)
+        self.engine = Engine(self.m, self.cfg, self.policy, pass_hidden_when_opted_out=pass_hidden, mru=mru)
         self.expect: dict[int, StepExpect] = {}  # saved, not yet handed to the builder
-        self.n_bad = 0
-        self.ok = True
 
     # ---- guard: teardown verifies only if every rule so far passed ----------
     def _rule(self, fn: Callable[[], object]) -> object:
@@ -250,9 +266,24 @@ class ManagerMachine(RuleBasedStateMachine):
         return self._saved(self._rule(lambda: self.engine.diverged_step(n)))
 
     # ---- the consumer (materialize or discard; any order) ---------------------
+    def _stale(self, step_id: int, via: str) -> bool:
+        """A step id saved by a manager that was shut down since: this manager never issued it."""
+        if step_id in self.expect:
+            return False
+        self._misuse_step_id(step_id, via)
+        return True
+
+    def _reading(self, exp: StepExpect) -> Callable[[], None]:
+        """Count ``exp``'s pins until the builder has consumed it; return the callback that ends it."""
+        self.reading[exp.step_id] = exp.pinned_rows
+        return lambda: self.reading.pop(exp.step_id, None)  # type: ignore[func-returns-value]
+
     @rule(target=consumed, step_id=consumes(pending), data=st.data())
     def materialize(self, step_id: int, data: st.DataObject) -> int:
+        if self._stale(step_id, "materialize"):
+            return step_id
         exp = self.expect.pop(step_id)
+        done = self._reading(exp)
         rids = sorted(exp.spans)
         subset = data.draw(st.lists(st.sampled_from(rids), unique=True, max_size=len(rids)) if rids else st.just([]))
         m = self.m
@@ -261,20 +292,32 @@ class ManagerMachine(RuleBasedStateMachine):
             event("materialize: serves a hit" + (" with preserved rows" if m.stats()["preserved_rows"] else ""))
 
         def task() -> None:
-            if exp.must_raise(subset):
-                expect_error(PHRASE_NOT_READABLE, lambda: m.materialize(step_id, subset))
-            else:
-                check_outputs(exp, subset, m.materialize(step_id, subset))
+            try:
+                if exp.must_raise(subset):
+                    expect_error(PHRASE_NOT_READABLE, lambda: m.materialize(step_id, subset))
+                else:
+                    check_outputs(exp, subset, m.materialize(step_id, subset))
+            finally:
+                done()
 
         self._rule(lambda: self.builder.submit(task))
         return step_id
 
     @rule(target=consumed, step_id=consumes(pending))
     def discard(self, step_id: int) -> int:
-        self.expect.pop(step_id)
+        if self._stale(step_id, "discard"):
+            return step_id
+        done = self._reading(self.expect.pop(step_id))
         m = self.m
         assert m is not None
-        self._rule(lambda: self.builder.submit(lambda: m.discard_step(step_id)))
+
+        def task() -> None:
+            try:
+                m.discard_step(step_id)
+            finally:
+                done()
+
+        self._rule(lambda: self.builder.submit(task))
         return step_id
 
     # ---- misuse: each raises its phrase and changes nothing -----------------
@@ -290,7 +333,9 @@ class ManagerMachine(RuleBasedStateMachine):
 
     @rule(step_id=pending, ghost=st.sampled_from(["ghost", "r9999"]))
     def outside_snapshot(self, step_id: int, ghost: str) -> None:
-        exp = self.expect[step_id]
+        exp = self.expect.get(step_id)
+        if exp is None:  # saved by a manager shut down since (a later rule consumes it as stale)
+            return
         m = self.m
         assert m is not None
         rids = [*sorted(exp.spans)[:1], ghost]
