@@ -182,7 +182,7 @@ def _result(**changes: Any) -> Any:
 
     same = [Comparison(f"r{i}", True, 0.0, 1e-4) for i in range(2)]
     differ = [Comparison("r0", False, 1.0, 1e-4, "tokens differ")]
-    res = PipelineResult(PipelineConfig(preset="mix", requests=2, rounds=1), requests=2,
+    res = PipelineResult(PipelineConfig(preset="mix", requests=2, repeats=1), requests=2,
                          with_apc=RunStats(hit_tokens=64, prefill_tokens=10, thinker_s=1.0, end_to_end_s=2.0),
                          without_apc=RunStats(prefill_tokens=74, thinker_s=2.0, end_to_end_s=3.0),
                          identity=Verdict(list(same)), thinker_answers_equal=2,
@@ -227,7 +227,7 @@ def test_exit_codes_and_summary_fields() -> None:
     (["--preset", "chat"], "argument --preset: invalid choice: 'chat'"),
     (["--talker-tokens", "0"], "argument --talker-tokens: wants an integer from 1 to 64"),
     (["--tolerance", "-1"], "argument --tolerance: wants a number from 0 to 1"),
-    (["--rounds", "9"], "argument --rounds: wants an integer from 1 to 5"),
+    (["--repeats", "9"], "argument --repeats: wants an integer from 1 to 5"),
     (["--seed", "x"], "argument --seed: wants an integer >= 0"),
     (["--bogus"], "unrecognized arguments: --bogus"),
 ])
@@ -277,10 +277,10 @@ def test_the_command_prints_what_it_verified_and_exits_with_its_code(
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else real(name, *a))
     monkeypatch.setattr(run_mod, "run_pipeline", fake_run)
-    assert main(["pipeline", "--json", "--requests", "2", "--rounds", "1"]) == EXIT_OK
+    assert main(["pipeline", "--json", "--requests", "2", "--repeats", "1"]) == EXIT_OK
     s = json.loads(capsys.readouterr().out)
     assert s["ok"] and s["talker_identical"] and s["controls_caught"] == 2 and s["hit_tokens"] == 64
-    assert seen[0].requests == 2 and seen[0].rounds == 1 and seen[0].tolerance == DEFAULT_LOGPROB_TOLERANCE
+    assert seen[0].requests == 2 and seen[0].repeats == 1 and seen[0].tolerance == DEFAULT_LOGPROB_TOLERANCE
     assert main(["pipeline", "--tolerance", "0.001"]) == EXIT_OK and seen[1].tolerance == 0.001
     out = capsys.readouterr().out
     assert "talker output vs APC off" in out and "caught" in out and "OK" in out

@@ -22,7 +22,7 @@ from omni_cache.pipeline.run import Pipeline, PipelineConfig
 
 pytestmark = pytest.mark.vllm
 
-CONFIG = PipelineConfig(preset="mix", requests=6, rounds=1, talker_tokens=6)
+CONFIG = PipelineConfig(preset="mix", requests=6, repeats=1, talker_tokens=6)
 
 
 @pytest.fixture(scope="module")

@@ -53,7 +53,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--tolerance", type=float_range(0, 1),
                         help="largest |logprob difference| per talker token still called identical, 0 to 1 "
                         "(default: 1e-4)")
-    parser.add_argument("--rounds", type=int_range(1, 5), default=2,
+    parser.add_argument("--repeats", type=int_range(1, 5), default=2,
                         help="runs of each pipeline, alternating (on, off, off, on, ...); times are each kind's "
                         "fastest, 1 to 5 (default: 2)")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     from omni_cache.pipeline.run import PipelineConfig, run_pipeline
 
     cfg = PipelineConfig(preset=args.preset, seed=args.seed, requests=args.requests, talker_tokens=args.talker_tokens,
-                         rounds=args.rounds,
+                         repeats=args.repeats,
                          tolerance=DEFAULT_LOGPROB_TOLERANCE if args.tolerance is None else args.tolerance)
     result = run_pipeline(cfg)
     summary = summarize(result)

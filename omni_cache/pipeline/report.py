@@ -101,7 +101,7 @@ def summarize(res: PipelineResult) -> dict[str, Any]:
                        "materialize_ms_per_step": round(1e3 * t.materialize_s / per, 3),
                        "fraction_of_forward": _ratio(cache_s, t.forward_s)},
         "runs": {"with_apc": _run(apc), "without_apc": _run(off)},
-        "rounds": {"with_apc": res.rounds_with_apc, "without_apc": res.rounds_without_apc},
+        "repeats": {"with_apc": res.repeats_with_apc, "without_apc": res.repeats_without_apc},
         "engine_start_s": round(res.engine_start_s, 3),
         "wall_s": round(res.wall_s, 3),
         "num_mismatches": len(res.mismatches),

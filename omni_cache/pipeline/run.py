@@ -50,7 +50,7 @@ class PipelineConfig:
     requests: int | None = None
     talker_tokens: int | None = None
     tolerance: float = DEFAULT_LOGPROB_TOLERANCE
-    rounds: int = 2  # each pipeline runs this often, alternating (on, off, off, on, ...); times: the fastest
+    repeats: int = 2  # each pipeline runs this often, alternating (on, off, off, on, ...); times: the fastest
     steps_limit: int = 5000
     extra_engine_args: tuple[tuple[str, Any], ...] = ()  # every engine, e.g. parallelism
 
@@ -59,8 +59,8 @@ class PipelineConfig:
             raise ValueError(f"unknown preset {self.preset!r} (choose from {', '.join(sorted(PRESETS))})")
         if self.talker_tokens is not None and not 1 <= self.talker_tokens <= 64:
             raise ValueError(f"--talker-tokens must be from 1 to 64, got {self.talker_tokens}")
-        if not 1 <= self.rounds <= 5:
-            raise ValueError(f"--rounds must be from 1 to 5, got {self.rounds}")
+        if not 1 <= self.repeats <= 5:
+            raise ValueError(f"--repeats must be from 1 to 5, got {self.repeats}")
         if not self.tolerance >= 0:
             raise ValueError(f"--tolerance must be >= 0, got {self.tolerance}")
         plan_turns(PRESETS[self.preset], seed=self.seed, requests=self.requests)  # raises on a bad size
@@ -104,8 +104,8 @@ class PipelineResult:
     control_computed: Verdict = field(default_factory=Verdict)
     control_perturbed: Verdict = field(default_factory=Verdict)
     perturbed: str = ""  # "request, position" of control (ii)
-    rounds_with_apc: list[dict[str, float]] = field(default_factory=list)
-    rounds_without_apc: list[dict[str, float]] = field(default_factory=list)
+    repeats_with_apc: list[dict[str, float]] = field(default_factory=list)
+    repeats_without_apc: list[dict[str, float]] = field(default_factory=list)
     rows_verified: int = 0
     served_from_cache: int = 0
     same_step_hits: int = 0
@@ -120,7 +120,7 @@ class PipelineResult:
 
     @property
     def talker_identical(self) -> bool:
-        return self.identity.all_identical and self.identity.compared == self.requests * self.config.rounds
+        return self.identity.all_identical and self.identity.compared == self.requests * self.config.repeats
 
     @property
     def failed(self) -> bool:
@@ -128,7 +128,7 @@ class PipelineResult:
         ``incomplete``, not failed."""
         controls_missed = self.with_apc.hit_tokens > 0 and self.controls_caught < 2
         return bool(self.mismatches) or not self.talker_identical or controls_missed \
-            or self.thinker_answers_equal != self.requests * self.config.rounds
+            or self.thinker_answers_equal != self.requests * self.config.repeats
 
     @property
     def incomplete(self) -> bool:
@@ -260,7 +260,7 @@ class Pipeline:
         talker = TalkerStage(engines["talker"], self.talker_tokens)
         self._warm_up(talker)
         runs: dict[bool, list[tuple[ThinkerStage, Drive]]] = {True: [], False: []}
-        for r in range(self.config.rounds):  # on, off, off, on, ...: drift and warm-up fall on both
+        for r in range(self.config.repeats):  # on, off, off, on, ...: drift and warm-up fall on both
             for cached in ((True, False) if r % 2 == 0 else (False, True)):
                 stage = ThinkerStage(engines["thinker_apc" if cached else "thinker_truth"], cached=cached)
                 gc.collect()
@@ -273,8 +273,8 @@ class Pipeline:
                 stage.finish()
                 res.mismatches.extend(stage.mismatches)
                 runs[cached].append((stage, out))
-        res.rounds_with_apc = [_times(d.stats) for _, d in runs[True]]
-        res.rounds_without_apc = [_times(d.stats) for _, d in runs[False]]
+        res.repeats_with_apc = [_times(d.stats) for _, d in runs[True]]
+        res.repeats_without_apc = [_times(d.stats) for _, d in runs[False]]
         res.with_apc = _fastest([d.stats for _, d in runs[True]])
         res.without_apc = _fastest([d.stats for _, d in runs[False]])
         names = [t.name for t in self.plan]
@@ -282,7 +282,7 @@ class Pipeline:
         truth_out = {n: talker.outputs[f"truth0:{n}"] for n in names if f"truth0:{n}" in talker.outputs}
         tol = self.config.tolerance
         for r, (stage, d) in enumerate(runs[True]):
-            got = {f"{n} (round {r})": talker.outputs[f"apc{r}:{n}"] for n in names if f"apc{r}:{n}" in talker.outputs}
+            got = {f"{n} (repeat {r})": talker.outputs[f"apc{r}:{n}"] for n in names if f"apc{r}:{n}" in talker.outputs}
             res.identity.comparisons += compare_all(truth_out, got, tol, {k: k.split(" ")[0] for k in got}).comparisons
             res.thinker_answers_equal += sum(1 for n in names if n in d.answers and d.answers[n] == truth_run.answers.get(n)
                                              and d.prompts[n] == truth_run.prompts.get(n))
@@ -323,7 +323,7 @@ class Pipeline:
 
 
 def _fastest(stats: list[RunStats]) -> RunStats:
-    """The counts of the first round, the smallest time of each kind over the rounds."""
+    """The counts of the first repeat, the smallest time of each kind over the repeats."""
     first = stats[0]
     for attr in ("thinker_s", "end_to_end_s", "talker_s", "thinker_cpu_s", "end_to_end_cpu_s"):
         setattr(first, attr, min(getattr(s, attr) for s in stats))
