@@ -161,3 +161,17 @@ def test_a_multi_connector_loads_if_any_child_loads() -> None:
                                       kv_cache_config(8, 16))
     assert stage_prefix_cache_config(VllmConfig(kv_transfer_config=Multi([mooncake, wrapped])),  # type: ignore[arg-type]
                                      kv_cache_config(8, 16)) is not None
+
+
+@pytest.mark.parametrize("child", ["NixlConnector", "MooncakeConnector", "P2pNcclConnector"])
+def test_a_wrapped_prefill_decode_consumer_is_still_refused(child: str) -> None:
+    class Wrapped:
+        kv_connector = "OmniKVConnector"
+        kv_role = "kv_consumer"
+        kv_connector_extra_config = {"connectors": [{"kv_connector": child}]}  # noqa: RUF012
+
+    with pytest.raises(OmniPrefixCacheUnmatchError, match=rf"KV connector {child} can load KV .*another engine") as info:
+        stage_prefix_cache_config(VllmConfig(kv_transfer_config=Wrapped()), kv_cache_config(8, 16))  # type: ignore[arg-type]
+    assert "Wrap it" not in str(info.value)
+    Wrapped.kv_role = "kv_producer"  # the prefill side: sends only
+    assert stage_prefix_cache_config(VllmConfig(kv_transfer_config=Wrapped()), kv_cache_config(8, 16)) is not None

@@ -63,3 +63,29 @@ def test_the_safetensors_level_serves_what_memory_evicted(tmp_path) -> None:
     assert res.ok, [m.detail for m in res.mismatches[:3]]
     assert t["tier_spilled"] > 0 and t["tier_disk_hits"] > 0 and t["tier_load_failures"] == 0, t
     assert t["tier_hit_tokens"] == t["external_tokens"] > 0
+
+
+def test_a_load_the_connector_reports_failed_is_recomputed_and_served_exactly() -> None:
+    """The wrapped connector reports its first load's blocks in ``invalid_block_ids``: vLLM
+    recomputes them (``kv_load_failure_policy="recompute"``), and every row still verifies."""
+    require_vllm()
+    from kv_fault_connector import FailingExampleConnector
+
+    from omni_cache.vllm_sim.engine import VllmSimConfig
+    from omni_cache.vllm_sim.tier_run import TierSimulation
+
+    class FailingOnce(TierSimulation):
+        def kv_transfer_config(self):  # type: ignore[no-untyped-def]
+            config = super().kv_transfer_config()
+            child = config["kv_connector_extra_config"]["connectors"][0]
+            child.update(kv_connector="FailingExampleConnector", kv_connector_module_path="kv_fault_connector")
+            return config
+
+    FailingExampleConnector.reported.clear()
+    sim = FailingOnce(VllmSimConfig(kv_connector="example"))
+    res = sim.run()
+    assert len(FailingExampleConnector.reported) == 1 and FailingExampleConnector.reported[0], "no load failed"
+    assert res.ok, [m.detail for m in res.mismatches[:3]]
+    t = sim.tier_summary
+    assert t["tier_hit_tokens"] == t["external_tokens"] > 0 and t["tier_load_failures"] == 0
+    assert res.recompute_exact_rows == res.recompute_rows > 0

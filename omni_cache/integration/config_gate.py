@@ -54,6 +54,11 @@ def _refuse_loading_connector(kv_transfer_config: Any) -> None:
     if not verdict.loads or verdict.wrapped:
         return
     consumer = verdict.role in _CONSUMER_ROLES
+    if verdict.remote:
+        raise _refuse(
+            f"KV connector {verdict.name} can load KV into this engine's blocks ({verdict.why}): a hit on it "
+            "would name rows this cache never saw. Disable prefix caching on this stage, or hand the hidden "
+            "states over with the prefill/decode transfer")
     raise _refuse(
         f"KV connector {verdict.name} can load KV into this engine's blocks ({verdict.why})"
         + (f"; it is a KV-consumer stage (kv_transfer_config.kv_role={verdict.role!r})" if consumer else "")

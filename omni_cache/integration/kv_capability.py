@@ -8,7 +8,10 @@ from what each connector class does with its role, read from vLLM 0.32's
 sources, not from the role's name:
 
 - ``OmniKVConnector`` (``omni_cache.integration.kv_tier``) wraps the user's
-  connector and brings the hidden rows back with the KV: served, any role.
+  connector and brings the hidden rows back with the KV: served, any role --
+  except a wrapped prefill/decode transfer connector (Nixl, Mooncake, MoRIIO,
+  P2pNccl) as a consumer: that KV was computed by another engine, so no tier of
+  this engine holds its rows (``remote``).
 - Connectors that never load in ``kv_producer`` role: ``MooncakeConnector``
   (its scheduler builds receive metadata only when ``not is_kv_producer``),
   ``MoRIIOConnector`` (the producer side only sends) and the Nixl connectors
@@ -41,6 +44,8 @@ _PRODUCER_NEVER_LOADS = frozenset({
     "MooncakeConnector", "MoRIIOConnector", "NixlConnector", "NixlPullConnector", "NixlPushConnector",
 })
 _CONSUMER_ROLES = frozenset({"kv_consumer", "kv_both"})
+# Prefill/decode transfer connectors: as consumers they receive KV another engine computed.
+_REMOTE_TRANSFER = _PRODUCER_NEVER_LOADS | {"P2pNcclConnector"}
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,7 @@ class ConnectorVerdict:
     loads: bool
     wrapped: bool
     why: str = ""
+    remote: bool = False  # the KV comes from another engine: no tier of this engine holds its rows
 
 
 def _get(config: Any, field: str) -> Any:
@@ -81,6 +87,13 @@ def connector_verdict(kv_transfer_config: Any) -> ConnectorVerdict:
         return ConnectorVerdict(None, role, False, False)
     name = str(name)
     if name == OMNI_CONNECTOR:
+        extra = _get(kv_transfer_config, "kv_connector_extra_config") or {}
+        for child in list(_get(extra, "connectors") or ()):
+            child_name, child_role = _get(child, "kv_connector"), _get(child, "kv_role") or role
+            if child_name in _REMOTE_TRANSFER and child_role in _CONSUMER_ROLES:
+                return ConnectorVerdict(str(child_name), child_role, True, False, (
+                    f"as {child_role!r} it receives KV another engine computed, whose hidden rows no tier of this "
+                    f"engine stored, even under {OMNI_CONNECTOR}"), remote=True)
         return ConnectorVerdict(name, role, True, True)
     if name == "MultiConnector":
         extra = _get(kv_transfer_config, "kv_connector_extra_config") or {}
