@@ -77,7 +77,7 @@ def run_vllm(args: argparse.Namespace) -> int:
             kwargs["steps_limit"] = args.steps_limit
         cfg = VllmSimConfig(**kwargs)
     except (ValueError, TypeError) as exc:
-        err.print(f"omni-cache simulate: {exc}", markup=False)
+        err.print(f"omni-cache simulate: {exc}", markup=False, soft_wrap=True)
         return 2
     refusal = kv_space_override()
     if refusal:
