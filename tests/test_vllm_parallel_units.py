@@ -182,10 +182,10 @@ def test_the_cli_refuses_a_kv_space_override_in_one_line(monkeypatch, capsys) ->
 
 
 def test_parallel_options_need_the_vllm_engine(capsys) -> None:
-    for flag in (["--tp", "2"], ["--pp", "2"], ["--check-ranks"]):
+    for flag in (["--tp", "2"], ["--pp", "2"], ["--check-ranks"], ["--tolerance", "0.1"]):
         with pytest.raises(SystemExit) as exc:
             main(["simulate", *flag])
-        assert exc.value.code == 2 and "only apply to --engine vllm" in capsys.readouterr().err
+        assert exc.value.code == 2 and "only applies to --engine vllm" in capsys.readouterr().err
 
 
 def test_the_in_process_run_refuses_a_parallel_config() -> None:
@@ -195,3 +195,11 @@ def test_the_in_process_run_refuses_a_parallel_config() -> None:
         VllmSimulation(VllmSimConfig(tp=2)).run()
     with pytest.raises(ValueError, match="builds its own engine"):
         ParallelVllmSimulation(VllmSimConfig(tp=2)).run(object())
+
+
+def test_a_grid_the_model_cannot_run_is_one_line_exit_2(monkeypatch, capsys) -> None:
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    ran: list[bool] = []
+    assert _cli_with(monkeypatch, lambda cfg: ran.append(True), ["--tp", "3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert ran == [] and len(err.splitlines()) == 1 and "--tp 3 does not divide" in err

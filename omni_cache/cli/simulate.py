@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     if args.engine == "vllm":
         return simulate_vllm.run_vllm(args)
     if given := simulate_vllm.vllm_only_given(args):
-        args.error(f"{', '.join(given)} only apply to --engine vllm")
+        args.error(f"{', '.join(given)} only {'applies' if len(given) == 1 else 'apply'} to --engine vllm")
     if getattr(args, "kv_connector", None) is not None:
         args.error("--kv-connector needs --engine vllm")
     if getattr(args, "model", None) is not None:
