@@ -35,9 +35,9 @@ LARGE_SEEDS = (987654321, 2147483647, 4242424242)
 THREADED = (
     "tests/test_core_staging.py", "tests/test_faults.py", "tests/test_i8_late_writes.py",
     "tests/test_manager_behaviour.py", "tests/test_manager_door_checks.py", "tests/test_manager_hardening.py",
-    "tests/test_manager_invariants.py", "tests/test_manager_review_regressions.py", "tests/test_mutation_kills.py",
-    "tests/test_mutation_kills_fresh.py", "tests/test_mutation_kills_seed14.py", "tests/test_mutation_kills_seed15.py",
-    "tests/test_mutation_kills_tenancy.py", "tests/test_request_identity.py", "tests/test_traces.py",
+    "tests/test_manager_invariants.py", "tests/test_manager_review_regressions.py", "tests/test_locking.py",
+    "tests/test_events.py", "tests/test_copier.py", "tests/test_tenancy_reads.py",
+    "tests/test_request_identity.py", "tests/test_traces.py",
     "tests/test_committer_start_atomic.py", "tests/test_staging_stateful.py",
 )
 
