@@ -35,6 +35,12 @@ class AdapterMachine(base.ManagerMachine):
         self.transport = AdapterTransport(self.m, self.engine)
         self.engine.deliver = self.transport.deliver
 
+    def _start(self, **kwargs: bool) -> None:  # type: ignore[override]
+        super()._start(**kwargs)  # type: ignore[arg-type]
+        if hasattr(self, "transport"):  # a restart (a fresh manager and engine): a fresh adapter with them
+            self.transport = AdapterTransport(self.m, self.engine)
+            self.engine.deliver = self.transport.deliver
+
     @rule(numpy_sequence=st.booleans(), refuse=st.sampled_from([None, *REFUSALS]))
     def scheduler_output_shape(self, numpy_sequence: bool, refuse: str | None) -> None:
         """How the next scheduler outputs look: a numpy sequence; a malformed one first (refused, retried)."""

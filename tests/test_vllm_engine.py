@@ -118,16 +118,17 @@ def test_preemption_resume_and_abort(llm) -> None:
 
 def test_a_resume_served_without_its_prefix_is_caught(llm, monkeypatch) -> None:
     """The Model Runner V2 failure mode: a resumed request translated as EXTENDED (no hit)."""
-    real = PrefixCacheSchedulerAdapter.translate_scheduler_output
+    real = PrefixCacheSchedulerAdapter._translate  # what translate_step and translate_scheduler_output share
 
     def forget_resumes(self, so):
+        events, state = real(self, so)
         return tuple(
             dataclasses.replace(e, kind=PrefixCacheEventKind.EXTENDED, hit_end=0)
             if e.kind is PrefixCacheEventKind.RESUMED else e
-            for e in real(self, so)
-        )
+            for e in events
+        ), state
 
-    monkeypatch.setattr(PrefixCacheSchedulerAdapter, "translate_scheduler_output", forget_resumes)
+    monkeypatch.setattr(PrefixCacheSchedulerAdapter, "_translate", forget_resumes)
     _, res = _run(llm, _pressure_plan())
     assert not res.ok
     assert any("new or resumed" in m.detail and m.req_id for m in res.mismatches), [str(m) for m in res.mismatches[:3]]

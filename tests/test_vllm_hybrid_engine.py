@@ -73,7 +73,7 @@ def test_hybrid_layout_hits_are_served_from_the_full_attention_group(llm) -> Non
 def test_the_cli_reports_kv_groups_and_hits(llm, monkeypatch, capsys) -> None:
     real_run = VllmSimulation.run
     monkeypatch.setattr(VllmSimulation, "run", lambda self, _llm=None: real_run(self, llm))
-    assert main(["simulate", "--engine", "vllm", "--model", "hybrid", "--requests", "12", "--json"]) == 0
+    assert main(["simulate", "--engine", "vllm", "--model", "hybrid", "--requests", "12", "--num-blocks", "24", "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["ok"] and summary["model"] == "hybrid" and summary["num_mismatches"] == 0
     assert summary["kv_groups"] == 4 and summary["output_group_id"] == 3

@@ -96,18 +96,18 @@ def run_vllm(args: argparse.Namespace) -> int:
         cfg = VllmSimConfig(**kwargs)
         if cfg.kv_connector is not None and cfg.tp * cfg.pp > 1:
             raise ValueError("--kv-connector runs the engine in this process: it does not combine with --tp/--pp")
-        if cfg.kv_connector is not None:
-            from omni_cache.vllm_sim.tier_run import TierSimulation
-
-            sim: VllmSimulation = TierSimulation(cfg)
-        else:
-            sim = make_simulation(cfg)
     except (ValueError, TypeError) as exc:
         args.error(str(exc))  # the subcommand's usage, one line, exit 2
     refusal = kv_space_override()
     if refusal:
         err.print(f"omni-cache simulate: {refusal}", markup=False, soft_wrap=True)
         return 2
+    if cfg.kv_connector is not None:
+        from omni_cache.vllm_sim.tier_run import TierSimulation
+
+        sim: VllmSimulation = TierSimulation(cfg)
+    else:
+        sim = make_simulation(cfg)
     result = sim.run()
     summary = summarize(result)
     if cfg.kv_connector is not None:

@@ -116,7 +116,7 @@ class VllmSimConfig:
             raise ValueError(f"--max-batched-tokens must be at least 32, got {self.max_batched_tokens}")
         if not self.tolerance >= 0:
             raise ValueError(f"tolerance must be >= 0, got {self.tolerance}")
-        from omni_cache.vllm_sim.parallel import check_parallel_config
+        from omni_cache.vllm_sim.grid import check_parallel_config
 
         check_parallel_config(self)
 
@@ -259,7 +259,7 @@ class VllmSimulation:
             consumer = threading.Thread(target=self._consume, args=(bridge, res), name="omni-consumer", daemon=True)
             consumer.start()
             try:
-                if promises.kv_block_problem(self.config, res.kv_blocks_engine, res):
+                if promises.kv_block_problem(self.config, res.kv_blocks_engine, res, getattr(self, "kv_blocks", None)):
                     raise promises.NotRun
                 self._drive(llm, res)
                 bridge.step_ids.join()

@@ -40,26 +40,11 @@ from omni_cache.vllm_sim.engine import (
     stdout_to_stderr,
     tiny_llama_dir,
 )
+from omni_cache.vllm_sim.grid import check_parallel_config
 from omni_cache.vllm_sim.truth import PER_TOKEN_KEYS, mm_of
 
 __all__ = ["ParallelVllmSimulation", "check_parallel_config", "make_simulation", "parallel_engine_kwargs"]
 
-MAX_WORKERS = 8
-
-
-def check_parallel_config(cfg: Any) -> None:
-    """Raise ``ValueError`` (one line for the CLI) for a grid the tiny model cannot run."""
-    layers, heads = TINY_LLAMA["num_hidden_layers"], TINY_LLAMA["num_attention_heads"]
-    if cfg.tp < 1 or cfg.pp < 1:
-        raise ValueError(f"--tp and --pp must be at least 1, got --tp {cfg.tp} --pp {cfg.pp}")
-    if cfg.tp * cfg.pp > MAX_WORKERS:
-        raise ValueError(f"--tp {cfg.tp} x --pp {cfg.pp} = {cfg.tp * cfg.pp} workers; at most {MAX_WORKERS}")
-    if heads % cfg.tp:
-        raise ValueError(f"--tp {cfg.tp} does not divide the model's {heads} attention heads (use 1 or 2)")
-    if cfg.pp > layers:
-        raise ValueError(f"--pp {cfg.pp} exceeds the model's {layers} layers")
-    if cfg.check_ranks and cfg.tp < 2:
-        raise ValueError("--check-ranks compares the TP ranks' caches: it needs --tp 2 or more")
 
 
 def parallel_engine_kwargs(cfg: VllmSimConfig, model_dir: str, *, kv_blocks: int, max_batched_tokens: int,

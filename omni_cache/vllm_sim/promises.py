@@ -42,9 +42,13 @@ def kv_space_override(environ: Mapping[str, str] | None = None) -> str | None:
             "(use --num-blocks to change the KV cache)")
 
 
-def kv_block_problem(cfg: Any, got: int, res: Any) -> bool:
-    """Record (and return True) when the engine's KV-block count is not the asked one."""
-    asked = asked_kv_blocks(cfg)
+def kv_block_problem(cfg: Any, got: int, res: Any, blocks: int | None = None) -> bool:
+    """Record (and return True) when the engine's KV-block count is not the asked one
+    (``blocks``: the run's own block count where it sizes the engine itself, else the preset's;
+    the engine reports pool blocks: ``pool_blocks_per_block`` of the model per asked block)."""
+    from omni_cache.vllm_sim.models import sim_model
+
+    asked = (asked_kv_blocks(cfg) if blocks is None else blocks) * sim_model(getattr(cfg, "model", "llama")).pool_blocks_per_block
     if got == asked:
         return False
     cause = kv_space_override()

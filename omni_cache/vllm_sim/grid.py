@@ -1,0 +1,32 @@
+"""What ``--tp``, ``--pp`` and ``--check-ranks`` allow for the tiny thinker.
+
+Owns: ``MAX_WORKERS`` and ``check_parallel_config`` (a ``ValueError`` with one
+line for the CLI). Kept apart from ``vllm_sim.parallel`` so that the run's
+config (``vllm_sim.engine``) can validate itself without importing the
+worker-process run. Invariants: none enforced here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omni_cache.vllm_sim.models import TINY_LLAMA
+
+__all__ = ["MAX_WORKERS", "check_parallel_config"]
+
+MAX_WORKERS = 8
+
+
+def check_parallel_config(cfg: Any) -> None:
+    """Raise ``ValueError`` (one line for the CLI) for a grid the tiny model cannot run."""
+    layers, heads = TINY_LLAMA["num_hidden_layers"], TINY_LLAMA["num_attention_heads"]
+    if cfg.tp < 1 or cfg.pp < 1:
+        raise ValueError(f"--tp and --pp must be at least 1, got --tp {cfg.tp} --pp {cfg.pp}")
+    if cfg.tp * cfg.pp > MAX_WORKERS:
+        raise ValueError(f"--tp {cfg.tp} x --pp {cfg.pp} = {cfg.tp * cfg.pp} workers; at most {MAX_WORKERS}")
+    if heads % cfg.tp:
+        raise ValueError(f"--tp {cfg.tp} does not divide the model's {heads} attention heads (use 1 or 2)")
+    if cfg.pp > layers:
+        raise ValueError(f"--pp {cfg.pp} exceeds the model's {layers} layers")
+    if cfg.check_ranks and cfg.tp < 2:
+        raise ValueError("--check-ranks compares the TP ranks' caches: it needs --tp 2 or more")
