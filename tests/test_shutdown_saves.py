@@ -9,35 +9,15 @@ before ``shutdown`` returns: no write is ever left queued without a committer.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 
 import pytest
 import torch
-from cache_helpers import MODES, manager, save, started
-from thread_helpers import JOIN_S
+from cache_helpers import MODES, manager, save, started, wait_until
+from thread_helpers import JOIN_S, HoldFirstCopy
 
 from omni_cache import OmniPrefixCacheUnmatchError
 from omni_cache.faults import FaultHooks
-
-
-def _wait_until(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + JOIN_S
-    while not condition():
-        assert time.monotonic() < deadline, f"never reached: {what}"
-        time.sleep(0.001)
-
-
-class _HoldFirstCopy(FaultHooks):
-    """Holds the committer inside the first write's device->host copy until released."""
-
-    def __init__(self) -> None:
-        self.entered, self.gate = threading.Event(), threading.Event()
-
-    def before_device_to_host(self, write: object) -> None:
-        if not self.entered.is_set():
-            self.entered.set()
-            assert self.gate.wait(JOIN_S), "test gate never opened"
 
 
 class _Call:
@@ -72,7 +52,7 @@ def test_a_save_waiting_for_a_page_when_shutdown_begins_is_refused(eager: bool) 
     first, _ = save(m, [("a", [0], 0, 4)])  # unconsumed: it keeps the only page
     m.new_step_starts([started("b", scheduled=4)])
     waiting = _Call(lambda: save(m, [("b", [1], 0, 4)]))
-    _wait_until(lambda: m.staging._num_waiting == 1, "the second save waits for the staging page")
+    wait_until(lambda: m.staging._num_waiting == 1, "the second save waits for the staging page", JOIN_S)
     shutting = _Call(m.shutdown)
     assert waiting.done.wait(JOIN_S / 2), "the waiting save was not refused when shutdown began"
     assert isinstance(waiting.error, OmniPrefixCacheUnmatchError), waiting.error or waiting.result
@@ -89,7 +69,7 @@ def test_a_save_waiting_for_a_page_when_shutdown_begins_is_refused(eager: bool) 
 def test_a_save_waiting_for_the_previous_write_when_shutdown_begins_is_refused() -> None:
     """Async: step 1 is discarded while the committer is held inside its write; the next save
     waits for that write, then would claim the page it frees -- after shutdown began."""
-    hold = _HoldFirstCopy()
+    hold = HoldFirstCopy()
     m = manager(eager=False, staging_depth=1, staging_claim_timeout_s=JOIN_S)
     m.faults = m.committer.faults = hold
     m.new_step_starts([started("a", scheduled=4)])
@@ -98,9 +78,9 @@ def test_a_save_waiting_for_the_previous_write_when_shutdown_begins_is_refused()
     m.discard_step(first)  # consumed; its page stays held by its write until that lands
     m.new_step_starts([started("b", scheduled=4)])
     waiting = _Call(lambda: save(m, [("b", [1], 0, 4)]))
-    _wait_until(lambda: m.book._num_waiting == 1, "the second save waits for step 1's write")
+    wait_until(lambda: m.book._num_waiting == 1, "the second save waits for step 1's write", JOIN_S)
     shutting = _Call(m.shutdown)
-    _wait_until(lambda: getattr(m.staging, "_closed", False), "shutdown closed the staging pool to new claims")
+    wait_until(lambda: getattr(m.staging, "_closed", False), "shutdown closed the staging pool to new claims", JOIN_S)
     hold.gate.set()  # step 1's write lands and frees the page; the save may not claim it now
     assert waiting.done.wait(JOIN_S) and shutting.done.wait(JOIN_S), "the save or shutdown hangs"
     assert shutting.error is None, shutting.error
@@ -132,7 +112,7 @@ def test_a_save_that_claimed_its_page_lands_before_shutdown_returns(eager: bool)
     saving = _Call(lambda: save(m, [("a", [2], 0, 4)]))
     assert hold.entered.wait(JOIN_S), "the save never claimed its page"
     shutting = _Call(m.shutdown)
-    _wait_until(lambda: m._shut_down, "shutdown began")
+    wait_until(lambda: m._shut_down, "shutdown began", JOIN_S)
     assert not shutting.done.wait(0.2), "shutdown returned while a save that claimed its page was still running"
     hold.gate.set()
     assert saving.done.wait(JOIN_S) and saving.error is None, saving.error

@@ -13,24 +13,11 @@ import threading
 
 import torch
 from cache_helpers import WIDTH, finished, manager, slots, started, truth
-from thread_helpers import JOIN_S
+from thread_helpers import JOIN_S, HoldFirstCopy
 
 from omni_cache import ModelCachePolicy, PrefixCacheWriteLayout
-from omni_cache.faults import FaultHooks
 
 MM = "audio.codes"
-
-
-class _HoldFirstCopy(FaultHooks):
-    """Holds the committer inside the first write's device->host copy until released."""
-
-    def __init__(self) -> None:
-        self.entered, self.gate = threading.Event(), threading.Event()
-
-    def before_device_to_host(self, write: object) -> None:
-        if not self.entered.is_set():
-            self.entered.set()
-            assert self.gate.wait(JOIN_S), "test gate never opened"
 
 
 def _save_then_overwrite_slots(m: object, mm: dict[str, torch.Tensor] | None = None) -> int:
@@ -64,7 +51,7 @@ def _hit_serves_a(m: object, mm_key: str | None = None) -> None:
 
 
 def test_a_queued_write_lands_at_the_saved_slots_after_the_caller_reuses_slots_cpu() -> None:
-    hold = _HoldFirstCopy()
+    hold = HoldFirstCopy()
     m = manager(eager=False)
     m.faults = m.committer.faults = hold
     m.new_step_starts([started("a", scheduled=8)])

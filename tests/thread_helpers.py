@@ -104,3 +104,16 @@ class HoldStep(FaultHooks):
         if step_id in self.gates:
             self.entered[step_id].set()
             assert self.gates[step_id].wait(10), f"test gate of step {step_id} never opened"
+
+
+class HoldFirstCopy(FaultHooks):
+    """Holds the committer inside the first write's device->host copy until ``gate`` is set
+    (for a write whose step id is not known before its save: ``HoldStep`` holds chosen steps)."""
+
+    def __init__(self) -> None:
+        self.entered, self.gate = threading.Event(), threading.Event()
+
+    def before_device_to_host(self, write: object) -> None:
+        if not self.entered.is_set():
+            self.entered.set()
+            assert self.gate.wait(JOIN_S), "test gate never opened"
