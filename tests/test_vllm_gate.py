@@ -11,12 +11,9 @@ fails to start with the gate's message, before any step.
 from __future__ import annotations
 
 import dataclasses
-import subprocess
-import sys
-import textwrap
 
 import pytest
-from vllm_support import require_vllm
+from vllm_support import engine_start_in_subprocess, require_vllm
 
 from omni_cache.errors import OmniPrefixCacheUnmatchError
 from omni_cache.integration.vllm_bridge import VllmRunnerBridge
@@ -98,27 +95,9 @@ def test_the_gate_takes_the_full_attention_group_of_several(base_kwargs) -> None
 
 
 def test_a_refused_config_fails_at_engine_start_before_any_step() -> None:
-    require_vllm()
-    script = textwrap.dedent(
-        """
-        from omni_cache.integration import vllm_bridge
-        from omni_cache.vllm_sim.engine import engine_kwargs, prepare_vllm_env, tiny_llama_dir
-        prepare_vllm_env()
-        steps = []
-        real = vllm_bridge.VllmRunnerBridge.begin_step
-        vllm_bridge.VllmRunnerBridge.begin_step = lambda self, so: (steps.append(so), real(self, so))
-        from vllm import LLM
-        try:
-            LLM(**engine_kwargs(tiny_llama_dir(), kv_blocks=24, max_batched_tokens=256, max_model_len=512,
-                                speculative_config={"method": "ngram", "num_speculative_tokens": 2,
-                                                    "prompt_lookup_max": 3, "prompt_lookup_min": 2}))
-        except Exception as exc:
-            print("REFUSED", type(exc).__name__, "steps", len(steps), str(exc).splitlines()[0])
-        else:
-            print("STARTED")
-        """
-    )
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith(("REFUSED", "STARTED"))), proc.stderr[-2000:])
+    line = engine_start_in_subprocess(
+        'engine_kwargs(tiny_llama_dir(), kv_blocks=24, max_batched_tokens=256, max_model_len=512, '
+        'speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3, '
+        '"prompt_lookup_min": 2})')
     assert line.startswith("REFUSED OmniPrefixCacheUnmatchError steps 0"), line
     assert "speculative decoding is enabled" in line

@@ -15,12 +15,9 @@ from __future__ import annotations
 
 import json
 import random
-import subprocess
-import sys
-import textwrap
 
 import pytest
-from vllm_support import require_vllm, shutdown_llm
+from vllm_support import engine_start_in_subprocess, require_vllm, shutdown_llm
 
 from omni_cache.cli import main
 from omni_cache.integration import config_gate
@@ -93,34 +90,18 @@ def test_rows_addressed_by_a_sliding_window_group_are_caught(llm, monkeypatch) -
 
 
 def test_a_sliding_window_only_model_is_refused_at_engine_start() -> None:
-    require_vllm()
-    script = textwrap.dedent(
-        """
+    setup = """
         import json, os
-        from omni_cache.integration import vllm_bridge
-        from omni_cache.vllm_sim.engine import engine_kwargs, prepare_vllm_env
         from omni_cache.vllm_sim.models import model_dir, sim_model
-        prepare_vllm_env()
-        steps = []
-        real = vllm_bridge.VllmRunnerBridge.begin_step
-        vllm_bridge.VllmRunnerBridge.begin_step = lambda self, so: (steps.append(so), real(self, so))
         model = sim_model("hybrid")
         path = model_dir("hybrid")
         config = dict(model.config, layer_types=["sliding_attention"] * 4)
         with open(os.path.join(path, "config.json"), "w") as f:
             json.dump(config, f)
-        from vllm import LLM
-        try:
-            LLM(**engine_kwargs(path, kv_blocks=24, max_batched_tokens=256, max_model_len=512,
-                                kv_cache_memory_bytes=model.kv_cache_memory_bytes(24), **model.engine_options))
-        except Exception as exc:
-            print("REFUSED", type(exc).__name__, "steps", len(steps), " ".join(str(exc).split()))
-        else:
-            print("STARTED")
         """
-    )
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith(("REFUSED", "STARTED"))), proc.stderr[-2000:])
+    line = engine_start_in_subprocess(
+        "engine_kwargs(path, kv_blocks=24, max_batched_tokens=256, max_model_len=512, "
+        "kv_cache_memory_bytes=model.kv_cache_memory_bytes(24), **model.engine_options)", setup, whole_message=True)
     assert line.startswith("REFUSED OmniPrefixCacheUnmatchError steps 0"), line
     assert "none is a prefix-cacheable full-attention group" in line
     assert "group 0: SlidingWindowSpec(block_size=32, sliding_window=64)" in line

@@ -13,13 +13,9 @@ is ``test_vllm_kv_tier``.)
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import textwrap
-
 import pytest
 from test_vllm_gate import _gate, _kv_cache_config, _vllm_config, base_kwargs  # noqa: F401  (fixture)
-from vllm_support import require_vllm
+from vllm_support import engine_start_in_subprocess
 
 from omni_cache.errors import OmniPrefixCacheUnmatchError
 
@@ -51,27 +47,10 @@ def test_example_connector_wrapped_in_the_omni_connector_is_accepted(base_kwargs
 
 
 def test_the_kv_producer_hole_is_refused_at_engine_start(tmp_path) -> None:
-    require_vllm()
-    script = textwrap.dedent(
-        f"""
-        from omni_cache.integration import vllm_bridge
-        from omni_cache.vllm_sim.engine import engine_kwargs, prepare_vllm_env, tiny_llama_dir
-        prepare_vllm_env()
-        steps = []
-        real = vllm_bridge.VllmRunnerBridge.begin_step
-        vllm_bridge.VllmRunnerBridge.begin_step = lambda self, so: (steps.append(so), real(self, so))
-        from vllm import LLM
-        try:
-            LLM(**engine_kwargs(tiny_llama_dir(), kv_blocks=24, max_batched_tokens=256, max_model_len=512,
-                                kv_transfer_config={{"kv_connector": "ExampleConnector", "kv_role": "kv_producer",
-                                                    "kv_connector_extra_config": {{"shared_storage_path": {str(tmp_path)!r}}}}}))
-        except Exception as exc:
-            print("REFUSED", type(exc).__name__, "steps", len(steps), str(exc).splitlines()[0])
-        else:
-            print("STARTED")
-        """
-    )
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith(("REFUSED", "STARTED"))), proc.stderr[-2000:])
+    store = {"shared_storage_path": str(tmp_path)}
+    line = engine_start_in_subprocess(
+        "engine_kwargs(tiny_llama_dir(), kv_blocks=24, max_batched_tokens=256, max_model_len=512, "
+        f"kv_transfer_config={{'kv_connector': 'ExampleConnector', 'kv_role': 'kv_producer', "
+        f"'kv_connector_extra_config': {store!r}}})")
     assert line.startswith("REFUSED OmniPrefixCacheUnmatchError steps 0"), line
     assert "KV connector ExampleConnector can load KV" in line and "OmniKVConnector" in line
