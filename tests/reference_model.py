@@ -326,11 +326,7 @@ class Engine:
         rid = pool[i % len(pool)]
         old = self.reqs[rid]
         if live:
-            self._release_held(rid)
-            if old.state == "running":
-                self.alloc.release(old.blocks)
-            old.blocks, old.state = [], "ended"
-            self.active.pop(rid, None)
+            self._end_for_reuse(rid)
         self.add_request(*arrival, rid=rid)
         new = self.reqs[rid]
         if live and control != "pending":
@@ -345,6 +341,16 @@ class Engine:
         """Ids an unsent start-and-abort admitted: a scheduler output holds one admission of an id
         per step, so none is admitted again before the step goes out."""
         return {e.req_id for e in self.bursts}
+
+    def _end_for_reuse(self, rid: str) -> None:
+        """The live admission of ``rid`` ends so that a new owner can take the id: its held control
+        goes out, its blocks go back to the allocator."""
+        old = self.reqs[rid]
+        self._release_held(rid)
+        if old.state == "running":
+            self.alloc.release(old.blocks)
+        old.blocks, old.state = [], "ended"
+        self.active.pop(rid, None)
 
     def _release_held(self, rid: str) -> None:
         """A held control goes out with the next step after all (its admission ends or is replaced
@@ -367,12 +373,7 @@ class Engine:
             if not pool:
                 return None
             rid = pool[i % len(pool)]
-            old = self.reqs[rid]
-            self._release_held(rid)
-            if old.state == "running":
-                self.alloc.release(old.blocks)
-            old.blocks, old.state = [], "ended"
-            self.active.pop(rid, None)
+            self._end_for_reuse(rid)
             self.add_request(*arrival, rid=rid)
             q = self.reqs[rid]
             first = PrefixCacheRequestEvent(rid, E.REPLACED, owner=q.owner, lookup_complete=lookup_complete)
