@@ -16,6 +16,7 @@ from omni_cache import (
     PrefixCacheWriteLayout,
 )
 from omni_cache.manager import OmniPrefixCacheManager
+from omni_cache.staging import StagingPool
 
 E = PrefixCacheEventKind
 WIDTH = 8
@@ -150,3 +151,12 @@ def assert_waits_for_lock(lock: Any, call: Callable[[], object], what: str) -> N
         assert not done.wait(0.2), f"{what} ran while another thread held the lock: it does not take the lock"
     assert done.wait(5) and not errors, errors
     worker.join()
+
+
+def claimed_and_saved() -> tuple[StagingPool, object, object]:
+    """A 3-page staging pool holding one saved page (step 1) and one claimed page: (pool, claimed, saved)."""
+    pool = StagingPool(3, 4, 0.05)
+    saved = pool.claim(2)
+    pool.claimed_pages(saved, {"k": torch.ones(2, 3)})["k"].copy_(torch.ones(2, 3))
+    pool.save(saved, 1, "engine.py:1")
+    return pool, pool.claim(2), saved

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 import torch
-from cache_helpers import BS, manager, save, started, wait_for_waiter
+from cache_helpers import BS, claimed_and_saved, manager, save, started, wait_for_waiter
 
 import omni_cache
 from omni_cache import (
@@ -136,18 +136,12 @@ def test_no_other_module_touches_the_page_storage() -> None:
 
 
 # ---- I3/I11: staging pages are read only through a slot in the right state, under the lock -
-def _claimed_and_saved() -> tuple[StagingPool, object, object]:
-    pool = StagingPool(3, 4, 0.05)
-    saved = pool.claim(2)
-    pool.claimed_pages(saved, {"k": torch.ones(2, 3)})["k"].copy_(torch.ones(2, 3))
-    pool.save(saved, 1, "engine.py:1")
-    return pool, pool.claim(2), saved
 
 
 @pytest.mark.parametrize("read", ["pages_rows", "page_rows"])
 def test_reading_a_page_through_a_claimed_or_free_slot_is_refused(read: str) -> None:
     """Mutant: delete the ``_require`` state check of ``StagingPool.pages_rows`` (or ``page_rows``)."""
-    pool, claimed, saved = _claimed_and_saved()
+    pool, claimed, saved = claimed_and_saved()
     calls = {
         "pages_rows": lambda slot: pool.pages_rows(slot, ("k",), 0, 2)["k"],
         "page_rows": lambda slot: pool.page_rows(slot, "k", 0, 2),

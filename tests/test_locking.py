@@ -14,6 +14,7 @@ from cache_helpers import (
     BS,
     MODES,
     assert_waits_for_lock,
+    claimed_and_saved,
     finished,
     manager,
     save,
@@ -29,7 +30,6 @@ from omni_cache import (
 from omni_cache.block_pool import PrefixBlockPool
 from omni_cache.interface import HIDDEN_KEY
 from omni_cache.manager import OmniPrefixCacheManager
-from omni_cache.staging import StagingPool
 from omni_cache.tenancy import SlotTenancy
 
 
@@ -175,18 +175,12 @@ def test_block_pool_calls_wait_for_its_lock(what: str) -> None:
 
 
 # ---- I3/I11: staging pages are read only through a slot in the right state, under the lock -
-def _claimed_and_saved() -> tuple[StagingPool, object, object]:
-    pool = StagingPool(3, 4, 0.05)
-    saved = pool.claim(2)
-    pool.claimed_pages(saved, {"k": torch.ones(2, 3)})["k"].copy_(torch.ones(2, 3))
-    pool.save(saved, 1, "engine.py:1")
-    return pool, pool.claim(2), saved
 
 
 @pytest.mark.parametrize("what", ["claimed_pages", "pages_rows", "save", "unconsumed", "slot_states", "page_bytes"])
 def test_staging_calls_wait_for_the_pool_lock(what: str) -> None:
     """Mutants: ``drop_with`` on ``StagingPool.claimed_pages`` (the slot's state read bare), ``save``, and siblings."""
-    pool, claimed, saved = _claimed_and_saved()
+    pool, claimed, saved = claimed_and_saved()
     calls = {
         "claimed_pages": lambda: pool.claimed_pages(claimed, {"k": torch.ones(2, 3)}),
         "pages_rows": lambda: pool.pages_rows(saved, ("k",), 0, 2),

@@ -19,6 +19,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from test_vllm_gate import base_kwargs  # noqa: F401  (fixture)
 from vllm_support import require_vllm
 
 from omni_cache.errors import OmniPrefixCacheUnmatchError
@@ -33,16 +34,10 @@ MAX_REQS = 4
 
 
 @pytest.fixture(scope="module")
-def vllm_config():
-    require_vllm()
+def vllm_config(base_kwargs):  # noqa: F811  (the fixture imported from test_vllm_gate)
     from vllm.engine.arg_utils import EngineArgs
 
-    from omni_cache.vllm_sim.engine import engine_kwargs, prepare_vllm_env, tiny_llama_dir
-
-    prepare_vllm_env()
-    kwargs = engine_kwargs(tiny_llama_dir(), kv_blocks=24, max_batched_tokens=256, max_model_len=512)
-    kwargs.pop("worker_cls")
-    return EngineArgs(**kwargs).create_engine_config()
+    return EngineArgs(**base_kwargs).create_engine_config()
 
 
 @pytest.fixture(scope="module")
