@@ -16,6 +16,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from omni_cache.vllm_sim.models import sim_model
 from omni_cache.vllm_sim.workload import PRESETS
 
 __all__ = ["NotRun", "asked_kv_blocks", "kv_block_problem", "kv_space_override", "preemption_problem"]
@@ -46,8 +47,6 @@ def kv_block_problem(cfg: Any, got: int, res: Any, blocks: int | None = None) ->
     """Record (and return True) when the engine's KV-block count is not the asked one
     (``blocks``: the run's own block count where it sizes the engine itself, else the preset's;
     the engine reports pool blocks: ``pool_blocks_per_block`` of the model per asked block)."""
-    from omni_cache.vllm_sim.models import sim_model
-
     asked = (asked_kv_blocks(cfg) if blocks is None else blocks) * sim_model(getattr(cfg, "model", "llama")).pool_blocks_per_block
     if got == asked:
         return False
