@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from cache_helpers import MODES, manager, save, slots, started, truth
+from cache_helpers import MODES, manager, save, settle, slots, started, truth
 
 from omni_cache import (
     OmniPrefixCacheUnmatchError,
@@ -142,6 +142,9 @@ def test_materialize_refuses_unhashable_or_missing_request_ids_and_consumes_noth
     try:
         m.new_step_starts([started("A"), started("B")])
         step, rows = save(m, [("A", [0], 0, 2), ("B", [1], 0, 1)])
+        # An async save lands on the writer thread; snapshot after it has, so the comparison sees
+        # only what the refused materialize could have changed.
+        settle(m)
         before = m.stats()
         phrase = PHRASE_OUTSIDE_SNAPSHOT if isinstance(req_ids, list) else "req_ids must be a sequence"
         with pytest.raises(OmniPrefixCacheUnmatchError, match=phrase):
