@@ -86,6 +86,13 @@ FAST_TESTS = (
     "tests/test_manager_hardening.py",
     "tests/test_manager_door_checks.py",
     "tests/test_request_identity.py",
+    "tests/test_request_identity_steps.py",  # one step's events apply to the admission each names
+    "tests/test_manager_typed_input.py",
+    "tests/test_preserved_bounded.py",
+    "tests/test_shutdown_saves.py",
+    "tests/test_slot_mapping_snapshot.py",
+    "tests/test_output_group.py",
+    "tests/test_i8_late_writes.py",
     "tests/test_reference_parity.py",
     "tests/test_faults.py",
     "tests/test_integration_adapter.py",
@@ -95,6 +102,7 @@ FAST_TESTS = (
     "tests/test_integration_e2e.py",
     "tests/test_sim_manager_regressions.py",
     "tests/test_staging_stateful.py",
+    "tests/test_adapter_stateful.py",
     "tests/test_manager_stateful.py",
 )
 # TLC runs Java for seconds; the stateful TLC replay is covered by the full suite instead.
