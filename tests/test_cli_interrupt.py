@@ -23,6 +23,12 @@ ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
+def _sigint_default() -> None:
+    """The child starts with SIGINT at its default, as under a terminal: a shell's background job
+    (``cmd &``, ``nohup``) inherits SIGINT ignored, and Python then installs no handler at all."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _children(pid: int) -> set[int]:
     """Direct children of ``pid`` (Linux /proc)."""
     found: set[int] = set()
@@ -59,7 +65,7 @@ def _alive(pid: int) -> bool:
 def test_ctrl_c_ends_verify_within_2_s_with_one_line_exit_130_and_its_tlc_processes_gone() -> None:
     require_tlc()
     proc = subprocess.Popen([sys.executable, "-m", "omni_cache.cli", "verify", "--jobs", "2"], cwd=ROOT, env=ENV,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_sigint_default)
     try:
         deadline = time.monotonic() + 120
         java: set[int] = set()
@@ -104,6 +110,6 @@ sys.exit(main(sys.argv[1:]))
 @pytest.mark.parametrize("argv", [["simulate", "--requests", "2"], ["bench", "--quick"]])
 def test_ctrl_c_while_torch_loads_is_one_line_not_a_traceback(argv: list[str]) -> None:
     done = subprocess.run([sys.executable, "-c", _INTERRUPT_AT_TORCH, *argv], cwd=ROOT, env=ENV,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, preexec_fn=_sigint_default)
     assert done.returncode == 130, (done.returncode, done.stderr[-2000:])
     assert done.stderr.strip().splitlines() == [f"omni-cache {argv[0]}: interrupted"], done.stderr[-2000:]
