@@ -230,6 +230,9 @@ def test_exit_codes_and_summary_fields() -> None:
     (["--repeats", "9"], "argument --repeats: wants an integer from 1 to 5"),
     (["--seed", "x"], "argument --seed: wants an integer >= 0"),
     (["--bogus"], "unrecognized arguments: --bogus"),
+    (["--pp", "3"], "argument --pp: wants an integer from 1 to 2, got 3"),
+    (["--tp", "0"], "argument --tp: wants an integer from 1 to 8, got 0"),
+    (["--model", "gpt"], "argument --model: invalid choice: 'gpt'"),
 ])
 def test_argument_errors_are_one_line_and_exit_2(argv: list[str], says: str, capsys: pytest.CaptureFixture[str]
                                                  ) -> None:
@@ -240,6 +243,45 @@ def test_argument_errors_are_one_line_and_exit_2(argv: list[str], says: str, cap
     assert "usage: omni-cache pipeline" in err and "Traceback" not in err
     last = err.strip().splitlines()[-1]
     assert last.startswith("omni-cache pipeline: error: ") and says in last, last
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--model", "hybrid", "--tp", "2"], "--model hybrid runs on one worker: --tp and --pp take the llama model only"),
+    (["--model", "hybrid", "--pp", "2"], "--model hybrid runs on one worker"),
+    (["--tp", "3"], "--tp 3 does not divide the model's 2 attention heads"),
+    (["--tp", "8", "--pp", "2"], "--tp 8 x --pp 2 = 16 workers; at most 8"),
+])
+def test_a_thinker_grid_the_model_cannot_run_is_one_line_and_exit_2(argv: list[str], says: str,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["pipeline", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("omni-cache pipeline: error: ") and says in err[0], err
+
+
+def test_the_thinker_engine_arguments_follow_model_and_grid() -> None:
+    """Each worker of a ``tp x pp`` thinker gets the KV bytes of its own layers; the hybrid model its
+    hybrid KV manager and a pool of ``pool_blocks_per_block`` blocks per preset block; the truth
+    thinker (prefix caching off) vLLM's own worker and no cache, in every case."""
+    from omni_cache.pipeline.stages import StageOptions, talker_kwargs, thinker_kwargs
+    from omni_cache.vllm_sim.models import MODELS
+
+    base = dict(kv_blocks=40, max_batched_tokens=256, max_model_len=1024)
+    one = thinker_kwargs("/m", StageOptions(**base), prefix_caching=True)
+    assert "tensor_parallel_size" not in one and one["kv_cache_memory_bytes"] == 40 * MODELS["llama"].kv_bytes_per_block
+    tp = thinker_kwargs("/m", StageOptions(**base, tp=2), prefix_caching=True)
+    assert (tp["tensor_parallel_size"], tp["pipeline_parallel_size"], tp["distributed_executor_backend"]) == (2, 1, "mp")
+    assert tp["kv_cache_memory_bytes"] == one["kv_cache_memory_bytes"]  # the one KV head is replicated over TP
+    pp = thinker_kwargs("/m", StageOptions(**base, pp=2), prefix_caching=True)
+    assert pp["kv_cache_memory_bytes"] == one["kv_cache_memory_bytes"] // 2  # one of the two layers per stage
+    assert pp["worker_cls"].endswith("OmniCPUWorker") and pp["enable_prefix_caching"]
+    truth = thinker_kwargs("/m", StageOptions(**base, pp=2), prefix_caching=False)
+    assert truth["worker_cls"] == "auto" and not truth["enable_prefix_caching"] and truth["additional_config"] == {}
+    assert truth["pipeline_parallel_size"] == 2
+    hybrid = thinker_kwargs("/m", StageOptions(**base, model="hybrid"), prefix_caching=True)
+    assert hybrid["disable_hybrid_kv_cache_manager"] is False
+    assert hybrid["kv_cache_memory_bytes"] == MODELS["hybrid"].kv_cache_memory_bytes(40) != one["kv_cache_memory_bytes"]
+    talker = talker_kwargs("/t", StageOptions(**base, model="hybrid", tp=2))
+    assert "tensor_parallel_size" not in talker and talker["enable_prompt_embeds"]
 
 
 def test_missing_vllm_is_one_line_and_exit_2(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]

@@ -56,7 +56,7 @@ def _bridge(**kw: Any) -> SimpleNamespace:
 
 
 def _worker(bridge: SimpleNamespace) -> SimpleNamespace:
-    return SimpleNamespace(model_runner=SimpleNamespace(omni_cache=bridge, kv_cache_config=SimpleNamespace(num_blocks=48)))
+    return SimpleNamespace(model_runner=SimpleNamespace(omni_cache=bridge, kv_cache_config=SimpleNamespace(num_blocks=48, kv_cache_groups=[object()])))
 
 
 def _so() -> SimpleNamespace:
@@ -78,7 +78,8 @@ def _step(bridge: SimpleNamespace, step: int, hidden: torch.Tensor) -> None:
 def test_the_probe_hands_over_each_record_and_served_step_once() -> None:
     bridge = _bridge()
     worker = _worker(bridge)
-    assert worker_probe.install(worker)["num_blocks"] == 48
+    info = worker_probe.install(worker)
+    assert info["num_blocks"] == 48 and info["kv_groups"] == 1
     assert bridge.mm_outputs_fn is worker_probe.derive_mm and bridge.observer is not None
     with pytest.raises(RuntimeError, match="already installed"):
         worker_probe.install(worker)

@@ -18,7 +18,10 @@ import sys
 from typing import Any
 
 from omni_cache.cli.args import EXIT_USAGE, float_range, int_range, non_negative_int
+from omni_cache.cli.simulate_vllm import add_model_argument
 from omni_cache.pipeline.workload import MAX_REQUESTS, PRESETS, plan_turns
+from omni_cache.vllm_sim.grid import check_parallel_config
+from omni_cache.vllm_sim.models import DEFAULT_MODEL
 
 __all__ = ["register"]
 
@@ -56,6 +59,12 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--repeats", type=int_range(1, 5), default=2,
                         help="runs of each pipeline, alternating (on, off, off, on, ...); times are each kind's "
                         "fastest, 1 to 5 (default: 2)")
+    add_model_argument(parser)
+    parser.add_argument("--tp", type=int_range(1, 8), default=1,
+                        help="the thinker's tensor-parallel worker processes (default 1: the engine in this "
+                        "process); the cache lives on the output rank only")
+    parser.add_argument("--pp", type=int_range(1, 2), default=1, help="the thinker's pipeline-parallel stages "
+                        "(default 1)")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
     parser.set_defaults(func=run)
 
@@ -63,12 +72,19 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         plan_turns(PRESETS[args.preset], seed=args.seed, requests=args.requests)
+        check_parallel_config(argparse.Namespace(tp=args.tp, pp=args.pp, model=args.model or DEFAULT_MODEL))
     except ValueError as exc:
         print(f"omni-cache pipeline: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     if importlib.util.find_spec("vllm") is None:
         print("omni-cache pipeline: error: vLLM is not installed; see the README's set-up with the [vllm] extra "
               "(pip install -e '.[vllm]', then remove torchvision)", file=sys.stderr)
+        return EXIT_USAGE
+    from omni_cache.vllm_sim.promises import kv_space_override
+
+    refusal = kv_space_override()
+    if refusal:
+        print(f"omni-cache pipeline: {refusal}", file=sys.stderr)
         return EXIT_USAGE
     from rich.console import Console
 
@@ -77,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     from omni_cache.pipeline.run import PipelineConfig, run_pipeline
 
     cfg = PipelineConfig(preset=args.preset, seed=args.seed, requests=args.requests, talker_tokens=args.talker_tokens,
-                         repeats=args.repeats,
+                         repeats=args.repeats, model=args.model or DEFAULT_MODEL, tp=args.tp, pp=args.pp,
                          tolerance=DEFAULT_LOGPROB_TOLERANCE if args.tolerance is None else args.tolerance)
     result = run_pipeline(cfg)
     summary = summarize(result)

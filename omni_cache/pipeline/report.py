@@ -3,8 +3,9 @@
 Owns: ``summarize`` (``PipelineResult`` -> dict: ``ok``, ``requests``,
 ``hit_tokens``, ``talker_identical``, ``controls_caught`` (of
 ``controls_run``), ``prefill_tokens_with_apc`` / ``_without_apc``,
-``thinker_speedup``, ``end_to_end_speedup``, ``vllm_version``, the cache's cost
-per step and the details of every check), ``exit_code`` and ``render``.
+``thinker_speedup``, ``end_to_end_speedup``, ``vllm_version``, the thinker's
+``model``, ``kv_groups``, ``tp``, ``pp`` and worker ``ranks`` (place, host bytes), the cache's
+cost per step and the details of every check), ``exit_code`` and ``render``.
 Invariants: none enforced here.
 """
 
@@ -79,6 +80,11 @@ def summarize(res: PipelineResult) -> dict[str, Any]:
                                             "caught": res.control_computed.all_differ},
                      "perturbed_row": {**_verdict(res.control_perturbed), "caught": res.control_perturbed.all_differ,
                                        "row": res.perturbed}},
+        "model": cfg.model,
+        "tp": cfg.tp,
+        "pp": cfg.pp,
+        "ranks": res.ranks,
+        "kv_groups": res.kv_groups,
         "rows_verified": res.rows_verified,
         "second_materialize_refused": res.double_materialize_refused,
         "prefill_tokens_with_apc": apc.prefill_tokens,
@@ -152,6 +158,9 @@ def render(s: dict[str, Any], console: Console) -> None:
         ("cache cost per thinker step", f"save {cc['save_ms_per_step']:.3f} ms + materialize "
          f"{cc['materialize_ms_per_step']:.3f} ms vs forward {cc['forward_ms_per_step']:.3f} ms "
          f"({cc['fraction_of_forward']} of it, {cc['steps']} steps)"),
+        ("thinker", f"{s['model']}, {s['kv_groups']} KV-cache group(s), tp {s['tp']} x pp {s['pp']}" + (
+            "; host bytes per rank " + ", ".join(f"{r.get('rank')}: {r.get('host_bytes', 0):,}" for r in s["ranks"])
+            if s["ranks"] else "")),
         ("engine start / wall time", f"{s['engine_start_s']:.1f} s / {s['wall_s']:.1f} s"),
     ]
     if s["ok"]:

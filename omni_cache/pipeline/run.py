@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from omni_cache.pipeline.checks import DEFAULT_LOGPROB_TOLERANCE, Verdict, compare_all, perturb_row, row_diff
+from omni_cache.pipeline.parallel import make_thinker_stage
 from omni_cache.pipeline.stages import (
     StageOptions,
     StageTimers,
@@ -39,6 +40,8 @@ from omni_cache.pipeline.stages import (
 )
 from omni_cache.pipeline.workload import PRESETS, PlannedTurn, max_prompt_len, plan_turns, resolve_prompt
 from omni_cache.sim.checker import Mismatch
+from omni_cache.vllm_sim.grid import check_parallel_config
+from omni_cache.vllm_sim.models import sim_model
 
 __all__ = ["Drive", "PipelineConfig", "PipelineResult", "RunStats", "drive", "run_pipeline"]
 
@@ -52,7 +55,10 @@ class PipelineConfig:
     tolerance: float = DEFAULT_LOGPROB_TOLERANCE
     repeats: int = 2  # each pipeline runs this often, alternating (on, off, off, on, ...); times: the fastest
     steps_limit: int = 5000
-    extra_engine_args: tuple[tuple[str, Any], ...] = ()  # every engine, e.g. parallelism
+    extra_engine_args: tuple[tuple[str, Any], ...] = ()  # every engine
+    model: str = "llama"  # the thinker's (vllm_sim.models)
+    tp: int = 1  # the thinker's tensor-parallel workers (pipeline.parallel when tp x pp > 1)
+    pp: int = 1  # the thinker's pipeline-parallel stages
 
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:
@@ -64,6 +70,8 @@ class PipelineConfig:
         if not self.tolerance >= 0:
             raise ValueError(f"--tolerance must be >= 0, got {self.tolerance}")
         plan_turns(PRESETS[self.preset], seed=self.seed, requests=self.requests)  # raises on a bad size
+        sim_model(self.model)  # an unknown model: ValueError naming the choices
+        check_parallel_config(self)
 
     def as_dict(self) -> dict[str, Any]:
         preset = PRESETS[self.preset]
@@ -106,6 +114,8 @@ class PipelineResult:
     perturbed: str = ""  # "request, position" of control (ii)
     repeats_with_apc: list[dict[str, float]] = field(default_factory=list)
     repeats_without_apc: list[dict[str, float]] = field(default_factory=list)
+    ranks: list[dict[str, Any]] = field(default_factory=list)  # the thinker's workers (tp x pp > 1)
+    kv_groups: int = 0  # the thinker's KV-cache groups (above 1: a hybrid layout)
     rows_verified: int = 0
     served_from_cache: int = 0
     same_step_hits: int = 0
@@ -219,7 +229,8 @@ class Pipeline:
         self.plan = plan_turns(self.preset, seed=config.seed, requests=config.requests)
         p = self.preset
         self.opts = StageOptions(kv_blocks=p.kv_blocks, max_batched_tokens=p.max_batched_tokens,
-                                 max_model_len=p.max_model_len, seed=config.seed, extra=config.extra_engine_args)
+                                 max_model_len=p.max_model_len, seed=config.seed, extra=config.extra_engine_args,
+                                 model=config.model, tp=config.tp, pp=config.pp)
         self.talker_tokens = config.talker_tokens or p.talker_tokens
 
     def run(self, engines: dict[str, Any] | None = None) -> PipelineResult:
@@ -243,17 +254,23 @@ class Pipeline:
     def _build(self, stack: contextlib.ExitStack) -> dict[str, Any]:
         import tempfile
 
+        from omni_cache.integration.ranks import prepare_parallel_env
         from omni_cache.pipeline.stages import build_llm
-        from omni_cache.vllm_sim.engine import tiny_llama_dir
+        from omni_cache.vllm_sim.models import model_dir
 
+        # Thread binding and spawn for the thinker's workers, before any engine: vLLM caches its
+        # environment once the first engine is up. The talker is one worker, in this process.
+        prepare_parallel_env(self.opts.workers)
         ckpt = stack.enter_context(talker_checkpoint(self.config.seed))
-        thinker_dir = tiny_llama_dir(tempfile.mkdtemp(prefix="omni-cache-thinker-"))
+        thinker_dir = model_dir(self.config.model, tempfile.mkdtemp(prefix="omni-cache-thinker-"))
         stack.callback(shutil.rmtree, thinker_dir, True)
-        engines = {"talker": build_llm(talker_kwargs(ckpt, self.opts)),
+        talker = build_llm(talker_kwargs(ckpt, self.opts))
+        stack.callback(_shutdown, talker)
+        engines = {"talker": talker,
                    "thinker_apc": build_llm(thinker_kwargs(thinker_dir, self.opts, prefix_caching=True)),
                    "thinker_truth": build_llm(thinker_kwargs(thinker_dir, self.opts, prefix_caching=False))}
-        for llm in engines.values():
-            stack.callback(_shutdown, llm)
+        for name in ("thinker_apc", "thinker_truth"):
+            stack.callback(_shutdown, engines[name])
         return engines
 
     def _run(self, engines: dict[str, Any], res: PipelineResult) -> None:
@@ -262,7 +279,8 @@ class Pipeline:
         runs: dict[bool, list[tuple[ThinkerStage, Drive]]] = {True: [], False: []}
         for r in range(self.config.repeats):  # on, off, off, on, ...: drift and warm-up fall on both
             for cached in ((True, False) if r % 2 == 0 else (False, True)):
-                stage = ThinkerStage(engines["thinker_apc" if cached else "thinker_truth"], cached=cached)
+                stage = make_thinker_stage(engines["thinker_apc" if cached else "thinker_truth"], self.opts,
+                                           cached=cached)
                 gc.collect()
                 gc.disable()  # no collector pauses inside the timed runs (the checker's many small tensors)
                 try:
@@ -293,6 +311,7 @@ class Pipeline:
         res.rows_verified, res.served_from_cache, res.same_step_hits = (
             cap.rows_verified, cap.served_from_cache, cap.same_step_hits)
         res.double_materialize_refused = all(s.double_materialize_refused for s, _ in runs[True])
+        res.ranks, res.kv_groups = list(apc.ranks), apc.kv_groups
         self._controls(apc, talker, truth_out, res)
 
     def _warm_up(self, talker: TalkerStage) -> None:

@@ -43,30 +43,47 @@ from omni_cache.integration.block_table import BlockTableView
 from omni_cache.integration.vllm_bridge import bridge_of, runner_of
 from omni_cache.sim.checker import Mismatch
 from omni_cache.vllm_sim.engine import BLOCK_SIZE, TINY_LLAMA, VllmSimConfig, VllmSimulation, engine_kwargs
+from omni_cache.vllm_sim.models import DEFAULT_MODEL, sim_model
+from omni_cache.vllm_sim.parallel import worker_kv_bytes
 from omni_cache.vllm_sim.truth import ForwardCapture, derive_mm
 
-__all__ = ["StageOptions", "StageTimers", "TalkerStage", "ThinkerStage", "project", "talker_checkpoint",
-           "talker_kwargs", "thinker_kwargs"]
+__all__ = ["ForwardTap", "StageOptions", "StageTimers", "TalkerStage", "ThinkerStage", "install_stage_timers",
+           "project", "talker_checkpoint", "talker_kwargs", "thinker_kwargs"]
 
 TALKER_INIT_STD = 0.2  # the talker's weight init (std); larger than the usual 0.02, so small input changes show
 
 
 @dataclass(frozen=True)
 class StageOptions:
-    """Engine sizing shared by the stages; ``extra`` goes to every ``LLM(...)`` (e.g. parallelism)."""
+    """Engine sizing shared by the stages; ``extra`` goes to every ``LLM(...)``. ``model``, ``tp``
+    and ``pp`` are the thinker's (``vllm_sim.models``; tensor- and pipeline-parallel workers);
+    the talker is always the one-process tiny Llama."""
 
     kv_blocks: int
     max_batched_tokens: int
     max_model_len: int
     seed: int = 0
     extra: tuple[tuple[str, Any], ...] = ()
+    model: str = DEFAULT_MODEL
+    tp: int = 1
+    pp: int = 1
+
+    @property
+    def workers(self) -> int:
+        return self.tp * self.pp
 
 
 def thinker_kwargs(model_dir: str, opts: StageOptions, *, prefix_caching: bool) -> dict[str, Any]:
     """The thinker: with prefix caching, the cache via ``worker_cls`` (as ``simulate --engine vllm``);
-    without, vLLM's own worker and no cache."""
+    without, vLLM's own worker and no cache. With ``tp x pp`` workers: vLLM's ``mp`` executor and
+    each worker's KV bytes for ``kv_blocks`` blocks of its own layers (``vllm_sim.parallel``)."""
+    model = sim_model(opts.model)
     kwargs = engine_kwargs(model_dir, kv_blocks=opts.kv_blocks, max_batched_tokens=opts.max_batched_tokens,
-                           max_model_len=opts.max_model_len, eager=True)
+                           max_model_len=opts.max_model_len, eager=True, **model.engine_options)
+    kwargs["kv_cache_memory_bytes"] = model.kv_cache_memory_bytes(opts.kv_blocks)
+    if opts.workers > 1:
+        kwargs.update(tensor_parallel_size=opts.tp, pipeline_parallel_size=opts.pp, distributed_executor_backend="mp",
+                      kv_cache_memory_bytes=worker_kv_bytes(opts.kv_blocks, opts.pp))
     if not prefix_caching:
         kwargs.update(enable_prefix_caching=False, worker_cls="auto", additional_config={})
     kwargs.update(dict(opts.extra))
@@ -121,6 +138,42 @@ class StageTimers:
     step_cpu_s: float = 0.0
     steps: int = 0  # engine steps that ran a forward
     saved_steps: int = 0
+
+
+def install_stage_timers(runner: Any, bridge: Any, t: StageTimers, observe: Any) -> None:
+    """forward = the runner's ``_model_forward`` minus the bridge's ``after_forward_v1`` inside it;
+    save = ``after_forward_v1`` minus ``observe`` (the checker, installed as the bridge's observer)
+    inside it. Instance attributes: ``ThinkerStage.finish`` pops ``_model_forward`` again."""
+    real_forward, real_after = runner._model_forward, bridge.after_forward_v1
+    inner = {"after": 0.0, "observer": 0.0}
+
+    def model_forward(*args: Any, **kwargs: Any) -> Any:
+        start, after0 = time.perf_counter(), inner["after"]
+        try:
+            return real_forward(*args, **kwargs)
+        finally:
+            t.forward_s += time.perf_counter() - start - (inner["after"] - after0)
+
+    def after_forward_v1(*args: Any, **kwargs: Any) -> Any:
+        start, obs0 = time.perf_counter(), inner["observer"]
+        try:
+            return real_after(*args, **kwargs)
+        finally:
+            total = time.perf_counter() - start
+            inner["after"] += total
+            t.save_s += total - (inner["observer"] - obs0)
+
+    def observer(rec: Any) -> None:
+        start, cpu = time.perf_counter(), time.process_time()
+        try:
+            observe(rec)
+        finally:
+            dt = time.perf_counter() - start
+            inner["observer"] += dt
+            t.checker_s += dt
+            t.checker_cpu_s += time.process_time() - cpu
+
+    runner._model_forward, bridge.after_forward_v1, bridge.observer = model_forward, after_forward_v1, observer
 
 
 class ForwardTap:
@@ -181,7 +234,23 @@ class ThinkerStage:
 
     def __init__(self, llm: Any, *, cached: bool) -> None:
         """``cached``: ``llm`` runs the omni cache (a fresh one is attached: its prefix cache is emptied)."""
+        self._init_state(llm, cached)
+        runner = runner_of(llm)
+        if not cached:
+            self.tap = ForwardTap(runner, self.prompt_len, self.timers)
+            return
+        bridge_of(llm)  # refuses an engine without the cache
+        self.bridge = VllmSimulation(VllmSimConfig()).attach(llm)
+        self.kv_groups = len(runner.kv_cache_config.kv_cache_groups)
+        self.capture = ForwardCapture(BLOCK_SIZE)
+        self.bridge.mm_outputs_fn = derive_mm
+        self._install_timers(runner)
+
+    def _init_state(self, llm: Any, cached: bool) -> None:
+        """The stage's bookkeeping (engine thread only), shared with ``pipeline.parallel``'s stage."""
         self.llm, self.cached = llm, cached
+        self.ranks: list[dict[str, Any]] = []  # each worker's place and host bytes (workers only)
+        self.kv_groups = 0  # the engine's KV-cache groups (above 1: a hybrid layout); prefix caching on
         self.timers = StageTimers()
         self.mismatches: list[Mismatch] = []
         self.internal: dict[str, str] = {}  # name -> engine request id
@@ -193,50 +262,9 @@ class ThinkerStage:
         self.double_materialize_refused = False
         self.unconsumed: dict[int, str] = {}
         self._first_step_id: int | None = None
-        runner = runner_of(llm)
-        if not cached:
-            self.tap = ForwardTap(runner, self.prompt_len, self.timers)
-            return
-        bridge_of(llm)  # refuses an engine without the cache
-        self.bridge = VllmSimulation(VllmSimConfig()).attach(llm)
-        self.capture = ForwardCapture(BLOCK_SIZE)
-        self.bridge.mm_outputs_fn = derive_mm
-        self._install_timers(runner)
 
     def _install_timers(self, runner: Any) -> None:
-        """forward = the runner's ``_model_forward`` minus the bridge's ``after_forward_v1`` inside it;
-        save = ``after_forward_v1`` minus the observer (the checker) inside it."""
-        t, bridge = self.timers, self.bridge
-        real_forward, real_after, observe = runner._model_forward, bridge.after_forward_v1, self._observe
-        inner = {"after": 0.0, "observer": 0.0}
-
-        def model_forward(*args: Any, **kwargs: Any) -> Any:
-            start, after0 = time.perf_counter(), inner["after"]
-            try:
-                return real_forward(*args, **kwargs)
-            finally:
-                t.forward_s += time.perf_counter() - start - (inner["after"] - after0)
-
-        def after_forward_v1(*args: Any, **kwargs: Any) -> Any:
-            start, obs0 = time.perf_counter(), inner["observer"]
-            try:
-                return real_after(*args, **kwargs)
-            finally:
-                total = time.perf_counter() - start
-                inner["after"] += total
-                t.save_s += total - (inner["observer"] - obs0)
-
-        def observer(rec: Any) -> None:
-            start, cpu = time.perf_counter(), time.process_time()
-            try:
-                observe(rec)
-            finally:
-                dt = time.perf_counter() - start
-                inner["observer"] += dt
-                t.checker_s += dt
-                t.checker_cpu_s += time.process_time() - cpu
-
-        runner._model_forward, bridge.after_forward_v1, bridge.observer = model_forward, after_forward_v1, observer
+        install_stage_timers(runner, self.bridge, self.timers, self._observe)
 
     def _observe(self, rec: Any) -> None:
         self.timers.steps += 1
@@ -301,24 +329,32 @@ class ThinkerStage:
                 self.bridge.step_ids.task_done()
             self.materialized += 1
             t.saved_steps += 1
-            for rid, _, end in ps.spans:
-                rows = (out.hidden_states or {}).get(rid)
-                if rows is None:
-                    continue
-                first = end - rows.shape[0]
-                keep = self.served.setdefault(rid, {})
-                for p in range(first, min(end, self.prompt_len.get(rid, 0))):
-                    keep[p] = rows[p - first]
+            self._keep_served(ps.spans, out)
             c0, cpu = time.perf_counter(), time.process_time()
             self.capture.check_step(ps.engine_step, ps.step_id, ps.spans, out)
             t.checker_s += time.perf_counter() - c0
             t.checker_cpu_s += time.process_time() - cpu
 
+    def _keep_served(self, spans: Any, out: Any) -> None:
+        """Keep the prompt positions of each request's served rows (``[0, end)`` when a hit was merged)."""
+        for rid, _, end in spans:
+            rows = (out.hidden_states or {}).get(rid)
+            if rows is None:
+                continue
+            first = end - rows.shape[0]
+            keep = self.served.setdefault(rid, {})
+            for p in range(first, min(end, self.prompt_len.get(rid, 0))):
+                keep[p] = rows[p - first]
+
     # ------------------------------------------------------------------ rows
+    def _received(self, rid: str) -> dict[int, torch.Tensor]:
+        """Position -> row of ``rid``'s prompt: served by the cache, or read from the forward."""
+        return self.served.get(rid, {}) if self.cached else self.tap.rows.get(rid, {})
+
     def prompt_rows(self, name: str) -> torch.Tensor:
         """The full-prompt rows the next stage receives, ``[prompt_len, hidden]``."""
         rid = self.internal[name]
-        got = self.served.get(rid, {}) if self.cached else self.tap.rows.get(rid, {})
+        got = self._received(rid)
         n = self.prompt_len[rid]
         missing = [p for p in range(n) if p not in got]
         if missing:

@@ -1,4 +1,4 @@
-"""What ``--tp``, ``--pp`` and ``--check-ranks`` allow for the tiny thinker.
+"""What ``--tp``, ``--pp`` and ``--check-ranks`` allow for the tiny thinker (``simulate`` and ``pipeline``).
 
 Owns: ``MAX_WORKERS`` and ``check_parallel_config`` (a ``ValueError`` with one
 line for the CLI). Kept apart from ``vllm_sim.parallel`` so that the run's
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from omni_cache.vllm_sim.models import TINY_LLAMA
+from omni_cache.vllm_sim.models import DEFAULT_MODEL, TINY_LLAMA
 
 __all__ = ["MAX_WORKERS", "check_parallel_config"]
 
@@ -28,5 +28,8 @@ def check_parallel_config(cfg: Any) -> None:
         raise ValueError(f"--tp {cfg.tp} does not divide the model's {heads} attention heads (use 1 or 2)")
     if cfg.pp > layers:
         raise ValueError(f"--pp {cfg.pp} exceeds the model's {layers} layers")
-    if cfg.check_ranks and cfg.tp < 2:
+    model = getattr(cfg, "model", DEFAULT_MODEL)
+    if model != DEFAULT_MODEL and cfg.tp * cfg.pp > 1:
+        raise ValueError(f"--model {model} runs on one worker: --tp and --pp take the {DEFAULT_MODEL} model only")
+    if getattr(cfg, "check_ranks", False) and cfg.tp < 2:
         raise ValueError("--check-ranks compares the TP ranks' caches: it needs --tp 2 or more")

@@ -43,7 +43,7 @@ from omni_cache.vllm_sim.engine import (
 from omni_cache.vllm_sim.grid import check_parallel_config
 from omni_cache.vllm_sim.truth import PER_TOKEN_KEYS, mm_of
 
-__all__ = ["ParallelVllmSimulation", "check_parallel_config", "make_simulation", "parallel_engine_kwargs"]
+__all__ = ["ParallelVllmSimulation", "check_parallel_config", "make_simulation", "parallel_engine_kwargs", "worker_kv_bytes"]
 
 
 
@@ -53,18 +53,23 @@ def parallel_engine_kwargs(cfg: VllmSimConfig, model_dir: str, *, kv_blocks: int
     is per worker: a stage holds ``layers / pp`` layers (the KV heads, one here,
     are replicated over TP ranks), so each worker gets the bytes of ``kv_blocks``
     blocks of its own layers."""
-    per_layer = KV_BLOCK_BYTES // TINY_LLAMA["num_hidden_layers"]
-    layers_per_stage = -(-TINY_LLAMA["num_hidden_layers"] // cfg.pp)
     kwargs = engine_kwargs(model_dir, kv_blocks=kv_blocks, max_batched_tokens=max_batched_tokens,
                            max_model_len=max_model_len, eager=cfg.eager,
                            tensor_parallel_size=cfg.tp, pipeline_parallel_size=cfg.pp,
                            distributed_executor_backend="mp")
-    kwargs["kv_cache_memory_bytes"] = kv_blocks * per_layer * layers_per_stage
+    kwargs["kv_cache_memory_bytes"] = worker_kv_bytes(kv_blocks, cfg.pp)
     settings = dict(kwargs["additional_config"]["omni_cache"])
     if cfg.check_ranks:
         settings["all_tp_ranks"] = True
     kwargs["additional_config"] = {"omni_cache": settings}
     return kwargs
+
+
+def worker_kv_bytes(kv_blocks: int, pp: int) -> int:
+    """One worker's KV-cache bytes for ``kv_blocks`` blocks of the tiny Llama: a stage holds
+    ``layers / pp`` of its layers (its one KV head is replicated over TP ranks)."""
+    per_layer = KV_BLOCK_BYTES // TINY_LLAMA["num_hidden_layers"]
+    return kv_blocks * per_layer * -(-TINY_LLAMA["num_hidden_layers"] // pp)
 
 
 def make_simulation(cfg: VllmSimConfig, plan: Any = None) -> VllmSimulation:
@@ -228,20 +233,7 @@ class ParallelVllmSimulation(VllmSimulation):
 
     # ------------------------------------------------------------ check (c)
     def _exactly_once(self, final: dict[str, Any], res: VllmSimResult) -> None:
-        published = [int(s) for s in final["published"]]
-        consumed = Counter({int(k): int(v) for k, v in final["consumed"].items()})
-        res.published, res.consumed, res.saved = len(published), sum(consumed.values()), len(published)
-        twice = sorted(s for s, n in consumed.items() if n > 1)
-        never = sorted(set(published) - set(consumed))
-        if twice:
-            res.mismatches.append(Mismatch(None, twice[0], None, None, None, f"step ids consumed twice: {twice[:5]}"))
-        if never:
-            res.mismatches.append(Mismatch(None, never[0], None, None, None, f"step ids never consumed: {never[:5]}"))
-        res.double_consume_refused = bool(final["double_consume_refused"])
-        if published and not res.double_consume_refused:
-            res.mismatches.append(Mismatch(None, published[0], None, None, None,
-                                           "a second materialize of a consumed step id was not refused"))
-        res.unconsumed = dict(final["unconsumed"])
-        if res.unconsumed:
-            res.mismatches.append(Mismatch(None, None, None, None, None,
-                                           f"unconsumed step ids at shutdown: {res.unconsumed}"))
+        once = worker_probe.exactly_once(final)
+        res.mismatches.extend(once.mismatches)
+        res.published, res.consumed, res.saved = once.published, once.consumed, once.published
+        res.double_consume_refused, res.unconsumed = once.double_consume_refused, once.unconsumed

@@ -1,6 +1,7 @@
 """The worker-process half of a multi-process ``simulate --engine vllm`` run.
 
-Owns: ``WorkerProbe`` -- installed on each worker's runner bridge through
+Owns: ``exactly_once`` (check (c) on a worker's final report, shared by ``simulate`` and
+``pipeline``) and ``WorkerProbe`` -- installed on each worker's runner bridge through
 ``LLM.collective_rpc`` (``install``), it does in the worker what the
 in-process run does in its own process: the observer copies every real
 forward of the output rank (``ForwardRecord``, tensors cloned, the scheduler
@@ -26,14 +27,16 @@ import contextlib
 import queue
 import threading
 from collections import Counter
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
 from omni_cache.errors import OmniPrefixCacheUnmatchError
 from omni_cache.integration.vllm_bridge import ForwardRecord
+from omni_cache.sim.checker import Mismatch
 from omni_cache.vllm_sim.truth import derive_mm
 
-__all__ = ["WorkerProbe", "drain", "finish", "install", "settle", "stats"]
+__all__ = ["ExactlyOnce", "WorkerProbe", "drain", "exactly_once", "finish", "install", "settle", "stats"]
 
 ATTR = "omni_sim_probe"  # the probe's attribute on the worker's runner bridge
 
@@ -152,7 +155,8 @@ def install(worker: Any) -> dict[str, Any]:
     if old is not None:
         raise RuntimeError("a probe is already installed on this worker")
     setattr(bridge, ATTR, WorkerProbe(bridge, keep_records=bridge.hooks.rank_stats().get("output_rank", True)))
-    return {**bridge.hooks.rank_stats(), "num_blocks": int(worker.model_runner.kv_cache_config.num_blocks)}
+    kv = worker.model_runner.kv_cache_config
+    return {**bridge.hooks.rank_stats(), "num_blocks": int(kv.num_blocks), "kv_groups": len(kv.kv_cache_groups)}
 
 
 def drain(worker: Any) -> dict[str, Any]:
@@ -178,3 +182,35 @@ def finish(worker: Any) -> dict[str, Any]:
 
 def stats(worker: Any) -> dict[str, Any]:
     return _bridge(worker).hooks.rank_stats()
+
+
+@dataclass
+class ExactlyOnce:
+    """Check (c) on a worker's ``finish`` reply: every published step id consumed once (I1), a
+    second materialize refused, nothing unconsumed at shutdown; ``mismatches`` says what broke."""
+
+    published: int = 0
+    consumed: int = 0
+    double_consume_refused: bool = False
+    unconsumed: dict[int, str] = field(default_factory=dict)
+    mismatches: list[Mismatch] = field(default_factory=list)
+
+
+def exactly_once(final: dict[str, Any]) -> ExactlyOnce:
+    published = [int(s) for s in final["published"]]
+    consumed = Counter({int(k): int(v) for k, v in final["consumed"].items()})
+    out = ExactlyOnce(len(published), sum(consumed.values()), bool(final["double_consume_refused"]),
+                      dict(final["unconsumed"]))
+    twice = sorted(s for s, n in consumed.items() if n > 1)
+    never = sorted(set(published) - set(consumed))
+    if twice:
+        out.mismatches.append(Mismatch(None, twice[0], None, None, None, f"step ids consumed twice: {twice[:5]}"))
+    if never:
+        out.mismatches.append(Mismatch(None, never[0], None, None, None, f"step ids never consumed: {never[:5]}"))
+    if published and not out.double_consume_refused:
+        out.mismatches.append(Mismatch(None, published[0], None, None, None,
+                                       "a second materialize of a consumed step id was not refused"))
+    if out.unconsumed:
+        out.mismatches.append(Mismatch(None, None, None, None, None,
+                                       f"unconsumed step ids at shutdown: {out.unconsumed}"))
+    return out

@@ -1,0 +1,64 @@
+"""``omni-cache pipeline`` with a tensor-parallel thinker and with the hybrid-layout thinker (marker ``vllm``).
+
+Each test runs the command as a user does, a fresh ``python -m omni_cache.cli``
+process (a TP thinker's workers are spawned from it, so its entry-point guard
+and its own environment preparation are exercised), on a short workload: the
+talker's output with prefix caching on the thinker must equal prefix caching
+off, both negative controls must be caught, every hit row must have gone
+through the cache, and the numbers must add up (prefill with prefix caching plus
+the hits is prefill without). With ``--tp 2`` only the output rank (TP rank 0)
+holds the cache and host bytes; with ``--model hybrid`` the thinker has its four
+KV-cache groups. (``--pp 2`` runs the same code path with a second stage; it is
+measured in docs/pipeline.md, not here, to keep CI's time.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+from vllm_support import require_vllm
+
+pytestmark = pytest.mark.vllm
+
+FLAGS = ("--requests", "4", "--repeats", "1", "--talker-tokens", "6")
+
+
+def _pipeline(*flags: str) -> dict[str, Any]:
+    require_vllm()
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_OMP_THREADS_BIND"}
+    out = subprocess.run([sys.executable, "-m", "omni_cache.cli", "pipeline", *FLAGS, *flags, "--json"],
+                         capture_output=True, text=True, timeout=900, env=env)
+    assert out.returncode == 0, (out.returncode, out.stdout[-3000:], out.stderr[-3000:])
+    return json.loads(out.stdout)
+
+
+def _assert_identical_and_accounted(s: dict[str, Any]) -> None:
+    assert s["ok"] and s["exit_code"] == 0 and s["num_mismatches"] == 0, s["mismatches"]
+    assert s["requests"] == 4 and s["talker_identical"] and s["identity"]["compared"] == 4
+    assert s["thinker_answers_identical"] == 4 and s["prompt_rows_max_rel_diff"] == 0.0
+    assert s["controls_caught"] == 2 and s["controls"]["computed_rows_only"]["compared"] == s["hit_requests"] > 0
+    assert s["hit_tokens"] > 0 and s["served_from_cache_tokens"] == s["hit_tokens"]
+    assert s["rows_verified"] > s["hit_tokens"] and s["second_materialize_refused"]
+    assert s["prefill_tokens_with_apc"] + s["hit_tokens"] == s["prefill_tokens_without_apc"]
+    assert s["cache_cost"]["steps"] > 0 and s["cache_cost"]["forward_ms_per_step"] > 0
+
+
+def test_a_tensor_parallel_thinker_hands_identical_rows_from_the_output_rank_only() -> None:
+    s = _pipeline("--tp", "2")
+    _assert_identical_and_accounted(s)
+    assert (s["model"], s["tp"], s["pp"]) == ("llama", 2, 1)
+    ranks = sorted(s["ranks"], key=lambda r: r["rank"])
+    assert [r["rank"] for r in ranks] == [0, 1] and [r["output_rank"] for r in ranks] == [True, False]
+    assert ranks[0]["holds_cache"] and ranks[0]["host_bytes"] > 0
+    assert not ranks[1]["holds_cache"] and ranks[1]["host_bytes"] == 0
+
+
+def test_the_hybrid_layout_thinker_hands_identical_rows() -> None:
+    s = _pipeline("--model", "hybrid")
+    _assert_identical_and_accounted(s)
+    assert s["model"] == "hybrid" and s["kv_groups"] == 4 and s["ranks"] == []
