@@ -65,6 +65,24 @@ def test_an_empty_slot_list_becomes_an_int64_mapping() -> None:
     assert one.slots_cpu.dtype == torch.int64 and one.slots_cpu.tolist() == [7]
 
 
+def test_an_integer_slot_mapping_of_any_width_becomes_int64() -> None:
+    """Mutant: ``events:PrefixCacheWriteLayout.__post_init__:del_assign:cddcb075#1`` (an int32 or
+    int16 mapping kept at its width). The pool indexes with int64 and its one-pass range check
+    (a negative slot read as unsigned) is the int64 path: every integer mapping is cast once here."""
+    for dtype in (torch.int32, torch.int16, torch.uint8):
+        layout = PrefixCacheWriteLayout.packed([("a", 0, 2)], torch.tensor([3, 4], dtype=dtype))
+        assert layout.slots_cpu is not None and layout.slots_cpu.dtype == torch.int64, dtype
+        assert layout.slots_cpu.tolist() == [3, 4]
+
+
+def test_a_group_id_outside_the_events_groups_has_no_blocks() -> None:
+    """Mutant: ``events:PrefixCacheRequestEvent.group_block_ids:int_off:39e2da9e`` (``0 <=`` -> ``-1 <=``):
+    a negative group id is no group, never the last one counted from the end."""
+    event = PrefixCacheRequestEvent("a", PrefixCacheEventKind.STARTED, 0, 8, ((0, 1), (2, 3)))
+    assert event.group_block_ids(0) == (0, 1) and event.group_block_ids(1) == (2, 3)
+    assert event.group_block_ids(-1) == () and event.group_block_ids(-2) == () and event.group_block_ids(2) == ()
+
+
 # ---- value types: a step is a snapshot of its events -------------------------------------
 def test_a_step_keeps_its_own_tuple_of_events() -> None:
     """Mutant: ``events:PrefixCacheStep.__post_init__:del_call:e57a566c`` (the events list kept as given)."""

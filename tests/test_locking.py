@@ -174,10 +174,34 @@ def test_block_pool_calls_wait_for_its_lock(what: str) -> None:
     assert_waits_for_lock(pool.lock, calls[what], f"PrefixBlockPool.{what}")
 
 
+def test_block_pool_scatters_rows_under_its_lock() -> None:
+    """Mutant: ``block_pool:PrefixBlockPool.write:drop_with:a4e6786b`` (the scatter itself outside
+    the lock: the tensor lookup before it takes the lock anyway, so the test above cannot see it).
+    A reader's ``index_select`` must never see half of a scatter (I11)."""
+    pool = PrefixBlockPool(8)
+    pool.write("k", torch.tensor([1, 2]), torch.ones(2, 3))
+    real = pool._tensors["k"]
+    held: list[bool] = []
+
+    class ScatterProbe:
+        """The pool's tensor for ``k``, noting whether the pool's lock is held at the scatter."""
+
+        def index_copy_(self, *args: object) -> object:
+            held.append(pool.lock.locked())
+            return real.index_copy_(*args)  # type: ignore[arg-type]
+
+    pool._tensors["k"] = ScatterProbe()  # type: ignore[assignment]
+    pool.write("k", torch.tensor([3]), torch.full((1, 3), 2.0))
+    pool._tensors["k"] = real
+    assert held == [True], "the block pool scattered rows without holding its lock"
+    assert torch.equal(pool.rows("k", torch.tensor([3])), torch.full((1, 3), 2.0))
+
+
 # ---- I3/I11: staging pages are read only through a slot in the right state, under the lock -
 
 
-@pytest.mark.parametrize("what", ["claimed_pages", "pages_rows", "save", "unconsumed", "slot_states", "page_bytes"])
+@pytest.mark.parametrize("what", ["claimed_pages", "pages_rows", "save", "unconsumed", "slot_states", "page_bytes",
+                                  "wait_percentiles", "num_claim_waits", "wait_history_footprint"])
 def test_staging_calls_wait_for_the_pool_lock(what: str) -> None:
     """Mutants: ``drop_with`` on ``StagingPool.claimed_pages`` (the slot's state read bare), ``save``, and siblings."""
     pool, claimed, saved = claimed_and_saved()
@@ -188,6 +212,9 @@ def test_staging_calls_wait_for_the_pool_lock(what: str) -> None:
         "unconsumed": pool.unconsumed,
         "slot_states": pool.slot_states,
         "page_bytes": pool.page_bytes,
+        "wait_percentiles": lambda: pool.wait_percentiles((0.5, 0.99)),
+        "num_claim_waits": lambda: pool.num_claim_waits,
+        "wait_history_footprint": pool.wait_history_footprint,
     }
     assert_waits_for_lock(pool._lock, calls[what], f"StagingPool.{what}")
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cache_helpers import BS, manager, save_without_hidden, settle, slots, started, truth
+from cache_helpers import BS, config, manager, save_without_hidden, settle, slots, started, truth
 
 from omni_cache import (
     ModelCachePolicy,
@@ -26,6 +26,9 @@ from omni_cache import (
 )
 from omni_cache.adapter import PrefixCacheEventKind as E
 from omni_cache.errors import PHRASE_NOT_READABLE
+from omni_cache.interface import HIDDEN_KEY
+from omni_cache.manager import OmniPrefixCacheManager
+from omni_cache.trace import TraceRecorder
 
 K = "mm.k"
 
@@ -354,3 +357,47 @@ def test_a_zero_row_write_leaves_its_hit_for_the_first_step_that_schedules_it(ea
     step = _save(m, [("B", [0, 2], BS, BS + 2)], with_k=False, tag_of={"B": "A"})
     assert torch.equal(m.materialize(step, ["B"]).hidden_states["B"], truth("A", range(BS + 2)))
     m.shutdown()
+
+
+def test_a_planned_reads_pending_deferred_write_is_queued_by_the_save_that_plans_it() -> None:
+    """Mutant: ``manager:OmniPrefixCacheManager._after_save:del_call:48111a35``. A is live, so its
+    deferred K is still open (it lands at A's FINISHED); B's save plans a hit on A's blocks, which
+    needs that write: the save queues it at once (eager: it lands inside the save), so B's
+    materialize finds it landed instead of starting it then, and it leaves the open set
+    (``deferred_open``, the ``gpu_staging_bytes`` budget). The rows are A's either way.
+
+    The trace notes that TLC validates say the same (mutants ``writes:WriteBook.enqueue:negate_cond:
+    09249d7e``, front and back swapped, and ``tenancy:SlotTenancy.read:del_call:bb1391f6``, reads
+    not noted, which would leave the tenancy trace check nothing to check a read against): A's K
+    is queued at the front, each immediate write at the back, and each key of B's hit is read at
+    the versions its plan named."""
+    rec = TraceRecorder()
+    m = OmniPrefixCacheManager(config(), eager=True, recorder=rec)
+    m.register_policy(ModelCachePolicy(deferred_keys=frozenset({K})))
+    m.new_step_starts([started("A", scheduled=8)])
+    layout_a = PrefixCacheWriteLayout.packed([("A", 0, 8)], slots([0, 1], 0, 8))
+    step_a = m.save_outputs(truth("A", range(8)), {K: torch.ones(8, 3)}, num_tokens_unpadded=8,
+                            num_tokens_padded=8, write_layout=layout_a)
+    m.materialize(step_a, ["A"])
+    assert m.stats()["deferred_open"] == 1  # A's K waits for A's FINISHED
+    written = m.stats()["writes_written"]
+    m.new_step_starts([started("B", hit_end=8, blocks=[0, 1], scheduled=4)])
+    layout_b = PrefixCacheWriteLayout.packed([("B", 8, 12)], slots([0, 1, 2], 8, 12))
+    step_b = m.save_outputs(truth("B", range(8, 12)), {K: torch.full((4, 3), 2.0)}, num_tokens_unpadded=4,
+                            num_tokens_padded=4, write_layout=layout_b)
+    stats = m.stats()
+    assert stats["deferred_open"] == 1, f"B's plan left A's deferred write open: {stats['deferred_open']} open"
+    assert stats["writes_written"] >= written + 1  # A's K landed in B's save (eager), before any read
+    out = m.materialize(step_b, ["B"])
+    assert torch.equal(out.mm_outputs[K]["B"], torch.cat([torch.ones(8, 3), torch.full((4, 3), 2.0)]))
+    m.shutdown()
+    notes = [e for e in rec.events(notes=True) if e.kind == "note"]
+    tid_of = {(e.step_id, bool(e.get("deferred"))): e.get("tid") for e in notes if e.trigger == "register"
+              and e.machine == "pool_write"}
+    queued = [(e.trigger, e.get("tids")) for e in notes if e.obj == "queue"]
+    assert queued[:3] == [("enqueue_back", (tid_of[step_a, False],)), ("enqueue_front", (tid_of[step_a, True],)),
+                          ("enqueue_back", (tid_of[step_b, False],))], queued
+    (plan,) = [e for e in notes if e.machine == "tenancy" and e.trigger == "plan"]
+    reads = sorted((e.get("key"), e.get("plan"), e.get("served")) for e in notes if e.trigger == "read")
+    assert reads == [(HIDDEN_KEY, plan.get("plan"), (tid_of[step_a, False],) * 8),
+                     (K, plan.get("plan"), (tid_of[step_a, True],) * 8)], reads

@@ -17,6 +17,7 @@ from cache_helpers import MODES, manager, save, started, wait_until
 from thread_helpers import JOIN_S, HoldFirstCopy
 
 from omni_cache import OmniPrefixCacheUnmatchError
+from omni_cache.errors import PHRASE_SHUT_DOWN
 from omni_cache.faults import FaultHooks
 
 
@@ -121,3 +122,33 @@ def test_a_save_that_claimed_its_page_lands_before_shutdown_returns(eager: bool)
     assert step_id in shutting.result  # type: ignore[operator]
     _assert_no_write_left(m)
     assert torch.equal(m.pool.rows("hidden", torch.arange(8, 12)), rows), "the claimed save's rows never landed"
+
+
+@pytest.mark.parametrize("eager", MODES)
+def test_a_save_past_the_usable_check_when_shutdown_begins_is_refused_at_the_door(eager: bool) -> None:
+    """Mutant: ``manager:OmniPrefixCacheManager.save_outputs:del_raise:43130aa8``. The save passed
+    ``_check_usable`` before ``shutdown`` began and reaches the save door after it closed: it is
+    refused there, before it claims anything or issues a step id (a save without a staging page,
+    e.g. only deferred keys, would otherwise register a write no committer lands)."""
+    m = manager(eager=eager)
+    m.new_step_starts([started("a", scheduled=4)])
+    real, passed, go = m._check_usable, threading.Event(), threading.Event()
+
+    def check_then_pause(what: str) -> None:
+        real(what)
+        if what == "save_outputs":
+            passed.set()
+            assert go.wait(JOIN_S), "the test never let the save go on"
+
+    m._check_usable = check_then_pause  # type: ignore[method-assign]
+    saving = _Call(lambda: save(m, [("a", [0], 0, 4)]))
+    assert passed.wait(JOIN_S), "the save never reached the usable check"
+    shutting = _Call(m.shutdown)
+    wait_until(lambda: m._saves._closed, "shutdown closes the save door", JOIN_S)
+    go.set()
+    assert saving.done.wait(JOIN_S) and isinstance(saving.error, OmniPrefixCacheUnmatchError), (
+        saving.error or saving.result)
+    assert str(saving.error) == f"cannot save_outputs: {PHRASE_SHUT_DOWN}", saving.error
+    assert shutting.done.wait(JOIN_S) and shutting.error is None and shutting.result == {}
+    assert m._ids_issued == 0 and m.counters["saved"] == 0 and m.stats()["staging"]["claims"] == 0
+    _assert_no_write_left(m)
