@@ -250,6 +250,9 @@ def test_argument_errors_are_one_line_and_exit_2(argv: list[str], says: str, cap
     (["--model", "hybrid", "--pp", "2"], "--model hybrid runs on one worker"),
     (["--tp", "3"], "--tp 3 does not divide the model's 2 attention heads"),
     (["--tp", "8", "--pp", "2"], "--tp 8 x --pp 2 = 16 workers; at most 8"),
+    (["--kv-connector", "example", "--repeats", "1"], "--kv-connector needs --repeats 2 or more"),
+    (["--kv-connector", "example", "--tp", "2"], "--kv-connector runs the thinker in this process: not with --tp 2"),
+    (["--kv-connector", "example", "--model", "hybrid"], "--kv-connector runs the llama thinker (one KV-cache group)"),
 ])
 def test_a_thinker_grid_the_model_cannot_run_is_one_line_and_exit_2(argv: list[str], says: str,
                                                                    capsys: pytest.CaptureFixture[str]) -> None:
@@ -282,6 +285,11 @@ def test_the_thinker_engine_arguments_follow_model_and_grid() -> None:
     assert hybrid["kv_cache_memory_bytes"] == MODELS["hybrid"].kv_cache_memory_bytes(40) != one["kv_cache_memory_bytes"]
     talker = talker_kwargs("/t", StageOptions(**base, model="hybrid", tp=2))
     assert "tensor_parallel_size" not in talker and talker["enable_prompt_embeds"]
+    kv = {"kv_connector": "OmniKVConnector"}
+    assert thinker_kwargs("/m", StageOptions(**base, kv_transfer_config=kv), prefix_caching=True)["kv_transfer_config"] == kv
+    assert "kv_transfer_config" not in thinker_kwargs("/m", StageOptions(**base, kv_transfer_config=kv),
+                                                      prefix_caching=False)  # the ground truth has no connector
+    assert "kv_transfer_config" not in talker_kwargs("/t", StageOptions(**base, kv_transfer_config=kv))
 
 
 def test_missing_vllm_is_one_line_and_exit_2(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]

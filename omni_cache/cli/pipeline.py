@@ -20,7 +20,7 @@ from typing import Any
 from omni_cache.cli.args import EXIT_USAGE, float_range, int_range, non_negative_int
 from omni_cache.cli.simulate_vllm import add_model_argument
 from omni_cache.pipeline.workload import MAX_REQUESTS, PRESETS, plan_turns
-from omni_cache.vllm_sim.grid import check_parallel_config
+from omni_cache.vllm_sim.grid import check_kv_connector, check_parallel_config
 from omni_cache.vllm_sim.models import DEFAULT_MODEL
 
 __all__ = ["register"]
@@ -65,6 +65,11 @@ def register(subparsers: Any) -> None:
                         "process); the cache lives on the output rank only")
     parser.add_argument("--pp", type=int_range(1, 2), default=1, help="the thinker's pipeline-parallel stages "
                         "(default 1)")
+    parser.add_argument("--kv-connector", choices=["example"], default=None,
+                        help="the thinker with prefix caching runs vLLM's ExampleConnector under omni-cache's "
+                        "OmniKVConnector (disk store in a temp dir); each run after the first finds its prefixes "
+                        "through the connector, and the talker's output must still equal prefix caching off "
+                        "(needs --repeats 2 or more; docs/kv-tier.md)")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
     parser.set_defaults(func=run)
 
@@ -72,7 +77,10 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         plan_turns(PRESETS[args.preset], seed=args.seed, requests=args.requests)
-        check_parallel_config(argparse.Namespace(tp=args.tp, pp=args.pp, model=args.model or DEFAULT_MODEL))
+        grid = argparse.Namespace(tp=args.tp, pp=args.pp, model=args.model or DEFAULT_MODEL, repeats=args.repeats,
+                                  kv_connector=args.kv_connector)
+        check_parallel_config(grid)
+        check_kv_connector(grid)
     except ValueError as exc:
         print(f"omni-cache pipeline: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -94,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = PipelineConfig(preset=args.preset, seed=args.seed, requests=args.requests, talker_tokens=args.talker_tokens,
                          repeats=args.repeats, model=args.model or DEFAULT_MODEL, tp=args.tp, pp=args.pp,
+                         kv_connector=args.kv_connector,
                          tolerance=DEFAULT_LOGPROB_TOLERANCE if args.tolerance is None else args.tolerance)
     result = run_pipeline(cfg)
     summary = summarize(result)

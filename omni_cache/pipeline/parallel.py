@@ -42,10 +42,12 @@ __all__ = ["ParallelThinkerStage", "make_thinker_stage"]
 _TIMED = ("forward_s", "save_s", "materialize_s", "steps")  # the output rank's timers the report reads
 
 
-def make_thinker_stage(llm: Any, opts: StageOptions, *, cached: bool) -> ThinkerStage:
+def make_thinker_stage(llm: Any, opts: StageOptions, *, cached: bool, tier_truth: Any = None) -> ThinkerStage:
     if opts.workers > 1:
+        if tier_truth is not None:
+            raise ValueError("a KV connector runs with the thinker in this process: not with --tp/--pp")
         return ParallelThinkerStage(llm, cached=cached, tp=opts.tp, pp=opts.pp)
-    return ThinkerStage(llm, cached=cached)
+    return ThinkerStage(llm, cached=cached, tier_truth=tier_truth)
 
 
 class ParallelThinkerStage(ThinkerStage):

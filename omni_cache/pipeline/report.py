@@ -4,7 +4,8 @@ Owns: ``summarize`` (``PipelineResult`` -> dict: ``ok``, ``requests``,
 ``hit_tokens``, ``talker_identical``, ``controls_caught`` (of
 ``controls_run``), ``prefill_tokens_with_apc`` / ``_without_apc``,
 ``thinker_speedup``, ``end_to_end_speedup``, ``vllm_version``, the thinker's
-``model``, ``kv_groups``, ``tp``, ``pp`` and worker ``ranks`` (place, host bytes), the cache's
+``model``, ``kv_groups``, ``tp``, ``pp`` and worker ``ranks``, with ``--kv-connector``
+``tier_hit_tokens``, ``tier_bytes``, ``tier_load_failures`` and the ``tier`` counters (place, host bytes), the cache's
 cost per step and the details of every check), ``exit_code`` and ``render``.
 Invariants: none enforced here.
 """
@@ -85,6 +86,11 @@ def summarize(res: PipelineResult) -> dict[str, Any]:
         "pp": cfg.pp,
         "ranks": res.ranks,
         "kv_groups": res.kv_groups,
+        "kv_connector": cfg.kv_connector,
+        "tier": res.tier,
+        "tier_hit_tokens": res.tier.get("tier_hit_tokens", 0),
+        "tier_bytes": res.tier.get("tier_bytes", 0),
+        "tier_load_failures": res.tier.get("tier_load_failures", 0),
         "rows_verified": res.rows_verified,
         "second_materialize_refused": res.double_materialize_refused,
         "prefill_tokens_with_apc": apc.prefill_tokens,
@@ -161,6 +167,9 @@ def render(s: dict[str, Any], console: Console) -> None:
         ("thinker", f"{s['model']}, {s['kv_groups']} KV-cache group(s), tp {s['tp']} x pp {s['pp']}" + (
             "; host bytes per rank " + ", ".join(f"{r.get('rank')}: {r.get('host_bytes', 0):,}" for r in s["ranks"])
             if s["ranks"] else "")),
+        *([("hidden-state tier (--kv-connector)", f"{s['tier_hit_tokens']} tier hit tokens restored of "
+            f"{s['tier'].get('external_tokens', 0)} the connector loaded, {s['tier_bytes']:,} bytes held, "
+            f"{s['tier_load_failures']} load failures")] if s["kv_connector"] else []),
         ("engine start / wall time", f"{s['engine_start_s']:.1f} s / {s['wall_s']:.1f} s"),
     ]
     if s["ok"]:

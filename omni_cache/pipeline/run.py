@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import gc
 import shutil
 import time
@@ -40,8 +41,12 @@ from omni_cache.pipeline.stages import (
 )
 from omni_cache.pipeline.workload import PRESETS, PlannedTurn, max_prompt_len, plan_turns, resolve_prompt
 from omni_cache.sim.checker import Mismatch
-from omni_cache.vllm_sim.grid import check_parallel_config
+from omni_cache.vllm_sim.engine import BLOCK_SIZE
+from omni_cache.vllm_sim.grid import check_kv_connector, check_parallel_config
 from omni_cache.vllm_sim.models import sim_model
+from omni_cache.vllm_sim.tier_run import tier_findings
+from omni_cache.vllm_sim.tier_truth import TierTruth
+from omni_cache.vllm_sim.truth import ForwardCapture
 
 __all__ = ["Drive", "PipelineConfig", "PipelineResult", "RunStats", "drive", "run_pipeline"]
 
@@ -59,6 +64,8 @@ class PipelineConfig:
     model: str = "llama"  # the thinker's (vllm_sim.models)
     tp: int = 1  # the thinker's tensor-parallel workers (pipeline.parallel when tp x pp > 1)
     pp: int = 1  # the thinker's pipeline-parallel stages
+    kv_connector: str | None = None  # "example": the thinker with prefix caching runs ExampleConnector under
+    # OmniKVConnector; from the second repeat on its prefixes come back through it (pipeline.kv_scope)
 
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:
@@ -72,6 +79,7 @@ class PipelineConfig:
         plan_turns(PRESETS[self.preset], seed=self.seed, requests=self.requests)  # raises on a bad size
         sim_model(self.model)  # an unknown model: ValueError naming the choices
         check_parallel_config(self)
+        check_kv_connector(self)
 
     def as_dict(self) -> dict[str, Any]:
         preset = PRESETS[self.preset]
@@ -116,6 +124,7 @@ class PipelineResult:
     repeats_without_apc: list[dict[str, float]] = field(default_factory=list)
     ranks: list[dict[str, Any]] = field(default_factory=list)  # the thinker's workers (tp x pp > 1)
     kv_groups: int = 0  # the thinker's KV-cache groups (above 1: a hybrid layout)
+    tier: dict[str, Any] = field(default_factory=dict)  # --kv-connector: the tier's counters and external tokens
     rows_verified: int = 0
     served_from_cache: int = 0
     same_step_hits: int = 0
@@ -266,21 +275,33 @@ class Pipeline:
         stack.callback(shutil.rmtree, thinker_dir, True)
         talker = build_llm(talker_kwargs(ckpt, self.opts))
         stack.callback(_shutdown, talker)
-        engines = {"talker": talker,
-                   "thinker_apc": build_llm(thinker_kwargs(thinker_dir, self.opts, prefix_caching=True)),
-                   "thinker_truth": build_llm(thinker_kwargs(thinker_dir, self.opts, prefix_caching=False))}
-        for name in ("thinker_apc", "thinker_truth"):
-            stack.callback(_shutdown, engines[name])
+        engines = {"talker": talker, "thinker_truth": build_llm(thinker_kwargs(thinker_dir, self.opts,
+                                                                               prefix_caching=False))}
+        stack.callback(_shutdown, engines["thinker_truth"])
+        opts = self.opts
+        if self.config.kv_connector is not None:
+            from omni_cache.vllm_sim.tier_run import example_transfer_config
+
+            storage = tempfile.mkdtemp(prefix="omni-cache-example-connector-")
+            stack.callback(shutil.rmtree, storage, True)
+            opts = dataclasses.replace(opts, kv_transfer_config=example_transfer_config(storage))
+        engines["thinker_apc"] = build_llm(thinker_kwargs(thinker_dir, opts, prefix_caching=True))  # last: see kv_scope
+        stack.callback(_shutdown, engines["thinker_apc"])
+        if self.config.kv_connector is not None:
+            from omni_cache.pipeline.kv_scope import scope_connector
+
+            scope_connector(engines["thinker_apc"])
         return engines
 
     def _run(self, engines: dict[str, Any], res: PipelineResult) -> None:
         talker = TalkerStage(engines["talker"], self.talker_tokens)
         self._warm_up(talker)
         runs: dict[bool, list[tuple[ThinkerStage, Drive]]] = {True: [], False: []}
+        tier_truth = TierTruth(ForwardCapture(BLOCK_SIZE), lambda: 0) if self.config.kv_connector else None
         for r in range(self.config.repeats):  # on, off, off, on, ...: drift and warm-up fall on both
             for cached in ((True, False) if r % 2 == 0 else (False, True)):
                 stage = make_thinker_stage(engines["thinker_apc" if cached else "thinker_truth"], self.opts,
-                                           cached=cached)
+                                           cached=cached, tier_truth=tier_truth if cached else None)
                 gc.collect()
                 gc.disable()  # no collector pauses inside the timed runs (the checker's many small tensors)
                 try:
@@ -312,7 +333,19 @@ class Pipeline:
             cap.rows_verified, cap.served_from_cache, cap.same_step_hits)
         res.double_materialize_refused = all(s.double_materialize_refused for s, _ in runs[True])
         res.ranks, res.kv_groups = list(apc.ranks), apc.kv_groups
+        if tier_truth is not None:
+            self._check_tier(runs[True][-1][0], tier_truth, res)
         self._controls(apc, talker, truth_out, res)
+
+    @staticmethod
+    def _check_tier(last: ThinkerStage, truth: TierTruth, res: PipelineResult) -> None:
+        """The tier's counters (its applier lives on the connector, across the stages' caches) against
+        the ground truth's count of connector-loaded tokens (``tier_run.tier_findings``)."""
+        applier = getattr(getattr(last, "bridge", None), "tier_applier", None)
+        res.tier = {**(applier.summary() if applier is not None else {"tier_hit_tokens": 0}),
+                    "external_tokens": truth.external_tokens, "unstored_loads": truth.unstored_loads}
+        if not res.mismatches:
+            res.mismatches.extend(tier_findings(res.tier))
 
     def _warm_up(self, talker: TalkerStage) -> None:
         """The talker is shared by both runs: warm it (prompt lengths like the workload's, batched and alone)

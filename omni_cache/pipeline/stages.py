@@ -45,11 +45,14 @@ from omni_cache.sim.checker import Mismatch
 from omni_cache.vllm_sim.engine import BLOCK_SIZE, TINY_LLAMA, VllmSimConfig, VllmSimulation, engine_kwargs
 from omni_cache.vllm_sim.models import DEFAULT_MODEL, sim_model
 from omni_cache.vllm_sim.parallel import worker_kv_bytes
+from omni_cache.vllm_sim.tier_truth import TierTruth
 from omni_cache.vllm_sim.truth import ForwardCapture, derive_mm
+from omni_cache.vllm_sim.workload import FIRST_TOKEN
 
 __all__ = ["ForwardTap", "StageOptions", "StageTimers", "TalkerStage", "ThinkerStage", "install_stage_timers",
            "project", "talker_checkpoint", "talker_kwargs", "thinker_kwargs"]
 
+TIER_FLUSH = "tier-flush"  # the request that carries a stage's last tier stores (ThinkerStage._flush_tier_stores)
 TALKER_INIT_STD = 0.2  # the talker's weight init (std); larger than the usual 0.02, so small input changes show
 
 
@@ -67,6 +70,7 @@ class StageOptions:
     model: str = DEFAULT_MODEL
     tp: int = 1
     pp: int = 1
+    kv_transfer_config: dict[str, Any] | None = None  # the thinker's KV connector (prefix caching on only)
 
     @property
     def workers(self) -> int:
@@ -86,6 +90,8 @@ def thinker_kwargs(model_dir: str, opts: StageOptions, *, prefix_caching: bool) 
                       kv_cache_memory_bytes=worker_kv_bytes(opts.kv_blocks, opts.pp))
     if not prefix_caching:
         kwargs.update(enable_prefix_caching=False, worker_cls="auto", additional_config={})
+    elif opts.kv_transfer_config is not None:
+        kwargs["kv_transfer_config"] = opts.kv_transfer_config
     kwargs.update(dict(opts.extra))
     return kwargs
 
@@ -232,8 +238,11 @@ class ForwardTap:
 class ThinkerStage:
     """One thinker engine, driven step by step; ``cached``: prefix caching on with the omni cache."""
 
-    def __init__(self, llm: Any, *, cached: bool) -> None:
-        """``cached``: ``llm`` runs the omni cache (a fresh one is attached: its prefix cache is emptied)."""
+    def __init__(self, llm: Any, *, cached: bool, tier_truth: TierTruth | None = None) -> None:
+        """``cached``: ``llm`` runs the omni cache (a fresh one is attached: its prefix cache is emptied).
+        ``tier_truth``: ``llm`` runs ``OmniKVConnector``; the tier's ground truth, kept across the
+        stages on one engine (what an earlier run stored comes back in a later one), checks every
+        row the tier restores as check (a) checks local hits."""
         self._init_state(llm, cached)
         runner = runner_of(llm)
         if not cached:
@@ -244,6 +253,11 @@ class ThinkerStage:
         self.kv_groups = len(runner.kv_cache_config.kv_cache_groups)
         self.capture = ForwardCapture(BLOCK_SIZE)
         self.bridge.mm_outputs_fn = derive_mm
+        self.tier_truth = tier_truth
+        if tier_truth is not None:
+            bridge = self.bridge
+            tier_truth.capture, tier_truth.engine_step = self.capture, lambda: bridge.engine_step
+            bridge.step_observer = tier_truth.on_step
         self._install_timers(runner)
 
     def _init_state(self, llm: Any, cached: bool) -> None:
@@ -335,6 +349,16 @@ class ThinkerStage:
             t.checker_s += time.perf_counter() - c0
             t.checker_cpu_s += time.process_time() - cpu
 
+    def _flush_tier_stores(self) -> None:
+        """The connector sends a finished request's stores with the next scheduled step; a serving
+        engine keeps stepping, this stage ends idle and the next one attaches a fresh cache. One
+        one-token request (no full block: it stores nothing itself) carries the last finishes'
+        stores to the tier while this stage's cache still holds their rows; it is served and
+        checked like any request, and handed to no talker."""
+        self.add(TIER_FLUSH, (FIRST_TOKEN,), 1)
+        while self.busy():
+            self.step()
+
     def _keep_served(self, spans: Any, out: Any) -> None:
         """Keep the prompt positions of each request's served rows (``[0, end)`` when a hit was merged)."""
         for rid, _, end in spans:
@@ -375,6 +399,8 @@ class ThinkerStage:
         if not self.cached:
             self.tap.remove()
             return
+        if self.tier_truth is not None:
+            self._flush_tier_stores()
         runner.__dict__.pop("_model_forward", None)
         self.mismatches[:0] = self.capture.mismatches
         if self.published != self.materialized:

@@ -30,12 +30,14 @@ from typing import Any
 from omni_cache.sim.checker import Mismatch
 from omni_cache.vllm_sim.engine import BLOCK_SIZE, VllmSimConfig, VllmSimResult, VllmSimulation, engine_kwargs
 from omni_cache.vllm_sim.engine import tiny_llama_dir as _tiny_llama_dir
+from omni_cache.vllm_sim.grid import KV_CONNECTORS
 from omni_cache.vllm_sim.tier_truth import TierTruth
 from omni_cache.vllm_sim.workload import FIRST_TOKEN, VOCAB, PlannedRequest
 
-__all__ = ["CONNECTORS", "TierSimulation", "add_tier_summary", "render_tier", "tier_plan"]
+__all__ = ["CONNECTORS", "TierSimulation", "add_tier_summary", "example_transfer_config", "render_tier",
+           "tier_findings", "tier_plan"]
 
-CONNECTORS = ("example",)
+CONNECTORS = KV_CONNECTORS
 TIER_KV_BLOCKS = 64
 
 
@@ -70,6 +72,38 @@ def tier_plan(seed: int, requests: int) -> tuple[list[PlannedRequest], list[Plan
     return first, second
 
 
+def example_transfer_config(storage: str, tier_bytes: int = 64 << 20, tier_dir: str | None = None) -> dict[str, Any]:
+    """``kv_transfer_config`` of vLLM's ``ExampleConnector`` (its disk store in ``storage``) under
+    ``OmniKVConnector`` (the hidden-state tier: ``tier_bytes`` of host memory, ``tier_dir`` below it)."""
+    settings: dict[str, Any] = {"tier_bytes": tier_bytes}
+    if tier_dir is not None:
+        settings["tier_dir"] = tier_dir
+    return {
+        "kv_connector": "OmniKVConnector", "kv_connector_module_path": "omni_cache.integration.kv_tier",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "connectors": [{"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+                            "kv_connector_extra_config": {"shared_storage_path": storage}}],
+            "omni_cache": settings,
+        },
+    }
+
+
+def tier_findings(summary: dict[str, Any], *, expect_load_failures: bool = False) -> list[Mismatch]:
+    """What a run whose prefixes came back through the connector failed to show: KV that came back
+    at all (``external_tokens``), every loaded token's rows restored by the tier, no failed load."""
+    if summary.get("external_tokens", 0) == 0:
+        return [Mismatch(None, None, None, None, None,
+                         "no KV came back through the connector (0 external tokens): the tier was not exercised")]
+    if summary.get("tier_load_failures") and not expect_load_failures:
+        return [Mismatch(None, None, None, None, None, f"{summary['tier_load_failures']} tier loads failed: "
+                         f"{summary.get('tier_load_failure_blocks')}")]
+    if summary.get("tier_hit_tokens", 0) != summary["external_tokens"] and not expect_load_failures:
+        return [Mismatch(None, None, None, None, None, f"the tier restored {summary.get('tier_hit_tokens', 0)} "
+                         f"tokens of the {summary['external_tokens']} the connector loaded")]
+    return []
+
+
 class TierSimulation(VllmSimulation):
     """See the module docstring. ``tier_bytes``/``tier_dir``: the tier's budget and second level."""
 
@@ -88,18 +122,7 @@ class TierSimulation(VllmSimulation):
         self.truth: TierTruth | None = None
 
     def kv_transfer_config(self) -> dict[str, Any]:
-        settings: dict[str, Any] = {"tier_bytes": self.tier_bytes}
-        if self.tier_dir is not None:
-            settings["tier_dir"] = self.tier_dir
-        return {
-            "kv_connector": "OmniKVConnector", "kv_connector_module_path": "omni_cache.integration.kv_tier",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {
-                "connectors": [{"kv_connector": "ExampleConnector", "kv_role": "kv_both",
-                                "kv_connector_extra_config": {"shared_storage_path": self.storage}}],
-                "omni_cache": settings,
-            },
-        }
+        return example_transfer_config(self.storage, self.tier_bytes, self.tier_dir)
 
     def build_llm(self) -> Any:
         from omni_cache.vllm_sim.engine import prepare_vllm_env
@@ -143,19 +166,7 @@ class TierSimulation(VllmSimulation):
         self.tier_summary = summary
         if res.mismatches:
             return  # the first finding is reported; the tier's own checks add nothing to it
-        if summary["external_tokens"] == 0:
-            res.mismatches.append(Mismatch(None, None, None, None, None,
-                                           "no KV came back through the connector (0 external tokens): the tier "
-                                           "was not exercised"))
-            return
-        if summary.get("tier_load_failures") and not self.expect_load_failures:
-            res.mismatches.append(Mismatch(None, None, None, None, None,
-                                           f"{summary['tier_load_failures']} tier loads failed: "
-                                           f"{summary['tier_load_failure_blocks']}"))
-        elif summary["tier_hit_tokens"] != summary["external_tokens"] and not self.expect_load_failures:
-            res.mismatches.append(Mismatch(None, None, None, None, None,
-                                           f"the tier restored {summary['tier_hit_tokens']} tokens of the "
-                                           f"{summary['external_tokens']} the connector loaded"))
+        res.mismatches.extend(tier_findings(summary, expect_load_failures=self.expect_load_failures))
 
 
 def add_tier_summary(summary: dict[str, Any], sim: VllmSimulation) -> None:
