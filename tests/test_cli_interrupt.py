@@ -23,10 +23,11 @@ ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
-def _sigint_default() -> None:
-    """The child starts with SIGINT at its default, as under a terminal: a shell's background job
-    (``cmd &``, ``nohup``) inherits SIGINT ignored, and Python then installs no handler at all."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+# The child's first line puts SIGINT at Python's own handler, as under a terminal: a shell's
+# background job (``cmd &``, ``nohup``) inherits SIGINT ignored, and Python then installs none.
+# (Set in the child itself: a pre-exec hook is unsafe in a parent that runs threads.)
+_SIGINT_AS_IN_A_TERMINAL = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+_MAIN = _SIGINT_AS_IN_A_TERMINAL + "import sys\nfrom omni_cache.cli import main\nsys.exit(main(sys.argv[1:]))\n"
 
 
 def _children(pid: int) -> set[int]:
@@ -64,8 +65,8 @@ def _alive(pid: int) -> bool:
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads child processes from Linux /proc")
 def test_ctrl_c_ends_verify_within_2_s_with_one_line_exit_130_and_its_tlc_processes_gone() -> None:
     require_tlc()
-    proc = subprocess.Popen([sys.executable, "-m", "omni_cache.cli", "verify", "--jobs", "2"], cwd=ROOT, env=ENV,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_sigint_default)
+    proc = subprocess.Popen([sys.executable, "-c", _MAIN, "verify", "--jobs", "2"], cwd=ROOT, env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
         java: set[int] = set()
@@ -93,7 +94,7 @@ def test_ctrl_c_ends_verify_within_2_s_with_one_line_exit_130_and_its_tlc_proces
 
 
 # Raise SIGINT in the process at the moment the command starts importing torch.
-_INTERRUPT_AT_TORCH = """
+_INTERRUPT_AT_TORCH = _SIGINT_AS_IN_A_TERMINAL + """
 import builtins, os, signal, sys
 real_import = builtins.__import__
 def interrupting_import(name, *args, **kwargs):
@@ -110,6 +111,6 @@ sys.exit(main(sys.argv[1:]))
 @pytest.mark.parametrize("argv", [["simulate", "--requests", "2"], ["bench", "--quick"]])
 def test_ctrl_c_while_torch_loads_is_one_line_not_a_traceback(argv: list[str]) -> None:
     done = subprocess.run([sys.executable, "-c", _INTERRUPT_AT_TORCH, *argv], cwd=ROOT, env=ENV,
-                          capture_output=True, text=True, timeout=300, preexec_fn=_sigint_default)
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 130, (done.returncode, done.stderr[-2000:])
     assert done.stderr.strip().splitlines() == [f"omni-cache {argv[0]}: interrupted"], done.stderr[-2000:]

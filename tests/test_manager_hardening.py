@@ -386,6 +386,7 @@ def test_a_planned_reads_pending_deferred_write_is_queued_by_the_save_that_plans
     step_b = m.save_outputs(truth("B", range(8, 12)), {K: torch.full((4, 3), 2.0)}, num_tokens_unpadded=4,
                             num_tokens_padded=4, write_layout=layout_b)
     stats = m.stats()
+    # Open now: B's own K only (A's, which B's plan needs, was queued and landed in the save).
     assert stats["deferred_open"] == 1, f"B's plan left A's deferred write open: {stats['deferred_open']} open"
     assert stats["writes_written"] >= written + 1  # A's K landed in B's save (eager), before any read
     out = m.materialize(step_b, ["B"])

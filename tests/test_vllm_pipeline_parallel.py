@@ -53,8 +53,10 @@ def _assert_identical_and_accounted(s: dict[str, Any], repeats: int = 1) -> None
 
 
 def test_a_tensor_parallel_thinker_hands_identical_rows_from_the_output_rank_only() -> None:
-    s = _pipeline("--tp", "2")
-    _assert_identical_and_accounted(s)
+    """Two runs on the same workers: the second attaches a fresh cache to each worker (the first
+    one's forward wrapper taken off again) and must be as clean and identical as the first."""
+    s = _pipeline("--tp", "2", repeats=2)
+    _assert_identical_and_accounted(s, repeats=2)
     assert (s["model"], s["tp"], s["pp"]) == ("llama", 2, 1)
     ranks = sorted(s["ranks"], key=lambda r: r["rank"])
     assert [r["rank"] for r in ranks] == [0, 1] and [r["output_rank"] for r in ranks] == [True, False]
@@ -82,7 +84,8 @@ def test_prefixes_back_through_the_kv_connector_hand_identical_rows() -> None:
 
 def test_the_connector_is_installed_only_while_its_own_engine_steps() -> None:
     """``kv_scope.scope_connector`` on a stand-in engine: vLLM's process-wide worker connector is
-    taken away, set during the scoped engine's ``step``/``reset_prefix_cache`` only, and a second
+    taken away, set during the scoped engine's ``step``/``reset_prefix_cache`` and its core's
+    ``shutdown`` only, and a second
     connector found installed there is refused."""
     require_vllm()
     import vllm.distributed.kv_transfer.kv_transfer_state as state
@@ -92,7 +95,8 @@ def test_the_connector_is_installed_only_while_its_own_engine_steps() -> None:
 
     seen: list[object] = []
     engine = SimpleNamespace(step=lambda: seen.append(state._KV_CONNECTOR_AGENT),
-                             reset_prefix_cache=lambda: seen.append(state._KV_CONNECTOR_AGENT) or True)
+                             reset_prefix_cache=lambda: seen.append(state._KV_CONNECTOR_AGENT) or True,
+                             engine_core=SimpleNamespace(shutdown=lambda: seen.append(state._KV_CONNECTOR_AGENT)))
     connector, saved = object(), state._KV_CONNECTOR_AGENT
     try:
         with pytest.raises(RuntimeError, match="no worker-side KV connector"):
@@ -103,7 +107,8 @@ def test_the_connector_is_installed_only_while_its_own_engine_steps() -> None:
         assert not has_kv_transfer_group()  # every other engine in the process steps without it
         engine.step()
         assert engine.reset_prefix_cache() is True and seen == [connector, connector]
-        assert not has_kv_transfer_group()
+        engine.engine_core.shutdown()  # the worker shuts its connector down: it must find it
+        assert seen == [connector] * 3 and not has_kv_transfer_group()
         state._KV_CONNECTOR_AGENT = object()
         with pytest.raises(RuntimeError, match="another KV connector"):
             engine.step()

@@ -20,7 +20,7 @@ from typing import Any
 from omni_cache.cli.args import EXIT_USAGE, float_range, int_range, non_negative_int
 from omni_cache.cli.simulate_vllm import add_model_argument
 from omni_cache.pipeline.workload import MAX_REQUESTS, PRESETS, plan_turns
-from omni_cache.vllm_sim.grid import check_kv_connector, check_parallel_config
+from omni_cache.vllm_sim.grid import KV_CONNECTORS, check_kv_connector, check_parallel_config
 from omni_cache.vllm_sim.models import DEFAULT_MODEL
 
 __all__ = ["register"]
@@ -65,7 +65,7 @@ def register(subparsers: Any) -> None:
                         "process); the cache lives on the output rank only")
     parser.add_argument("--pp", type=int_range(1, 2), default=1, help="the thinker's pipeline-parallel stages "
                         "(default 1)")
-    parser.add_argument("--kv-connector", choices=["example"], default=None,
+    parser.add_argument("--kv-connector", choices=list(KV_CONNECTORS), default=None,
                         help="the thinker with prefix caching runs vLLM's ExampleConnector under omni-cache's "
                         "OmniKVConnector (disk store in a temp dir); each run after the first finds its prefixes "
                         "through the connector, and the talker's output must still equal prefix caching off "
@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     from omni_cache.vllm_sim.promises import kv_space_override
 
-    refusal = kv_space_override()
+    refusal = kv_space_override(hint="the pipeline's presets size the thinker's KV cache")
     if refusal:
         print(f"omni-cache pipeline: {refusal}", file=sys.stderr)
         return EXIT_USAGE

@@ -1,6 +1,6 @@
 """``omni-cache pipeline --kv-connector example``: one worker-side KV connector among three engines.
 
-Owns: ``scope_connector``. vLLM keeps a worker's KV
+Owns: ``scope_connector`` and ``CONNECTOR_METHODS``. vLLM keeps a worker's KV
 connector in a process global (``vllm.distributed.kv_transfer.kv_transfer_state``)
 that every model runner in the process consults at each step. The pipeline's
 three engines share this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one
@@ -11,7 +11,8 @@ without this scope: the talker's first step fails vLLM's ``assert
 kv_connector_metadata is not None`` in ``GPUModelRunner.execute_model``).
 ``scope_connector`` takes the global from the engine that installed it (built
 last) and sets it only for the duration of that engine's own calls (``step``,
-``reset_prefix_cache``); any other engine then steps without a connector. The
+``reset_prefix_cache``, and its engine core's ``shutdown``, which shuts the
+connector down); any other engine then steps without a connector. The
 connector's scheduler side lives in that engine's scheduler and is untouched.
 Upholds nothing itself; the tier's rows are checked by ``vllm_sim.tier_truth``.
 """
@@ -24,6 +25,7 @@ from typing import Any
 __all__ = ["CONNECTOR_METHODS", "scope_connector"]
 
 CONNECTOR_METHODS = ("step", "reset_prefix_cache")  # the engine calls that reach its worker's connector
+# ... and the engine core's shutdown, which shuts the worker's connector down (the tier and the wrapped connector)
 
 
 def scope_connector(llm: Any) -> Any:
@@ -36,8 +38,8 @@ def scope_connector(llm: Any) -> Any:
         raise RuntimeError("scope_connector: no worker-side KV connector in this process (the engine has none)")
     state._KV_CONNECTOR_AGENT = None
     engine = llm.llm_engine
-    for name in CONNECTOR_METHODS:
-        real = getattr(engine, name)
+    for owner, name in [*((engine, n) for n in CONNECTOR_METHODS), (engine.engine_core, "shutdown")]:
+        real = getattr(owner, name)
 
         @functools.wraps(real)
         def with_connector(*args: Any, _real: Any = real, **kwargs: Any) -> Any:
@@ -49,5 +51,5 @@ def scope_connector(llm: Any) -> Any:
             finally:
                 state._KV_CONNECTOR_AGENT = None
 
-        setattr(engine, name, with_connector)
+        setattr(owner, name, with_connector)
     return connector

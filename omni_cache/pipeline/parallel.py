@@ -62,7 +62,8 @@ class ParallelThinkerStage(ThinkerStage):
             return
         if not llm.llm_engine.reset_prefix_cache():
             raise RuntimeError("reset_prefix_cache refused: the engine is not idle")
-        self.kv_groups = int(llm.collective_rpc(worker_stage.attach)[self.output_rank]["kv_groups"])
+        info = llm.collective_rpc(worker_stage.attach)[self.output_rank]
+        self.kv_groups, self.kv_blocks_engine = int(info["kv_groups"]), int(info["num_blocks"])
         self.capture = ForwardCapture(BLOCK_SIZE)
 
     # ------------------------------------------------------------------ per step
@@ -108,15 +109,16 @@ class ParallelThinkerStage(ThinkerStage):
 
     # ------------------------------------------------------------------ end
     def finish(self) -> None:
-        """Check (c) from the output rank's final report; the timers; the runners' own methods back."""
+        """Check (c) from the output rank's final report; the timers; the runners' own methods back
+        (``worker_stage.detach``, ``remove_tap``)."""
         if not self.cached:
             final = self.llm.collective_rpc(worker_stage.remove_tap)[self.output_rank]
             self._take_tapped(final)
             self._merge_timers(final["timers"])
             return
-        self._merge_timers(self.llm.collective_rpc(worker_stage.timers)[self.output_rank])
         try:
             finals = self.llm.collective_rpc(worker_probe.finish)
+            self._merge_timers(self.llm.collective_rpc(worker_stage.detach)[self.output_rank])
         except Exception as exc:  # the workers are gone: check (c) cannot be done, which is a finding
             self.mismatches.append(Mismatch(None, None, None, None, None,
                                             f"the workers' final report failed ({type(exc).__name__}: {exc})"))

@@ -43,7 +43,7 @@ from omni_cache.pipeline.workload import PRESETS, PlannedTurn, max_prompt_len, p
 from omni_cache.sim.checker import Mismatch
 from omni_cache.vllm_sim.engine import BLOCK_SIZE
 from omni_cache.vllm_sim.grid import check_kv_connector, check_parallel_config
-from omni_cache.vllm_sim.models import sim_model
+from omni_cache.vllm_sim.models import DEFAULT_MODEL, sim_model
 from omni_cache.vllm_sim.tier_run import tier_findings
 from omni_cache.vllm_sim.tier_truth import TierTruth
 from omni_cache.vllm_sim.truth import ForwardCapture
@@ -61,7 +61,7 @@ class PipelineConfig:
     repeats: int = 2  # each pipeline runs this often, alternating (on, off, off, on, ...); times: the fastest
     steps_limit: int = 5000
     extra_engine_args: tuple[tuple[str, Any], ...] = ()  # every engine
-    model: str = "llama"  # the thinker's (vllm_sim.models)
+    model: str = DEFAULT_MODEL  # the thinker's (vllm_sim.models)
     tp: int = 1  # the thinker's tensor-parallel workers (pipeline.parallel when tp x pp > 1)
     pp: int = 1  # the thinker's pipeline-parallel stages
     kv_connector: str | None = None  # "example": the thinker with prefix caching runs ExampleConnector under
@@ -241,6 +241,8 @@ class Pipeline:
                                  max_model_len=p.max_model_len, seed=config.seed, extra=config.extra_engine_args,
                                  model=config.model, tp=config.tp, pp=config.pp)
         self.talker_tokens = config.talker_tokens or p.talker_tokens
+        # The engine reports pool blocks: a hybrid layout's groups share one pool (vllm_sim.models).
+        self.asked_kv_blocks = p.kv_blocks * sim_model(config.model).pool_blocks_per_block
 
     def run(self, engines: dict[str, Any] | None = None) -> PipelineResult:
         """Build the engines (or use ``engines``: ``thinker_apc``, ``thinker_truth``, ``talker``) and run."""
@@ -302,6 +304,11 @@ class Pipeline:
             for cached in ((True, False) if r % 2 == 0 else (False, True)):
                 stage = make_thinker_stage(engines["thinker_apc" if cached else "thinker_truth"], self.opts,
                                            cached=cached, tier_truth=tier_truth if cached else None)
+                if cached and stage.kv_blocks_engine != self.asked_kv_blocks:
+                    res.mismatches.append(Mismatch(None, None, None, None, None, (
+                        f"the thinker's engine got {stage.kv_blocks_engine} KV blocks, the preset asks for "
+                        f"{self.asked_kv_blocks}: its prefix hits are not the preset's (something changed "
+                        "kv_cache_memory_bytes)")))
                 gc.collect()
                 gc.disable()  # no collector pauses inside the timed runs (the checker's many small tensors)
                 try:

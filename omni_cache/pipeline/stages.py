@@ -1,21 +1,24 @@
 """The two stages of ``omni-cache pipeline`` and how their engines are built.
 
 Owns: the engines' ``LLM(...)`` arguments (``thinker_kwargs``,
-``talker_kwargs``: every engine option is set there, so a later option such as
-tensor parallelism is one keyword in ``StageOptions``), the talker's seeded
+``talker_kwargs``: every engine option is set there from ``StageOptions``: the
+thinker's model, its ``tp x pp`` grid, its KV connector), the talker's seeded
 random checkpoint (``talker_checkpoint``: written with ``transformers``
-``save_pretrained`` into a temporary directory removed on exit), the thinker
-stage (``ThinkerStage``: a tiny dummy-weight Llama as ``simulate --engine
-vllm`` builds it; with prefix caching on, the omni cache is installed through
+``save_pretrained`` into a temporary directory removed on exit), the stage
+timers (``StageTimers``, ``install_stage_timers``), the thinker stage
+(``ThinkerStage``: a tiny dummy-weight model of ``vllm_sim.models`` as
+``simulate --engine vllm`` builds it; with prefix caching on, the omni cache is installed through
 ``worker_cls`` and every saved step id is materialized right after the step
 that saved it, check (a) of ``vllm_sim.truth`` runs on every served row, and
 each request's full-prompt rows are assembled from the served rows; with prefix
 caching off, the full-prompt rows are read from the forward itself by
-``ForwardTap``) and the talker stage (``TalkerStage``: prompts given as
-``prompt_embeds``). The projection between the stages is the identity (both
+``ForwardTap``; with a KV connector, ``TierTruth`` checks the tier's rows and
+one ``TIER_FLUSH`` request ends the stage) and the talker stage
+(``TalkerStage``: prompts given as ``prompt_embeds``). The projection between the stages is the identity (both
 widths are ``TINY_LLAMA``'s 128); ``project`` refuses other widths.
 
-Timers (seconds, written by the engine thread only): forward (the runner's
+Timers (seconds, written by the engine thread; in a worker process the probe's
+consumer thread writes materialize): forward (the runner's
 ``_model_forward`` without the bridge's ``after_forward_v1`` inside it), save
 (``after_forward_v1``: block-table view, stand-in per-token outputs, the
 cache's save; without the checker inside it), materialize, and the checker's
@@ -28,6 +31,7 @@ materialized exactly once, a second refused), I4, I6 and I7 from outside.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import queue
 import shutil
 import tempfile
@@ -251,6 +255,7 @@ class ThinkerStage:
         bridge_of(llm)  # refuses an engine without the cache
         self.bridge = VllmSimulation(VllmSimConfig()).attach(llm)
         self.kv_groups = len(runner.kv_cache_config.kv_cache_groups)
+        self.kv_blocks_engine = int(runner.kv_cache_config.num_blocks)
         self.capture = ForwardCapture(BLOCK_SIZE)
         self.bridge.mm_outputs_fn = derive_mm
         self.tier_truth = tier_truth
@@ -265,6 +270,7 @@ class ThinkerStage:
         self.llm, self.cached = llm, cached
         self.ranks: list[dict[str, Any]] = []  # each worker's place and host bytes (workers only)
         self.kv_groups = 0  # the engine's KV-cache groups (above 1: a hybrid layout); prefix caching on
+        self.kv_blocks_engine = 0  # the KV blocks the engine got (the output rank's); prefix caching on
         self.timers = StageTimers()
         self.mismatches: list[Mismatch] = []
         self.internal: dict[str, str] = {}  # name -> engine request id
@@ -355,9 +361,11 @@ class ThinkerStage:
         one-token request (no full block: it stores nothing itself) carries the last finishes'
         stores to the tier while this stage's cache still holds their rows; it is served and
         checked like any request, and handed to no talker."""
+        kept = dataclasses.asdict(self.timers)  # the run's costs, measured without this request
         self.add(TIER_FLUSH, (FIRST_TOKEN,), 1)
         while self.busy():
             self.step()
+        self.timers.__dict__.update(kept)  # in place: the run's stats hold this object
 
     def _keep_served(self, spans: Any, out: Any) -> None:
         """Keep the prompt positions of each request's served rows (``[0, end)`` when a hit was merged)."""

@@ -17,7 +17,8 @@ tensors, which cross the executor's queues unchanged):
   intermediate-tensors buffer a non-first pipeline stage needs in eager mode
   (``integration.vllm_worker.allocate_intermediate_tensors``: vLLM's skipped
   warm-up would have);
-* ``timers``: the output rank's stage timers, as a dict.
+* ``detach`` (after ``worker_probe.finish``): the runner's own forward back, the
+  timers returned; ``timers``: the stage timers so far, as a dict.
 
 Upholds nothing itself: the driver checks I1, I4, I6 and I7 on what comes back.
 """
@@ -32,7 +33,7 @@ from omni_cache.integration.ranks import vllm_worker_rank
 from omni_cache.pipeline.stages import ForwardTap, StageTimers, install_stage_timers
 from omni_cache.vllm_sim import worker_probe
 
-__all__ = ["attach", "drain_tap", "install_tap", "remove_tap", "timers"]
+__all__ = ["attach", "detach", "drain_tap", "install_tap", "remove_tap", "timers"]
 
 TIMERS = "omni_pipeline_timers"  # the stage timers, an attribute of the worker's model runner
 TAP = "omni_pipeline_tap"  # the ForwardTap of the truth thinker, on the output rank's runner
@@ -88,6 +89,17 @@ def attach(worker: Any) -> dict[str, Any]:
 
     bridge.hooks.materialize = materialize
     return info
+
+
+def detach(worker: Any) -> dict[str, Any]:
+    """After ``worker_probe.finish`` (the cache is shut down): the runner's own ``_model_forward``
+    back and the timers dropped, so the next ``attach`` wraps the runner's method, not this run's
+    wrapper; returns this run's timers."""
+    runner = worker.model_runner
+    out = timers(worker)
+    runner.__dict__.pop("_model_forward", None)
+    runner.__dict__.pop(TIMERS, None)
+    return out
 
 
 def timers(worker: Any) -> dict[str, Any]:

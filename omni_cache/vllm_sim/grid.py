@@ -1,7 +1,7 @@
 """What ``--tp``, ``--pp``, ``--check-ranks`` and ``--kv-connector`` allow for the tiny thinker (``simulate`` and ``pipeline``).
 
-Owns: ``MAX_WORKERS`` and ``check_parallel_config`` (a ``ValueError`` with one
-line for the CLI). Kept apart from ``vllm_sim.parallel`` so that the run's
+Owns: ``MAX_WORKERS``, ``KV_CONNECTORS``, ``check_parallel_config`` and
+``check_kv_connector`` (each a ``ValueError`` with one line for the CLI). Kept apart from ``vllm_sim.parallel`` so that the run's
 config (``vllm_sim.engine``) can validate itself without importing the
 worker-process run. Invariants: none enforced here.
 """

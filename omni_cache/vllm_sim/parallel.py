@@ -1,9 +1,10 @@
 """``simulate --engine vllm --tp N --pp M``: the thinker on tensor- and pipeline-parallel worker processes.
 
-Owns: ``check_parallel_config`` (what ``--tp``, ``--pp`` and ``--check-ranks``
-allow), ``parallel_engine_kwargs`` (the engine's arguments: vLLM's ``mp``
-executor, the per-worker KV-cache bytes of the preset's block count, the
-all-TP-ranks setting), ``make_simulation`` and ``ParallelVllmSimulation``.
+Owns: ``parallel_engine_kwargs`` (the engine's arguments: vLLM's ``mp``
+executor, the per-worker KV-cache bytes of the preset's block count from
+``worker_kv_bytes``, the all-TP-ranks setting), ``make_simulation`` and
+``ParallelVllmSimulation``; what ``--tp``, ``--pp`` and ``--check-ranks`` allow
+is ``vllm_sim.grid.check_parallel_config`` (re-exported here).
 
 The engine core and scheduler stay in this process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); the model runs in ``tp x pp`` spawned

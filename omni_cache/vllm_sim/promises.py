@@ -32,15 +32,16 @@ def asked_kv_blocks(cfg: Any) -> int:
     return int(cfg.kv_blocks or PRESETS[cfg.preset].kv_blocks)
 
 
-def kv_space_override(environ: Mapping[str, str] | None = None) -> str | None:
-    """One line refusing the run when ``VLLM_CPU_KVCACHE_SPACE`` is set, else ``None``."""
+def kv_space_override(environ: Mapping[str, str] | None = None,
+                      hint: str = "use --num-blocks to change the KV cache") -> str | None:
+    """One line refusing the run when ``VLLM_CPU_KVCACHE_SPACE`` is set, else ``None``; ``hint``
+    ends it (the way the command changes its KV cache)."""
     env = os.environ if environ is None else environ
     value = env.get(KV_SPACE_ENV, "")
     if value == "":
         return None
     return (f"{KV_SPACE_ENV}={value} is set: vLLM's CPU engine then sizes its KV cache from it ({value} GiB) "
-            "instead of the preset's block count, so the preset's preemptions would not happen; unset it "
-            "(use --num-blocks to change the KV cache)")
+            f"instead of the preset's block count, so the preset's preemptions would not happen; unset it ({hint})")
 
 
 def kv_block_problem(cfg: Any, got: int, res: Any, blocks: int | None = None) -> bool:
