@@ -35,8 +35,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from cache_helpers import MODES, manager, save, started, wait_for_waiter
+from cache_helpers import MODES, manager, save, started, wait_for_waiter, wait_until
 from reference_model import EMBEDS, Engine, check_outputs
+from thread_helpers import JOIN_S, HoldFirstCopy
 
 from omni_cache import (
     ModelCachePolicy,
@@ -546,4 +547,39 @@ def test_a_failure_after_registration_surfaces_as_itself_and_leaves_no_half_stat
     assert stats["failed"] is not None or clean, stats
     left = [w.describe() for w in m.book.live() if "b" in w.req_ids]
     assert not left, f"the failed save left its registered writes live, not failed (I8): {left}"
+    m.shutdown()
+
+
+class _HoldAndNoteWaits(HoldFirstCopy):
+    """Holds the first device->host copy; notes every blocking point the manager announces."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocking: list[str] = []
+
+    def on_blocking(self, what: str) -> None:
+        self.blocking.append(what)
+
+
+def test_a_materialize_that_waits_for_its_copy_announces_the_wait_first() -> None:
+    """Mutant: ``reader:StepReader.build_outputs:del_call:4f7a216a``. Async: the committer is held
+    inside the step's device->host copy, so ``materialize`` must wait for it; it calls the fault
+    hooks' ``on_blocking`` first (where an injected interrupt or a test's gate acts, contract 4.6's
+    shutdown and the fault tests rely on every wait being announced), then returns the rows."""
+    hold = _HoldAndNoteWaits()
+    m = manager(eager=False)
+    m.faults = m.committer.faults = m.reader.faults = hold
+    m.new_step_starts([started("a", scheduled=4)])
+    step, rows = save(m, [("a", [0], 0, 4)])
+    assert hold.entered.wait(JOIN_S), "the committer never started the step's copy"
+    result: list[object] = []
+    reading = threading.Thread(target=lambda: result.append(m.materialize(step, ["a"])), daemon=True)
+    reading.start()
+    wanted = "materialize waits for the step's device->host copy"
+    wait_until(lambda: wanted in hold.blocking, "materialize announces its wait for the copy", JOIN_S)
+    assert reading.is_alive(), "materialize returned while the step's copy was held"
+    hold.gate.set()
+    reading.join(JOIN_S)
+    assert len(result) == 1, "materialize did not return once the copy landed"
+    assert torch.equal(result[0].hidden_states["a"], rows)  # type: ignore[attr-defined]
     m.shutdown()

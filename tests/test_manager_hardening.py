@@ -402,3 +402,47 @@ def test_a_planned_reads_pending_deferred_write_is_queued_by_the_save_that_plans
     reads = sorted((e.get("key"), e.get("plan"), e.get("served")) for e in notes if e.trigger == "read")
     assert reads == [(HIDDEN_KEY, plan.get("plan"), (tid_of[step_a, False],) * 8),
                      (K, plan.get("plan"), (tid_of[step_a, True],) * 8)], reads
+
+
+def test_a_new_tenants_deferred_write_first_lands_the_older_tenants_open_one() -> None:
+    """Mutant: ``tenancy:SlotTenancy.register:negate_cond:f178e4b5`` (the older-tenant scan done for
+    the wrong schedule). A's deferred K on block 0 is still open (A is live: the engine preempted
+    it and gave block 0 to B). B's save registers its own deferred K there: the older tenant's open
+    write is found and queued first (eager: it lands in the save), so a late landing of A's K can
+    never come after B's (contract 4.6's "older tenants first"); B's own K stays open."""
+    m = manager()
+    m.register_policy(ModelCachePolicy(deferred_keys=frozenset({K})))
+    m.new_step_starts([started("A", scheduled=4), started("B", scheduled=4)])
+    layout_a = PrefixCacheWriteLayout.packed([("A", 0, 4)], slots([0], 0, 4))
+    m.materialize(m.save_outputs(truth("A", range(4)), {K: torch.ones(4, 3)}, num_tokens_unpadded=4,
+                                 num_tokens_padded=4, write_layout=layout_a), ["A"])
+    assert m.stats()["deferred_open"] == 1  # A's K: open until A finishes
+    layout_b = PrefixCacheWriteLayout.packed([("B", 0, 4)], slots([0], 0, 4))  # block 0 again: B is its tenant
+    step_b = m.save_outputs(truth("B", range(4)), {K: torch.full((4, 3), 2.0)}, num_tokens_unpadded=4,
+                            num_tokens_padded=4, write_layout=layout_b)
+    # Open now: B's own K only (A's, behind B's on the same slots, was queued and landed).
+    assert m.stats()["deferred_open"] == 1, "B's save left the older tenant's deferred write open"
+    m.materialize(step_b, ["B"])
+    m.new_step_starts([PrefixCacheRequestEvent("B", E.FINISHED)])
+    settle(m)
+    assert torch.equal(m.pool.rows(K, slots([0], 0, 4)), torch.full((4, 3), 2.0))  # B's rows, never A's
+    m.new_step_starts([PrefixCacheRequestEvent("A", E.FINISHED)])
+    assert torch.equal(m.pool.rows(K, slots([0], 0, 4)), torch.full((4, 3), 2.0))
+    m.shutdown()
+
+
+def test_a_keyless_tenant_is_noted_for_the_tenancy_trace() -> None:
+    """Mutant: ``tenancy:SlotTenancy.take_slots:del_call:882653a7``. A step that writes no key on
+    block 0 still becomes its tenant (I6/I7); the trace notes it (``tenant``, its step and slots),
+    which is how TLC's tenancy check learns that the older rows there are no longer readable."""
+    rec = TraceRecorder()
+    m = OmniPrefixCacheManager(config(), eager=True, recorder=rec)
+    m.register_policy(ModelCachePolicy(needs_full_hidden_states=False))
+    m.new_step_starts([started("a")])
+    m.materialize(save_without_hidden(m, "a", [0], 0, 4, {K: truth("a", range(4))}), ["a"])
+    m.new_step_starts([PrefixCacheRequestEvent("a", E.FINISHED), started("b")])
+    step_b = save_without_hidden(m, "b", [0], 0, 4, {"meta": ["b"]})  # no per-token key at all
+    m.materialize(step_b, ["b"])
+    m.shutdown()
+    tenants = [(e.step_id, e.get("slots")) for e in rec.events("tenancy", notes=True) if e.trigger == "tenant"]
+    assert tenants == [(step_b, (0, 1, 2, 3))], tenants

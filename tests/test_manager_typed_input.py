@@ -197,3 +197,22 @@ def test_a_duck_typed_write_with_an_unhashable_request_id_is_refused() -> None:
         assert torch.equal(m.materialize(step, ["A"]).hidden_states["A"], rows)
     finally:
         m.shutdown()
+
+
+def test_a_layout_without_a_slot_mapping_is_refused_naming_it_missing() -> None:
+    """Mutant: ``validation:check_slot_mapping:del_assign:35af84af`` (no problem noted for a mapping
+    that is not a tensor). A layout built without ``slots_cpu`` (or whose mapping was replaced by
+    another object) is refused at the door, naming what it got, and nothing is claimed."""
+    m = manager()
+    try:
+        m.new_step_starts(PrefixCacheStep((started("A"),), {"A": 2}))
+        before = m.stats()
+        for mapping, says in ((None, "slots_cpu is missing"), ([0, 1], "slots_cpu is a list, not a tensor")):
+            layout = PrefixCacheWriteLayout.packed([("A", 0, 2)], slots([0], 0, 2))
+            object.__setattr__(layout, "slots_cpu", mapping)  # past the constructor's conversion
+            with pytest.raises(OmniPrefixCacheUnmatchError, match=f"{PHRASE_SLOT_MAPPING}.*{says}"):
+                m.save_outputs(truth("A", range(2)), {}, num_tokens_unpadded=2, num_tokens_padded=2,
+                               write_layout=layout)
+            _unchanged(m, before)
+    finally:
+        m.shutdown()

@@ -152,3 +152,4 @@ def test_a_save_past_the_usable_check_when_shutdown_begins_is_refused_at_the_doo
     assert shutting.done.wait(JOIN_S) and shutting.error is None and shutting.result == {}
     assert m._ids_issued == 0 and m.counters["saved"] == 0 and m.stats()["staging"]["claims"] == 0
     _assert_no_write_left(m)
+
