@@ -14,11 +14,10 @@ from collections.abc import Callable
 import pytest
 import torch
 from cache_helpers import MODES, manager, save, started, wait_until
-from thread_helpers import JOIN_S, HoldFirstCopy
+from thread_helpers import JOIN_S, HoldFirst, HoldFirstCopy
 
 from omni_cache import OmniPrefixCacheUnmatchError
 from omni_cache.errors import PHRASE_SHUT_DOWN
-from omni_cache.faults import FaultHooks
 
 
 class _Call:
@@ -92,16 +91,11 @@ def test_a_save_waiting_for_the_previous_write_when_shutdown_begins_is_refused()
     assert m.staging.slot_states() == ["free"]
 
 
-class _HoldAfterClaim(FaultHooks):
+class _HoldAfterClaim(HoldFirst):
     """Holds the first save right after it claimed its staging page until released."""
 
-    def __init__(self) -> None:
-        self.entered, self.gate = threading.Event(), threading.Event()
-
     def after_claim(self, slot: object) -> None:
-        if not self.entered.is_set():
-            self.entered.set()
-            assert self.gate.wait(JOIN_S), "test gate never opened"
+        self.hold()
 
 
 @pytest.mark.parametrize("eager", MODES)

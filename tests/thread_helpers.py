@@ -106,14 +106,22 @@ class HoldStep(FaultHooks):
             assert self.gates[step_id].wait(10), f"test gate of step {step_id} never opened"
 
 
-class HoldFirstCopy(FaultHooks):
-    """Holds the committer inside the first write's device->host copy until ``gate`` is set
-    (for a write whose step id is not known before its save: ``HoldStep`` holds chosen steps)."""
+class HoldFirst(FaultHooks):
+    """``hold()`` from a fault hook: the first call sets ``entered`` and waits (bounded) until the
+    test sets ``gate``; later calls pass. A subclass names the hook that holds."""
 
     def __init__(self) -> None:
         self.entered, self.gate = threading.Event(), threading.Event()
 
-    def before_device_to_host(self, write: object) -> None:
+    def hold(self) -> None:
         if not self.entered.is_set():
             self.entered.set()
             assert self.gate.wait(JOIN_S), "test gate never opened"
+
+
+class HoldFirstCopy(HoldFirst):
+    """Holds the committer inside the first write's device->host copy until ``gate`` is set
+    (for a write whose step id is not known before its save: ``HoldStep`` holds chosen steps)."""
+
+    def before_device_to_host(self, write: object) -> None:
+        self.hold()
