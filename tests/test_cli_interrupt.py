@@ -3,7 +3,10 @@ and no TLC (java) process left running behind ``omni-cache verify``.
 
 The verify test interrupts a real ``omni-cache verify`` subprocess while its TLC JVMs run (it
 waits for a java child, a bounded wait on a condition, then sends SIGINT to the Python process
-alone, as ``kill -INT`` does; a terminal's Ctrl-C reaches the JVMs too, which only helps).
+alone, as ``kill -INT`` does; a terminal's Ctrl-C reaches the JVMs too, which only helps). "At
+once" is 2 s on an idle machine; on a loaded one the bound scales with what the same
+interpreter takes, measured in the same test, to start, import the CLI and exit (never a fixed
+wall-clock figure that a busy CI box can miss: verify's TLC runs take far longer than either).
 """
 
 from __future__ import annotations
@@ -53,6 +56,14 @@ def _java_children(pid: int) -> set[int]:
     return out
 
 
+def _start_and_exit_s() -> float:
+    """Seconds this machine takes right now to start the CLI's interpreter, import verify and exit."""
+    began = time.monotonic()
+    subprocess.run([sys.executable, "-c", _SIGINT_AS_IN_A_TERMINAL + "import omni_cache.cli, omni_cache.verify.tlc"],
+                   cwd=ROOT, env=ENV, check=True, capture_output=True, timeout=120)
+    return time.monotonic() - began
+
+
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -63,8 +74,9 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.tlc
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads child processes from Linux /proc")
-def test_ctrl_c_ends_verify_within_2_s_with_one_line_exit_130_and_its_tlc_processes_gone() -> None:
+def test_ctrl_c_ends_verify_at_once_with_one_line_exit_130_and_its_tlc_processes_gone() -> None:
     require_tlc()
+    baseline = _start_and_exit_s()
     proc = subprocess.Popen([sys.executable, "-c", _MAIN, "verify", "--jobs", "2"], cwd=ROOT, env=ENV,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -86,7 +98,12 @@ def test_ctrl_c_ends_verify_within_2_s_with_one_line_exit_130_and_its_tlc_proces
             proc.wait()
     assert proc.returncode == 130, (proc.returncode, out[-800:], err[-800:])
     assert err.strip().splitlines() == ["omni-cache verify: interrupted"], err[-2000:]
-    assert elapsed < 2.0, f"verify took {elapsed:.1f} s to end after SIGINT"
+    # The load now, measured twice around the run (it changes while it runs): the bound is 2 s or
+    # five times the slower of the two, whichever is larger.
+    load = max(baseline, _start_and_exit_s())
+    bound = max(2.0, 5 * load)
+    assert elapsed < bound, (f"verify took {elapsed:.1f} s to end after SIGINT; the bound is {bound:.1f} s "
+                             f"(starting, importing and exiting the same interpreter took {load:.1f} s)")
     deadline = time.monotonic() + 5  # reaping a killed JVM is not instant
     while any(_alive(p) for p in java) and time.monotonic() < deadline:
         time.sleep(0.05)
