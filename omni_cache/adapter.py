@@ -13,7 +13,9 @@ Upholds the adapter half of I12 (request identity: events carry their
 admission's owner, terminal events the owner they end, a reused id is REPLACED
 before the new admission's first event, whose first new request carries its hit,
 a preempted id that comes back among the new requests is RESUMED, a terminal
-ends the admission it names, also one started or replaced-to in its step) and
+ends the admission it names, also one started or replaced-to in its step, and
+proves every older admission of its id over: an older owner's control or request of
+the same step is dropped) and
 I13 (a replayed step, same ``sequence``, translates to no events and changes no
 adapter state; a step that raises changes none either); events carry block ids
 as tuples (the input half of I5, ``omni_cache.events``).
@@ -116,7 +118,8 @@ class PrefixCacheSchedulerAdapter:
       step whose sequence is not above the last translated one is a replay and
       yields no events (I13).
 
-    An event older than the id's current owner is dropped. State: the live ids
+    An event older than the id's current owner, or than the owner a terminal of this
+    step ends (that terminal proves its id's older admissions over), is dropped. State: the live ids
     with their owners, the preempted ids, the controls whose owner's first new
     request is still due, the last sequence; engine thread only, computed on
     copies and replaced only by a translation that succeeds.
@@ -189,8 +192,8 @@ class PrefixCacheSchedulerAdapter:
                     f"PrefixCacheSchedulerAdapter: prefix_cache_replacements entry {control!r} must be a "
                     "REPLACED event with an owner"
                 )
-            if _is_older(control.owner, live.get(control.req_id)):
-                continue
+            if _is_older(control.owner, live.get(control.req_id)) or _is_older(control.owner, ending.get(control.req_id)):
+                continue  # stale, or its admission ended before this step's terminal of a newer owner
             live[control.req_id] = control.owner
             preempted.discard(control.req_id)
             admitted_by[control.req_id] = control
@@ -201,7 +204,7 @@ class PrefixCacheSchedulerAdapter:
             is_live = req_id in live
             current = live.get(req_id)
             owner = owners.get(req_id, current)
-            if _is_older(owner, current):
+            if _is_older(owner, current) or _is_older(owner, ending.get(req_id)):
                 continue  # a stale admission's lookup
             hit = dict(hit_start=0, hit_end=int(getattr(new_req, "num_computed_tokens", 0) or 0),
                        block_ids=freeze_block_ids(getattr(new_req, "block_ids", None)),
@@ -223,7 +226,7 @@ class PrefixCacheSchedulerAdapter:
             preempted.discard(req_id)
 
         if cached is not None:
-            events.extend(self._translate_cached(cached, scheduled, owners, live, preempted, admitted_by))
+            events.extend(self._translate_cached(cached, scheduled, owners, live, preempted, admitted_by, ending))
 
         for req_id in getattr(so, "preempted_req_ids", None) or ():
             if req_id in live and req_id not in ending:
@@ -263,7 +266,7 @@ class PrefixCacheSchedulerAdapter:
     def _translate_cached(
         self, cached: Any, scheduled: dict[ReqId, int], owners: dict[ReqId, Any],
         live: dict[ReqId, PrefixCacheRequestOwner | None], preempted: set[ReqId],
-        admitted_by: dict[ReqId, PrefixCacheRequestEvent],
+        admitted_by: dict[ReqId, PrefixCacheRequestEvent], ending: dict[ReqId, PrefixCacheRequestOwner | None],
     ) -> list[PrefixCacheRequestEvent]:
         req_ids = list(getattr(cached, "req_ids", None) or ())
         resumed_field = getattr(cached, "resumed_req_ids", None)
@@ -282,7 +285,7 @@ class PrefixCacheSchedulerAdapter:
         for req_id in order:
             current = live.get(req_id)
             owner = owners.get(req_id, current)
-            if _is_older(owner, current):
+            if _is_older(owner, current) or _is_older(owner, ending.get(req_id)):
                 continue
             i = row.get(req_id, len(req_ids))
             kind = PrefixCacheEventKind.RESUMED if req_id in resumed else PrefixCacheEventKind.EXTENDED

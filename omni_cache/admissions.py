@@ -13,7 +13,9 @@ current owner (a late terminal, a stale lookup, a stale control) changes
 nothing; a new owner's lookup may arrive later than its admission
 (``lookup_complete=False``) and is installed once; each event applies to the
 admission it names, whatever its position in the step (a terminal of an owner
-that another event of the step carries ends it after them). I13 (replayed step no-op)
+that another event of the step carries ends it after them), and a terminal of a
+newer owner proves every older admission of its id over (an older owner's
+control in the same step is stale). I13 (replayed step no-op)
 is the manager's sequence check; this module never sees a replayed step.
 """
 
@@ -26,7 +28,7 @@ from omni_cache.adapter import PrefixCacheEventKind, PrefixCacheRequestEvent, Pr
 from omni_cache.errors import OmniPrefixCacheUnmatchError
 from omni_cache.interface import ReqId
 
-__all__ = ["Admission", "EventPlan", "lookup_of", "plan_events"]
+__all__ = ["Admission", "EventPlan", "lookup_of", "newest_terminal_owners", "plan_events"]
 
 K = PrefixCacheEventKind
 TERMINAL = (K.FINISHED, K.ABORTED)
@@ -59,6 +61,15 @@ def lookup_of(event: PrefixCacheRequestEvent, block_size: int, group_id: int = 0
 
 def _owners(event: PrefixCacheRequestEvent, current: Admission) -> str:
     return f"request {event.req_id!r}: {event.kind.name} of owner {event.owner} while owner {current.owner} is live"
+
+
+def newest_terminal_owners(events: Sequence[PrefixCacheRequestEvent]) -> dict[ReqId, PrefixCacheRequestOwner]:
+    """Per request id, the newest owner a terminal event of ``events`` ends."""
+    newest: dict[ReqId, PrefixCacheRequestOwner] = {}
+    for e in events:
+        if e.kind in TERMINAL and e.owner is not None and (e.req_id not in newest or newest[e.req_id] < e.owner):
+            newest[e.req_id] = e.owner
+    return newest
 
 
 def plan_events(
@@ -106,14 +117,21 @@ def plan_events(
     # of an owner that another event of this step carries (it may be started or replaced-to here)
     # ends that admission after them; the others end the admission live before the step, so an id
     # may end and start again in one step.
+    # A terminal of a newer owner proves every older admission of its id over: an event of the step
+    # older than it (a control of an owner aborted in this step, before the id was reused again) is stale.
     named = {(e.req_id, e.owner) for e in events if e.kind not in TERMINAL and e.owner is not None}
     later = [e for e in events if e.kind in TERMINAL and e.owner is not None and (e.req_id, e.owner) in named]
+    ended_up_to = newest_terminal_owners(events)
     for event in events:
         if event.kind in TERMINAL and not (event.owner is not None and (event.req_id, event.owner) in named):
             terminal(event)
     for event in (e for e in events if e.kind not in TERMINAL):
         req_id, kind = event.req_id, event.kind
         current = state.get(req_id)
+        newest_end = ended_up_to.get(req_id)
+        if event.owner is not None and newest_end is not None and event.owner < newest_end:
+            plan.stale += 1  # its admission ended before this step's newer owner of the id did
+            continue
         if kind is K.REPLACED and event.owner is None:
             raise OmniPrefixCacheUnmatchError(
                 f"new_step_starts: REPLACED for request {req_id!r} carries no owner; a replacement names "

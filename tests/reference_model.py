@@ -399,10 +399,16 @@ class Engine:
     def _track_admissions(self, events: Sequence[PrefixCacheRequestEvent]) -> None:
         """The live ids the manager must hold after ``events`` (I12: each event applies to the
         admission it names -- terminal events first, except those of an owner another event of
-        the step carries, which end it after them)."""
+        the step carries, which end it after them; an event older than a terminal of its id in
+        the step belongs to an admission that ended before that one)."""
         live = self.admitted
         terminal = (E.FINISHED, E.ABORTED)
         named = {(e.req_id, e.owner) for e in events if e.kind not in terminal and e.owner is not None}
+        newest_end: dict[str, PrefixCacheRequestOwner] = {}  # a terminal of a newer owner ends older ones
+        for e in events:
+            if e.kind in terminal and e.owner is not None and not (e.req_id in newest_end
+                                                                   and e.owner < newest_end[e.req_id]):
+                newest_end[e.req_id] = e.owner
 
         def end(e: PrefixCacheRequestEvent) -> None:
             cur = live.get(e.req_id)
@@ -419,6 +425,8 @@ class Engine:
             cur = live.get(e.req_id)
             if e.req_id in live and e.owner is not None and cur is not None and e.owner < cur:
                 continue
+            if e.owner is not None and e.req_id in newest_end and e.owner < newest_end[e.req_id]:
+                continue  # its admission ended before the step's newer owner of the id did
             if e.kind in (E.REPLACED, E.STARTED) or e.req_id not in live:
                 live[e.req_id] = e.owner
         for e in later:

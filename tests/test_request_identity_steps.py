@@ -3,7 +3,8 @@
 * Each event applies to the admission it names, whatever its position in the step:
   ``[STARTED A (owner 1), ABORTED A (owner 1)]`` leaves nothing live, in either order, and so does
   ``[REPLACED A -> owner 2, ABORTED A (owner 2)]`` (owner 1 ends by the REPLACED, its open write
-  still lands: I9); the adapter agrees.
+  still lands: I9); the adapter agrees. A terminal of a newer owner proves the id's older
+  admissions over: an older owner's control of the same step leaves nothing live.
 * The first new request of a REPLACED control's owner carries its hit ``[0, num_computed_tokens)``:
   a control of the same step built with the default ``lookup_complete=True`` gives way to it (the
   next stage gets 9 rows, not 1); a complete lookup an earlier control installed must agree with it,
@@ -130,6 +131,38 @@ def test_the_adapter_ends_an_admission_started_or_replaced_to_in_the_step_of_its
         assert m.stats()["live_requests"] == 0
     finally:
         m.shutdown()
+
+
+O3, O4 = PrefixCacheRequestOwner(3), PrefixCacheRequestOwner(4)
+
+
+def test_a_terminal_of_a_newer_owner_ends_an_older_owners_control_of_the_same_step() -> None:
+    """A (owner 2) is live; before the next step it is replaced to owner 3 (a pending control), owner 3
+    is aborted, A is admitted again as owner 4 and aborted too. vLLM's scheduler output holds one
+    terminal per id (``finished_req_ids`` is a set): A with owner 4. That terminal proves owner 3
+    over as well: the adapter drops owner 3's control and nothing of A stays live; fed the events
+    themselves (both terminals, or only owner 4's), the manager agrees. Found by
+    TestAdapterAsync (the adapter kept owner 3 live forever, a leak of I12)."""
+    a = PrefixCacheSchedulerAdapter()
+    a.translate_step(_so(new=[_new("A")], scheduled={"A": 4}, prefix_cache_owners={"A": O2}))
+    control = PrefixCacheRequestEvent("A", K.REPLACED, owner=O3, lookup_complete=False)
+    step = a.translate_step(_so(aborted={"A"}, finished={"A"}, prefix_cache_replacements=[control],
+                                prefix_cache_terminal_owners={"A": O4}))
+    assert [(e.kind, e.owner) for e in step] == [(K.ABORTED, O4)], "owner 3's control was kept"
+    assert not a.live_req_ids, "the adapter kept A live"
+    for events in ([control, PrefixCacheRequestEvent("A", K.ABORTED, owner=O3),
+                    PrefixCacheRequestEvent("A", K.ABORTED, owner=O4)],
+                   [control, PrefixCacheRequestEvent("A", K.ABORTED, owner=O4)],
+                   list(step)):
+        m = manager()
+        try:
+            m.new_step_starts([PrefixCacheRequestEvent("A", K.STARTED, owner=O2)])
+            m.new_step_starts(events)
+            assert m.stats()["live_requests"] == 0, [(e.kind.name, e.owner) for e in events]
+            m.new_step_starts([PrefixCacheRequestEvent("A", K.STARTED, owner=PrefixCacheRequestOwner(5))])
+            assert m.stats()["live_requests"] == 1  # the id is free for its next admission
+        finally:
+            m.shutdown()
 
 
 # ---- the first new request of a replaced owner carries its hit -------------------------------
