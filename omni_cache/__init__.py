@@ -9,40 +9,40 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from omni_cache._lazy import lazy_exports
+from omni_cache.runtime.lazy import lazy_exports
 
 __version__ = "0.1.0"
 
 # Public name -> the module that defines it.
 _EXPORTS: dict[str, str] = {
-    "PrefixCacheEventKind": "omni_cache.adapter",
-    "PrefixCacheRequestEvent": "omni_cache.adapter",
-    "PrefixCacheRequestOwner": "omni_cache.adapter",
-    "PrefixCacheSchedulerAdapter": "omni_cache.adapter",
-    "PrefixCacheStep": "omni_cache.adapter",
-    "PrefixCacheWrite": "omni_cache.adapter",
-    "PrefixCacheWriteLayout": "omni_cache.adapter",
-    "PrefixBlockPool": "omni_cache.block_pool",
-    "OmniPrefixCacheStagingTimeoutError": "omni_cache.errors",
-    "OmniPrefixCacheUnmatchError": "omni_cache.errors",
-    "HIDDEN_KEY": "omni_cache.interface",
-    "ModelCachePolicy": "omni_cache.interface",
-    "PrefixCacheConfig": "omni_cache.interface",
-    "ReqId": "omni_cache.interface",
-    "StageCacheOutputs": "omni_cache.interface",
-    "StepId": "omni_cache.interface",
-    "TensorName": "omni_cache.interface",
-    "Tid": "omni_cache.interface",
-    "WriteSchedule": "omni_cache.interface",
-    "is_hidden_key": "omni_cache.interface",
-    "mm_of_request": "omni_cache.interface",
-    "without_hidden": "omni_cache.interface",
-    "OmniPrefixCacheManager": "omni_cache.manager",
-    "STAGING_TABLE": "omni_cache.states",
-    "WRITE_TABLE": "omni_cache.states",
-    "StateTable": "omni_cache.states",
-    "TraceEvent": "omni_cache.trace",
-    "TraceRecorder": "omni_cache.trace",
+    "PrefixCacheEventKind": "omni_cache.runtime.events",
+    "PrefixCacheRequestEvent": "omni_cache.runtime.events",
+    "PrefixCacheRequestOwner": "omni_cache.runtime.events",
+    "PrefixCacheSchedulerAdapter": "omni_cache.integration.adapter",
+    "PrefixCacheStep": "omni_cache.runtime.events",
+    "PrefixCacheWrite": "omni_cache.runtime.events",
+    "PrefixCacheWriteLayout": "omni_cache.runtime.events",
+    "PrefixBlockPool": "omni_cache.runtime.block_pool",
+    "OmniPrefixCacheStagingTimeoutError": "omni_cache.runtime.errors",
+    "OmniPrefixCacheUnmatchError": "omni_cache.runtime.errors",
+    "HIDDEN_KEY": "omni_cache.runtime.interface",
+    "ModelCachePolicy": "omni_cache.runtime.interface",
+    "PrefixCacheConfig": "omni_cache.runtime.interface",
+    "ReqId": "omni_cache.runtime.interface",
+    "StageCacheOutputs": "omni_cache.runtime.interface",
+    "StepId": "omni_cache.runtime.interface",
+    "TensorName": "omni_cache.runtime.interface",
+    "Tid": "omni_cache.runtime.interface",
+    "WriteSchedule": "omni_cache.runtime.interface",
+    "is_hidden_key": "omni_cache.runtime.interface",
+    "mm_of_request": "omni_cache.runtime.interface",
+    "without_hidden": "omni_cache.runtime.interface",
+    "OmniPrefixCacheManager": "omni_cache.runtime.manager",
+    "STAGING_TABLE": "omni_cache.runtime.states",
+    "WRITE_TABLE": "omni_cache.runtime.states",
+    "StateTable": "omni_cache.runtime.states",
+    "TraceEvent": "omni_cache.runtime.trace",
+    "TraceRecorder": "omni_cache.runtime.trace",
 }
 
 __all__ = [
@@ -82,18 +82,18 @@ __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
 
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
-    from omni_cache.adapter import (
+    from omni_cache.integration.adapter import PrefixCacheSchedulerAdapter
+    from omni_cache.runtime.block_pool import PrefixBlockPool
+    from omni_cache.runtime.errors import OmniPrefixCacheStagingTimeoutError, OmniPrefixCacheUnmatchError
+    from omni_cache.runtime.events import (
         PrefixCacheEventKind,
         PrefixCacheRequestEvent,
         PrefixCacheRequestOwner,
-        PrefixCacheSchedulerAdapter,
         PrefixCacheStep,
         PrefixCacheWrite,
         PrefixCacheWriteLayout,
     )
-    from omni_cache.block_pool import PrefixBlockPool
-    from omni_cache.errors import OmniPrefixCacheStagingTimeoutError, OmniPrefixCacheUnmatchError
-    from omni_cache.interface import (
+    from omni_cache.runtime.interface import (
         HIDDEN_KEY,
         ModelCachePolicy,
         PrefixCacheConfig,
@@ -107,6 +107,6 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         mm_of_request,
         without_hidden,
     )
-    from omni_cache.manager import OmniPrefixCacheManager
-    from omni_cache.states import STAGING_TABLE, WRITE_TABLE, StateTable
-    from omni_cache.trace import TraceEvent, TraceRecorder
+    from omni_cache.runtime.manager import OmniPrefixCacheManager
+    from omni_cache.runtime.states import STAGING_TABLE, WRITE_TABLE, StateTable
+    from omni_cache.runtime.trace import TraceEvent, TraceRecorder

@@ -15,8 +15,8 @@ from omni_cache import (
     PrefixCacheRequestEvent,
     PrefixCacheWriteLayout,
 )
-from omni_cache.manager import OmniPrefixCacheManager
-from omni_cache.staging import StagingPool
+from omni_cache.runtime.manager import OmniPrefixCacheManager
+from omni_cache.runtime.staging import StagingPool
 
 E = PrefixCacheEventKind
 WIDTH = 8

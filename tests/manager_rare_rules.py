@@ -28,7 +28,7 @@ from hypothesis.stateful import invariant, precondition, rule
 from reference_model import check_outputs, prefix_hashes, truth_rows
 
 from omni_cache import OmniPrefixCacheUnmatchError, PrefixCacheWriteLayout
-from omni_cache.errors import PHRASE_SHUT_DOWN
+from omni_cache.runtime.errors import PHRASE_SHUT_DOWN
 from omni_cache.verify.traces import validate_trace
 
 BS = 4

@@ -48,7 +48,7 @@ from omni_cache import (
     PrefixCacheWriteLayout,
     StageCacheOutputs,
 )
-from omni_cache.adapter import PrefixCacheRequestOwner
+from omni_cache.runtime.events import PrefixCacheRequestOwner
 
 E = PrefixCacheEventKind
 CODES = "mm.codes"  # per-token int64 (immediate unless the policy defers it)

@@ -12,11 +12,10 @@ import pytest
 import torch
 from cache_helpers import BS, manager, save, started
 
-import omni_cache.manager as manager_module
-from omni_cache.adapter import PrefixCacheWriteLayout
-from omni_cache.block_pool import PrefixBlockPool
-from omni_cache.errors import OmniPrefixCacheUnmatchError
-from omni_cache.events import layout_rows
+import omni_cache.runtime.manager as manager_module
+from omni_cache.runtime.block_pool import PrefixBlockPool
+from omni_cache.runtime.errors import OmniPrefixCacheUnmatchError
+from omni_cache.runtime.events import PrefixCacheWriteLayout, layout_rows
 
 ROOT = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("ablate_bookkeeping", ROOT / "tools" / "ablate_bookkeeping.py")

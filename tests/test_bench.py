@@ -15,14 +15,20 @@ from typing import Any
 import pytest
 import torch
 
-from omni_cache.bench.floor import RawCopyFloor
-from omni_cache.bench.machine import DictTablePool, run_machine_bench
-from omni_cache.bench.profiling import profile_manager, section_times
-from omni_cache.bench.runner import FLOOR, OMNI, BenchResult, default_manager_factory, run_bench
-from omni_cache.bench.workload import MM_KEY, GroundTruthError, WorkloadSpec, build_workload, check_outputs
 from omni_cache.cli import main
 from omni_cache.cli.bench import QUICK
-from omni_cache.interface import HIDDEN_KEY, StageCacheOutputs
+from omni_cache.harness.bench.floor import RawCopyFloor
+from omni_cache.harness.bench.machine import DictTablePool, run_machine_bench
+from omni_cache.harness.bench.profiling import profile_manager, section_times
+from omni_cache.harness.bench.runner import FLOOR, OMNI, BenchResult, default_manager_factory, run_bench
+from omni_cache.harness.bench.workload import (
+    MM_KEY,
+    GroundTruthError,
+    WorkloadSpec,
+    build_workload,
+    check_outputs,
+)
+from omni_cache.runtime.interface import HIDDEN_KEY, StageCacheOutputs
 
 SMALL = {k: v for k, v in QUICK.items() if k not in ("batch_sizes", "repeats")}
 
@@ -85,7 +91,7 @@ def _tiny_full_run(*extra: str) -> list[str]:
 
 def test_fail_verdict_exits_3_naming_the_ratio(monkeypatch: pytest.MonkeyPatch,
                                                capsys: pytest.CaptureFixture[str]) -> None:
-    import omni_cache.bench.runner as runner
+    import omni_cache.harness.bench.runner as runner
 
     real_run_bench = runner.run_bench
     target = {"ratio": 10.0}
@@ -190,7 +196,7 @@ def test_bench_fails_on_a_corrupting_manager(capsys: pytest.CaptureFixture[str],
     with pytest.raises(GroundTruthError, match=r"omni_cache: step \d .*'req-1' key 'hidden': row 1"):
         run_bench([2], repeats=1, manager_factory=factory, **SMALL)
     # The CLI exits 1 (a failed check) on a ground-truth failure, even with --quick.
-    monkeypatch.setattr("omni_cache.bench.runner.default_manager_factory", factory)
+    monkeypatch.setattr("omni_cache.harness.bench.runner.default_manager_factory", factory)
     assert main(["bench", "--quick", "--batch-sizes", "2"]) == 1
     assert "GROUND TRUTH FAILURE" in capsys.readouterr().out
 

@@ -16,14 +16,15 @@ from typing import Any
 import pytest
 import torch
 
-import omni_cache.manager as manager_module
-from omni_cache.bench import preset as preset_module
-from omni_cache.bench.breakdown import CATEGORIES, step_breakdown
-from omni_cache.bench.floor import RawCopyFloor
-from omni_cache.bench.memory import formula, memory_report
-from omni_cache.bench.narrow import NARROW_WIDTH, OutputFloor, narrow_bookkeeping, narrow_spec
-from omni_cache.bench.preset import PRESETS, PresetCase
-from omni_cache.bench.sweep import (
+import omni_cache.runtime.manager as manager_module
+from omni_cache.cli import main
+from omni_cache.harness.bench import preset as preset_module
+from omni_cache.harness.bench.breakdown import CATEGORIES, step_breakdown
+from omni_cache.harness.bench.floor import RawCopyFloor
+from omni_cache.harness.bench.memory import formula, memory_report
+from omni_cache.harness.bench.narrow import NARROW_WIDTH, OutputFloor, narrow_bookkeeping, narrow_spec
+from omni_cache.harness.bench.preset import PRESETS, PresetCase
+from omni_cache.harness.bench.sweep import (
     SweepPoint,
     growth_lines,
     growth_per_request,
@@ -32,9 +33,8 @@ from omni_cache.bench.sweep import (
     sweep_summary,
     write_sweep_plot,
 )
-from omni_cache.bench.workload import GroundTruthError, WorkloadSpec, build_workload, check_outputs
-from omni_cache.cli import main
-from omni_cache.interface import HIDDEN_KEY
+from omni_cache.harness.bench.workload import GroundTruthError, WorkloadSpec, build_workload, check_outputs
+from omni_cache.runtime.interface import HIDDEN_KEY
 
 TINY = {"hidden_width": 32, "mm_width": 8, "num_blocks": 64, "prompt_tokens": 32, "hit_tokens": 16,
         "decode_steps": 3, "staggered": True}

@@ -21,8 +21,8 @@ import pytest
 
 from omni_cache.cli import main
 from omni_cache.cli.args import int_list, int_range, plot_path
-from omni_cache.sim import SimConfig, Simulation
-from omni_cache.sim.workload import PRESETS, Workload
+from omni_cache.harness.sim_engine import SimConfig, Simulation
+from omni_cache.harness.sim_engine.workload import PRESETS, Workload
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -204,7 +204,7 @@ def test_an_argument_error_is_answered_before_torch_is_imported(argv: list[str])
 
 
 def test_simulate_help_offers_each_engine_its_own_presets(capsys: pytest.CaptureFixture[str]) -> None:
-    from omni_cache.vllm_sim.workload import PRESETS as VLLM_PRESETS
+    from omni_cache.harness.vllm_engine.workload import PRESETS as VLLM_PRESETS
 
     code, out, _err = _run(["simulate", "--help"], capsys)
     assert code == 0
@@ -218,7 +218,7 @@ def test_simulate_help_offers_each_engine_its_own_presets(capsys: pytest.Capture
 def test_the_tiny_llama_model_folder_is_removed_when_the_process_exits(tmp_path: Path) -> None:
     """``simulate --engine vllm`` writes its model's config.json into a temporary folder; nothing of
     it stays in the temporary directory after the command."""
-    code = ("from omni_cache.vllm_sim.engine import tiny_llama_dir; import os; p = tiny_llama_dir(); "
+    code = ("from omni_cache.harness.vllm_engine.engine import tiny_llama_dir; import os; p = tiny_llama_dir(); "
             "print(p, os.path.isfile(os.path.join(p, 'config.json')))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120,
                           env={**os.environ, "TMPDIR": str(tmp_path)})
@@ -231,7 +231,7 @@ def test_bench_sweep_without_a_path_writes_nothing(monkeypatch: pytest.MonkeyPat
                                                    capsys: pytest.CaptureFixture[str]) -> None:
     """``--sweep`` alone prints the table; only ``--sweep FILE.png`` writes a file (none into the
     source tree by default)."""
-    import omni_cache.bench.sweep as sweep
+    import omni_cache.harness.bench.sweep as sweep
 
     calls: list[Any] = []
     monkeypatch.setattr(sweep, "run_sweep", lambda **kw: calls.append(kw) or [])
@@ -253,7 +253,7 @@ def test_bench_sweep_without_a_path_writes_nothing(monkeypatch: pytest.MonkeyPat
 def test_bench_names_its_timing_difference_for_what_it_is() -> None:
     """omni_cache - floor is a difference of two timings (negative when the floor's per-request
     clones cost more than the cache's per-key copies), never called bookkeeping."""
-    from omni_cache.bench.report import verdict_lines
+    from omni_cache.harness.bench.report import verdict_lines
 
     class Result:  # what verdict_lines reads of a BenchResult
         config, results, target_ratio, ground_truth = {"quick": False}, (), 0.5, "OK"

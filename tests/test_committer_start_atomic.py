@@ -16,12 +16,12 @@ from typing import Any
 
 import torch
 
-from omni_cache.copier import Committer, CopyEngine
-from omni_cache.faults import FaultHooks
-from omni_cache.interface import WriteSchedule
+from omni_cache.runtime.copier import Committer, CopyEngine
+from omni_cache.runtime.faults import FaultHooks
+from omni_cache.runtime.interface import WriteSchedule
+from omni_cache.runtime.writes import PoolWrite, WriteBook
 from omni_cache.verify.testing import require_tlc
 from omni_cache.verify.traces import TraceRecorder, check_writes_trace_tlc
-from omni_cache.writes import PoolWrite, WriteBook
 
 
 class _Tenancy:  # the committer only lands rows through it

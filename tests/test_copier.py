@@ -15,7 +15,7 @@ from cache_helpers import MODES, finished, manager, save, started
 from omni_cache import (
     ModelCachePolicy,
 )
-from omni_cache.copier import CopyEngine
+from omni_cache.runtime.copier import CopyEngine
 
 
 # ---- the chunked synchronous copy ---------------------------------------------------------

@@ -28,7 +28,7 @@ from omni_cache import (
 
 def test_every_seed_and_design_name_is_public() -> None:
     names = ["TensorName", "ReqId", "Tid", "StepId", "HIDDEN_KEY", "is_hidden_key", "without_hidden", "WriteSchedule", "PrefixCacheConfig", "StageCacheOutputs", "ModelCachePolicy", "OmniPrefixCacheUnmatchError", "OmniPrefixCacheStagingTimeoutError", "PrefixCacheEventKind", "PrefixCacheRequestEvent", "PrefixCacheStep", "PrefixCacheWrite", "PrefixCacheWriteLayout"]
-    import omni_cache.interface as interface
+    import omni_cache.runtime.interface as interface
 
     for name in names:
         assert hasattr(omni_cache, name), name

@@ -16,12 +16,12 @@ from omni_cache import (
     OmniPrefixCacheUnmatchError,
     TraceRecorder,
 )
-from omni_cache.errors import (
+from omni_cache.runtime.errors import (
     PHRASE_CAPACITY,
     PHRASE_NOT_SAVED,
     PHRASE_UNCONSUMED,
 )
-from omni_cache.staging import StagingPool
+from omni_cache.runtime.staging import StagingPool
 
 
 def test_lifecycle_and_lazy_pages() -> None:
@@ -122,7 +122,7 @@ def test_no_other_module_touches_the_page_storage() -> None:
             if isinstance(node, ast.Constant) and node.value in storage and path.name != "staging.py":
                 offenders.append(f"{path}:{node.lineno}")
     assert offenders == []
-    staging_src = (package / "staging.py").read_text()
+    staging_src = (package / "runtime" / "staging.py").read_text()
     tree = ast.parse(staging_src)
     # inside staging.py, only the allocator, the state-checked accessors and ``abort`` (which
     # drops the pages its own claimed slot allocated, so a refused save fixes no row shape) touch it

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from omni_cache import STAGING_TABLE, WRITE_TABLE, OmniPrefixCacheUnmatchError, TraceRecorder
-from omni_cache.states import TableMachine
+from omni_cache.runtime.states import TableMachine
 
 
 class Obj:

@@ -23,10 +23,10 @@ from omni_cache import (
     PrefixCacheRequestEvent,
     WriteSchedule,
 )
-from omni_cache.faults import FaultHooks
-from omni_cache.manager import OmniPrefixCacheManager
-from omni_cache.staging import StagingPool
-from omni_cache.writes import PoolWrite, WriteBook
+from omni_cache.runtime.faults import FaultHooks
+from omni_cache.runtime.manager import OmniPrefixCacheManager
+from omni_cache.runtime.staging import StagingPool
+from omni_cache.runtime.writes import PoolWrite, WriteBook
 
 
 def _write(book: WriteBook, n: int = 2):  # type: ignore[no-untyped-def]

@@ -15,8 +15,8 @@ from omni_cache import (
     PrefixCacheRequestEvent,
     PrefixCacheWriteLayout,
 )
-from omni_cache.copier import CopyEngine
-from omni_cache.manager import OmniPrefixCacheManager
+from omni_cache.runtime.copier import CopyEngine
+from omni_cache.runtime.manager import OmniPrefixCacheManager
 
 pytestmark = [
     pytest.mark.cuda,

@@ -19,7 +19,7 @@ from omni_cache import (
     PrefixCacheStep,
     PrefixCacheWriteLayout,
 )
-from omni_cache.events import PrefixCacheWrite
+from omni_cache.runtime.events import PrefixCacheWrite
 
 
 def test_an_events_defaults_are_the_references() -> None:

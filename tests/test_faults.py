@@ -1,4 +1,4 @@
-"""Fault injection through the documented seam ``omni_cache.faults.FaultHooks``.
+"""Fault injection through the documented seam ``omni_cache.runtime.faults.FaultHooks``.
 
 Owns the fault tests of the manager; nothing here patches a private name. Each
 test drives the reference engine (tests/reference_model.py), injects one fault
@@ -50,14 +50,14 @@ from omni_cache import (
     PrefixCacheWrite,
     PrefixCacheWriteLayout,
 )
-from omni_cache.errors import (
+from omni_cache.runtime.errors import (
     PHRASE_NOT_SAVED,
     PHRASE_SLOT_MAPPING,
     PHRASE_UNCONSUMED,
     PHRASE_WRITE_FAILED,
 )
-from omni_cache.faults import FaultHooks
-from omni_cache.manager import OmniPrefixCacheManager
+from omni_cache.runtime.faults import FaultHooks
+from omni_cache.runtime.manager import OmniPrefixCacheManager
 
 BOUND_S = 5.0  # a released waiter must return within this
 

@@ -21,10 +21,10 @@ import pytest
 from reference_model import EMBEDS, Engine
 
 from omni_cache import ModelCachePolicy, OmniPrefixCacheUnmatchError, PrefixCacheConfig
-from omni_cache.errors import PHRASE_WRITE_FAILED
-from omni_cache.faults import FaultHooks
-from omni_cache.manager import OmniPrefixCacheManager
-from omni_cache.trace import TraceEvent, TraceRecorder
+from omni_cache.runtime.errors import PHRASE_WRITE_FAILED
+from omni_cache.runtime.faults import FaultHooks
+from omni_cache.runtime.manager import OmniPrefixCacheManager
+from omni_cache.runtime.trace import TraceEvent, TraceRecorder
 from omni_cache.verify.traces import check_writes_trace_tlc, replay
 
 BOUND_S = 5.0

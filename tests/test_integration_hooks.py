@@ -28,7 +28,7 @@ from fakes_vllm_engine import FakeModelRunner
 
 from omni_cache import ModelCachePolicy, OmniPrefixCacheUnmatchError, PrefixCacheConfig
 from omni_cache.integration import BlockTableView, PrefixCacheRunnerHooks
-from omni_cache.manager import OmniPrefixCacheManager
+from omni_cache.runtime.manager import OmniPrefixCacheManager
 
 BS = 4
 PROMPT = list(range(30, 40))

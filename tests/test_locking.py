@@ -27,10 +27,10 @@ from omni_cache import (
     ModelCachePolicy,
     OmniPrefixCacheStagingTimeoutError,
 )
-from omni_cache.block_pool import PrefixBlockPool
-from omni_cache.interface import HIDDEN_KEY
-from omni_cache.manager import OmniPrefixCacheManager
-from omni_cache.tenancy import SlotTenancy
+from omni_cache.runtime.block_pool import PrefixBlockPool
+from omni_cache.runtime.interface import HIDDEN_KEY
+from omni_cache.runtime.manager import OmniPrefixCacheManager
+from omni_cache.runtime.tenancy import SlotTenancy
 
 
 # ---- I11: the manager's bookkeeping is touched only under its state lock ------------------

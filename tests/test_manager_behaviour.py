@@ -33,10 +33,10 @@ from omni_cache import (
     PrefixCacheStep,
     PrefixCacheWriteLayout,
 )
-from omni_cache.errors import PHRASE_SLOT_MAPPING
-from omni_cache.faults import FaultHooks
-from omni_cache.manager import OmniPrefixCacheManager
-from omni_cache.staging import StagingPool
+from omni_cache.runtime.errors import PHRASE_SLOT_MAPPING
+from omni_cache.runtime.faults import FaultHooks
+from omni_cache.runtime.manager import OmniPrefixCacheManager
+from omni_cache.runtime.staging import StagingPool
 
 
 @pytest.mark.parametrize("eager", MODES)
@@ -244,7 +244,7 @@ def test_shutdown_reports_unconsumed_steps(caplog: pytest.LogCaptureFixture) -> 
     m = manager(eager=False)
     m.new_step_starts([started("a")])
     step, _ = save(m, [("a", [0], 0, 4)])
-    with caplog.at_level(logging.WARNING, logger="omni_cache.manager"):
+    with caplog.at_level(logging.WARNING, logger="omni_cache.runtime.manager"):
         report = m.shutdown()
     assert list(report) == [step] and "cache_helpers.py" in report[step]
     assert f"step {step} saved at" in caplog.text
@@ -301,11 +301,11 @@ def test_contract_errors_on_bad_input_change_nothing() -> None:
 def test_eager_drain_is_one_thread_at_a_time_in_queue_order() -> None:
     """A second thread's kick never lands a newer write while another thread lands an older one."""
     from omni_cache import PrefixBlockPool, WriteSchedule
-    from omni_cache.copier import Committer, CopyEngine
-    from omni_cache.faults import FaultHooks
-    from omni_cache.staging import StagingPool
-    from omni_cache.tenancy import SlotTenancy
-    from omni_cache.writes import WriteBook
+    from omni_cache.runtime.copier import Committer, CopyEngine
+    from omni_cache.runtime.faults import FaultHooks
+    from omni_cache.runtime.staging import StagingPool
+    from omni_cache.runtime.tenancy import SlotTenancy
+    from omni_cache.runtime.writes import WriteBook
 
     class Gate(FaultHooks):
         def __init__(self) -> None:

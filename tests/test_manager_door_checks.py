@@ -48,13 +48,13 @@ from omni_cache import (
     PrefixCacheRequestEvent,
     PrefixCacheWriteLayout,
 )
-from omni_cache.adapter import PrefixCacheEventKind as E
-from omni_cache.adapter import PrefixCacheWrite
-from omni_cache.block_pool import PrefixBlockPool
-from omni_cache.errors import PHRASE_NOT_SAVED
-from omni_cache.faults import FaultHooks
-from omni_cache.manager import OmniPrefixCacheManager
-from omni_cache.staging import StagingPool
+from omni_cache.runtime.block_pool import PrefixBlockPool
+from omni_cache.runtime.errors import PHRASE_NOT_SAVED
+from omni_cache.runtime.events import PrefixCacheEventKind as E
+from omni_cache.runtime.events import PrefixCacheWrite
+from omni_cache.runtime.faults import FaultHooks
+from omni_cache.runtime.manager import OmniPrefixCacheManager
+from omni_cache.runtime.staging import StagingPool
 
 # ---- item 5: no autograd through the cache -----------------------------------------------
 
@@ -269,7 +269,7 @@ def test_write_bounds_accept_integer_likes_as_ints() -> None:
 def test_I1_step_id_must_be_an_int_issued_by_this_manager(via: str, bad: str, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     import itertools
 
-    from omni_cache import manager as manager_mod
+    from omni_cache.runtime import manager as manager_mod
 
     monkeypatch.setattr(manager_mod, "_STEP_IDS", itertools.count(1))  # this manager's first id is 1
     m, other = manager(), manager()

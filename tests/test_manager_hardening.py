@@ -24,11 +24,11 @@ from omni_cache import (
     PrefixCacheRequestEvent,
     PrefixCacheWriteLayout,
 )
-from omni_cache.adapter import PrefixCacheEventKind as E
-from omni_cache.errors import PHRASE_NOT_READABLE
-from omni_cache.interface import HIDDEN_KEY
-from omni_cache.manager import OmniPrefixCacheManager
-from omni_cache.trace import TraceRecorder
+from omni_cache.runtime.errors import PHRASE_NOT_READABLE
+from omni_cache.runtime.events import PrefixCacheEventKind as E
+from omni_cache.runtime.interface import HIDDEN_KEY
+from omni_cache.runtime.manager import OmniPrefixCacheManager
+from omni_cache.runtime.trace import TraceRecorder
 
 K = "mm.k"
 
@@ -164,7 +164,7 @@ def _assert_refused_and_usable(m, call, eager: bool) -> None:  # type: ignore[no
 def test_slot_mapping_covers_layout_gap_refused(eager: bool, gap: str) -> None:
     """Rows of the step that belong to no request are refused ("slot mapping covers"); today they
     were scattered into the pool over another request's cached block (X's block 1)."""
-    from omni_cache.adapter import PrefixCacheWrite
+    from omni_cache.runtime.events import PrefixCacheWrite
 
     m = manager(eager=eager)
     m.new_step_starts([started("X")])
@@ -227,7 +227,7 @@ def test_I8_bookkeeping_memory_error_in_save_is_undone_and_surfaces_itself(eager
     the save leaves nothing claimed, no write in flight and no step id burned, and the manager
     stays usable. Today: an unrelated "cannot abort staging slot" error, a leaked claimed page
     and a pool write that never lands, with ``failed`` still None."""
-    from omni_cache import tenancy as tenancy_mod
+    from omni_cache.runtime import tenancy as tenancy_mod
 
     m = manager(eager=eager)
     real = tenancy_mod._KeyVersions.__init__
@@ -340,7 +340,7 @@ def test_a_zero_row_write_leaves_its_hit_for_the_first_step_that_schedules_it(ea
     schedule B serves ``[0, token_end)``, the hit then its rows (contract section 4.4). Found by an
     independent attack: the zero-row write took the hit, so B got the prefix in a step that
     scheduled none of its tokens and only its new rows in the next."""
-    from omni_cache.adapter import PrefixCacheWrite
+    from omni_cache.runtime.events import PrefixCacheWrite
 
     m = manager(eager=eager)
     m.new_step_starts([started("A")])

@@ -15,7 +15,7 @@ from omni_cache import (
     OmniPrefixCacheUnmatchError,
     PrefixCacheRequestEvent,
 )
-from omni_cache.errors import (
+from omni_cache.runtime.errors import (
     PHRASE_CAPACITY,
     PHRASE_NO_BLOCK_IDS,
     PHRASE_NOT_ALIGNED,
@@ -25,7 +25,7 @@ from omni_cache.errors import (
     PHRASE_UNCONSUMED,
     PHRASE_WRITE_FAILED,
 )
-from omni_cache.faults import FaultHooks
+from omni_cache.runtime.faults import FaultHooks
 
 
 @pytest.mark.parametrize("eager", MODES)
@@ -86,7 +86,7 @@ def test_I3_page_not_reused_while_write_holds_it() -> None:
     hooks = _BlockPoolWrites()
     from cache_helpers import config
 
-    from omni_cache.manager import OmniPrefixCacheManager
+    from omni_cache.runtime.manager import OmniPrefixCacheManager
 
     m = OmniPrefixCacheManager(config(staging_depth=1, staging_claim_timeout_s=0.3), eager=False, faults=hooks)
     m.new_step_starts([started("a"), started("b")])
@@ -207,7 +207,7 @@ class _FailPoolWrite(FaultHooks):
 def test_I8_failed_write_is_sticky(eager: bool) -> None:
     from cache_helpers import config
 
-    from omni_cache.manager import OmniPrefixCacheManager
+    from omni_cache.runtime.manager import OmniPrefixCacheManager
 
     hooks = _FailPoolWrite()
     m = OmniPrefixCacheManager(config(staging_claim_timeout_s=1.0), eager=eager, faults=hooks)
@@ -285,7 +285,7 @@ class _LockProbe(FaultHooks):
 def test_I11_no_state_lock_over_waits(eager: bool) -> None:
     from cache_helpers import config
 
-    from omni_cache.manager import OmniPrefixCacheManager
+    from omni_cache.runtime.manager import OmniPrefixCacheManager
 
     probe = _LockProbe()
     m = OmniPrefixCacheManager(config(staging_depth=1, gpu_staging_bytes=64), eager=eager, faults=probe)

@@ -24,8 +24,8 @@ from omni_cache import (
     PrefixCacheWriteLayout,
 )
 from omni_cache import PrefixCacheEventKind as E
-from omni_cache.faults import FaultHooks
-from omni_cache.manager import OmniPrefixCacheManager
+from omni_cache.runtime.faults import FaultHooks
+from omni_cache.runtime.manager import OmniPrefixCacheManager
 
 BS, W = 4, 8
 

@@ -32,7 +32,7 @@ manager's: "already consumed or never saved"). Teardown ends every
 request, consumes every step, shuts down, and checks: nothing unconsumed, all
 staging slots free (I2/I3), no write left in flight (I9), and the recorded
 transition trace passes ``omni_cache.verify.traces.validate_trace`` (legal edges
-of omni_cache.states, step ids issued and consumed once) ending with every page
+of omni_cache.runtime.states, step ids issued and consumed once) ending with every page
 free and every write written.
 
 Two deterministic scenarios sit beside the machine: the I7 delayed read across
@@ -75,7 +75,7 @@ from omni_cache import (
     PrefixCacheWriteLayout,
     TraceRecorder,
 )
-from omni_cache.errors import (
+from omni_cache.runtime.errors import (
     PHRASE_CAPACITY,
     PHRASE_NO_BLOCK_IDS,
     PHRASE_NOT_ALIGNED,
@@ -84,7 +84,7 @@ from omni_cache.errors import (
     PHRASE_OUTSIDE_SNAPSHOT,
     PHRASE_UNCONSUMED,
 )
-from omni_cache.manager import OmniPrefixCacheManager
+from omni_cache.runtime.manager import OmniPrefixCacheManager
 from omni_cache.verify.tenancy_trace import TenancyTraceCheck
 from omni_cache.verify.testing import require_tlc
 from omni_cache.verify.traces import TraceCheck, validate_trace
@@ -440,7 +440,7 @@ class ManagerMachine(RareStateRules, RuleBasedStateMachine):
         assert stats["failed"] is None
         assert stats["staging"]["slots"]["free"] == self.cfg.staging_depth, stats["staging"]  # I3: all released
         assert stats["writes_in_flight"] == 0 and stats["deferred_open"] == 0, stats  # I9: nothing dropped
-        # Trace validation: every recorded transition is a legal edge of omni_cache.states, step ids
+        # Trace validation: every recorded transition is a legal edge of omni_cache.runtime.states, step ids
         # are issued and consumed once (I1); at the end every page is free and every write landed.
         final = validate_trace(self.recorder, tlc=self.CHECK_WITH_TLC, verdicts=self.TLC_VERDICTS)
         assert {s for (machine, _), s in final.items() if machine == "staging_slot"} <= {"free"}, final

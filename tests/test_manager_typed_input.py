@@ -31,8 +31,8 @@ from omni_cache import (
     PrefixCacheWrite,
     PrefixCacheWriteLayout,
 )
-from omni_cache.adapter import PrefixCacheEventKind as E
-from omni_cache.errors import PHRASE_OUTSIDE_SNAPSHOT, PHRASE_SLOT_MAPPING
+from omni_cache.runtime.errors import PHRASE_OUTSIDE_SNAPSHOT, PHRASE_SLOT_MAPPING
+from omni_cache.runtime.events import PrefixCacheEventKind as E
 
 # ---- scheduled counts: rows equal counts, zero included --------------------------------------
 

@@ -17,7 +17,7 @@ import torch
 from cache_helpers import MODES, E, manager, save
 
 from omni_cache import OmniPrefixCacheUnmatchError, PrefixCacheConfig, PrefixCacheRequestEvent
-from omni_cache.adapter import PrefixCacheSchedulerAdapter
+from omni_cache.integration.adapter import PrefixCacheSchedulerAdapter
 
 # group 0: a sliding-window group (null block 0 outside the window); group 1: full attention
 SLIDING = (0, 0, 7)

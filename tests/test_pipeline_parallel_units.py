@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 import torch
 
-from omni_cache.pipeline import worker_stage
-from omni_cache.pipeline.parallel import ParallelThinkerStage
-from omni_cache.vllm_sim import worker_probe
+from omni_cache.harness.pipeline import worker_stage
+from omni_cache.harness.pipeline.parallel import ParallelThinkerStage
+from omni_cache.harness.vllm_engine import worker_probe
 
 TP, PP = 2, 1
 OUTPUT = 0  # TP rank 0 of the last (only) stage

@@ -18,7 +18,7 @@ import torch
 
 from omni_cache.cli import main
 from omni_cache.cli.args import EXIT_FAILED, EXIT_INCOMPLETE, EXIT_OK
-from omni_cache.pipeline.checks import (
+from omni_cache.harness.pipeline.checks import (
     DEFAULT_LOGPROB_TOLERANCE,
     PERTURBATION,
     Verdict,
@@ -27,7 +27,13 @@ from omni_cache.pipeline.checks import (
     perturb_row,
     row_diff,
 )
-from omni_cache.pipeline.workload import MAX_REQUESTS, PRESETS, max_prompt_len, plan_turns, resolve_prompt
+from omni_cache.harness.pipeline.workload import (
+    MAX_REQUESTS,
+    PRESETS,
+    max_prompt_len,
+    plan_turns,
+    resolve_prompt,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,8 +183,8 @@ def test_the_checks_fail_when_the_talker_gets_wrong_rows() -> None:
 
 # ---------------------------------------------------------------------- result and exit codes
 def _result(**changes: Any) -> Any:
-    from omni_cache.pipeline.checks import Comparison
-    from omni_cache.pipeline.run import PipelineConfig, PipelineResult, RunStats
+    from omni_cache.harness.pipeline.checks import Comparison
+    from omni_cache.harness.pipeline.run import PipelineConfig, PipelineResult, RunStats
 
     same = [Comparison(f"r{i}", True, 0.0, 1e-4) for i in range(2)]
     differ = [Comparison("r0", False, 1.0, 1e-4, "tokens differ")]
@@ -193,8 +199,8 @@ def _result(**changes: Any) -> Any:
 
 
 def test_exit_codes_and_summary_fields() -> None:
-    from omni_cache.pipeline.checks import Comparison
-    from omni_cache.pipeline.report import exit_code, summarize
+    from omni_cache.harness.pipeline.checks import Comparison
+    from omni_cache.harness.pipeline.report import exit_code, summarize
 
     ok = _result()
     s = summarize(ok)
@@ -209,7 +215,7 @@ def test_exit_codes_and_summary_fields() -> None:
     assert exit_code(wrong) == EXIT_FAILED and not summarize(wrong)["talker_identical"]
     short = _result(identity=Verdict([Comparison("r0", True, 0.0, 1e-4)]))  # a request never compared
     assert exit_code(short) == EXIT_FAILED
-    from omni_cache.pipeline.run import RunStats
+    from omni_cache.harness.pipeline.run import RunStats
 
     no_hits = _result(with_apc=RunStats(hit_tokens=0, thinker_s=1.0, end_to_end_s=1.0),
                       control_computed=Verdict(), control_perturbed=Verdict())  # nothing for a control to change
@@ -265,8 +271,8 @@ def test_the_thinker_engine_arguments_follow_model_and_grid() -> None:
     """Each worker of a ``tp x pp`` thinker gets the KV bytes of its own layers; the hybrid model its
     hybrid KV manager and a pool of ``pool_blocks_per_block`` blocks per preset block; the truth
     thinker (prefix caching off) vLLM's own worker and no cache, in every case."""
-    from omni_cache.pipeline.stages import StageOptions, talker_kwargs, thinker_kwargs
-    from omni_cache.vllm_sim.models import MODELS
+    from omni_cache.harness.pipeline.stages import StageOptions, talker_kwargs, thinker_kwargs
+    from omni_cache.harness.vllm_engine.models import MODELS
 
     base = dict(kv_blocks=40, max_batched_tokens=256, max_model_len=1024)
     one = thinker_kwargs("/m", StageOptions(**base), prefix_caching=True)
@@ -308,9 +314,9 @@ def test_the_command_prints_what_it_verified_and_exits_with_its_code(
     """The subcommand's own path, on made-up results (the real engines run in test_vllm_pipeline.py)."""
     import json
 
-    import omni_cache.pipeline.run as run_mod
-    from omni_cache.pipeline.checks import Comparison
-    from omni_cache.pipeline.run import RunStats
+    import omni_cache.harness.pipeline.run as run_mod
+    from omni_cache.harness.pipeline.checks import Comparison
+    from omni_cache.harness.pipeline.run import RunStats
 
     results = iter([_result(), _result(), _result(identity=Verdict([Comparison("r0", False, 2.0, 1e-4, "tokens differ "
                                                                                   "from output position 0")])),

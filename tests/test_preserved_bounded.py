@@ -13,8 +13,8 @@ import pytest
 import torch
 from cache_helpers import MODES, finished, manager, save, settle, started
 
-from omni_cache.block_pool import PrefixBlockPool
-from omni_cache.tenancy import SlotTenancy
+from omni_cache.runtime.block_pool import PrefixBlockPool
+from omni_cache.runtime.tenancy import SlotTenancy
 
 TENANTS = 30
 

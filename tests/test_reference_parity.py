@@ -34,14 +34,14 @@ import torch
 
 def _install_shim() -> None:
     """Make ``vllm_omni.core.prefix_cache.<m>`` name omni-cache's module ``<m>`` (renaming only)."""
-    import omni_cache.adapter
-    import omni_cache.interface
-    import omni_cache.manager
+    import omni_cache.integration.adapter
+    import omni_cache.runtime.interface
+    import omni_cache.runtime.manager
 
     for pkg in ("vllm_omni", "vllm_omni.core", "vllm_omni.core.prefix_cache"):
         sys.modules.setdefault(pkg, types.ModuleType(pkg))
-    for name, module in (("adapter", omni_cache.adapter), ("interface", omni_cache.interface),
-                         ("manager", omni_cache.manager)):
+    for name, module in (("adapter", omni_cache.integration.adapter), ("interface", omni_cache.runtime.interface),
+                         ("manager", omni_cache.runtime.manager)):
         sys.modules.setdefault(f"vllm_omni.core.prefix_cache.{name}", module)
 
 
@@ -578,7 +578,7 @@ def test_a_new_admission_rejects_the_old_owners_controls_and_terminal() -> None:
 
 
 def test_a_replayed_step_cannot_reactivate_a_finished_owner() -> None:
-    from omni_cache.adapter import PrefixCacheStep
+    from omni_cache.runtime.events import PrefixCacheStep
 
     mgr, _ = make_manager()
     replacement = PrefixCacheStep((owned(K.REPLACED, 1),), (), sequence=7)

@@ -24,8 +24,8 @@ from omni_cache import (
     PrefixCacheSchedulerAdapter,
     PrefixCacheStep,
 )
-from omni_cache.adapter import PrefixCacheRequestOwner as Owner
-from omni_cache.events import PrefixCacheRequestOwner
+from omni_cache.runtime.events import PrefixCacheRequestOwner
+from omni_cache.runtime.events import PrefixCacheRequestOwner as Owner
 
 K = PrefixCacheEventKind
 MODES = [True, False]

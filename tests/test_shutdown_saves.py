@@ -17,7 +17,7 @@ from cache_helpers import MODES, manager, save, started, wait_until
 from thread_helpers import JOIN_S, HoldFirst, HoldFirstCopy
 
 from omni_cache import OmniPrefixCacheUnmatchError
-from omni_cache.errors import PHRASE_SHUT_DOWN
+from omni_cache.runtime.errors import PHRASE_SHUT_DOWN
 
 
 class _Call:

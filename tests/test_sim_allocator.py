@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from omni_cache.sim.allocator import BlockAllocator
-from omni_cache.sim.request import SimRequest, chain_block_hash
+from omni_cache.harness.sim_engine.allocator import BlockAllocator
+from omni_cache.harness.sim_engine.request import SimRequest, chain_block_hash
 
 
 def _hashes(tokens: list[int], bs: int = 4) -> list[int]:

@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from omni_cache.interface import HIDDEN_KEY, StageCacheOutputs
-from omni_cache.sim.checker import OutputChecker, ReqExpectation, StepExpectation, Talker
-from omni_cache.sim.truth import CODES_KEY, EMBEDS_KEY, LEFTOVER_LIST_KEY, TruthSpec, prefix_hashes
+from omni_cache.harness.sim_engine.checker import OutputChecker, ReqExpectation, StepExpectation, Talker
+from omni_cache.harness.sim_engine.truth import (
+    CODES_KEY,
+    EMBEDS_KEY,
+    LEFTOVER_LIST_KEY,
+    TruthSpec,
+    prefix_hashes,
+)
+from omni_cache.runtime.interface import HIDDEN_KEY, StageCacheOutputs
 
 SPEC = TruthSpec(hidden_width=8, embeds_width=4)
 HASHES = prefix_hashes([11, 12, 13, 14, 15, 16])

@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from omni_cache.cli import main
-from omni_cache.faults import FaultHooks
-from omni_cache.interface import HIDDEN_KEY, PrefixCacheConfig
-from omni_cache.manager import OmniPrefixCacheManager
-from omni_cache.sim import SimConfig, Simulation
-from omni_cache.sim import engine as sim_engine
-from omni_cache.sim.report import summarize
+from omni_cache.harness.sim_engine import SimConfig, Simulation
+from omni_cache.harness.sim_engine import engine as sim_engine
+from omni_cache.harness.sim_engine.report import summarize
+from omni_cache.runtime.faults import FaultHooks
+from omni_cache.runtime.interface import HIDDEN_KEY, PrefixCacheConfig
+from omni_cache.runtime.manager import OmniPrefixCacheManager
 
 SMALL = {"requests": 20}
 

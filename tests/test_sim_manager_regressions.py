@@ -16,14 +16,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from omni_cache.adapter import (
+from omni_cache.runtime.events import (
     PrefixCacheEventKind,
     PrefixCacheRequestEvent,
     PrefixCacheStep,
     PrefixCacheWriteLayout,
 )
-from omni_cache.interface import ModelCachePolicy, PrefixCacheConfig
-from omni_cache.manager import OmniPrefixCacheManager
+from omni_cache.runtime.interface import ModelCachePolicy, PrefixCacheConfig
+from omni_cache.runtime.manager import OmniPrefixCacheManager
 
 
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "async"])

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from omni_cache.adapter import PrefixCacheEventKind as K
-from omni_cache.sim.allocator import BlockAllocator
-from omni_cache.sim.request import RequestStatus, SimRequest
-from omni_cache.sim.scheduler import Scheduler, SchedulerOutput
+from omni_cache.harness.sim_engine.allocator import BlockAllocator
+from omni_cache.harness.sim_engine.request import RequestStatus, SimRequest
+from omni_cache.harness.sim_engine.scheduler import Scheduler, SchedulerOutput
+from omni_cache.runtime.events import PrefixCacheEventKind as K
 
 
 def _sched(num_blocks: int = 64, bs: int = 4, budget: int = 8, publish: str = "schedule") -> Scheduler:

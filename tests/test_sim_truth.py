@@ -5,11 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from omni_cache.interface import HIDDEN_KEY
-from omni_cache.sim.request import SimRequest
-from omni_cache.sim.scheduler import ScheduledChunk
-from omni_cache.sim.thinker import JUNK_FLOAT, Thinker, policy_for
-from omni_cache.sim.truth import (
+from omni_cache.harness.sim_engine.request import SimRequest
+from omni_cache.harness.sim_engine.scheduler import ScheduledChunk
+from omni_cache.harness.sim_engine.thinker import JUNK_FLOAT, Thinker, policy_for
+from omni_cache.harness.sim_engine.truth import (
     CODES_KEY,
     EMBEDS_KEY,
     LEFTOVER_LIST_KEY,
@@ -18,6 +17,7 @@ from omni_cache.sim.truth import (
     next_token,
     prefix_hashes,
 )
+from omni_cache.runtime.interface import HIDDEN_KEY
 
 
 def test_prefix_hashes_are_incremental_and_prefix_determined() -> None:

@@ -33,8 +33,8 @@ from hypothesis import settings
 from reference_model import EMBEDS, Engine, StepExpect, check_outputs
 
 from omni_cache import ModelCachePolicy, OmniPrefixCacheUnmatchError, PrefixCacheConfig
-from omni_cache.errors import PHRASE_NOT_READABLE, PHRASE_NOT_SAVED
-from omni_cache.manager import OmniPrefixCacheManager
+from omni_cache.runtime.errors import PHRASE_NOT_READABLE, PHRASE_NOT_SAVED
+from omni_cache.runtime.manager import OmniPrefixCacheManager
 
 # profile -> (steps per mode, soft deadline in seconds per mode)
 SIZES = {"ci": (10000, 8.0), "mutation": (3000, 8.0), "dev": (10000, 15.0), "nightly": (200000, 300.0)}

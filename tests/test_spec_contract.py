@@ -20,10 +20,10 @@ from typing import Any
 
 import pytest
 
-from omni_cache import adapter
-from omni_cache.errors import ALL_PHRASES
-from omni_cache.interface import ModelCachePolicy, PrefixCacheConfig
-from omni_cache.manager import OmniPrefixCacheManager
+from omni_cache.integration import adapter
+from omni_cache.runtime.errors import ALL_PHRASES
+from omni_cache.runtime.interface import ModelCachePolicy, PrefixCacheConfig
+from omni_cache.runtime.manager import OmniPrefixCacheManager
 
 SPEC = Path(__file__).resolve().parent.parent / "spec"
 CONTRACT = (SPEC / "contract.md").read_text(encoding="utf-8")
@@ -124,7 +124,7 @@ def test_adapter_types_are_documented_with_their_signatures() -> None:
     assert f"`PrefixCacheEventKind`: {kinds}." in section
     scheduler_adapter = getattr(adapter, "PrefixCacheSchedulerAdapter", None)
     if scheduler_adapter is None:
-        pytest.skip("omni_cache.adapter.PrefixCacheSchedulerAdapter is not in the code yet")
+        pytest.skip("omni_cache.integration.adapter.PrefixCacheSchedulerAdapter is not in the code yet")
     for name in sorted(_public_methods(scheduler_adapter)):
         assert f"`{name}(" in section, name
 
@@ -169,11 +169,11 @@ def test_stats_keys_are_exactly_the_documented_ones() -> None:
 
 
 def test_every_public_name_of_the_contract_modules_is_importable_from_the_package_root() -> None:
-    """The contract's promise: everything in ``omni_cache.interface``, ``omni_cache.adapter``,
-    ``omni_cache.errors`` and ``omni_cache.manager`` is importable from ``omni_cache`` and listed
+    """The contract's promise: everything in ``omni_cache.runtime.interface``, ``omni_cache.integration.adapter``,
+    ``omni_cache.runtime.errors`` and ``omni_cache.runtime.manager`` is importable from ``omni_cache`` and listed
     in its ``__all__`` (``PrefixCacheRequestOwner`` was missing)."""
     import omni_cache
-    from omni_cache import errors, interface
+    from omni_cache.runtime import errors, interface
 
     public = {*adapter.__all__, *interface.__all__, "OmniPrefixCacheManager",
               *(name for name in vars(errors) if name.startswith("OmniPrefixCache"))}

@@ -1,8 +1,8 @@
 """spec/state_machines.md and `omni-cache diagram` stay what the state tables in code say.
 
 Owns the "diagram generated from the machine itself, checked up to date" check of
-DESIGN section 7: the generated file must equal what ``omni_cache.spec_render``
-renders now from ``omni_cache.states`` (I1/I3/I8 are documented there), and the
+DESIGN section 7: the generated file must equal what ``omni_cache.verify.spec_render``
+renders now from ``omni_cache.runtime.states`` (I1/I3/I8 are documented there), and the
 rendered Mermaid must carry exactly the tables' edges.
 """
 
@@ -18,9 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from omni_cache import spec_render, states
 from omni_cache.cli import SUBCOMMANDS, diagram, main
-from omni_cache.states import ALL_TABLES, StateTable, TransitionSpec
+from omni_cache.runtime import states
+from omni_cache.runtime.states import ALL_TABLES, StateTable, TransitionSpec
+from omni_cache.verify import spec_render
 
 EDGE = re.compile(r"^\s*(\w+) --> (\w+): (.+)$")
 STATE = re.compile(r'^\s*state "(\w+)" as (\w+)$')
@@ -61,7 +62,7 @@ def test_state_machines_md_is_current() -> None:
                     actual.splitlines(keepends=True),
                     expected.splitlines(keepends=True),
                     "spec/state_machines.md (on disk)",
-                    "rendered from omni_cache/states.py now",
+                    "rendered from omni_cache/runtime/states.py now",
                 )
             )[:60]
         )

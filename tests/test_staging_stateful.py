@@ -27,8 +27,8 @@ from omni_cache import (
     OmniPrefixCacheUnmatchError,
     TraceRecorder,
 )
-from omni_cache.errors import PHRASE_NOT_SAVED
-from omni_cache.staging import StagingPool
+from omni_cache.runtime.errors import PHRASE_NOT_SAVED
+from omni_cache.runtime.staging import StagingPool
 
 DEPTH = 3
 # Slots an abort was tried on while a write held them (I3); a test checks the ci profile gets here.

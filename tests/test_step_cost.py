@@ -23,12 +23,17 @@ import torch
 from cache_helpers import MODES, assert_waits_for_lock, config, finished, save, slots, started, truth
 
 import omni_cache
-from omni_cache.adapter import PrefixCacheStep, PrefixCacheWrite, PrefixCacheWriteLayout
-from omni_cache.block_pool import PrefixBlockPool
-from omni_cache.errors import PHRASE_SLOT_MAPPING, OmniPrefixCacheUnmatchError
-from omni_cache.events import StepRows, layout_rows
-from omni_cache.manager import OmniPrefixCacheManager
-from omni_cache.validation import check_scheduled
+from omni_cache.runtime.block_pool import PrefixBlockPool
+from omni_cache.runtime.errors import PHRASE_SLOT_MAPPING, OmniPrefixCacheUnmatchError
+from omni_cache.runtime.events import (
+    PrefixCacheStep,
+    PrefixCacheWrite,
+    PrefixCacheWriteLayout,
+    StepRows,
+    layout_rows,
+)
+from omni_cache.runtime.manager import OmniPrefixCacheManager
+from omni_cache.runtime.validation import check_scheduled
 
 PACKAGE = os.path.dirname(omni_cache.__file__)
 
@@ -326,15 +331,15 @@ def test_saved_at_is_the_first_frame_outside_the_runtime_or_in_a_driver() -> Non
     """``caller_location`` skips the runtime's frames (an engine hook in ``integration`` included)
     and stops at the caller: a frame outside the package, or one of the package's drivers (the
     bench, the CLI, the simulators), which save steps as an engine does."""
-    from omni_cache.locks import caller_location
+    from omni_cache.runtime.locks import caller_location
 
     runtime = _compiled_in(os.path.join(PACKAGE, "integration", "fake_hook.py"),
                            "def hook():\n    return caller_location()\n", caller_location=caller_location)
-    driver = _compiled_in(os.path.join(PACKAGE, "bench", "fake_driver.py"),
+    driver = _compiled_in(os.path.join(PACKAGE, "harness", "bench", "fake_driver.py"),
                           "def drive():\n    return hook()\n", hook=runtime["hook"])
     here = f"{__file__}:{sys._getframe().f_lineno + 1}"
     assert runtime["hook"]() == here  # through the runtime's frame to this test's line
-    assert driver["drive"]() == os.path.join(PACKAGE, "bench", "fake_driver.py") + ":2"
+    assert driver["drive"]() == os.path.join(PACKAGE, "harness", "bench", "fake_driver.py") + ":2"
     m = OmniPrefixCacheManager(config())
     step, _ = save(m, [("a", [0], 0, 2)])
     saved_at = m.shutdown()[step]  # unconsumed: shutdown reports where it was saved
@@ -350,7 +355,7 @@ def test_the_compiled_stand_in_files_are_not_reported_by_coverage() -> None:
     tomllib = pytest.importorskip("tomllib")
     pyproject = pathlib.Path(PACKAGE).parent / "pyproject.toml"
     omit = tomllib.loads(pyproject.read_text())["tool"]["coverage"]["run"]["omit"]
-    for name in (os.path.join(PACKAGE, "integration", "fake_hook.py"), os.path.join(PACKAGE, "bench", "fake_driver.py")):
+    for name in (os.path.join(PACKAGE, "integration", "fake_hook.py"), os.path.join(PACKAGE, "harness", "bench", "fake_driver.py")):
         assert any(fnmatch.fnmatch(name, pattern) for pattern in omit), name
 
 
@@ -360,7 +365,7 @@ def test_staging_hold_unhold_and_done_reading_wait_for_the_pool_lock(what: str) 
     """Mutants: ``drop_with`` on ``StagingPool.hold`` / ``unhold`` / ``done_reading`` (a write's hold
     count or the reader flag changed while another thread holds the pool lock)."""
 
-    from omni_cache.staging import StagingPool
+    from omni_cache.runtime.staging import StagingPool
 
     pool = StagingPool(3, 4, 0.05)
     slot = pool.claim(2)

@@ -14,8 +14,8 @@ import torch
 from omni_cache import (
     OmniPrefixCacheUnmatchError,
 )
-from omni_cache.block_pool import PrefixBlockPool
-from omni_cache.tenancy import SlotTenancy
+from omni_cache.runtime.block_pool import PrefixBlockPool
+from omni_cache.runtime.tenancy import SlotTenancy
 
 
 @pytest.mark.parametrize("num_rows", [8, 200])  # the short (<= 8 slots) and the numpy path

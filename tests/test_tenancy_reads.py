@@ -20,15 +20,15 @@ from omni_cache import (
     OmniPrefixCacheUnmatchError,
     WriteSchedule,
 )
-from omni_cache.block_pool import PrefixBlockPool
-from omni_cache.copier import CopyEngine
-from omni_cache.errors import PHRASE_NOT_READABLE, PHRASE_WRITE_FAILED
-from omni_cache.faults import FaultHooks
-from omni_cache.interface import HIDDEN_KEY
-from omni_cache.manager import OmniPrefixCacheManager
-from omni_cache.reader import StepReader
-from omni_cache.tenancy import NotLandedYet, SlotTenancy
-from omni_cache.writes import WriteBook
+from omni_cache.runtime.block_pool import PrefixBlockPool
+from omni_cache.runtime.copier import CopyEngine
+from omni_cache.runtime.errors import PHRASE_NOT_READABLE, PHRASE_WRITE_FAILED
+from omni_cache.runtime.faults import FaultHooks
+from omni_cache.runtime.interface import HIDDEN_KEY
+from omni_cache.runtime.manager import OmniPrefixCacheManager
+from omni_cache.runtime.reader import StepReader
+from omni_cache.runtime.tenancy import NotLandedYet, SlotTenancy
+from omni_cache.runtime.writes import WriteBook
 
 
 # ---- I7: planned rows that are gone are "not readable" -------------------------------------

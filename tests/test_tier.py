@@ -13,10 +13,10 @@ import pytest
 import torch
 from cache_helpers import BS, MODES, finished, manager, save, settle, slots, started, truth
 
-from omni_cache.errors import OmniPrefixCacheUnmatchError
 from omni_cache.integration.tier_apply import TierApplier, TierLoad, TierPlan, TierStore
-from omni_cache.tier import HiddenTier
-from omni_cache.tier_rows import block_rows, restore_rows
+from omni_cache.runtime.errors import OmniPrefixCacheUnmatchError
+from omni_cache.runtime.tier import HiddenTier
+from omni_cache.runtime.tier_rows import block_rows, restore_rows
 
 
 def _rows(tag: str, n: int = 4) -> dict[str, torch.Tensor]:

@@ -28,10 +28,10 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from omni_cache import PrefixCacheWriteLayout
-from omni_cache.errors import OmniPrefixCacheUnmatchError
 from omni_cache.integration.tier_apply import TierApplier, TierLoad, TierPlan, TierStore
-from omni_cache.manager import OmniPrefixCacheManager
-from omni_cache.tier import HiddenTier
+from omni_cache.runtime.errors import OmniPrefixCacheUnmatchError
+from omni_cache.runtime.manager import OmniPrefixCacheManager
+from omni_cache.runtime.tier import HiddenTier
 
 NUM_BLOCKS = 6
 CONTENTS = 3

@@ -1,4 +1,4 @@
-"""The spec's action graphs against the code's state tables (tla/ vs omni_cache/states.py).
+"""The spec's action graphs against the code's state tables (tla/ vs omni_cache/runtime/states.py).
 
 TLC runs the one-page staging model and the one-write model with
 ``-dump dot,actionlabels``; the projected edges (state -action-> state) must
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from omni_cache.states import STAGING_TABLE, WRITE_TABLE, StateTable, TransitionSpec
+from omni_cache.runtime.states import STAGING_TABLE, WRITE_TABLE, StateTable, TransitionSpec
 from omni_cache.verify.conformance import (
     DotGraph,
     action_graph,

@@ -14,17 +14,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from omni_cache.block_pool import PrefixBlockPool
-from omni_cache.errors import OmniPrefixCacheUnmatchError
-from omni_cache.interface import WriteSchedule
-from omni_cache.staging import StagingPool, StagingSlot
-from omni_cache.tenancy import NotLandedYet, PlannedRead, SlotTenancy
-from omni_cache.trace import TraceEvent, TraceRecorder
+from omni_cache.runtime.block_pool import PrefixBlockPool
+from omni_cache.runtime.errors import OmniPrefixCacheUnmatchError
+from omni_cache.runtime.interface import WriteSchedule
+from omni_cache.runtime.staging import StagingPool, StagingSlot
+from omni_cache.runtime.tenancy import NotLandedYet, PlannedRead, SlotTenancy
+from omni_cache.runtime.trace import TraceEvent, TraceRecorder
+from omni_cache.runtime.writes import PoolWrite, WriteBook
 from omni_cache.verify import check_trace_tlc
 from omni_cache.verify.tenancy_trace import check_tenancy_trace_tlc, split_writes, tenancy_trace_data
 from omni_cache.verify.testing import require_tlc
 from omni_cache.verify.traces import check_writes_trace_tlc, writes_trace_data
-from omni_cache.writes import PoolWrite, WriteBook
 
 pytestmark = pytest.mark.tlc
 

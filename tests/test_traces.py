@@ -1,6 +1,6 @@
 """Trace validation: real runtime traces accepted, tampered ones rejected, by both replays.
 
-Drives ``omni_cache.staging.StagingPool`` (and ``WriteBook``, and the manager)
+Drives ``omni_cache.runtime.staging.StagingPool`` (and ``WriteBook``, and the manager)
 with a ``TraceRecorder``, replays the recorded transitions with the pure-Python
 ``replay`` and with TLC (``check_trace_tlc``: a generated trace module checked
 against tla/staging/StagingSlot.tla), and checks that tampered traces -- a
@@ -18,20 +18,20 @@ import threading
 import pytest
 import torch
 
-from omni_cache.errors import (
+from omni_cache.runtime.errors import (
     PHRASE_NOT_SAVED,
     OmniPrefixCacheStagingTimeoutError,
     OmniPrefixCacheUnmatchError,
 )
-from omni_cache.interface import WriteSchedule
-from omni_cache.staging import StagingPool
-from omni_cache.states import STAGING_TABLE, WRITE_TABLE
-from omni_cache.trace import TraceEvent, TraceRecorder
+from omni_cache.runtime.interface import WriteSchedule
+from omni_cache.runtime.staging import StagingPool
+from omni_cache.runtime.states import STAGING_TABLE, WRITE_TABLE
+from omni_cache.runtime.trace import TraceEvent, TraceRecorder
+from omni_cache.runtime.writes import WriteBook
 from omni_cache.verify import TraceReplayError, check_trace_tlc, replay, validate_trace
 from omni_cache.verify.tenancy_trace import check_tenancy_trace_tlc, has_tenancy_notes
 from omni_cache.verify.testing import assert_trace_valid, require_tlc
 from omni_cache.verify.traces import trace_module
-from omni_cache.writes import WriteBook
 
 
 def _staging_trace() -> list[TraceEvent]:
@@ -208,7 +208,7 @@ def test_manager_trace_is_valid_for_both_replays() -> None:
     """The manager (async committer, hits) records both machines; both replays accept the trace."""
     from cache_helpers import config, save, settle, started
 
-    from omni_cache.manager import OmniPrefixCacheManager
+    from omni_cache.runtime.manager import OmniPrefixCacheManager
 
     rec = TraceRecorder()
     m = OmniPrefixCacheManager(config(), eager=False, recorder=rec)
@@ -249,9 +249,9 @@ def test_a_tenant_that_writes_no_key_maps_onto_the_tenancy_spec() -> None:
     from cache_helpers import config, save_without_hidden, started, truth
 
     from omni_cache import ModelCachePolicy, OmniPrefixCacheUnmatchError
-    from omni_cache.adapter import PrefixCacheEventKind as E
-    from omni_cache.adapter import PrefixCacheRequestEvent
-    from omni_cache.manager import OmniPrefixCacheManager
+    from omni_cache.runtime.events import PrefixCacheEventKind as E
+    from omni_cache.runtime.events import PrefixCacheRequestEvent
+    from omni_cache.runtime.manager import OmniPrefixCacheManager
 
     rec = TraceRecorder()
     m = OmniPrefixCacheManager(config(), eager=True, recorder=rec)

@@ -21,12 +21,13 @@ import pytest
 import torch
 from vllm_support import require_vllm, shutdown_llm, small_llm
 
-from omni_cache.adapter import PrefixCacheEventKind, PrefixCacheSchedulerAdapter
 from omni_cache.cli import main
+from omni_cache.harness.vllm_engine.engine import DEFAULT_TOLERANCE, VllmSimConfig, VllmSimulation
+from omni_cache.harness.vllm_engine.truth import IMMEDIATE_KEY
+from omni_cache.harness.vllm_engine.workload import PRESETS, PlannedRequest, plan_requests
+from omni_cache.integration.adapter import PrefixCacheSchedulerAdapter
 from omni_cache.integration.runner_hooks import PrefixCacheRunnerHooks
-from omni_cache.vllm_sim.engine import DEFAULT_TOLERANCE, VllmSimConfig, VllmSimulation
-from omni_cache.vllm_sim.truth import IMMEDIATE_KEY
-from omni_cache.vllm_sim.workload import PRESETS, PlannedRequest, plan_requests
+from omni_cache.runtime.events import PrefixCacheEventKind
 
 pytestmark = pytest.mark.vllm
 

@@ -15,8 +15,8 @@ import dataclasses
 import pytest
 from vllm_support import engine_start_in_subprocess, require_vllm
 
-from omni_cache.errors import OmniPrefixCacheUnmatchError
 from omni_cache.integration.vllm_bridge import VllmRunnerBridge
+from omni_cache.runtime.errors import OmniPrefixCacheUnmatchError
 
 pytestmark = pytest.mark.vllm
 
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.vllm
 @pytest.fixture(scope="module")
 def base_kwargs():
     require_vllm()
-    from omni_cache.vllm_sim.engine import engine_kwargs, prepare_vllm_env, tiny_llama_dir
+    from omni_cache.harness.vllm_engine.engine import engine_kwargs, prepare_vllm_env, tiny_llama_dir
 
     prepare_vllm_env()
     kwargs = engine_kwargs(tiny_llama_dir(), kv_blocks=24, max_batched_tokens=256, max_model_len=512)

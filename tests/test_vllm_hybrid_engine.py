@@ -20,10 +20,10 @@ import pytest
 from vllm_support import engine_start_in_subprocess, require_vllm, shutdown_llm
 
 from omni_cache.cli import main
+from omni_cache.harness.vllm_engine.engine import VllmSimConfig, VllmSimulation, stdout_to_stderr
+from omni_cache.harness.vllm_engine.workload import PlannedRequest
 from omni_cache.integration import config_gate
 from omni_cache.integration.kv_groups import OutputGroup
-from omni_cache.vllm_sim.engine import VllmSimConfig, VllmSimulation, stdout_to_stderr
-from omni_cache.vllm_sim.workload import PlannedRequest
 
 pytestmark = pytest.mark.vllm
 
@@ -92,7 +92,7 @@ def test_rows_addressed_by_a_sliding_window_group_are_caught(llm, monkeypatch) -
 def test_a_sliding_window_only_model_is_refused_at_engine_start() -> None:
     setup = """
         import json, os
-        from omni_cache.vllm_sim.models import model_dir, sim_model
+        from omni_cache.harness.vllm_engine.models import model_dir, sim_model
         model = sim_model("hybrid")
         path = model_dir("hybrid")
         config = dict(model.config, layer_types=["sliding_attention"] * 4)

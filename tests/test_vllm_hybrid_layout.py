@@ -22,9 +22,9 @@ import torch
 from test_vllm_gate import base_kwargs  # noqa: F401  (fixture)
 from vllm_support import require_vllm
 
-from omni_cache.errors import OmniPrefixCacheUnmatchError
 from omni_cache.integration import BlockTableView
 from omni_cache.integration.vllm_bridge import VllmRunnerBridge
+from omni_cache.runtime.errors import OmniPrefixCacheUnmatchError
 
 pytestmark = pytest.mark.vllm
 

@@ -17,7 +17,7 @@ import pytest
 from test_vllm_gate import _gate, _kv_cache_config, _vllm_config, base_kwargs  # noqa: F401  (fixture)
 from vllm_support import engine_start_in_subprocess
 
-from omni_cache.errors import OmniPrefixCacheUnmatchError
+from omni_cache.runtime.errors import OmniPrefixCacheUnmatchError
 
 pytestmark = pytest.mark.vllm
 

@@ -39,8 +39,8 @@ def test_simulate_kv_connector_example_serves_tier_hits_bit_exact() -> None:
 
 def _tier_run(**kwargs):
     require_vllm()
-    from omni_cache.vllm_sim.engine import VllmSimConfig
-    from omni_cache.vllm_sim.tier_run import TierSimulation
+    from omni_cache.harness.vllm_engine.engine import VllmSimConfig
+    from omni_cache.harness.vllm_engine.tier_run import TierSimulation
 
     sim = TierSimulation(VllmSimConfig(kv_connector="example", seed=1), **kwargs)
     return sim, sim.run()
@@ -71,8 +71,8 @@ def test_a_load_the_connector_reports_failed_is_recomputed_and_served_exactly() 
     require_vllm()
     from kv_fault_connector import FailingExampleConnector
 
-    from omni_cache.vllm_sim.engine import VllmSimConfig
-    from omni_cache.vllm_sim.tier_run import TierSimulation
+    from omni_cache.harness.vllm_engine.engine import VllmSimConfig
+    from omni_cache.harness.vllm_engine.tier_run import TierSimulation
 
     class FailingOnce(TierSimulation):
         def kv_transfer_config(self):  # type: ignore[no-untyped-def]

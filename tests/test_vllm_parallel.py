@@ -22,9 +22,9 @@ from typing import Any
 import pytest
 from vllm_support import require_vllm
 
+from omni_cache.harness.vllm_engine.engine import VllmSimConfig
+from omni_cache.harness.vllm_engine.parallel import ParallelVllmSimulation
 from omni_cache.integration.ranks import output_rank_index
-from omni_cache.vllm_sim.engine import VllmSimConfig
-from omni_cache.vllm_sim.parallel import ParallelVllmSimulation
 
 pytestmark = pytest.mark.vllm
 

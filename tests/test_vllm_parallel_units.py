@@ -16,11 +16,15 @@ import pytest
 import torch
 
 from omni_cache.cli import main
-from omni_cache.interface import StageCacheOutputs
-from omni_cache.vllm_sim import promises
-from omni_cache.vllm_sim.engine import KV_BLOCK_BYTES, VllmSimConfig, VllmSimResult
-from omni_cache.vllm_sim.parallel import ParallelVllmSimulation, make_simulation, parallel_engine_kwargs
-from omni_cache.vllm_sim.truth import DEFERRED_KEY, IMMEDIATE_KEY
+from omni_cache.harness.vllm_engine import promises
+from omni_cache.harness.vllm_engine.engine import KV_BLOCK_BYTES, VllmSimConfig, VllmSimResult
+from omni_cache.harness.vllm_engine.parallel import (
+    ParallelVllmSimulation,
+    make_simulation,
+    parallel_engine_kwargs,
+)
+from omni_cache.harness.vllm_engine.truth import DEFERRED_KEY, IMMEDIATE_KEY
+from omni_cache.runtime.interface import StageCacheOutputs
 
 SPANS = (("a", 0, 3),)
 
@@ -149,7 +153,7 @@ class _FakeSim:
 def _cli_with(monkeypatch: pytest.MonkeyPatch, result_of: Any, argv: list[str]) -> int:
     import importlib.util
 
-    import omni_cache.vllm_sim.parallel as parallel
+    import omni_cache.harness.vllm_engine.parallel as parallel
 
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else real_find_spec(name, *a))
@@ -189,7 +193,7 @@ def test_parallel_options_need_the_vllm_engine(capsys) -> None:
 
 
 def test_the_in_process_run_refuses_a_parallel_config() -> None:
-    from omni_cache.vllm_sim.engine import VllmSimulation
+    from omni_cache.harness.vllm_engine.engine import VllmSimulation
 
     with pytest.raises(ValueError, match="make_simulation"):
         VllmSimulation(VllmSimConfig(tp=2)).run()

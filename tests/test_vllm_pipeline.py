@@ -16,9 +16,9 @@ import tempfile
 import pytest
 from vllm_support import require_vllm, shutdown_llm
 
+from omni_cache.harness.pipeline.report import exit_code, summarize
+from omni_cache.harness.pipeline.run import Pipeline, PipelineConfig
 from omni_cache.integration.runner_hooks import PrefixCacheRunnerHooks
-from omni_cache.pipeline.report import exit_code, summarize
-from omni_cache.pipeline.run import Pipeline, PipelineConfig
 
 pytestmark = pytest.mark.vllm
 
@@ -28,8 +28,8 @@ CONFIG = PipelineConfig(preset="mix", requests=6, repeats=1, talker_tokens=6)
 @pytest.fixture(scope="module")
 def engines():
     require_vllm()
-    from omni_cache.pipeline.stages import build_llm, talker_checkpoint, talker_kwargs, thinker_kwargs
-    from omni_cache.vllm_sim.engine import prepare_vllm_env, stdout_to_stderr, tiny_llama_dir
+    from omni_cache.harness.pipeline.stages import build_llm, talker_checkpoint, talker_kwargs, thinker_kwargs
+    from omni_cache.harness.vllm_engine.engine import prepare_vllm_env, stdout_to_stderr, tiny_llama_dir
 
     prepare_vllm_env()
     opts = Pipeline(CONFIG).opts

@@ -91,7 +91,7 @@ def test_the_connector_is_installed_only_while_its_own_engine_steps() -> None:
     import vllm.distributed.kv_transfer.kv_transfer_state as state
     from vllm.distributed.kv_transfer import has_kv_transfer_group
 
-    from omni_cache.pipeline.kv_scope import scope_connector
+    from omni_cache.harness.pipeline.kv_scope import scope_connector
 
     seen: list[object] = []
     engine = SimpleNamespace(step=lambda: seen.append(state._KV_CONNECTOR_AGENT),

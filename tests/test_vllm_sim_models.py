@@ -15,8 +15,8 @@ import os
 import pytest
 
 from omni_cache.cli import main
-from omni_cache.vllm_sim.engine import KV_BLOCK_BYTES, VllmSimConfig
-from omni_cache.vllm_sim.models import MODELS, model_dir, model_engine_kwargs, sim_model
+from omni_cache.harness.vllm_engine.engine import KV_BLOCK_BYTES, VllmSimConfig
+from omni_cache.harness.vllm_engine.models import MODELS, model_dir, model_engine_kwargs, sim_model
 
 
 def test_an_unknown_model_names_the_choices() -> None:

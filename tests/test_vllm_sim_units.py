@@ -7,9 +7,14 @@ import pytest
 import torch
 
 from omni_cache.cli import main
+from omni_cache.harness.vllm_engine.engine import (
+    DEFAULT_TOLERANCE,
+    VllmSimConfig,
+    VllmSimResult,
+    VllmSimulation,
+)
+from omni_cache.harness.vllm_engine.workload import PRESETS, plan_requests
 from omni_cache.integration.vllm_bridge import VllmRunnerBridge
-from omni_cache.vllm_sim.engine import DEFAULT_TOLERANCE, VllmSimConfig, VllmSimResult, VllmSimulation
-from omni_cache.vllm_sim.workload import PRESETS, plan_requests
 
 
 def _compare(rel_noise: float):

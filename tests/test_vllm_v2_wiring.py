@@ -25,7 +25,7 @@ from vllm_support import require_vllm
 
 from omni_cache.integration.block_table import BlockTableView
 from omni_cache.integration.vllm_bridge import VllmRunnerBridge
-from omni_cache.interface import PrefixCacheConfig
+from omni_cache.runtime.interface import PrefixCacheConfig
 
 pytestmark = pytest.mark.vllm
 BS = 32

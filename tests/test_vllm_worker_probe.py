@@ -19,10 +19,10 @@ from typing import Any
 import pytest
 import torch
 
-from omni_cache.errors import OmniPrefixCacheUnmatchError
+from omni_cache.harness.vllm_engine import worker_probe
 from omni_cache.integration.vllm_bridge import ForwardRecord, PublishedStep
-from omni_cache.interface import StageCacheOutputs
-from omni_cache.vllm_sim import worker_probe
+from omni_cache.runtime.errors import OmniPrefixCacheUnmatchError
+from omni_cache.runtime.interface import StageCacheOutputs
 
 
 class _Manager:

@@ -2,7 +2,7 @@
 
 Owns: ``Builder`` (runs materialize/discard tasks inline, or on a second thread
 fed by a queue, collecting failures for the engine thread to raise),
-``SlowCommitter`` and ``HoldStep`` (``omni_cache.faults.FaultHooks`` that pace
+``SlowCommitter`` and ``HoldStep`` (``omni_cache.runtime.faults.FaultHooks`` that pace
 the committer -- they inject no fault, they only widen or hold the windows in
 which the engine, the builder and the committer interleave) and
 ``expect_error`` (a call must raise the documented phrase). Used by
@@ -18,7 +18,7 @@ import traceback
 from collections.abc import Callable
 
 from omni_cache import OmniPrefixCacheUnmatchError
-from omni_cache.faults import FaultHooks
+from omni_cache.runtime.faults import FaultHooks
 
 JOIN_S = 20.0
 

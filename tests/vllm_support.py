@@ -34,7 +34,12 @@ def require_vllm() -> Any:
 def small_llm(*, kv_blocks: int = 24, **overrides: Any) -> Any:
     """An in-process engine: 24 KV blocks of 32 tokens (preemption under load), budget 256."""
     require_vllm()
-    from omni_cache.vllm_sim.engine import engine_kwargs, prepare_vllm_env, stdout_to_stderr, tiny_llama_dir
+    from omni_cache.harness.vllm_engine.engine import (
+        engine_kwargs,
+        prepare_vllm_env,
+        stdout_to_stderr,
+        tiny_llama_dir,
+    )
 
     prepare_vllm_env()
     from vllm import LLM
@@ -58,7 +63,7 @@ def engine_start_in_subprocess(llm_kwargs: str, setup: str = "", *, whole_messag
     message = '" ".join(str(exc).split())' if whole_message else "str(exc).splitlines()[0]"
     script = "\n".join([
         "from omni_cache.integration import vllm_bridge",
-        "from omni_cache.vllm_sim.engine import engine_kwargs, prepare_vllm_env, tiny_llama_dir",
+        "from omni_cache.harness.vllm_engine.engine import engine_kwargs, prepare_vllm_env, tiny_llama_dir",
         "prepare_vllm_env()",
         "steps = []",
         "real = vllm_bridge.VllmRunnerBridge.begin_step",

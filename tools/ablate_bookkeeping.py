@@ -30,12 +30,12 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import omni_cache.manager as manager_module
-from omni_cache.bench.narrow import narrow_bookkeeping
-from omni_cache.bench.sweep import SWEEP_SHAPE
-from omni_cache.bench.workload import WorkloadSpec
-from omni_cache.block_pool import PrefixBlockPool
-from omni_cache.manager import OmniPrefixCacheManager
+import omni_cache.runtime.manager as manager_module
+from omni_cache.harness.bench.narrow import narrow_bookkeeping
+from omni_cache.harness.bench.sweep import SWEEP_SHAPE
+from omni_cache.harness.bench.workload import WorkloadSpec
+from omni_cache.runtime.block_pool import PrefixBlockPool
+from omni_cache.runtime.manager import OmniPrefixCacheManager
 
 
 def _unchecked_slots(self: PrefixBlockPool, slots: Any, *, where: str = "") -> Any:

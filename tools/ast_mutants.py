@@ -311,10 +311,23 @@ def generate(path: Path, rel: str) -> list[Mutant]:
     return mutants
 
 
+WINGS = ("runtime", "integration")
+"""Where a module name of ``--modules`` is looked up, in order (ids keep the bare name)."""
+
+
+def module_path(name: str, root: Path = ROOT) -> str:
+    """The repository path of the package module ``name`` (``manager`` -> ``omni_cache/runtime/manager.py``)."""
+    for wing in WINGS:
+        rel = f"omni_cache/{wing}/{name}.py"
+        if (root / rel).exists():
+            return rel
+    raise SystemExit(f"ast_mutants: no module {name!r} in omni_cache/{{{','.join(WINGS)}}}/")
+
+
 def all_mutants(root: Path = ROOT, modules: tuple[str, ...] = CORE_MODULES) -> list[Mutant]:
     out: list[Mutant] = []
     for name in modules:
-        rel = f"omni_cache/{name}.py"
+        rel = module_path(name, root)
         out.extend(generate(root / rel, rel))
     return out
 

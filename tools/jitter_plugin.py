@@ -28,7 +28,7 @@ import threading
 import time
 from typing import Any
 
-from omni_cache import copier, staging
+from omni_cache.runtime import copier, staging
 
 _MAX_S = float(os.environ.get("OMNI_JITTER_MAX_MS", "15")) / 1000.0
 # A private generator: Hypothesis seeds the global ``random`` per example, and these delays

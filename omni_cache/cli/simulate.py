@@ -1,7 +1,7 @@
 """``omni-cache simulate``: run a simulated omni serving workload through the cache.
 
 Owns: the subcommand's arguments, the progress bar and the exit code. The
-simulation itself lives in ``omni_cache.sim``. Exit 0 only if every request
+simulation itself lives in ``omni_cache.harness.sim_engine``. Exit 0 only if every request
 asked for ran and every output handed to the next stage matched the ground
 truth with no contract error; 1 on a mismatch or contract error (with a
 report naming step, request, key and position); 2 for bad arguments or a
@@ -10,7 +10,7 @@ that can); 3 when the run was clean but did less than asked (requests dropped
 as too long for the KV cache, or steps cut by ``--steps-limit``) unless
 ``--allow-incomplete`` says that is intended.
 
-Invariants: none enforced here (see ``omni_cache.sim``: the run checks I1, I2,
+Invariants: none enforced here (see ``omni_cache.harness.sim_engine``: the run checks I1, I2,
 I4-I7 and I9 from the outside).
 """
 
@@ -30,7 +30,7 @@ from omni_cache.cli.args import (
     non_negative_int,
     positive_int,
 )
-from omni_cache.sim.workload import PRESETS
+from omni_cache.harness.sim_engine.workload import PRESETS
 
 
 def register(subparsers: Any) -> None:
@@ -106,9 +106,9 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from omni_cache.sim.config import SimConfig
-    from omni_cache.sim.engine import Simulation
-    from omni_cache.sim.report import render, summarize
+    from omni_cache.harness.sim_engine.config import SimConfig
+    from omni_cache.harness.sim_engine.engine import Simulation
+    from omni_cache.harness.sim_engine.report import render, summarize
 
     delay = None if args.builder_delay_ms is None else args.builder_delay_ms / 1e3
     try:

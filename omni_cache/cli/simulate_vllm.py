@@ -6,8 +6,8 @@ key and position; 2 for bad arguments, a KV-cache size override in the
 environment, or when vLLM is not installed; 3 when the checks passed but the
 run did less than asked: the engine got other KV blocks than asked, or a preset
 that promises preemptions had none). ``--tp``/``--pp`` run the engine on worker
-processes (``omni_cache.vllm_sim.parallel``). The run itself is
-``omni_cache.vllm_sim``. Invariants: none enforced here.
+processes (``omni_cache.harness.vllm_engine.parallel``). The run itself is
+``omni_cache.harness.vllm_engine``. Invariants: none enforced here.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import json
 from typing import Any
 
 from omni_cache.cli.args import EXIT_INCOMPLETE, float_range, int_range
-from omni_cache.vllm_sim.models import DEFAULT_MODEL, MODELS
-from omni_cache.vllm_sim.workload import PRESETS
+from omni_cache.harness.vllm_engine.models import DEFAULT_MODEL, MODELS
+from omni_cache.harness.vllm_engine.workload import PRESETS
 
 __all__ = ["PRESETS", "add_arguments", "add_model_argument", "run_vllm"]
 
@@ -57,7 +57,7 @@ def vllm_only_given(args: argparse.Namespace) -> list[str]:
 
 
 def add_model_argument(parser: argparse.ArgumentParser, scope: str = "") -> None:
-    """``--model`` (``omni_cache.vllm_sim.models``), for every command that builds a real thinker."""
+    """``--model`` (``omni_cache.harness.vllm_engine.models``), for every command that builds a real thinker."""
     parser.add_argument("--model", choices=sorted(MODELS),
                         help=f"{scope}the thinker model, built at run time (default {DEFAULT_MODEL}; hybrid: "
                         "sliding-window and full-attention layers, several KV-cache groups)")
@@ -77,10 +77,10 @@ def run_vllm(args: argparse.Namespace) -> int:
         err.print("omni-cache simulate --engine vllm: vLLM is not installed; see the README's third command "
                   "(pip install -e '.[vllm]', then remove torchvision)", markup=False)
         return 2
-    from omni_cache.vllm_sim.engine import DEFAULT_TOLERANCE, VllmSimConfig, VllmSimulation
-    from omni_cache.vllm_sim.parallel import make_simulation
-    from omni_cache.vllm_sim.promises import kv_space_override
-    from omni_cache.vllm_sim.report import render, summarize
+    from omni_cache.harness.vllm_engine.engine import DEFAULT_TOLERANCE, VllmSimConfig, VllmSimulation
+    from omni_cache.harness.vllm_engine.parallel import make_simulation
+    from omni_cache.harness.vllm_engine.promises import kv_space_override
+    from omni_cache.harness.vllm_engine.report import render, summarize
 
     preset = args.preset or "mixed"
     try:
@@ -103,7 +103,7 @@ def run_vllm(args: argparse.Namespace) -> int:
         err.print(f"omni-cache simulate: {refusal}", markup=False, soft_wrap=True)
         return 2
     if cfg.kv_connector is not None:
-        from omni_cache.vllm_sim.tier_run import TierSimulation
+        from omni_cache.harness.vllm_engine.tier_run import TierSimulation
 
         sim: VllmSimulation = TierSimulation(cfg)
     else:
@@ -111,7 +111,7 @@ def run_vllm(args: argparse.Namespace) -> int:
     result = sim.run()
     summary = summarize(result)
     if cfg.kv_connector is not None:
-        from omni_cache.vllm_sim.tier_run import add_tier_summary, render_tier
+        from omni_cache.harness.vllm_engine.tier_run import add_tier_summary, render_tier
 
         add_tier_summary(summary, sim)
     if args.json:

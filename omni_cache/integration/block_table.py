@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from omni_cache.interface import ReqId
+from omni_cache.runtime.interface import ReqId
 
 __all__ = ["BlockTableView"]
 

@@ -26,10 +26,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from omni_cache.errors import OmniPrefixCacheUnmatchError
 from omni_cache.integration.kv_capability import OMNI_CONNECTOR, connector_verdict
 from omni_cache.integration.kv_groups import select_output_group
-from omni_cache.interface import PrefixCacheConfig
+from omni_cache.runtime.errors import OmniPrefixCacheUnmatchError
+from omni_cache.runtime.interface import PrefixCacheConfig
 
 __all__ = ["stage_prefix_cache_config"]
 

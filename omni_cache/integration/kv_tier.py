@@ -92,7 +92,7 @@ def _build() -> dict[str, type]:
         MultiKVConnectorMetadata,
     )
 
-    from omni_cache.tier import HiddenTier
+    from omni_cache.runtime.tier import HiddenTier
 
     @dataclass
     class OmniTierMetadata(MultiKVConnectorMetadata):

@@ -35,14 +35,15 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from omni_cache.adapter import PrefixCacheSchedulerAdapter, PrefixCacheStep, PrefixCacheWriteLayout
-from omni_cache.errors import OmniPrefixCacheUnmatchError
+from omni_cache.integration.adapter import PrefixCacheSchedulerAdapter
 from omni_cache.integration.config_gate import stage_prefix_cache_config
 from omni_cache.integration.ranks import WorkerRank, cache_bytes, vllm_worker_rank
-from omni_cache.interface import ModelCachePolicy, PrefixCacheConfig, ReqId, StageCacheOutputs, StepId
+from omni_cache.runtime.errors import OmniPrefixCacheUnmatchError
+from omni_cache.runtime.events import PrefixCacheStep, PrefixCacheWriteLayout
+from omni_cache.runtime.interface import ModelCachePolicy, PrefixCacheConfig, ReqId, StageCacheOutputs, StepId
 
 if TYPE_CHECKING:
-    from omni_cache.manager import OmniPrefixCacheManager
+    from omni_cache.runtime.manager import OmniPrefixCacheManager
 
 __all__ = ["PrefixCacheRunnerHooks", "vllm_is_last_pp_rank"]
 
@@ -63,7 +64,7 @@ def vllm_is_last_pp_rank() -> bool:
 
 
 def _default_manager_factory(config: PrefixCacheConfig, **kwargs: Any) -> OmniPrefixCacheManager:
-    from omni_cache.manager import OmniPrefixCacheManager
+    from omni_cache.runtime.manager import OmniPrefixCacheManager
 
     return OmniPrefixCacheManager(config, **kwargs)
 

@@ -29,8 +29,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from omni_cache.tier import HiddenTier
-from omni_cache.tier_rows import block_rows, restore_rows, vacate_rows
+from omni_cache.runtime.tier import HiddenTier
+from omni_cache.runtime.tier_rows import block_rows, restore_rows, vacate_rows
 
 __all__ = ["TierApplier", "TierLoad", "TierPlan", "TierStore"]
 

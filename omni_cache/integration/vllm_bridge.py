@@ -35,10 +35,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from omni_cache.errors import OmniPrefixCacheUnmatchError
 from omni_cache.integration.block_table import BlockTableView
 from omni_cache.integration.runner_hooks import PrefixCacheRunnerHooks
-from omni_cache.interface import ModelCachePolicy, ReqId, StepId
+from omni_cache.runtime.errors import OmniPrefixCacheUnmatchError
+from omni_cache.runtime.interface import ModelCachePolicy, ReqId, StepId
 
 __all__ = ["CONFIG_KEY", "ForwardRecord", "PublishedStep", "V2BlockTableMirror", "VllmRunnerBridge", "bridge_of",
            "runner_of"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from omni_cache._lazy import lazy_exports
+from omni_cache.runtime.lazy import lazy_exports
 
 _EXPORTS: dict[str, str] = {
     "check_conformance": "omni_cache.verify.conformance",

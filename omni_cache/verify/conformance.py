@@ -1,7 +1,7 @@
 """Conformance: the spec's action graph against the code's state tables.
 
 Owns: parsing TLC's ``-dump dot,actionlabels`` graph and ``PrintT`` output,
-and comparing them with ``omni_cache.states`` tables. TLC runs a one-object
+and comparing them with ``omni_cache.runtime.states`` tables. TLC runs a one-object
 model (one staging page, one pool write); every edge of its state graph is
 projected on the object's machine state (``page = <<"free">>`` gives
 ``free``). An edge labelled with a trigger name must be an edge of the table;
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omni_cache.states import ALL_TABLES, StateTable
+from omni_cache.runtime.states import ALL_TABLES, StateTable
 
 _NODE_RE = re.compile(r'^(-?\d+) \[label="(.*)"(?:,style = filled)?\];?$')
 _EDGE_RE = re.compile(r'^(-?\d+) -> (-?\d+) \[label="([^"]*)"')

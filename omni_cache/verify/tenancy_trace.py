@@ -33,7 +33,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from omni_cache.trace import TraceEvent, TraceRecorder
+from omni_cache.runtime.trace import TraceEvent, TraceRecorder
 from omni_cache.verify.tlc import default_tla_dir
 from omni_cache.verify.trace_tlc import TraceCheck, trace_cfg
 from omni_cache.verify.trace_tlc import run_trace_spec as _run_trace_spec

@@ -14,7 +14,7 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from omni_cache.trace import TraceEvent, TraceRecorder
+from omni_cache.runtime.trace import TraceEvent, TraceRecorder
 from omni_cache.verify.tlc import tlc_available
 from omni_cache.verify.traces import validate_trace
 

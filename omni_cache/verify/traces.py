@@ -20,8 +20,8 @@ import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from omni_cache.states import ALL_TABLES, STAGING_TABLE, WRITE_TABLE, StateTable
-from omni_cache.trace import TraceEvent, TraceRecorder
+from omni_cache.runtime.states import ALL_TABLES, STAGING_TABLE, WRITE_TABLE, StateTable
+from omni_cache.runtime.trace import TraceEvent, TraceRecorder
 from omni_cache.verify.tenancy_trace import check_tenancy_trace_tlc, has_tenancy_notes
 from omni_cache.verify.tlc import default_tla_dir
 from omni_cache.verify.trace_tlc import TraceCheck, trace_cfg

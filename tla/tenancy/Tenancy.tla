@@ -33,7 +33,7 @@
 (* whether that tenant had registered the key then>>, arrived[s][v] the    *)
 (* keys of tenant v whose rows have landed.                                *)
 (*                                                                         *)
-(* Code: omni_cache/tenancy.py SlotTenancy (register, plan, land_all with  *)
+(* Code: omni_cache/runtime/tenancy.py SlotTenancy (register, plan, land_all with  *)
 (* _preserve_locked and _preserve_late_locked, read, unplan).             *)
 (*                                                                         *)
 (* Invariants: TypeOK, NeverSilentMiss (I6), NoStaleTenant (I7, against    *)

@@ -2,7 +2,7 @@
 (***************************************************************************)
 (* The pool-write lifecycle, as the TLA+ side states it.                   *)
 (*                                                                         *)
-(* omni_cache/states.py WRITE_TABLE is the code's copy; tests compare the  *)
+(* omni_cache/runtime/states.py WRITE_TABLE is the code's copy; tests compare the  *)
 (* action graph TLC explores for Writes.tla with one write, and WriteEdges *)
 (* itself, with WRITE_TABLE.edges().                                       *)
 (***************************************************************************)

@@ -26,7 +26,7 @@
 (* fire enqueue on the writes of the admission they end (the manifest's    *)
 (* conformance entry says so).                                             *)
 (*                                                                         *)
-(* Code: omni_cache/writes.py WriteBook (register, enqueue with front=True *)
+(* Code: omni_cache/runtime/writes.py WriteBook (register, enqueue with front=True *)
 (* for ended admissions, pop, fire, fail), the manager's committer, and    *)
 (* the adapter's request identity (owner, REPLACED, step sequence).        *)
 (*                                                                         *)

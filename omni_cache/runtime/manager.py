@@ -1,0 +1,537 @@
+"""OmniPrefixCacheManager: the per-step protocol of the omni prefix cache.
+
+Owns: the live requests (their pending hits are a ``hits.PendingHits`` it guards
+with its state lock), the unconsumed step contexts,
+the step ids it took from the process-wide counter (another manager's id is never
+one of ours), the open deferred writes and their GPU-byte budget, and
+the state lock over all of those. It composes the staging pool (pages), the
+write book (write lifecycle and queue), the committer (copies and landing),
+the block pool and the slot tenancy (versions and preserved rows). The hidden-state
+tier's pool side (``omni_cache.runtime.tier_rows``: restores registered as writes, reads of a
+block's rows) uses these same collaborators and the state lock, on the engine thread.
+
+Per real scheduler step (DESIGN section 2): ``new_step_starts`` ->
+forward -> ``save_outputs`` -> exactly one of ``materialize`` / ``discard_step``
+(possibly on another thread while the engine saves the next steps).
+
+Upholds: I1 (through ``StagingPool.consume``), I8 for saves (a failure inside
+``save_outputs`` is undone before any write is registered, or sticky after), I2/I3/I10
+(staging), I4 (the step context), I5 (``new_step_starts`` validates hits), I12 (request
+identity: events are applied per admission, planned by ``admissions.plan_events``), I13 (a
+step whose ``sequence`` is not above the last applied one changes nothing), I6/I7 (tenancy
+reads), I8
+(every entry checks the sticky failure), I9 (finish/abort push open writes to
+the queue's front), I11 (the state lock is held only for dictionary
+bookkeeping: never across a wait, a copy or a budget flush; the ``on_blocking``
+fault hook lets tests assert it).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from omni_cache.runtime.admissions import Admission, lookup_of, plan_events
+from omni_cache.runtime.block_pool import PrefixBlockPool
+from omni_cache.runtime.copier import Committer, CopyEngine
+from omni_cache.runtime.errors import (
+    PHRASE_OUTSIDE_SNAPSHOT,
+    PHRASE_SHUT_DOWN,
+    OmniPrefixCacheUnmatchError,
+)
+from omni_cache.runtime.events import (
+    PrefixCacheRequestEvent,
+    PrefixCacheStep,
+    PrefixCacheWriteLayout,
+    scheduled_counts,
+)
+from omni_cache.runtime.faults import FaultHooks
+from omni_cache.runtime.hits import PendingHits
+from omni_cache.runtime.interface import (
+    ModelCachePolicy,
+    PrefixCacheConfig,
+    ReqId,
+    StageCacheOutputs,
+    StepId,
+    WriteSchedule,
+)
+from omni_cache.runtime.locks import OwnedLock, SaveGate, caller_location
+from omni_cache.runtime.reader import StepReader
+from omni_cache.runtime.staging import StagingPool
+from omni_cache.runtime.step_outputs import StepContext, classify_outputs, copy_leftovers
+from omni_cache.runtime.tenancy import PlannedRead, SlotTenancy
+from omni_cache.runtime.trace import TraceRecorder
+from omni_cache.runtime.validation import (
+    RowSig,
+    check_held_sigs,
+    check_scheduled,
+    validate_hit,
+    validate_save,
+)
+from omni_cache.runtime.writes import PoolWrite, WriteBook
+
+log = logging.getLogger(__name__)
+
+# Step ids come from one process-wide counter: an id issued by another manager instance is
+# never one of this manager's, so it is "already consumed or never saved" here (I1).
+_STEP_IDS = itertools.count(1)
+
+@dataclass
+class _Request:
+    """A live request. Mutated only under the manager's state lock."""
+
+    req_id: ReqId
+    # Owner of this admission and its lookup (I12).
+    admission: Admission = field(default_factory=Admission)
+    # Deferred writes holding this request's rows (pushed to the front at finish/abort, I9).
+    open_deferred: list[PoolWrite] = field(default_factory=list)
+
+
+def _held(req_id: Any, by_req: dict[ReqId, Any]) -> bool:
+    """Is ``req_id`` one of the snapshot's requests? An unhashable id never is."""
+    try:
+        return req_id in by_req
+    except TypeError:
+        return False
+
+
+class OmniPrefixCacheManager:
+    """Keeps per-token stage outputs in host memory, addressed by KV slots.
+
+    Thread model: the engine thread calls ``new_step_starts`` and
+    ``save_outputs``; any thread may call ``materialize`` / ``discard_step``;
+    in async mode (``eager=False``) a committer thread lands pool writes.
+    """
+
+    def __init__(
+        self,
+        config: PrefixCacheConfig,
+        *,
+        eager: bool | None = None,
+        recorder: TraceRecorder | None = None,
+        faults: FaultHooks | None = None,
+    ) -> None:
+        if not isinstance(config, PrefixCacheConfig):
+            raise TypeError(f"config must be a PrefixCacheConfig, got {type(config).__name__}")
+        cuda = torch.cuda.is_available()
+        self.config = config
+        self.eager = (not cuda) if eager is None else bool(eager)
+        self.use_cuda = cuda and not self.eager
+        self.faults = faults or FaultHooks()
+        self.recorder = recorder
+        self.pool = PrefixBlockPool(config.num_slots, pin_memory=self.use_cuda)
+        self.tenancy = SlotTenancy(self.pool, recorder)
+        self.book = WriteBook(config.staging_claim_timeout_s, recorder)
+        self.staging = StagingPool(
+            config.staging_depth,
+            config.staging_capacity_tokens,
+            config.staging_claim_timeout_s,
+            pin_memory=self.use_cuda,
+            recorder=recorder,
+            describe_in_flight=self.book.describe_in_flight,
+        )
+        self.copies = CopyEngine(use_cuda=self.use_cuda, chunk_bytes=config.copy_chunk_bytes)
+        self.committer = Committer(
+            self.book, self.tenancy, self.staging, self.copies, self.faults, threaded=not self.eager
+        )
+        self.reader = StepReader(self.staging, self.tenancy, self.book, self.copies, self.faults,
+                                 lambda writes, why: self._flush(writes, front=True, why=why))
+        # ---- guarded by _lock (the state lock; I11: bookkeeping only) ----
+        self._lock = OwnedLock()
+        self.policy = ModelCachePolicy()
+        self._num_saved = 0
+        self._requests: dict[ReqId, _Request] = {}
+        # req -> (hit_end, group-0 block ids) from STARTED/RESUMED, served by its next save.
+        self._hits = PendingHits(config.block_size, config.output_group_id)
+        self._contexts: dict[StepId, StepContext] = {}
+        self._scheduled: dict[ReqId, int] = {}
+        self._last_sequence: int | None = None  # of the last applied PrefixCacheStep (I13)
+        self._ids_issued = 0  # step ids this manager took from _STEP_IDS (also by tier_rows, under _lock)
+        self._last_immediate: PoolWrite | None = None
+        self._deferred_open: dict[int, PoolWrite] = {}
+        self._deferred_bytes = 0
+        # key -> (dtype, row shape) of every deferred key a successful save carried: a pending
+        # deferred write fixes its key's width before any pool tensor or staging page holds it.
+        # Only save_outputs (the engine thread) reads and writes it.
+        self._deferred_sigs: dict[str, RowSig] = {}
+        self._shut_down = False
+        # The saves in progress (its own lock): shutdown closes it and waits for them (contract 4.6).
+        self._saves = SaveGate()
+        self.counters = {"hits": 0, "hit_tokens": 0, "misses": 0, "saved": 0,
+                         "materialized": 0, "discarded": 0, "budget_flushes": 0,
+                         "replayed_steps": 0, "stale_events": 0}
+
+    # ------------------------------------------------------------------ API --
+    def register_policy(self, policy: ModelCachePolicy) -> None:
+        """Freeze the model's cache policy; only before the first save."""
+        if not isinstance(policy, ModelCachePolicy):
+            raise TypeError(f"policy must be a ModelCachePolicy, got {type(policy).__name__}")
+        with self._lock:
+            if self._num_saved and policy != self.policy:
+                raise OmniPrefixCacheUnmatchError(
+                    f"register_policy after {self._num_saved} saved steps would change which keys "
+                    f"are cached ({self.policy} -> {policy}); register it before the first save"
+                )
+            self.policy = policy
+
+    def new_step_starts(
+        self,
+        events: PrefixCacheStep | Iterable[PrefixCacheRequestEvent],
+        *,
+        num_scheduled_tokens: dict[ReqId, int] | None = None,
+    ) -> None:
+        """Apply one step's events per admission (I12): end admissions (finished, aborted,
+        replaced) and push their open writes to the queue's front (I9), admit new ones,
+        register lookups (hits of started/resumed requests, I5). A replayed step (same
+        ``sequence``) changes nothing (I13); an error changes nothing."""
+        self._check_usable("new_step_starts")
+        try:  # typed input is refused at the door, with the contract error; nothing has changed yet
+            step = events if isinstance(events, PrefixCacheStep) else PrefixCacheStep(events)
+            extra = scheduled_counts("num_scheduled_tokens", num_scheduled_tokens) if num_scheduled_tokens else {}
+        except TypeError as exc:
+            raise OmniPrefixCacheUnmatchError(f"new_step_starts: {exc}; nothing was applied") from exc
+        scheduled = {**step.scheduled_tokens, **extra} if extra else dict(step.scheduled_tokens)
+        with self._lock:
+            if step.sequence is not None and self._last_sequence is not None \
+                    and step.sequence <= self._last_sequence:
+                self.counters["replayed_steps"] += 1
+                return
+            if not step.events:  # a decode step: no admission changes, nothing to validate (I12)
+                self._scheduled = scheduled
+                if step.sequence is not None:
+                    self._last_sequence = step.sequence
+                return
+            # only the ids this step names: O(events), not O(live requests)
+            live = {e.req_id: r.admission for e in step.events if (r := self._requests.get(e.req_id)) is not None}
+        plan = plan_events(step.events, live, self.config.block_size, self.config.output_group_id)
+        for op, _, event in plan.changes:  # validate everything first: an error changes nothing
+            if op == "lookup" and (event.hit_end or event.hit_start):  # type: ignore[union-attr]
+                validate_hit(event, self.config)  # type: ignore[arg-type]
+        to_flush: list[PoolWrite] = []
+        with self._lock:
+            for op, req_id, arg in plan.changes:
+                if op == "end":
+                    self._hits.drop(req_id)
+                    request = self._requests.pop(req_id, None)
+                    if request is not None:
+                        to_flush.extend(request.open_deferred)
+                elif op == "admit":
+                    self._hits.drop(req_id)
+                    self._requests[req_id] = _Request(req_id, arg)  # type: ignore[arg-type]
+                else:
+                    self._install_lookup(req_id, arg)  # type: ignore[arg-type]
+            self._scheduled = scheduled
+            self.counters["stale_events"] += plan.stale
+            if step.sequence is not None:
+                self._last_sequence = step.sequence
+        if to_flush:
+            self._flush(to_flush, front=True, why="finished/aborted/replaced requests' open writes (I9)")
+
+    def _install_lookup(self, req_id: ReqId, event: PrefixCacheRequestEvent) -> None:
+        """A lookup's hit (or miss) for the request's current admission. Caller holds the lock."""
+        request = self._requests[req_id]
+        request.admission = Admission(request.admission.owner, lookup_of(event, self.config.block_size, self.config.output_group_id))
+        if self._hits.install(req_id, event):
+            self.counters["hits"] += 1
+            self.counters["hit_tokens"] += event.hit_end
+        else:
+            self.counters["misses"] += 1
+
+    def save_outputs(
+        self,
+        hidden_states: torch.Tensor | None,
+        mm_outputs: dict[str, Any] | None,
+        *,
+        num_tokens_unpadded: int,
+        num_tokens_padded: int,
+        write_layout: PrefixCacheWriteLayout,
+    ) -> StepId:
+        """Claim a staging slot, copy this step's rows, register writes; return the step id.
+
+        A save that has not claimed its page when ``shutdown`` begins is refused (nothing
+        changes); one that has claimed it finishes, and its write lands before ``shutdown``
+        returns (contract 4.6)."""
+        self._check_usable("save_outputs")
+        if not self._saves.enter():
+            raise OmniPrefixCacheUnmatchError(f"cannot save_outputs: {PHRASE_SHUT_DOWN}")
+        try:
+            return self._save(hidden_states, mm_outputs, num_tokens_unpadded, num_tokens_padded, write_layout)
+        finally:
+            self._saves.leave()
+
+    def _save(self, hidden_states: torch.Tensor | None, mm_outputs: dict[str, Any] | None,
+              num_tokens_unpadded: int, num_tokens_padded: int, write_layout: PrefixCacheWriteLayout) -> StepId:
+        n = num_tokens_unpadded
+        slots, step_rows = validate_save(self.config, self.policy, hidden_states, mm_outputs, n,
+                                         num_tokens_padded, write_layout)
+        slots_np = self.pool.check_slots(slots, where="save_outputs")
+        with self._lock:
+            policy = self.policy
+            scheduled = self._scheduled  # cleared only by a save that succeeds
+            prev = self._last_immediate
+        check_scheduled(scheduled, step_rows)
+        split = classify_outputs(policy, hidden_states, mm_outputs or {}, n, num_tokens_padded)
+        sigs = split.sigs  # each per-token key's (dtype, row shape), read once by classify_outputs
+        self.staging.check_sigs(split.immediate, sigs)  # a key's row shape and dtype never change
+        self.pool.check_sigs(sigs)
+        if split.deferred:  # no store holds a deferred key's rows before they land
+            check_held_sigs("deferred key", self._deferred_sigs, sigs, split.deferred)
+        # Per-slot bookkeeping of new keys is allocated before anything is claimed (a MemoryError
+        # here has nothing to undo), so registration below allocates nothing.
+        self.tenancy.prepare_keys(sigs.keys())  # every per-token key, immediate and deferred
+        leftover = copy_leftovers(split.leftover) if split.leftover else {}  # refused before a claim (I4)
+        if prev is not None and prev.state != "written":
+            self.faults.on_blocking("save waits for the previous step's pool writes")
+            self.book.wait(prev, ("written",), why=f"save_outputs waits for {prev.describe()}")
+        compute_event = self.copies.record_compute_event()
+        saved_at = caller_location()
+        hits = {}
+        if self._hits:  # only the engine thread (this one) installs hits: no lock needed to see none
+            with self._lock:
+                hits = self._hits.take(step_rows)  # raises (taking nothing) if one is not continued (I5)
+        step_id: StepId | None = None
+        plans: list[PlannedRead] = []
+        registered: list[PoolWrite] = []
+        slot = None
+        try:
+            self.faults.on_blocking("save claims a staging slot")
+            slot = self.staging.claim(n)  # refused once shutdown began (contract 4.6)
+            self.faults.after_claim(slot)
+            with self._lock:  # issued only once a page is held: a refused save burns no id
+                step_id = next(_STEP_IDS)
+                self._ids_issued += 1
+            views = self.staging.claimed_pages(slot, split.immediate, sigs)
+            copy_event = self.copies.copy_all(views, split.immediate, compute_event)
+            deferred_dev = {k: self.copies.device_clone(v) for k, v in split.deferred.items()}
+            deferred_host, host_events = {}, []
+            for key, rows in split.deferred.items():
+                deferred_host[key], event = self.copies.to_host(rows, compute_event)
+                host_events.append(event)
+            hit_keys = self._hits.hit_keys(policy, (*split.immediate, *split.deferred))
+            req_ids = step_rows.req_ids
+            # Registration: from here on a failure cannot be rolled back (versions are
+            # published), so it fails the manager for good (I8) instead.
+            imm, older = self._register(WriteSchedule.JOIN_NEXT_STEP, step_id, slots, slots_np, views, slot,
+                                        req_ids, registered, sigs)
+            if imm is not None:
+                imm.copy_event = copy_event
+            deferred, older_deferred = self._register(
+                WriteSchedule.JOIN_ON_FINISH, step_id, slots, slots_np, deferred_dev, None, req_ids, registered, sigs)
+            if deferred is not None:
+                deferred.copy_event = self.copies.record_compute_event()  # after the clones
+            elif imm is None:  # no per-token key at all: still the slots' new tenant (I6/I7)
+                self.tenancy.take_slots(slots_np, step_id=step_id)
+            # Plan hit reads after this step's writes are registered: vLLM publishes block
+            # hashes at allocation, so a request may hit blocks another request of this
+            # very step computes; their planned version is then this step's write.
+            planned: dict[ReqId, PlannedRead] = {}
+            if hit_keys:
+                for req_id, (_, blocks) in hits.items():
+                    planned[req_id] = self.tenancy.plan(list(hit_keys), self._hits.slots_of(blocks))
+                    plans.append(planned[req_id])
+            ctx = StepContext(step_id, slot, saved_at, step_rows, planned, tuple(split.immediate), imm,
+                              deferred_host, leftover, hit_keys, policy.hidden_key is not None, host_events)
+            self.staging.save(slot, step_id, saved_at)
+        except BaseException as exc:
+            if registered:  # versions may be published: not undoable, so fail for good (I8)
+                message = self.book.fail(registered[0], exc, where=f"save_outputs step {step_id}")
+                for write in registered[1:]:
+                    self.book.fail(write, exc, where=f"save_outputs step {step_id}")
+                self.staging.set_failed(message)
+                raise  # the original exception itself; later entries chain it (I8)
+            for plan in plans:
+                self.tenancy.unplan(plan)
+            with self._lock:
+                self._hits.restore(hits)
+            if slot is not None and slot.state == "claimed":
+                self.staging.abort(slot)
+            raise
+        with self._lock:
+            self._contexts[step_id] = ctx
+            if self._scheduled is scheduled:
+                self._scheduled = {}
+            self._num_saved += 1
+            self.counters["saved"] += 1
+            if imm is not None:
+                self._last_immediate = imm
+            if deferred is not None:
+                for key in split.deferred:
+                    self._deferred_sigs.setdefault(key, sigs[key])
+                self._deferred_open[deferred.tid] = deferred
+                self._deferred_bytes += deferred.nbytes
+                for req_id in req_ids:
+                    request = self._requests.get(req_id)
+                    if request is None:  # a request the engine never announced
+                        request = self._requests[req_id] = _Request(req_id)
+                    request.open_deferred.append(deferred)
+                    if len(request.open_deferred) > 64:
+                        request.open_deferred = [w for w in request.open_deferred if w.state == "pending"]
+        self._after_save(imm, older | older_deferred, plans)
+        return step_id
+
+    def materialize(self, step_id: StepId, req_ids: Sequence[ReqId]) -> StageCacheOutputs:
+        """Per request: cached prefix rows then this step's rows (consumes the step id once)."""
+        self._check_usable("materialize")
+        try:
+            req_ids = tuple(req_ids)  # a tuple passes through as itself: no per-request copy
+        except TypeError as exc:
+            raise OmniPrefixCacheUnmatchError(
+                f"materialize step {step_id}: req_ids must be a sequence of request ids, got {req_ids!r}; "
+                "nothing was consumed (I4)") from exc
+        # The ids the consume below takes: ints, not bools (True == 1 would find step 1), so an
+        # int subclass finds its context too; a bool or float id never does, and the consume refuses it.
+        issued = isinstance(step_id, int) and not isinstance(step_id, bool)
+        with self._lock:
+            ctx = self._contexts.get(step_id) if issued else None
+        if ctx is not None and req_ids != ctx.rows.req_ids:  # the usual call names every request in order
+            outside = [r for r in req_ids if not _held(r, ctx.rows.by_req)]
+            if outside:
+                raise OmniPrefixCacheUnmatchError(
+                    f"materialize step {step_id}: requests {outside} are {PHRASE_OUTSIDE_SNAPSHOT} "
+                    f"(saved at {ctx.saved_at} with requests {sorted(ctx.rows.req_ids)}); nothing was consumed (I4)"
+                )
+        slot = self.staging.consume(step_id, caller="materialize")
+        assert ctx is not None, f"step {step_id} consumed without a context: manager bug"
+        with self._lock:
+            self._contexts.pop(step_id, None)
+            self.counters["materialized"] += 1
+        try:
+            return self.reader.build_outputs(ctx, req_ids)
+        finally:
+            self._finish_consume(ctx, slot)
+
+    def discard_step(self, step_id: StepId) -> None:
+        """Consume ``step_id`` without building outputs (payload built from live outputs, or error)."""
+        self._check_usable("discard_step")
+        slot = self.staging.consume(step_id, caller="discard_step")
+        with self._lock:
+            ctx = self._contexts.pop(step_id)
+            self.counters["discarded"] += 1
+        self._finish_consume(ctx, slot)
+
+    def shutdown(self) -> dict[StepId, str]:
+        """Refuse saves that have not claimed a page, let the ones that have finish, drain the
+        queue and stop the committer; report (log and return) every unconsumed step id and
+        where it was saved (contract 4.6)."""
+        with self._lock:
+            already, self._shut_down = self._shut_down, True
+        if not already:
+            self.staging.close()  # a claim not yet made, waiting or not, is refused from now on
+            timeout_s = max(10.0, self.config.staging_claim_timeout_s)
+            if still := self._saves.close_and_wait(timeout_s):
+                log.error("omni-cache shutdown: %d save(s) still running after %.1fs; their writes "
+                          "may not land", still, timeout_s)
+            self.committer.stop()
+        unconsumed = self.staging.unconsumed()
+        if unconsumed and not already:
+            log.warning("omni-cache shutdown with %d unconsumed step ids: %s", len(unconsumed),
+                        "; ".join(f"step {s} saved at {w}" for s, w in unconsumed.items()))
+        return unconsumed
+
+    def stats(self) -> dict[str, Any]:
+        """Staging occupancy and waits, unconsumed ids, writes in flight, pool bytes, hits and misses."""
+        with self._lock:
+            counters = dict(self.counters)
+            deferred_open, deferred_bytes = len(self._deferred_open), self._deferred_bytes
+            live = len(self._requests)
+        p50, p99 = self.staging.wait_percentiles((0.5, 0.99))  # a fixed-size histogram: O(1) in run length
+        return {
+            "staging": self.staging.stats(),
+            "staging_wait_s_p50": p50,
+            "staging_wait_s_p99": p99,
+            "unconsumed_step_ids": self.staging.unconsumed(),
+            "writes_in_flight": len(self.book.live()),
+            "write_queue": self.book.queue_length(),
+            "writes_written": self.book.num_written,
+            "deferred_open": deferred_open,
+            "deferred_bytes_on_device": deferred_bytes,
+            "pool_bytes": self.pool.nbytes(),
+            "preserved_rows": self.tenancy.num_preserved(),
+            "live_requests": live,
+            "failed": self.book.failure,
+            **counters,
+        }
+
+    def state_lock_held_by_current_thread(self) -> bool:
+        """For I11 tests: does the calling thread hold the state lock?"""
+        return self._lock.held_by_current_thread()
+
+    # ------------------------------------------------------------- helpers --
+    def _check_usable(self, what: str) -> None:
+        self.book.check_failed(what)  # I8
+        if self._shut_down:
+            raise OmniPrefixCacheUnmatchError(f"cannot {what}: {PHRASE_SHUT_DOWN}")
+        if not self.committer.alive:
+            raise OmniPrefixCacheUnmatchError(f"cannot {what}: the committer thread is not running")
+
+    def _register(self, schedule: WriteSchedule, step_id: StepId, slots: torch.Tensor, slots_np: np.ndarray,
+                  source: dict[str, torch.Tensor], staging_slot: Any,
+                  req_ids: tuple[ReqId, ...], registered: list[PoolWrite],
+                  sigs: dict[str, RowSig]) -> tuple[PoolWrite | None, set[int]]:
+        """Register one write for ``source``'s keys; also return older unlanded tids on its slots.
+
+        The write is appended to ``registered`` as soon as the write book holds it, so a
+        failure later in registration fails it (sticky, I8) instead of leaking it in flight.
+        """
+        if not source:
+            return None, set()
+        write = self.book.register(schedule, step_id, slots, source, staging_slot=staging_slot, req_ids=req_ids,
+                                   slots_np=slots_np, sigs=sigs)
+        registered.append(write)
+        if staging_slot is not None:
+            self.staging.hold(staging_slot)
+        # Immediate writes land in order (each save waits for the previous one), so only
+        # deferred writes can leave an older tenant unlanded behind them.
+        return write, self.tenancy.register(
+            list(source), slots_np, write.tid, step_id=step_id,
+            scan_older=schedule is WriteSchedule.JOIN_ON_FINISH,
+        )
+
+    def _after_save(self, imm: PoolWrite | None, older: set[int], plans: list[PlannedRead]) -> None:
+        """Queue what must land: older tenants first, writes a planned read needs, this step, budget."""
+        if older or plans:
+            needed = set(older)
+            for plan in plans:
+                for versions in plan.expected.values():
+                    needed.update(np.unique(versions).tolist())
+            front = [w for t in sorted(needed) if (w := self.book.get(t)) is not None and w.state == "pending"]
+            if front:
+                self._flush(front, front=True, why="writes a planned read or a new tenant needs first")
+        if imm is not None:
+            self.book.enqueue([imm])
+            self.committer.kick()
+        if not self._deferred_open:  # only this (engine) thread adds to it: nothing over budget
+            return
+        with self._lock:
+            over = self._deferred_bytes - self.config.gpu_staging_bytes
+            oldest: list[PoolWrite] = []
+            for write in self._deferred_open.values():
+                if over <= 0:
+                    break
+                oldest.append(write)
+                over -= write.nbytes
+        if oldest:
+            with self._lock:
+                self.counters["budget_flushes"] += 1
+            self._flush(oldest, front=False, why="gpu_staging_bytes budget")
+
+    def _flush(self, writes: list[PoolWrite], *, front: bool, why: str) -> None:
+        """Queue pending writes (no state lock held: I11) and make progress."""
+        self.faults.on_blocking(f"flush: {why}")
+        moved = self.book.enqueue(writes, front=front)
+        with self._lock:
+            for write in moved:
+                if self._deferred_open.pop(write.tid, None) is not None:
+                    self._deferred_bytes -= write.nbytes
+        self.committer.kick()
+
+    def _finish_consume(self, ctx: StepContext, slot: Any) -> None:
+        for plan in ctx.planned_reads():
+            self.tenancy.unplan(plan)
+        self.staging.done_reading(slot)
