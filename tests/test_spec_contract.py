@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from omni_cache.integration import adapter
 from omni_cache.runtime.errors import ALL_PHRASES
@@ -157,9 +158,16 @@ def test_protocol_diagram_names_every_protocol_call() -> None:
 
 
 def test_stats_keys_are_exactly_the_documented_ones() -> None:
-    manager = OmniPrefixCacheManager(PrefixCacheConfig(num_blocks=1, block_size=1), eager=True)
+    """Every key of ``stats()`` is in contract 4.7 and every documented key is there, also after a
+    tier restore (a counter added on first use would be missed by a fresh manager's keys)."""
+    from omni_cache.runtime.tier_rows import restore_rows
+
+    manager = OmniPrefixCacheManager(PrefixCacheConfig(num_blocks=2, block_size=2), eager=True)
     try:
         keys = set(manager.stats())
+        restore_rows(manager, torch.tensor([0, 1]), {"hidden": torch.ones(2, 4)})
+        after = manager.stats()
+        assert after["tier_restores"] == 1 and set(after) == keys
     finally:
         manager.shutdown()
     start = CONTRACT.index("### 4.7 `stats()")

@@ -8,7 +8,8 @@ the state lock over all of those. It composes the staging pool (pages), the
 write book (write lifecycle and queue), the committer (copies and landing),
 the block pool and the slot tenancy (versions and preserved rows). The hidden-state
 tier's pool side (``omni_cache.runtime.tier_rows``: restores registered as writes, reads of a
-block's rows) uses these same collaborators and the state lock, on the engine thread.
+block's rows) reaches the manager through one door, ``tier_port`` (a ``TierPort``), and its
+public collaborators; nothing outside this module touches the manager's private state.
 
 Per real scheduler step (DESIGN section 2): ``new_step_starts`` ->
 forward -> ``save_outputs`` -> exactly one of ``materialize`` / ``discard_step``
@@ -66,6 +67,7 @@ from omni_cache.runtime.reader import StepReader
 from omni_cache.runtime.staging import StagingPool
 from omni_cache.runtime.step_outputs import StepContext, classify_outputs, copy_leftovers
 from omni_cache.runtime.tenancy import PlannedRead, SlotTenancy
+from omni_cache.runtime.tier_rows import TierPort
 from omni_cache.runtime.trace import TraceRecorder
 from omni_cache.runtime.validation import (
     RowSig,
@@ -152,7 +154,7 @@ class OmniPrefixCacheManager:
         self._contexts: dict[StepId, StepContext] = {}
         self._scheduled: dict[ReqId, int] = {}
         self._last_sequence: int | None = None  # of the last applied PrefixCacheStep (I13)
-        self._ids_issued = 0  # step ids this manager took from _STEP_IDS (also by tier_rows, under _lock)
+        self._ids_issued = 0  # step ids this manager took from _STEP_IDS (``_issue_step_id``)
         self._last_immediate: PoolWrite | None = None
         self._deferred_open: dict[int, PoolWrite] = {}
         self._deferred_bytes = 0
@@ -165,7 +167,8 @@ class OmniPrefixCacheManager:
         self._saves = SaveGate()
         self.counters = {"hits": 0, "hit_tokens": 0, "misses": 0, "saved": 0,
                          "materialized": 0, "discarded": 0, "budget_flushes": 0,
-                         "replayed_steps": 0, "stale_events": 0}
+                         "replayed_steps": 0, "stale_events": 0, "tier_restores": 0}
+        self.tier_port = TierPort(self._check_usable, self._register_restored, self._vacate)
 
     # ------------------------------------------------------------------ API --
     def register_policy(self, policy: ModelCachePolicy) -> None:
@@ -303,9 +306,7 @@ class OmniPrefixCacheManager:
             self.faults.on_blocking("save claims a staging slot")
             slot = self.staging.claim(n)  # refused once shutdown began (contract 4.6)
             self.faults.after_claim(slot)
-            with self._lock:  # issued only once a page is held: a refused save burns no id
-                step_id = next(_STEP_IDS)
-                self._ids_issued += 1
+            step_id = self._issue_step_id()  # only once a page is held: a refused save burns no id
             views = self.staging.claimed_pages(slot, split.immediate, sigs)
             copy_event = self.copies.copy_all(views, split.immediate, compute_event)
             deferred_dev = {k: self.copies.device_clone(v) for k, v in split.deferred.items()}
@@ -470,11 +471,39 @@ class OmniPrefixCacheManager:
         if not self.committer.alive:
             raise OmniPrefixCacheUnmatchError(f"cannot {what}: the committer thread is not running")
 
+    def _issue_step_id(self) -> StepId:
+        with self._lock:
+            self._ids_issued += 1
+            return next(_STEP_IDS)
+
+    def _register_restored(self, slots: torch.Tensor, slots_np: np.ndarray, source: dict[str, torch.Tensor],
+                           sigs: dict[str, RowSig]) -> StepId:
+        """``TierPort.register_restored_write``: ``source`` (host rows, checked against the pool's
+        signatures by the caller) as one immediate write on ``slots``, queued like a save's."""
+        held = [k for k in sigs if k in self._deferred_sigs]
+        check_held_sigs("deferred key", self._deferred_sigs, sigs, held)
+        self.tenancy.prepare_keys(sigs.keys())
+        step_id = self._issue_step_id()
+        with self._lock:
+            self.counters["tier_restores"] += 1
+        # an older tenant's open (deferred) write on these slots lands first, then is skipped there (I7)
+        write, older = self._register(WriteSchedule.JOIN_NEXT_STEP, step_id, slots, slots_np, source, None, (),
+                                      [], sigs, scan_older=True)
+        self._after_save(write, older, [])
+        return step_id
+
+    def _vacate(self, slots_np: np.ndarray) -> StepId:
+        """``TierPort.vacate``: a new tenant that wrote nothing on ``slots``."""
+        step_id = self._issue_step_id()
+        self.tenancy.take_slots(slots_np, step_id=step_id)
+        return step_id
+
     def _register(self, schedule: WriteSchedule, step_id: StepId, slots: torch.Tensor, slots_np: np.ndarray,
                   source: dict[str, torch.Tensor], staging_slot: Any,
                   req_ids: tuple[ReqId, ...], registered: list[PoolWrite],
-                  sigs: dict[str, RowSig]) -> tuple[PoolWrite | None, set[int]]:
-        """Register one write for ``source``'s keys; also return older unlanded tids on its slots.
+                  sigs: dict[str, RowSig], *, scan_older: bool | None = None) -> tuple[PoolWrite | None, set[int]]:
+        """Register one write for ``source``'s keys; also return older unlanded tids on its slots
+        (scanned for deferred writes, or when ``scan_older`` says so).
 
         The write is appended to ``registered`` as soon as the write book holds it, so a
         failure later in registration fails it (sticky, I8) instead of leaking it in flight.
@@ -486,12 +515,13 @@ class OmniPrefixCacheManager:
         registered.append(write)
         if staging_slot is not None:
             self.staging.hold(staging_slot)
-        # Immediate writes land in order (each save waits for the previous one), so only
-        # deferred writes can leave an older tenant unlanded behind them.
-        return write, self.tenancy.register(
-            list(source), slots_np, write.tid, step_id=step_id,
-            scan_older=schedule is WriteSchedule.JOIN_ON_FINISH,
-        )
+        # Immediate writes of saves land in order (each save waits for the previous one), so only
+        # deferred writes (and tier restores, which no save waits for) can leave an older tenant
+        # unlanded behind them.
+        if scan_older is None:
+            scan_older = schedule is WriteSchedule.JOIN_ON_FINISH
+        return write, self.tenancy.register(list(source), slots_np, write.tid, step_id=step_id,
+                                            scan_older=scan_older)
 
     def _after_save(self, imm: PoolWrite | None, older: set[int], plans: list[PlannedRead]) -> None:
         """Queue what must land: older tenants first, writes a planned read needs, this step, budget."""

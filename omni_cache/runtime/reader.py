@@ -151,10 +151,18 @@ class StepReader:
     def _read_hit(self, ctx: StepContext, req_id: str, hit: PlannedRead, key: str,
                   out: torch.Tensor | None = None) -> torch.Tensor:
         what = f"materialize step {ctx.step_id} (saved at {ctx.saved_at}) request {req_id!r}"
+        return self.read_planned(hit, key, what=what, out=out)
+
+    def read_planned(self, plan: PlannedRead, key: str, *, what: str,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+        """The rows of ``key`` at exactly ``plan``'s versions (I6/I7), waiting for writes still in
+        flight: a pending write is pushed to the front of the queue first, and every wait goes
+        through the write book with no manager lock held (I11). Used by materialize's hit reads
+        and by the hidden-state tier's block reads (``tier_rows.block_rows``)."""
         settled: set[int] = set()  # planned writes seen terminal (landed or failed)
         for _ in range(_MAX_READ_RETRIES):
             try:
-                return self.tenancy.read(key, hit, what=what, settled=settled, out=out)
+                return self.tenancy.read(key, plan, what=what, settled=settled, out=out)
             except NotLandedYet as late:
                 for tid in late.tids:
                     write = self.book.get(tid)
@@ -164,6 +172,6 @@ class StepReader:
                     if write.state in ("pending", "queued"):  # queue it first and make progress
                         self._push_front([write], f"{what} needs write tid {tid}")
                     self.faults.on_blocking(f"{what} waits for write tid {tid}")
-                    self.book.wait(write, ("written",), why=f"{what} waits for its hit rows")
+                    self.book.wait(write, ("written",), why=f"{what} waits for its rows")
                 self.book.check_failed(what)
-        raise AssertionError(f"{what}: hit rows of {key!r} never landed: tenancy bug")
+        raise AssertionError(f"{what}: rows of {key!r} never landed: tenancy bug")
