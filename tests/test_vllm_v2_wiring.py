@@ -123,7 +123,7 @@ class _Runner:
 
 
 def _bridge():
-    bridge = VllmRunnerBridge()
+    bridge = VllmRunnerBridge({"consumer": "queue"})
     bridge.hooks.configure(PrefixCacheConfig(num_blocks=16, block_size=BS, staging_capacity_tokens=256))
     bridge.on_model_loaded(SimpleNamespace())
     return bridge
@@ -188,7 +188,7 @@ def _hybrid_new(v2, rid, prompt_len, computed, sliding, full):
 def test_a_hybrid_layout_mirrors_and_serves_the_output_group(v2) -> None:
     """Two KV-cache groups (0: sliding window, its early blocks the null block 0; 1: full
     attention): the mirror holds group 1, slots and hits are group 1's."""
-    bridge = VllmRunnerBridge()
+    bridge = VllmRunnerBridge({"consumer": "queue"})
     bridge.hooks.configure(PrefixCacheConfig(num_blocks=16, block_size=BS, staging_capacity_tokens=256,
                                              output_group_id=1))
     bridge.on_model_loaded(SimpleNamespace())

@@ -32,9 +32,17 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from omni_cache.integration.delivery import (
+    DELIVERY_KEYS,
+    DeliveryPlan,
+    DeliveryResult,
+    DeliverySettings,
+    RowDelivery,
+)
+from omni_cache.integration.delivery_sched import DeliveryScheduler
 from omni_cache.integration.tier_apply import TierApplier, TierLoad, TierPlan, TierStore
 
-__all__ = ["SETTINGS_KEY", "tier_settings"]
+__all__ = ["SETTINGS_KEY", "tier_settings", "worker_delivery", "worker_tier_applier"]
 
 SETTINGS_KEY = "omni_cache"
 """``kv_connector_extra_config[SETTINGS_KEY]``: the tier's settings."""
@@ -44,17 +52,19 @@ _DEFAULT_TIER_BYTES = 256 << 20
 def tier_settings(extra: dict[str, Any]) -> dict[str, Any]:
     """The tier settings in ``kv_connector_extra_config`` (``tier_bytes``, ``tier_dir``), checked."""
     settings = dict(extra.get(SETTINGS_KEY) or {})
-    unknown = set(settings) - {"tier_bytes", "tier_dir"}
+    unknown = set(settings) - {"tier_bytes", "tier_dir"} - DELIVERY_KEYS
     if unknown:
         raise ValueError(f"OmniKVConnector: unknown kv_connector_extra_config['{SETTINGS_KEY}'] keys {sorted(unknown)}")
     budget = settings.get("tier_bytes", _DEFAULT_TIER_BYTES)
     if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
         raise ValueError(f"OmniKVConnector: tier_bytes must be a non-negative int, got {budget!r}")
-    if not list(extra.get("connectors") or ()):
+    delivery = DeliverySettings.from_settings(settings)
+    if not list(extra.get("connectors") or ()) and delivery is None:
         raise ValueError(
             "OmniKVConnector: kv_connector_extra_config['connectors'] must list the KV connector(s) it wraps, "
-            "e.g. [{'kv_connector': 'ExampleConnector', 'kv_role': 'kv_both', 'kv_connector_extra_config': {...}}]")
-    return {"tier_bytes": budget, "tier_dir": settings.get("tier_dir")}
+            "e.g. [{'kv_connector': 'ExampleConnector', 'kv_role': 'kv_both', 'kv_connector_extra_config': {...}}], "
+            "or omni_cache.delivery_dir must name where the hidden-state files go (or both)")
+    return {"tier_bytes": budget, "tier_dir": settings.get("tier_dir"), "delivery": delivery}
 
 
 def _without_hybrid_manager(vllm_config: Any, kv_cache_config: Any) -> Any:
@@ -90,15 +100,29 @@ def _build() -> dict[str, type]:
     from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
         MultiConnector,
         MultiKVConnectorMetadata,
+        MultiKVConnectorWorkerMetadata,
     )
 
     from omni_cache.runtime.tier import HiddenTier
 
     @dataclass
     class OmniTierMetadata(MultiKVConnectorMetadata):
-        """The wrapped connectors' metadata plus this step's tier plan."""
+        """The wrapped connectors' metadata plus this step's tier plan and delivery plan."""
 
         omni_tier: TierPlan = field(default_factory=TierPlan)
+        omni_delivery: DeliveryPlan = field(default_factory=DeliveryPlan)
+
+    @dataclass
+    class OmniWorkerMetadata(MultiKVConnectorWorkerMetadata):
+        """The wrapped connectors' worker metadata plus this step's delivery outcomes (the
+        output rank's; other ranks report none, and aggregation keeps every outcome once)."""
+
+        omni_results: tuple[DeliveryResult, ...] = ()
+
+        def aggregate(self, other: Any) -> Any:
+            children = super().aggregate(other)
+            extra = other.omni_results if isinstance(other, OmniWorkerMetadata) else ()
+            return OmniWorkerMetadata(metadata=children.metadata, omni_results=self.omni_results + extra)
 
     class OmniKVConnector(MultiConnector):  # type: ignore[misc, valid-type]
         """See ``omni_cache.integration.kv_tier``."""
@@ -112,9 +136,24 @@ def _build() -> dict[str, type]:
             self._omni_loads: list[TierLoad] = []
             self._omni_stores: dict[str, list[TierStore]] = {}  # by request: recorded once per finish
             self.omni_tier_applier: TierApplier | None = None
+            self.omni_delivery: RowDelivery | None = None
+            self.omni_delivery_sched: DeliveryScheduler | None = None
+            delivery = settings["delivery"]
             if role == KVConnectorRole.WORKER:
                 self.omni_tier_applier = TierApplier(
                     HiddenTier(settings["tier_bytes"], settings["tier_dir"]), self._omni_block_size)
+                if delivery is not None:
+                    self.omni_delivery = RowDelivery(delivery)
+            elif delivery is not None:
+                self.omni_delivery_sched = DeliveryScheduler(delivery)
+
+        @classmethod
+        def _get_connector_classes_and_configs(cls, vllm_config: Any) -> Any:
+            """No wrapped connector is fine here (delivery only): ``MultiConnector`` needs the key."""
+            extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+            if extra.get("connectors") is None:
+                extra["connectors"] = []
+            return super()._get_connector_classes_and_configs(vllm_config)
 
         # ---------------------------------------------------------- scheduler side
         def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -140,25 +179,68 @@ def _build() -> dict[str, type]:
             self._omni_stores[request.request_id] = [
                 TierStore(request.request_id, bytes(request.block_hashes[i]), int(block_ids[i])) for i in range(n)]
 
+        def _omni_params(self, request: Any, delay: bool, params: dict[str, Any] | None) -> Any:
+            if self.omni_delivery_sched is None:
+                return delay, params
+            ours = self.omni_delivery_sched.finish(request)
+            if ours is None:
+                return delay, params
+            if params:  # a wrapped connector's parameters travel beside ours (vLLM's merge rule)
+                clash = set(params) & set(ours)
+                if clash:
+                    raise RuntimeError(f"OmniKVConnector: kv_transfer_params keys {sorted(clash)} clash")
+                ours.update(params)  # same object: an outcome due this step still completes it
+            return delay, ours
+
         def request_finished(self, request: Any, blocks: list[int]) -> tuple[bool, dict[str, Any] | None]:
             self._omni_record_finish(request, blocks)
-            return super().request_finished(request, blocks)
+            return self._omni_params(request, *super().request_finished(request, blocks))
 
         def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]) -> Any:
             self._omni_record_finish(request, block_ids[0])
-            return super().request_finished_all_groups(request, block_ids)
+            return self._omni_params(request, *super().request_finished_all_groups(request, block_ids))
 
         def build_connector_meta(self, scheduler_output: Any) -> OmniTierMetadata:
             inner = super().build_connector_meta(scheduler_output)
             stores = tuple(s for per_req in self._omni_stores.values() for s in per_req)
             plan = TierPlan(stores=stores, loads=tuple(self._omni_loads))
             self._omni_stores, self._omni_loads = {}, []
+            delivery = (self.omni_delivery_sched.build_plan(scheduler_output)
+                        if self.omni_delivery_sched is not None else DeliveryPlan())
             return OmniTierMetadata(metadata=inner.metadata, extra_async_saves=inner.extra_async_saves,
-                                    omni_tier=plan)
+                                    omni_tier=plan, omni_delivery=delivery)
 
-    for cls in (OmniKVConnector, OmniTierMetadata):  # picklable by name (module __getattr__ finds them)
+        def update_connector_output(self, connector_output: Any) -> None:
+            meta = connector_output.kv_connector_worker_meta
+            if self.omni_delivery_sched is not None:
+                self.omni_delivery_sched.absorb(meta.omni_results if isinstance(meta, OmniWorkerMetadata) else ())
+            super().update_connector_output(connector_output)
+
+        # ---------------------------------------------------------- worker side
+        def wait_for_save(self) -> None:
+            super().wait_for_save()
+            if self.omni_delivery is not None:
+                self.omni_delivery.finish_step()  # this step's files, bounded: their outcome goes out now
+
+        def build_connector_worker_meta(self) -> Any:
+            inner = super().build_connector_worker_meta()
+            results = self.omni_delivery.take_results() if self.omni_delivery is not None else ()
+            if not results:
+                return inner
+            children = inner.metadata if inner is not None else (None,) * len(self._connectors)
+            return OmniWorkerMetadata(metadata=children, omni_results=results)
+
+        def shutdown(self) -> None:
+            try:
+                super().shutdown()
+            finally:
+                if self.omni_delivery is not None:
+                    self.omni_delivery.shutdown()
+
+    classes = (OmniKVConnector, OmniTierMetadata, OmniWorkerMetadata)
+    for cls in classes:  # picklable by name (module __getattr__ finds them)
         cls.__module__, cls.__qualname__ = __name__, cls.__name__
-    return {"OmniKVConnector": OmniKVConnector, "OmniTierMetadata": OmniTierMetadata}
+    return {cls.__name__: cls for cls in classes}
 
 
 def worker_tier_applier() -> TierApplier | None:
@@ -170,7 +252,16 @@ def worker_tier_applier() -> TierApplier | None:
     return getattr(get_kv_transfer_group(), "omni_tier_applier", None)
 
 
+def worker_delivery() -> RowDelivery | None:
+    """The ``RowDelivery`` of this worker's ``OmniKVConnector`` (``None`` without one, or without delivery)."""
+    from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group, has_kv_transfer_group
+
+    if not has_kv_transfer_group():
+        return None
+    return getattr(get_kv_transfer_group(), "omni_delivery", None)
+
+
 def __getattr__(name: str) -> Any:
-    if name in ("OmniKVConnector", "OmniTierMetadata"):
+    if name in ("OmniKVConnector", "OmniTierMetadata", "OmniWorkerMetadata"):
         return _build()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

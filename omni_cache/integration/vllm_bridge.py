@@ -20,13 +20,27 @@ loads) so restored rows are registered before the forward's save;
 ``after_forward`` right after the model forward, with the forward's hidden
 states and the runner's block table of the output KV-cache group
 (``PrefixCacheConfig.output_group_id``; V1: ``runner.input_batch``; Model Runner
-V2: ``runner.block_tables`` and its per-step ``InputBatch``). Upholds I1 on
-the producer side: every saved step id is published exactly once on
-``step_ids`` (the consumer must materialize or discard it exactly once).
+V2: ``runner.block_tables`` and its per-step ``InputBatch``).
+
+Who consumes the step ids (``additional_config["omni_cache"]["consumer"]``): ``"deliver"``
+(the default when the engine's ``OmniKVConnector`` delivers files: the worker consumes every
+step id itself, right after its save, through ``delivery.RowDelivery``, so a served engine
+needs no consumer outside its worker), ``"discard"`` (the default otherwise: every step id is
+discarded at once and a warning at start says no rows leave the engine) or ``"queue"`` (code
+in the worker's process consumes ``step_ids``: the in-process drivers of the harness). In the
+first two modes a cache fault never takes the engine down: a failed materialize fails the
+deliveries it was for, and a failed step (events, tier plan or save) fails the cache for good
+-- it stops saving and serving, every delivery from then on fails with the reason -- while the
+engine keeps serving; in ``"queue"`` mode every error raises, as the contract says.
+
+Upholds I1 on the producer side: every saved step id is consumed exactly once -- published
+exactly once on ``step_ids`` (``"queue"``: the consumer must materialize or discard it exactly
+once), or consumed by the delivery or discarded right after its save.
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -45,6 +59,9 @@ __all__ = ["CONFIG_KEY", "ForwardRecord", "PublishedStep", "V2BlockTableMirror",
 
 CONFIG_KEY = "omni_cache"
 """``vllm_config.additional_config[CONFIG_KEY]``: the stage's settings (a dict)."""
+CONSUMERS = ("deliver", "discard", "queue")
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -171,7 +188,8 @@ class VllmRunnerBridge:
     ``settings`` (from ``additional_config["omni_cache"]``): ``deferred_keys``
     (list of mm keys written on finish), ``eager`` (bool, manager mode),
     ``all_tp_ranks`` (bool: a cache on every TP rank of the last pipeline
-    stage, not only on the output rank; for checking that the ranks agree).
+    stage, not only on the output rank; for checking that the ranks agree),
+    ``consumer`` (who consumes the step ids; see the module docstring).
     ``mm_outputs_fn(hidden_states, record_spans) -> dict`` stands in for a
     model's per-token mm outputs; ``observer(ForwardRecord)`` sees every real
     forward. Both may be set after the engine is built, before its first step.
@@ -179,9 +197,18 @@ class VllmRunnerBridge:
 
     def __init__(self, settings: dict[str, Any] | None = None, *, hooks: PrefixCacheRunnerHooks | None = None) -> None:
         settings = dict(settings or {})
-        unknown = set(settings) - {"all_tp_ranks", "deferred_keys", "eager", "needs_full_hidden_states"}
+        unknown = set(settings) - {"all_tp_ranks", "consumer", "deferred_keys", "eager", "needs_full_hidden_states"}
         if unknown:
             raise ValueError(f"VllmRunnerBridge: unknown additional_config['{CONFIG_KEY}'] keys {sorted(unknown)}")
+        consumer = settings.get("consumer")
+        if consumer is not None and consumer not in CONSUMERS:
+            raise ValueError(f"VllmRunnerBridge: additional_config['{CONFIG_KEY}']['consumer'] must be one of "
+                             f"{', '.join(CONSUMERS)}, got {consumer!r}")
+        self._consumer_setting: str | None = consumer
+        # Decided at KV-cache initialisation (the engine's KV connector exists by then).
+        self.consumer: str | None = consumer
+        self.delivery: Any = None  # the worker's delivery.RowDelivery ("deliver")
+        self.failed: str | None = None  # the cache failed for good ("deliver"/"discard" only)
         self._policy_override: ModelCachePolicy | None = None
         if "deferred_keys" in settings or "needs_full_hidden_states" in settings:
             self._policy_override = ModelCachePolicy(
@@ -218,8 +245,48 @@ class VllmRunnerBridge:
         return self.hooks.on_model_loaded(carrier)
 
     def on_kv_cache_initialized(self, vllm_config: Any, kv_cache_config: Any) -> None:
-        """The config gate on the engine's real configs; raises before any step."""
+        """The config gate on the engine's real configs, and who consumes the step ids; raises
+        before any step."""
         self.hooks.on_kv_cache_initialized(vllm_config, kv_cache_config)
+        self.resolve_consumer(_engine_delivery())
+
+    def resolve_consumer(self, delivery: Any) -> str:
+        """Fix the consumer (see the module docstring) given the engine's ``RowDelivery`` (or ``None``)."""
+        consumer = self._consumer_setting
+        if consumer is None:
+            consumer = "deliver" if delivery is not None else "discard"
+            if consumer == "discard" and self.hooks.config is not None:
+                log.warning("omni-cache: no OmniKVConnector with omni_cache.delivery_dir is configured, so no "
+                            "hidden-state rows leave this engine; every step id is discarded (set "
+                            "additional_config['%s']['consumer'] to 'discard' to say so, or configure delivery: "
+                            "docs/serving.md)", CONFIG_KEY)
+        if delivery is not None and self.hooks.config is None:
+            raise OmniPrefixCacheUnmatchError(
+                "omni prefix cache cannot run on this stage: kv_connector_extra_config['omni_cache']['delivery_dir'] "
+                "asks for hidden-state files, but the cache is off here (prefix caching is disabled or the model "
+                "is a pooling model); enable prefix caching or drop delivery_dir")
+        if consumer == "deliver" and delivery is None:
+            raise OmniPrefixCacheUnmatchError(
+                f"omni prefix cache cannot run on this stage: additional_config['{CONFIG_KEY}']['consumer']='deliver' "
+                "needs kv_transfer_config with kv_connector='OmniKVConnector' and "
+                "kv_connector_extra_config={'omni_cache': {'delivery_dir': ...}} (docs/serving.md)")
+        self.consumer = consumer
+        self.delivery = delivery if consumer == "deliver" else None
+        return consumer
+
+    @property
+    def contained(self) -> bool:
+        """Whether a cache fault stays inside the cache (``deliver``/``discard``) instead of raising."""
+        return self.consumer in ("deliver", "discard")
+
+    def fail(self, reason: str) -> None:
+        """The cache failed for good: stop feeding it; every delivery fails with ``reason``."""
+        if self.failed is None:
+            log.error("omni-cache: %s; the cache stops here, the engine keeps serving, and every delivery "
+                      "of hidden states fails from now on", reason)
+            self.failed = reason
+        if self.delivery is not None:
+            self.delivery.fail_all(self.failed)
 
     @property
     def active(self) -> bool:
@@ -232,12 +299,24 @@ class VllmRunnerBridge:
         self.preemptions += len(getattr(scheduler_output, "preempted_req_ids", None) or ())
         self.zero_token_steps += int(not getattr(scheduler_output, "total_num_scheduled_tokens", 0))
         self._scheduler_output = scheduler_output
-        self.hooks.begin_step(scheduler_output)
-        plan = getattr(getattr(scheduler_output, "kv_connector_metadata", None), "omni_tier", None)
-        if self.step_observer is not None:
-            self.step_observer(scheduler_output)
-        if plan and self.active:
-            self._apply_tier(plan)
+        metadata = getattr(scheduler_output, "kv_connector_metadata", None)
+        if self.failed is None:
+            plan = getattr(metadata, "omni_tier", None)
+            try:
+                self.hooks.begin_step(scheduler_output)  # builds the cache on the rank that holds it
+                if self.step_observer is not None:
+                    self.step_observer(scheduler_output)
+                if plan and self.active:
+                    self._apply_tier(plan)
+            except OmniPrefixCacheUnmatchError as exc:
+                if not self.contained:
+                    raise
+                self._scheduler_output = None
+                self.fail(f"engine step {self.engine_step}: {exc}")
+        if self.delivery is not None and (self.active or self.failed is not None):
+            # only the rank that holds the cache delivers (it alone holds the files' locks)
+            prompts = {r.req_id: r.prompt_token_ids for r in getattr(scheduler_output, "scheduled_new_reqs", ()) or ()}
+            self.delivery.begin_step(getattr(metadata, "omni_delivery", None), prompts)
 
     def _apply_tier(self, plan: Any) -> None:
         """The ``OmniKVConnector`` tier plan of this step (stores, then loads), before the forward."""
@@ -296,7 +375,7 @@ class VllmRunnerBridge:
     # ------------------------------------------------------------- internals
     def _take_scheduler_output(self) -> Any:
         so, self._scheduler_output = self._scheduler_output, None
-        if so is None or not self.active:
+        if so is None or not self.active or self.failed is not None:
             return None
         return so
 
@@ -322,9 +401,15 @@ class VllmRunnerBridge:
             if counts.get(rid, 0) > 0
         )
         mm = self.mm_outputs_fn(hidden_states) if self.mm_outputs_fn is not None else {}
-        step_id = self.hooks.after_forward(
-            hidden_states, mm, view=view, num_tokens_unpadded=num_unpadded, num_tokens_padded=num_padded
-        )
+        try:
+            step_id = self.hooks.after_forward(
+                hidden_states, mm, view=view, num_tokens_unpadded=num_unpadded, num_tokens_padded=num_padded
+            )
+        except OmniPrefixCacheUnmatchError as exc:
+            if not self.contained:
+                raise
+            self.fail(f"engine step {self.engine_step}: save_outputs failed: {exc}")
+            return None
         if self.observer is not None:
             self.observer(
                 ForwardRecord(
@@ -342,8 +427,36 @@ class VllmRunnerBridge:
                 )
             )
         if step_id is not None:
-            self.step_ids.put(PublishedStep(step_id, self.engine_step, tuple(r for r, _, _ in spans), spans))
+            self._consume(PublishedStep(step_id, self.engine_step, tuple(r for r, _, _ in spans), spans))
         return step_id
 
+    def _consume(self, published: PublishedStep) -> None:
+        """Hand a saved step id to its one consumer (see the module docstring)."""
+        if self.consumer == "queue":
+            self.step_ids.put(published)
+            return
+        try:
+            if self.delivery is not None:
+                self.delivery.consume(self.hooks.manager, published.step_id, published.spans)
+            else:
+                self.hooks.manager.discard_step(published.step_id)
+        except OmniPrefixCacheUnmatchError as exc:
+            self.fail(f"engine step {self.engine_step}: consuming step {published.step_id} failed: {exc}")
+
     def shutdown(self) -> dict[StepId, str]:
-        return self.hooks.shutdown()
+        """Shut the cache down; its unconsumed step ids (none unless a ``queue`` consumer left some)."""
+        unconsumed = self.hooks.shutdown()
+        log.info("omni-cache: worker cache shut down after %d engine steps (consumer %s): %d unconsumed step ids",
+                 self.engine_step, self.consumer, len(unconsumed))
+        return unconsumed
+
+
+def _engine_delivery() -> Any:
+    """The ``RowDelivery`` of this worker's ``OmniKVConnector``, or ``None`` (no vLLM, no connector,
+    or a connector without delivery)."""
+    try:
+        from omni_cache.integration.kv_tier import worker_delivery
+
+        return worker_delivery()
+    except ImportError:
+        return None

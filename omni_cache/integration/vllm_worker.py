@@ -28,10 +28,12 @@ intermediate tensors; ``OmniCPUWorker`` allocates it as that warm-up would.
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any
 
 _LAZY = ("OmniCPUModelRunner", "OmniCPUWorker", "OmniGPUWorker")  # built by __getattr__ on first access
-__all__: list[str] = ["allocate_intermediate_tensors", "omni_runner_class", "worker_cache_stats"]
+__all__: list[str] = ["allocate_intermediate_tensors", "omni_runner_class", "shutdown_worker_cache",
+                      "worker_cache_stats"]
 
 
 @functools.cache
@@ -129,6 +131,19 @@ def worker_cache_stats(worker: Any) -> dict[str, Any]:
             "zero_token_steps": int(bridge.zero_token_steps)}
 
 
+def shutdown_worker_cache(worker: Any) -> None:
+    """Shut the worker's cache down before vLLM shuts the worker (and its KV connector) down:
+    saves in progress land, and the log says how many step ids were left unconsumed (none
+    unless a ``queue`` consumer left some). Never raises: the worker's own shutdown follows."""
+    bridge = getattr(getattr(worker, "model_runner", None), "omni_cache", None)
+    if bridge is None or not bridge.active:
+        return
+    try:
+        bridge.shutdown()
+    except Exception:  # shutdown must go on; the error is in the log
+        logging.getLogger(__name__).exception("omni-cache: the worker cache's shutdown failed")
+
+
 @functools.cache
 def _build_classes() -> dict[str, type]:
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
@@ -156,6 +171,10 @@ def _build_classes() -> dict[str, type]:
         def omni_cache_stats(self) -> dict[str, Any]:
             return worker_cache_stats(self)
 
+        def shutdown(self) -> None:
+            shutdown_worker_cache(self)
+            super().shutdown()
+
     class OmniGPUWorker(Worker):  # type: ignore[misc, valid-type]
         """vLLM's GPU worker whose runner (V1, or V2 where vLLM picks it) feeds the cache."""
 
@@ -172,6 +191,10 @@ def _build_classes() -> dict[str, type]:
 
         def omni_cache_stats(self) -> dict[str, Any]:
             return worker_cache_stats(self)
+
+        def shutdown(self) -> None:
+            shutdown_worker_cache(self)
+            super().shutdown()
 
     return {"OmniCPUModelRunner": cpu_runner, "OmniCPUWorker": OmniCPUWorker, "OmniGPUWorker": OmniGPUWorker}
 

@@ -63,7 +63,7 @@ def engine_kwargs(model_dir: str, *, kv_blocks: int, max_batched_tokens: int, ma
         block_size=BLOCK_SIZE, dtype="float32", enforce_eager=True, seed=0,
         kv_cache_memory_bytes=kv_blocks * KV_BLOCK_BYTES, max_num_batched_tokens=max_batched_tokens,
         max_model_len=max_model_len, worker_cls=WORKER_CLS,
-        additional_config={"omni_cache": {"deferred_keys": [DEFERRED_KEY], "eager": eager}},
+        additional_config={"omni_cache": {"deferred_keys": [DEFERRED_KEY], "eager": eager, "consumer": "queue"}},
     )
     kwargs.update(overrides)
     return kwargs

@@ -1,0 +1,151 @@
+"""``omni-cache serve``: vLLM's OpenAI-compatible server with the omni cache and its delivery.
+
+Owns: ``serve_command`` (the ``python -m vllm.entrypoints.openai.api_server`` command line for a
+model plus the user's own vLLM options: the omni worker class, prefix caching, and
+``OmniKVConnector`` with ``delivery_dir`` -- a connector the user configured is wrapped, not
+replaced), ``tiny_llama_dir`` (the built-in ``tiny-llama``: a 2-layer Llama with dummy weights
+and a 259-token byte-level tokenizer, built once into a cache directory, so a try-out needs no
+download) and ``default_delivery_dir`` (a directory of the server's user only). vLLM is not
+imported here; the launcher execs the server, so signals reach it directly.
+
+Upholds: the command never carries a configuration the cache refuses silently: a
+``--worker-cls`` other than the omni worker, ``--no-enable-prefix-caching`` or a
+``--kv-transfer-config`` that is not JSON is refused before anything starts (``ValueError``, one
+line naming the option).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["TINY_LLAMA", "WORKER_CLS", "default_delivery_dir", "serve_command", "tiny_llama_dir"]
+
+WORKER_CLS = "omni_cache.integration.vllm_worker.OmniCPUWorker"
+CONNECTOR = {"kv_connector": "OmniKVConnector", "kv_connector_module_path": "omni_cache.integration.kv_tier",
+             "kv_role": "kv_both"}
+TINY_LLAMA = "tiny-llama"
+# The tiny model's engine options (every one can be overridden by the user's own flags).
+TINY_OPTIONS: tuple[tuple[str, str | None], ...] = (
+    ("--load-format", "dummy"), ("--dtype", "float32"), ("--block-size", "32"), ("--enforce-eager", None),
+    ("--max-model-len", "2048"), ("--max-num-batched-tokens", "1024"), ("--seed", "0"),
+    ("--kv-cache-memory-bytes", str(32 << 20)), ("--served-model-name", TINY_LLAMA),
+)
+
+
+def _uid_dir(name: str) -> str:
+    """``<tmp>/omni-cache-<uid>/<name>``, the parent made 0700 and checked to be ours."""
+    parent = os.path.join(tempfile.gettempdir(), f"omni-cache-{os.getuid()}")
+    os.makedirs(parent, mode=0o700, exist_ok=True)
+    st = os.lstat(parent)
+    if st.st_uid != os.getuid() or not os.path.isdir(parent) or os.path.islink(parent):
+        raise ValueError(f"{parent} is not a directory of this user: choose another with --delivery-dir")
+    os.chmod(parent, 0o700)
+    return os.path.join(parent, name)
+
+
+def default_delivery_dir() -> str:
+    return _uid_dir("hidden-states")
+
+
+def tiny_llama_dir() -> str:
+    """The built-in model's directory (config, tokenizer), built on first use and reused."""
+    from omni_cache.harness.vllm_engine.models import TINY_LLAMA as CONFIG
+
+    tag = hashlib.sha256(json.dumps(CONFIG, sort_keys=True).encode()).hexdigest()[:12]
+    path = _uid_dir(f"tiny-llama-{tag}")
+    if os.path.exists(os.path.join(path, "tokenizer.json")):
+        return path
+    tmp = tempfile.mkdtemp(prefix="tiny-llama-", dir=os.path.dirname(path))
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(CONFIG, f)
+    _write_tokenizer(tmp)
+    try:
+        os.rename(tmp, path)
+    except OSError:  # another launcher built it first
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def _write_tokenizer(path: str) -> None:
+    """A byte-level tokenizer: ``<unk>``, ``<s>``, ``</s>`` (ids 0-2, the model's bos/eos) then the 256
+    byte symbols (ids 3-258): any text encodes, one token per byte, and decodes back."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for symbol in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[symbol] = len(vocab)
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(["<unk>", "<s>", "</s>"])
+    tokenizer.save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+                   "unk_token": "<unk>", "model_max_length": 2048}, f)
+
+
+def _option_value(args: Sequence[str], name: str) -> tuple[int, str | None] | None:
+    """Where ``name`` is in ``args`` (``--x v`` or ``--x=v``) and its value; ``None`` if absent."""
+    for i, arg in enumerate(args):
+        if arg == name:
+            return i, args[i + 1] if i + 1 < len(args) else None
+        if arg.startswith(name + "="):
+            return i, arg.split("=", 1)[1]
+    return None
+
+
+def omni_transfer_config(user: str | None, delivery: dict[str, Any]) -> dict[str, Any]:
+    """``--kv-transfer-config`` with the omni connector: ``user``'s own connector becomes its wrapped
+    child; an ``OmniKVConnector`` config of the user's gains the delivery settings it lacks."""
+    if user is None:
+        return {**CONNECTOR, "kv_connector_extra_config": {"connectors": [], "omni_cache": delivery}}
+    try:
+        config = json.loads(user)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--kv-transfer-config is not JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise ValueError("--kv-transfer-config must be a JSON object")
+    if config.get("kv_connector") == CONNECTOR["kv_connector"]:
+        extra = dict(config.get("kv_connector_extra_config") or {})
+        extra["omni_cache"] = {**delivery, **dict(extra.get("omni_cache") or {})}
+        return {**config, "kv_connector_extra_config": extra}
+    return {**CONNECTOR, "kv_connector_extra_config": {"connectors": [config], "omni_cache": delivery}}
+
+
+def serve_command(model: str, vllm_args: Sequence[str], *, delivery: dict[str, Any],
+                  python: str = sys.executable) -> tuple[list[str], dict[str, str]]:
+    """The server's argv and the environment variables it needs (see the module docstring)."""
+    args = list(vllm_args)
+    worker = _option_value(args, "--worker-cls")
+    if worker is not None and worker[1] not in (WORKER_CLS, "omni_cache.integration.vllm_worker.OmniGPUWorker"):
+        raise ValueError(f"--worker-cls {worker[1]}: the cache runs in {WORKER_CLS} (or OmniGPUWorker)")
+    if "--no-enable-prefix-caching" in args:
+        raise ValueError("--no-enable-prefix-caching: the cache keeps the rows prefix caching skips; serve "
+                         "with plain vLLM to run without it")
+    user_config = _option_value(args, "--kv-transfer-config")
+    if user_config is not None:
+        del args[user_config[0] : user_config[0] + (1 if "=" in args[user_config[0]] else 2)]
+    transfer = omni_transfer_config(user_config[1] if user_config else None, delivery)
+    extra: list[str] = []
+    if model == TINY_LLAMA:
+        path = tiny_llama_dir()
+        model = path
+        for name, value in TINY_OPTIONS:
+            if _option_value(args, name) is None:
+                extra += [name] if value is None else [name, value]
+    if worker is None:
+        extra += ["--worker-cls", WORKER_CLS]
+    if "--enable-prefix-caching" not in args:
+        extra.append("--enable-prefix-caching")
+    argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, *extra,
+            "--kv-transfer-config", json.dumps(transfer), *args]
+    env = {"VLLM_USE_V2_MODEL_RUNNER": os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0")}
+    return argv, env

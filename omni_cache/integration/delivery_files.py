@@ -1,0 +1,253 @@
+"""The files a served engine delivers: names, paths, atomic writes, lock files and retention.
+
+Owns: ``delivery_name`` (the file name of a request's rows, made safe from the client-chosen
+request id), ``DeliveryPaths`` (the delivery directory and where a request's file may go:
+the default name under it, or a client-given path when the operator allows it, only under
+the directory), and ``DeliveryStore`` (the worker side: lock files held while a file is
+being written, the atomic write itself, the ``.error`` note of a failed one, and retention
+under a byte and an age bound). No vLLM import: both the scheduler-side connector (which names
+the file the client is told about) and the worker (which writes it) use this module.
+
+The file format is vLLM's hidden-states format (``ExampleHiddenStatesConnector``): one
+safetensors file per finished request with ``hidden_states`` ``[num_tokens, width]`` and
+``token_ids`` ``[num_tokens]``, read with ``load_hidden_states(path)``; the omni cache adds
+one tensor per cached per-token multimodal key, under the key's name. Beside the file is
+``<path>.lock``: the writer holds an exclusive ``flock`` on it from the request's first step
+until the file is in place, so vLLM's reader (a shared ``flock``, then the read) never reads
+before the writer is done; ``cleanup_hidden_states(path)`` removes both.
+
+Upholds, for what leaves the engine: a reader never sees a partial file (the rows are written
+to a temporary name and linked to the final name only when complete: ``os.link`` refuses an
+existing name, so no file is ever overwritten, and the temporary name is never the final
+name); no file name or path derives from client-controlled text without being made safe
+(``..``, ``/``, NUL and over-long ids cannot leave the directory or collide with another
+request's file: the name carries a digest of the id and a per-server nonce); a client-given
+path is honoured only when allowed and only inside the directory after resolving symlinks;
+files and lock files are the server user's only (mode 0600, the directory 0700 when created);
+the directory holds at most ``max_bytes`` of delivered files and none older than
+``max_age_s`` (oldest removed first).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import logging
+import os
+import re
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Protocol
+
+__all__ = ["FILE_SUFFIX", "DeliveryPaths", "DeliveryStore", "PublishGate", "delivery_name"]
+
+log = logging.getLogger(__name__)
+
+FILE_SUFFIX = ".safetensors"
+_TMP_MARK = ".omni-tmp-"
+_SAFE = re.compile(r"[^A-Za-z0-9._-]+")
+_MAX_PREFIX = 48
+
+
+def delivery_name(req_id: str, nonce: str) -> str:
+    """The file name of request ``req_id``'s rows: a readable, safe prefix of the id, then a
+    digest of the id and the server's ``nonce`` (two ids, or one id reused after a restart,
+    never share a name). Never contains a path separator, NUL, or a leading dot."""
+    prefix = _SAFE.sub("_", req_id)[:_MAX_PREFIX].lstrip(".") or "req"
+    digest = hashlib.sha256(f"{nonce}\0{req_id}".encode("utf-8", "surrogatepass")).hexdigest()[:20]
+    return f"{prefix}-{digest}{FILE_SUFFIX}"
+
+
+@dataclass(frozen=True)
+class DeliveryPaths:
+    """Where a request's file goes: ``root`` (absolute, symlinks resolved) and the rule for a
+    client-given path (``allow_custom_path``, as vLLM's ``allow_custom_save_path``)."""
+
+    root: str
+    nonce: str
+    allow_custom_path: bool = False
+
+    def default_path(self, req_id: str) -> str:
+        return os.path.join(self.root, delivery_name(req_id, self.nonce))
+
+    def target(self, req_id: str, requested: object) -> tuple[str | None, str | None]:
+        """``(path, None)`` for the file of ``req_id``, or ``(None, error)``.
+
+        ``requested`` is the request's ``kv_transfer_params["hidden_states_path"]`` (or
+        ``None``). As vLLM's connector does, a requested path is ignored (the default is used)
+        unless the operator allowed custom paths; when allowed it must be a string naming a
+        ``.safetensors`` file inside the delivery directory once symlinks are resolved, and no
+        file may exist there yet."""
+        if requested is None or not self.allow_custom_path:
+            if requested is not None:
+                log.warning("request %r asked for hidden_states_path but custom paths are not allowed "
+                            "(omni_cache.allow_custom_save_path); using %s", req_id, self.root)
+            return self.default_path(req_id), None
+        if not isinstance(requested, str) or not requested or "\0" in requested:
+            return None, f"hidden_states_path must be a non-empty string without NUL, got {requested!r}"
+        path = requested if os.path.isabs(requested) else os.path.join(self.root, requested)
+        if not path.endswith(FILE_SUFFIX):
+            return None, f"hidden_states_path {requested!r} must end in {FILE_SUFFIX}"
+        parent = os.path.realpath(os.path.dirname(path))
+        if parent != self.root and not parent.startswith(self.root + os.sep):
+            return None, (f"hidden_states_path {requested!r} is outside the delivery directory {self.root} "
+                          "(after resolving symlinks)")
+        final = os.path.join(parent, os.path.basename(path))
+        if os.path.lexists(final) or os.path.lexists(final + ".lock"):
+            return None, f"hidden_states_path {requested!r} exists already: a delivery never overwrites a file"
+        return final, None
+
+
+class PublishGate(Protocol):
+    """Decides, under ``lock``, whether a finished file may still be published: not once
+    ``cancelled`` is set (its request was failed for taking too long); sets ``published``."""
+
+    lock: threading.Lock
+    cancelled: threading.Event
+    published: bool
+
+
+@dataclass
+class _Delivered:
+    nbytes: int
+    at: float
+
+
+class DeliveryStore:
+    """The worker's side of the delivery directory (see the module docstring).
+
+    Thread model: the engine thread holds locks (``hold_lock``) and forgets them; a writer
+    thread calls ``write``; retention runs under this object's lock after each write. Only files
+    this store delivered (and, at start, files of this naming already in the directory) are
+    ever removed."""
+
+    def __init__(self, root: str, *, max_bytes: int, max_age_s: float) -> None:
+        self.root = os.path.realpath(root)
+        self.max_bytes = max_bytes
+        self.max_age_s = max_age_s
+        os.makedirs(root, mode=0o700, exist_ok=True)
+        self._lock = threading.Lock()
+        self._delivered: OrderedDict[str, _Delivered] = OrderedDict()  # oldest first; guarded by _lock
+        self._bytes = 0
+        self.removed = 0  # files removed by retention
+        self._adopt_existing()
+
+    # ------------------------------------------------------------------ locks
+    def hold_lock(self, path: str) -> int:
+        """Create ``<path>.lock`` (mode 0600) and hold an exclusive ``flock`` on it; the fd."""
+        fd = os.open(path + ".lock", os.O_CREAT | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    @staticmethod
+    def release_lock(fd: int | None) -> None:
+        if fd is not None:
+            os.close(fd)  # releases LOCK_EX: a reader sleeping on LOCK_SH wakes up
+
+    # ------------------------------------------------------------------ write
+    def write(self, path: str, payload: bytes, *, publish: PublishGate | None = None) -> int:
+        """Put ``payload`` at ``path`` atomically; never overwrites. Returns the bytes written.
+
+        Written to a temporary name in the same directory (O_EXCL, O_NOFOLLOW, 0600), then
+        linked to ``path`` (which fails if anything exists there, a symlink included), then the
+        temporary name is removed. ``publish``: the link happens under its lock, and not at all
+        once it is cancelled."""
+        directory, name = os.path.split(path)
+        real = os.path.realpath(directory)
+        if real != self.root and not real.startswith(self.root + os.sep):
+            raise PermissionError(f"{path} is outside the delivery directory {self.root} (after resolving symlinks)")
+        dir_fd = os.open(real, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        tmp = f"{name}{_TMP_MARK}{os.getpid()}-{threading.get_ident()}"
+        try:
+            fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                         dir_fd=dir_fd)
+            try:
+                with os.fdopen(fd, "wb", closefd=True) as f:
+                    f.write(payload)
+                if publish is None:
+                    os.link(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
+                else:
+                    with publish.lock:
+                        if publish.cancelled.is_set():
+                            raise TimeoutError("the delivery was abandoned before its file was published")
+                        os.link(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
+                        publish.published = True
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp, dir_fd=dir_fd)
+        finally:
+            os.close(dir_fd)
+        self._track(path, len(payload))
+        return len(payload)
+
+    def note_failure(self, path: str, message: str) -> None:
+        """Best effort: ``<path>.error`` holds why the file is not there (a full disk may refuse it too)."""
+        try:
+            fd = os.open(path + ".error", os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(message + "\n")
+        except OSError as exc:
+            log.warning("could not record the delivery error of %s: %s", path, exc)
+
+    # -------------------------------------------------------------- retention
+    def _track(self, path: str, nbytes: int) -> None:
+        with self._lock:
+            self._delivered[path] = _Delivered(nbytes, time.time())
+            self._bytes += nbytes
+            self._enforce_locked()
+
+    def enforce(self) -> None:
+        """Apply the bounds now (also called on each write)."""
+        with self._lock:
+            self._enforce_locked()
+
+    @property
+    def nbytes(self) -> int:
+        with self._lock:
+            return self._bytes
+
+    def _enforce_locked(self) -> None:
+        now = time.time()
+        while self._delivered:
+            path, entry = next(iter(self._delivered.items()))
+            if self._bytes <= self.max_bytes and now - entry.at <= self.max_age_s:
+                break
+            self._delivered.popitem(last=False)
+            self._bytes -= entry.nbytes
+            for p in (path, path + ".lock", path + ".error"):
+                try:
+                    os.unlink(p)
+                except FileNotFoundError:
+                    pass  # the client cleaned it up already
+                except OSError as exc:
+                    log.warning("retention could not remove %s: %s", p, exc)
+            self.removed += 1
+
+    def _adopt_existing(self) -> None:
+        """Files of this naming left in the directory by an earlier server count against the
+        bounds (oldest first); temporary files of a killed writer are removed."""
+        found: list[tuple[float, str, int]] = []
+        for entry in os.scandir(self.root):
+            if _TMP_MARK in entry.name:
+                try:
+                    os.unlink(entry.path)
+                except OSError as exc:
+                    if exc.errno != errno.ENOENT:
+                        log.warning("could not remove the stale temporary file %s: %s", entry.path, exc)
+                continue
+            if entry.name.endswith(FILE_SUFFIX) and entry.is_file(follow_symlinks=False):
+                st = entry.stat(follow_symlinks=False)
+                found.append((st.st_mtime, entry.path, st.st_size))
+        with self._lock:
+            for mtime, path, size in sorted(found):
+                self._delivered[path] = _Delivered(size, mtime)
+                self._bytes += size
+            self._enforce_locked()
