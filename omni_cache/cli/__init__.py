@@ -20,7 +20,8 @@ from collections.abc import Sequence
 from omni_cache.cli.args import EXIT_FAILED, CliParser, add_debug_flag
 
 # Subcommands, in the order ``omni-cache --help`` lists them.
-SUBCOMMANDS: tuple[str, ...] = ("selfcheck", "diagram", "simulate", "pipeline", "bench", "verify")
+SUBCOMMANDS: tuple[str, ...] = ("selfcheck", "diagram", "simulate", "pipeline", "serve", "check-server", "bench",
+                                 "verify")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     # Not required here: main() reports a missing command itself, so `omni-cache --bogus` names --bogus.
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=CliParser)
     for name in SUBCOMMANDS:
-        importlib.import_module(f"omni_cache.cli.{name}").register(subparsers)
+        importlib.import_module(f"omni_cache.cli.{name.replace('-', '_')}").register(subparsers)
     for sub in subparsers.choices.values():
         add_debug_flag(sub, top_level=False)
     parser.set_defaults(_subparsers=subparsers.choices)
@@ -51,7 +52,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                          f"{', '.join(SUBCOMMANDS)})")
         parser.error(f"a COMMAND is required: one of {', '.join(SUBCOMMANDS)}")
     if extras:
-        args._subparsers[args.command].error(f"unrecognized arguments: {' '.join(extras)}")
+        hint = " (vLLM's options go after MODEL)" if args.command == "serve" else ""
+        args._subparsers[args.command].error(f"unrecognized arguments: {' '.join(extras)}{hint}")
     return args
 
 

@@ -128,6 +128,9 @@ def _build() -> dict[str, type]:
         """See ``omni_cache.integration.kv_tier``."""
 
         def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
+            from omni_cache.integration.vllm_bridge import use_vllm_logging
+
+            use_vllm_logging()
             settings = tier_settings(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
             super().__init__(_without_hybrid_manager(vllm_config, kv_cache_config), role, kv_cache_config)
             self._omni_block_size = int(vllm_config.cache_config.block_size)

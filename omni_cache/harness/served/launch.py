@@ -141,6 +141,8 @@ def serve_command(model: str, vllm_args: Sequence[str], *, delivery: dict[str, A
         for name, value in TINY_OPTIONS:
             if _option_value(args, name) is None:
                 extra += [name] if value is None else [name, value]
+    if _option_value(args, "--host") is None:
+        extra += ["--host", "127.0.0.1"]  # the files encode prompts: listen on loopback unless told otherwise
     if worker is None:
         extra += ["--worker-cls", WORKER_CLS]
     if "--enable-prefix-caching" not in args:

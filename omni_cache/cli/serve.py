@@ -1,0 +1,96 @@
+"""``omni-cache serve MODEL [vLLM options]``: vLLM's OpenAI server with the cache and its delivery.
+
+Owns: the subcommand's arguments: ``MODEL`` (``tiny-llama``, the built-in dummy-weight model with
+a small tokenizer, or any model vLLM serves), the delivery options (``--delivery-dir`` and the
+rest, validated before anything is imported: a mistake is one line and exit 2) and every other
+argument, which goes to vLLM's server unchanged. It then replaces this process with
+``python -m vllm.entrypoints.openai.api_server`` (``harness.served.launch``), so Ctrl-C and
+SIGTERM reach the server itself. Invariants: none enforced here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import shlex
+import sys
+from typing import Any
+
+from omni_cache.cli.args import EXIT_USAGE, float_range, int_range
+
+__all__ = ["register"]
+
+
+def _delivery_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="omni-cache serve", add_help=False, allow_abbrev=False)
+    parser.add_argument("--delivery-dir", help="where each finished request's hidden-state file is written "
+                        "(default: <tmp>/omni-cache-<uid>/hidden-states, the server user's only)")
+    parser.add_argument("--include-output-tokens", action="store_true",
+                        help="files also hold the rows of the output tokens (all but the last) by default; a "
+                        "request's kv_transfer_params.include_output_tokens decides for that request")
+    parser.add_argument("--allow-custom-save-path", action="store_true",
+                        help="honour a request's kv_transfer_params.hidden_states_path, inside the delivery "
+                        "directory only (as vLLM's allow_custom_save_path)")
+    parser.add_argument("--delivery-max-bytes", type=int_range(1), help="retention: bytes of files kept "
+                        "(oldest removed first; default 4 GiB)")
+    parser.add_argument("--delivery-max-age", type=float_range(0, lo_open=True), help="retention: seconds a file "
+                        "is kept (default 3600)")
+    parser.add_argument("--delivery-timeout", type=float_range(0, lo_open=True), help="seconds a step waits for "
+                        "its files before failing their requests (default 10)")
+    parser.add_argument("--dry-run", action="store_true", help="print the server's command line and exit")
+    return parser
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "serve",
+        help="start vLLM's OpenAI server with the cache: each request's full-prompt hidden states delivered as "
+        "a file in vLLM's hidden-states format, its path in the response's kv_transfer_params",
+        description=(
+            "Start vLLM's OpenAI-compatible server (python -m vllm.entrypoints.openai.api_server, vLLM's default "
+            "multiprocess engine) with the omni cache: worker_cls OmniCPUWorker, prefix caching, and "
+            "OmniKVConnector delivering each finished request's full-prompt hidden states (cached prefix rows "
+            "and computed rows) as a safetensors file that vLLM's load_hidden_states reads; the path comes back "
+            "in the response's kv_transfer_params.hidden_states_path. MODEL 'tiny-llama' is a built-in 2-layer "
+            "Llama with dummy weights and a byte-level tokenizer (no download). Every argument after MODEL that "
+            "is not a delivery option below goes to vLLM unchanged (e.g. --port 8011). A --kv-transfer-config "
+            "of yours is wrapped by OmniKVConnector. docs/serving.md has the equivalent vllm serve line."),
+        epilog="Delivery options (anywhere after MODEL): " + "; ".join(
+            f"{a.option_strings[0]}: {a.help}" for a in _delivery_parser()._actions),
+    )
+    parser.add_argument("model", metavar="MODEL", help="'tiny-llama' or a model vLLM serves")
+    parser.add_argument("vllm_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    parser.set_defaults(func=run, _parser=parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    parser: argparse.ArgumentParser = args._parser
+    delivery_args, vllm_args = _delivery_parser().parse_known_args(args.vllm_args)
+    if not args.model or args.model.startswith("-"):
+        parser.error(f"MODEL comes first, got {args.model!r}")
+    if importlib.util.find_spec("vllm") is None:
+        print("omni-cache serve: error: vLLM is not installed; see the README's set-up with the [vllm] extra",
+              file=sys.stderr)
+        return EXIT_USAGE
+    from omni_cache.harness.served.launch import default_delivery_dir, serve_command
+
+    delivery: dict[str, Any] = {"delivery_dir": os.path.abspath(delivery_args.delivery_dir or default_delivery_dir())}
+    for flag, key in (("include_output_tokens", "include_output_tokens"),
+                      ("allow_custom_save_path", "allow_custom_save_path")):
+        if getattr(delivery_args, flag):
+            delivery[key] = True
+    for flag, key in (("delivery_max_bytes", "delivery_max_bytes"), ("delivery_max_age", "delivery_max_age_s"),
+                      ("delivery_timeout", "delivery_timeout_s")):
+        if getattr(delivery_args, flag) is not None:
+            delivery[key] = getattr(delivery_args, flag)
+    try:
+        argv, env = serve_command(args.model, vllm_args, delivery=delivery)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if delivery_args.dry_run:
+        print(" ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()), shlex.join(argv))
+        return 0
+    print(f"omni-cache serve: {args.model}, hidden-state files in {delivery['delivery_dir']}", file=sys.stderr,
+          flush=True)
+    os.execve(argv[0], argv, {**os.environ, **env})
