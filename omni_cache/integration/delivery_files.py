@@ -26,6 +26,13 @@ path is honoured only when allowed and only inside the directory after resolving
 files and lock files are the server user's only (mode 0600, the directory 0700 when created);
 the directory holds at most ``max_bytes`` of delivered files and none older than
 ``max_age_s`` (oldest removed first).
+
+Fault injection (for tests of a served engine, where no Python hook reaches the worker): the
+environment variable ``OMNI_CACHE_DELIVERY_FAULT`` holds comma-separated rules ``KIND@MARKER``
+(or ``KIND`` alone: every file): a write of a file whose name contains ``MARKER`` (the name
+carries the request id's safe prefix, so a client's ``X-Request-Id`` picks the fault) first
+sleeps (``slow:SECONDS``: a slow disk) or fails with ``ENOSPC`` (``enospc``: a full disk). It is
+read once, when the store is built.
 """
 
 from __future__ import annotations
@@ -43,14 +50,39 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Protocol
 
-__all__ = ["FILE_SUFFIX", "DeliveryPaths", "DeliveryStore", "PublishGate", "delivery_name"]
+__all__ = ["FAULT_ENV", "FILE_SUFFIX", "DeliveryPaths", "DeliveryStore", "FaultRule", "PublishGate", "delivery_name",
+           "parse_fault"]
 
 log = logging.getLogger(__name__)
 
 FILE_SUFFIX = ".safetensors"
 _TMP_MARK = ".omni-tmp-"
+FAULT_ENV = "OMNI_CACHE_DELIVERY_FAULT"
 _SAFE = re.compile(r"[^A-Za-z0-9._-]+")
 _MAX_PREFIX = 48
+
+
+@dataclass(frozen=True)
+class FaultRule:
+    kind: str  # "slow" or "enospc"
+    seconds: float = 0.0
+    marker: str = ""  # applies to file names containing it ("": every file)
+
+
+def parse_fault(text: str | None) -> tuple[FaultRule, ...]:
+    """The rules of ``OMNI_CACHE_DELIVERY_FAULT`` (see the module docstring); ``ValueError`` names a bad one."""
+    rules = []
+    for part in filter(None, (text or "").split(",")):
+        spec, _, marker = part.partition("@")
+        kind, _, value = spec.partition(":")
+        try:
+            seconds = float(value) if kind == "slow" else 0.0
+        except ValueError:
+            seconds = -1.0
+        if kind not in ("slow", "enospc") or (kind == "slow" and not seconds >= 0) or (kind == "enospc" and value):
+            raise ValueError(f"{FAULT_ENV}: bad rule {part!r}: expected slow:SECONDS[@MARKER] or enospc[@MARKER]")
+        rules.append(FaultRule(kind, seconds, marker))
+    return tuple(rules)
 
 
 def delivery_name(req_id: str, nonce: str) -> str:
@@ -134,6 +166,7 @@ class DeliveryStore:
         self._delivered: OrderedDict[str, _Delivered] = OrderedDict()  # oldest first; guarded by _lock
         self._bytes = 0
         self.removed = 0  # files removed by retention
+        self.fault = parse_fault(os.environ.get(FAULT_ENV))
         self._adopt_existing()
 
     # ------------------------------------------------------------------ locks
@@ -161,6 +194,11 @@ class DeliveryStore:
         temporary name is removed. ``publish``: the link happens under its lock, and not at all
         once it is cancelled."""
         directory, name = os.path.split(path)
+        for rule in self.fault:
+            if rule.marker in name:
+                if rule.kind == "enospc":
+                    raise OSError(errno.ENOSPC, f"No space left on device ({FAULT_ENV})", path)
+                time.sleep(rule.seconds)
         real = os.path.realpath(directory)
         if real != self.root and not real.startswith(self.root + os.sep):
             raise PermissionError(f"{path} is outside the delivery directory {self.root} (after resolving symlinks)")

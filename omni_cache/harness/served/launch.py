@@ -24,6 +24,8 @@ import tempfile
 from collections.abc import Sequence
 from typing import Any
 
+from omni_cache.integration.ranks import prepare_parallel_env
+
 __all__ = ["TINY_LLAMA", "WORKER_CLS", "default_delivery_dir", "serve_command", "tiny_llama_dir"]
 
 WORKER_CLS = "omni_cache.integration.vllm_worker.OmniCPUWorker"
@@ -150,4 +152,20 @@ def serve_command(model: str, vllm_args: Sequence[str], *, delivery: dict[str, A
     argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, *extra,
             "--kv-transfer-config", json.dumps(transfer), *args]
     env = {"VLLM_USE_V2_MODEL_RUNNER": os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0")}
+    # several CPU workers: each gets its own CPUs (vLLM's automatic binding wants a NUMA node per worker)
+    env.update(prepare_parallel_env(_world_size(args), dict(os.environ)))
     return argv, env
+
+
+def _world_size(args: Sequence[str]) -> int:
+    size = 1
+    for names in (("--tensor-parallel-size", "-tp"), ("--pipeline-parallel-size", "-pp")):
+        for name in names:
+            found = _option_value(args, name)
+            if found is not None:
+                try:
+                    size *= max(1, int(found[1] or 1))
+                except ValueError:
+                    raise ValueError(f"{name} wants an integer, got {found[1]!r}") from None
+                break
+    return size

@@ -1,0 +1,170 @@
+"""The cache in a served engine: a real ``omni-cache serve`` process on 127.0.0.1, real HTTP clients.
+
+Protects, on vLLM's default multiprocess engine (API server, engine core and worker in their own
+processes): every request's full-prompt hidden states leave the engine as a file in vLLM's
+hidden-states format, read with vLLM's own ``load_hidden_states``, equal to the same prompt
+recomputed with a fresh ``cache_salt`` (``check-server`` and an independent client); file names
+stay safe whatever ``X-Request-Id`` a client sends; a client-given path is ignored unless allowed;
+a full disk, a slow disk and a missing directory fail only the requests they hit, with a clear
+error in the response, and the server keeps answering; SIGTERM under load leaves no partial file
+and no unconsumed step id. One server serves the module (its faults are keyed by request id).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from served_support import ServedEngine, load, params
+
+pytestmark = pytest.mark.vllm
+
+SLOW_S = 6.0
+TIMEOUT_S = 2.0
+PREFIX = ("The omni thinker hands its hidden states to the talker, and the talker speaks them. " * 3)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> ServedEngine:
+    tmp = tmp_path_factory.mktemp("served")
+    engine = ServedEngine(tmp, "--delivery-timeout", str(TIMEOUT_S),
+                          env={"OMNI_CACHE_DELIVERY_FAULT": f"enospc@disk-full,slow:{SLOW_S:g}@slow-disk"})
+    yield engine
+    engine.stop()
+
+
+def test_check_server_passes_against_a_served_engine(server: ServedEngine) -> None:
+    """The README's pair: ``check-server`` drives the server over HTTP (concurrent requests, prefix
+    hits within a round and across rounds) and every file equals the cache_salt recomputation."""
+    out = subprocess.run([sys.executable, "-m", "omni_cache.cli", "check-server", server.url, "--json"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    report = json.loads(out.stdout)
+    assert report["ok"] and report["files_checked"] == report["requests"] == 18
+    assert report["hit_requests"] > 0 and report["cached_tokens"] > 0
+    assert report["cached_rows_matched_origin"] == report["cached_tokens"]
+    assert report["control_caught"] and report["include_output_files"] > 0
+    assert report["reader"] == "vllm load_hidden_states"
+
+
+def test_an_independent_client_reads_rows_equal_to_the_recomputation(server: ServedEngine) -> None:
+    """HTTP and vLLM's reader only: a prefix hit's file has one row per prompt token, equal bit for
+    bit to the same prompt recomputed with a fresh cache_salt; cleanup_hidden_states removes it."""
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+        cleanup_hidden_states,
+    )
+
+    first = server.complete(PREFIX + "first question")
+    second = server.complete(PREFIX + "second question")
+    truth = server.complete(PREFIX + "second question", cache_salt="independent-client-truth")
+    p1, p2, pt = params(first), params(second), params(truth)
+    assert p2["hidden_states_cached_tokens"] > 0, p2
+    assert pt["hidden_states_cached_tokens"] == 0, pt
+    got, want = load(p2["hidden_states_path"]), load(pt["hidden_states_path"])
+    assert got["token_ids"].shape[0] == got["hidden_states"].shape[0] == second["usage"]["prompt_tokens"]
+    assert torch.equal(got["token_ids"], want["token_ids"])
+    assert torch.equal(got["hidden_states"], want["hidden_states"])
+    assert not torch.equal(got["hidden_states"], torch.zeros_like(got["hidden_states"]))
+    for path in (p1["hidden_states_path"], p2["hidden_states_path"], pt["hidden_states_path"]):
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600, "the rows encode the prompt: the server's user only"
+        cleanup_hidden_states(path)
+        assert not os.path.exists(path) and not os.path.exists(path + ".lock")
+    assert stat.S_IMODE(os.stat(server.delivery_dir).st_mode) == 0o700
+
+
+@pytest.mark.parametrize("request_id", ["../../../../tmp/omni-escape", "/etc/omni-abs", "a/b/../../c",
+                                        "x" * 3000, "..", "%00nul", "é\u202eunicode"])
+def test_client_chosen_request_ids_never_leave_the_delivery_directory(server: ServedEngine, request_id: str) -> None:
+    """vLLM takes ``X-Request-Id`` as the request id; the file's name is made safe from it: inside the
+    delivery directory, one path component of bounded length, distinct for two requests with one id."""
+    headers = {"X-Request-Id": request_id.encode("utf-8").decode("latin-1")}
+    with cf.ThreadPoolExecutor(2) as pool:
+        responses = list(pool.map(lambda _: server.complete("hostile id " + PREFIX, headers=headers), range(2)))
+    paths = [params(r)["hidden_states_path"] for r in responses]
+    assert len(set(paths)) == 2, paths
+    root = os.path.realpath(server.delivery_dir)
+    for path in paths:
+        assert os.path.dirname(os.path.realpath(path)) == root, path
+        name = os.path.basename(path)
+        assert len(name) < 128 and "/" not in name and not name.startswith("."), name
+        assert load(path)["hidden_states"].shape[0] == responses[0]["usage"]["prompt_tokens"]
+    assert not Path("/tmp/omni-escape.safetensors").exists() and not Path("/etc/omni-abs").exists()
+
+
+def test_a_client_path_is_ignored_unless_the_operator_allows_it(server: ServedEngine, tmp_path: Path) -> None:
+    """As vLLM's connector: without allow_custom_save_path a requested path is not honoured."""
+    wanted = tmp_path / "client-chosen.safetensors"
+    response = server.complete("custom path " + PREFIX, kv_transfer_params={"hidden_states_path": str(wanted)})
+    path = params(response)["hidden_states_path"]
+    assert not wanted.exists() and os.path.dirname(path) == os.path.realpath(server.delivery_dir)
+    assert load(path)["hidden_states"].shape[0] == response["usage"]["prompt_tokens"]
+
+
+def test_a_full_disk_fails_that_request_and_the_server_keeps_serving(server: ServedEngine) -> None:
+    response = server.complete("disk full " + PREFIX, headers={"X-Request-Id": "disk-full-1"})
+    error = params(response).get("hidden_states_error", "")
+    assert "No space left on device" in error and "disk-full-1" in error, params(response)
+    assert "hidden_states_path" not in params(response)
+    assert response["choices"][0]["text"] is not None  # the request itself completed
+    after = server.complete("after the full disk " + PREFIX)
+    assert load(params(after)["hidden_states_path"])["hidden_states"].shape[0] == after["usage"]["prompt_tokens"]
+    assert server.healthy()
+
+
+def test_a_slow_disk_is_a_bounded_wait_and_a_clear_error_never_an_engine_death(server: ServedEngine) -> None:
+    """A file not written within delivery_timeout_s fails its request (the step waited that long,
+    not the disk's time), is never published later, and the engine keeps serving."""
+    t0 = time.monotonic()
+    response = server.complete("slow disk " + PREFIX, headers={"X-Request-Id": "slow-disk-1"})
+    waited = time.monotonic() - t0
+    error = params(response).get("hidden_states_error", "")
+    assert "delivery_timeout_s" in error and "slow-disk-1" in error, params(response)
+    assert waited < SLOW_S + 30, waited
+    after = server.complete("after the slow disk " + PREFIX)
+    assert load(params(after)["hidden_states_path"])["hidden_states"].shape[0] == after["usage"]["prompt_tokens"]
+    time.sleep(max(0.0, SLOW_S - (time.monotonic() - t0)) + 1.0)  # the slow write has finished by now
+    published = [p for p in os.listdir(server.delivery_dir) if "slow-disk" in p and p.endswith(".safetensors")]
+    assert published == [], "a file whose request was failed must never appear later"
+    assert server.healthy()
+
+
+def test_a_missing_delivery_directory_fails_requests_not_the_server(server: ServedEngine) -> None:
+    shutil.rmtree(server.delivery_dir)
+    response = server.complete("no directory " + PREFIX)
+    assert "hidden_states_error" in params(response), params(response)
+    assert server.healthy()
+    os.makedirs(server.delivery_dir, mode=0o700)
+    again = server.complete("directory back " + PREFIX)
+    assert load(params(again)["hidden_states_path"])["hidden_states"].shape[0] == again["usage"]["prompt_tokens"]
+
+
+def test_sigterm_under_load_leaves_no_partial_file_and_no_unconsumed_step(server: ServedEngine) -> None:
+    """Runs last: SIGTERM while requests are in flight; every file that exists is whole, no
+    temporary file is left, and the worker's cache reports 0 unconsumed step ids at shutdown."""
+    prompts = [f"load {i} " + PREFIX * 2 for i in range(10)]
+    with cf.ThreadPoolExecutor(10) as pool:
+        futures = [pool.submit(server.complete, p, max_tokens=32) for p in prompts]
+        cf.wait(futures, timeout=120, return_when=cf.FIRST_COMPLETED)
+        server.terminate()
+        server.wait(120.0)
+    names = os.listdir(server.delivery_dir)
+    assert not [n for n in names if ".omni-tmp-" in n], names
+    whole = 0
+    for name in names:
+        if name.endswith(".safetensors"):
+            data = load(os.path.join(server.delivery_dir, name))
+            assert data["hidden_states"].shape[0] == data["token_ids"].shape[0] > 0, name
+            whole += 1
+    assert whole > 0
+    log = server.log()
+    assert "0 unconsumed step ids" in log, log[-3000:]
+    assert "unconsumed step ids:" not in log
