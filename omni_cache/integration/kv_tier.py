@@ -41,6 +41,7 @@ from omni_cache.integration.delivery import (
 )
 from omni_cache.integration.delivery_sched import DeliveryScheduler
 from omni_cache.integration.tier_apply import TierApplier, TierLoad, TierPlan, TierStore
+from omni_cache.integration.vllm_logging import use_vllm_logging
 
 __all__ = ["SETTINGS_KEY", "tier_settings", "worker_delivery", "worker_tier_applier"]
 
@@ -128,8 +129,6 @@ def _build() -> dict[str, type]:
         """See ``omni_cache.integration.kv_tier``."""
 
         def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
-            from omni_cache.integration.vllm_bridge import use_vllm_logging
-
             use_vllm_logging()
             settings = tier_settings(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
             super().__init__(_without_hybrid_manager(vllm_config, kv_cache_config), role, kv_cache_config)

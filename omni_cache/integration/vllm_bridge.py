@@ -51,11 +51,12 @@ import torch
 
 from omni_cache.integration.block_table import BlockTableView
 from omni_cache.integration.runner_hooks import PrefixCacheRunnerHooks
+from omni_cache.integration.vllm_logging import use_vllm_logging
 from omni_cache.runtime.errors import OmniPrefixCacheUnmatchError
 from omni_cache.runtime.interface import ModelCachePolicy, ReqId, StepId
 
 __all__ = ["CONFIG_KEY", "ForwardRecord", "PublishedStep", "V2BlockTableMirror", "VllmRunnerBridge", "bridge_of",
-           "runner_of", "use_vllm_logging"]
+           "runner_of"]
 
 CONFIG_KEY = "omni_cache"
 """``vllm_config.additional_config[CONFIG_KEY]``: the stage's settings (a dict)."""
@@ -90,18 +91,6 @@ class ForwardRecord:
     mm_outputs: dict[str, Any]
     block_ids: dict[ReqId, tuple[int, ...]] = field(default_factory=dict)
     scheduler_output: Any = field(repr=False, default=None)
-
-
-def use_vllm_logging() -> None:
-    """In a vLLM process, the cache's log records (logger ``omni_cache``) go out through vLLM's own
-    handler, in its format and at its level, beside vLLM's lines (``VLLM_LOGGING_LEVEL``);
-    idempotent."""
-    ours, theirs = logging.getLogger("omni_cache"), logging.getLogger("vllm")
-    if not theirs.handlers or any(h in ours.handlers for h in theirs.handlers):
-        return
-    for handler in theirs.handlers:
-        ours.addHandler(handler)
-    ours.setLevel(theirs.level)
 
 
 def runner_of(llm: Any) -> Any:
