@@ -1,7 +1,7 @@
 """The two contract errors of the omni prefix cache.
 
 Owns: ``OmniPrefixCacheUnmatchError`` and ``OmniPrefixCacheStagingTimeoutError``.
-Every contract violation (I1-I11 in spec/contract.md) surfaces as one of these;
+Every contract violation (I1-I14 in spec/contract.md) surfaces as one of these;
 callers match on the phrases of DESIGN section 6, so the phrases live here as
 constants and the raising code uses them instead of retyping them.
 """
@@ -19,6 +19,7 @@ PHRASE_SLOT_MAPPING = "slot mapping covers"
 PHRASE_NOT_READABLE = "is not readable"
 PHRASE_WRITE_FAILED = "write failed"
 PHRASE_SHUT_DOWN = "the manager was shut down"
+PHRASE_TRIM = "cannot be trimmed"
 
 ALL_PHRASES: tuple[str, ...] = (
     PHRASE_NO_BLOCK_IDS,
@@ -31,6 +32,7 @@ ALL_PHRASES: tuple[str, ...] = (
     PHRASE_NOT_READABLE,
     PHRASE_WRITE_FAILED,
     PHRASE_SHUT_DOWN,
+    PHRASE_TRIM,
 )
 
 

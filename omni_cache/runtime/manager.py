@@ -12,8 +12,9 @@ block's rows) reaches the manager through one door, ``tier_port`` (a ``TierPort`
 public collaborators; nothing outside this module touches the manager's private state.
 
 Per real scheduler step (DESIGN section 2): ``new_step_starts`` ->
-forward -> ``save_outputs`` -> exactly one of ``materialize`` / ``discard_step``
-(possibly on another thread while the engine saves the next steps).
+forward -> ``save_outputs`` -> (a verify step of speculative decoding: ``trim_step``) ->
+exactly one of ``materialize`` / ``discard_step`` (possibly on another thread while the
+engine saves the next steps).
 
 Upholds: I1 (through ``StagingPool.consume``), I8 for saves (a failure inside
 ``save_outputs`` is undone before any write is registered, or sticky after), I2/I3/I10
@@ -24,14 +25,15 @@ reads), I8
 (every entry checks the sticky failure), I9 (finish/abort push open writes to
 the queue's front), I11 (the state lock is held only for dictionary
 bookkeeping: never across a wait, a copy or a budget flush; the ``on_blocking``
-fault hook lets tests assert it).
+fault hook lets tests assert it), I14 (``trim_step``: a verify step's cut rows are never
+materialized, and their KV slots are vacated; ``step_trim.trim_rows``).
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +44,7 @@ from omni_cache.runtime.admissions import Admission, lookup_of, plan_events
 from omni_cache.runtime.block_pool import PrefixBlockPool
 from omni_cache.runtime.copier import Committer, CopyEngine
 from omni_cache.runtime.errors import (
+    PHRASE_NOT_SAVED,
     PHRASE_OUTSIDE_SNAPSHOT,
     PHRASE_SHUT_DOWN,
     OmniPrefixCacheUnmatchError,
@@ -66,6 +69,7 @@ from omni_cache.runtime.locks import OwnedLock, SaveGate, caller_location
 from omni_cache.runtime.reader import StepReader
 from omni_cache.runtime.staging import StagingPool
 from omni_cache.runtime.step_outputs import StepContext, classify_outputs, copy_leftovers
+from omni_cache.runtime.step_trim import trim_rows
 from omni_cache.runtime.tenancy import PlannedRead, SlotTenancy
 from omni_cache.runtime.tier_rows import TierPort
 from omni_cache.runtime.trace import TraceRecorder
@@ -167,7 +171,8 @@ class OmniPrefixCacheManager:
         self._saves = SaveGate()
         self.counters = {"hits": 0, "hit_tokens": 0, "misses": 0, "saved": 0,
                          "materialized": 0, "discarded": 0, "budget_flushes": 0,
-                         "replayed_steps": 0, "stale_events": 0, "tier_restores": 0}
+                         "replayed_steps": 0, "stale_events": 0, "tier_restores": 0,
+                         "trimmed_rows": 0}
         self.tier_port = TierPort(self._check_usable, self._register_restored, self._vacate)
 
     # ------------------------------------------------------------------ API --
@@ -337,7 +342,8 @@ class OmniPrefixCacheManager:
                     planned[req_id] = self.tenancy.plan(list(hit_keys), self._hits.slots_of(blocks))
                     plans.append(planned[req_id])
             ctx = StepContext(step_id, slot, saved_at, step_rows, planned, tuple(split.immediate), imm,
-                              deferred_host, leftover, hit_keys, policy.hidden_key is not None, host_events)
+                              deferred_host, leftover, hit_keys, policy.hidden_key is not None, host_events,
+                              slots_np)
             self.staging.save(slot, step_id, saved_at)
         except BaseException as exc:
             if registered:  # versions may be published: not undoable, so fail for good (I8)
@@ -406,6 +412,30 @@ class OmniPrefixCacheManager:
             return self.reader.build_outputs(ctx, req_ids)
         finally:
             self._finish_consume(ctx, slot)
+
+    def trim_step(self, step_id: StepId, keep: Mapping[ReqId, int]) -> None:
+        """A verify step's verdict (speculative decoding), before its step id is handed out: request
+        ``r`` keeps its first ``keep[r]`` rows of the step; the rest (rejected draft tokens') are
+        never returned by materialize, and their KV slots are vacated (I14, contract 4.11)."""
+        self._check_usable("trim_step")
+        issued = isinstance(step_id, int) and not isinstance(step_id, bool)
+        with self._lock:
+            ctx = self._contexts.get(step_id) if issued else None
+        if ctx is None:
+            raise OmniPrefixCacheUnmatchError(f"trim_step: step {step_id!r} was {PHRASE_NOT_SAVED} by this "
+                                              "manager; nothing was trimmed (I1)")
+        trimmed = trim_rows(ctx.rows, keep, what=f"trim_step {step_id} (saved at {ctx.saved_at})")
+        if trimmed is None:
+            return
+        rows, dropped = trimmed
+        with self._lock:
+            if self._contexts.get(step_id) is not ctx:  # consumed meanwhile: its output is out already
+                raise OmniPrefixCacheUnmatchError(
+                    f"trim_step: step {step_id} was consumed while it was trimmed ({PHRASE_NOT_SAVED}): a verdict "
+                    "must come before the step id is handed to a consumer; nothing was trimmed (I14)")
+            ctx.rows = rows
+            self.counters["trimmed_rows"] += len(dropped)
+        self._vacate(ctx.slots_np[dropped])
 
     def discard_step(self, step_id: StepId) -> None:
         """Consume ``step_id`` without building outputs (payload built from live outputs, or error)."""

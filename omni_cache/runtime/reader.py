@@ -82,7 +82,7 @@ class StepReader:
         if not req_ids:
             return StageCacheOutputs({} if ctx.caches_hidden else None, {})
         step_rows = ctx.rows
-        if req_ids == step_rows.req_ids:  # every request, in row order: the rows [0, n) of the step
+        if req_ids == step_rows.req_ids and step_rows.tiles:  # every request, in row order: rows [0, n)
             wanted, sizes, contiguous = step_rows.writes, step_rows.sizes, True
             lo, hi = 0, step_rows.ends[-1]
             hit_reqs, unique = ctx.hits, True  # all hits are of this step's requests, each listed once

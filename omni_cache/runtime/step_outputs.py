@@ -148,6 +148,8 @@ class StepContext:
     caches_hidden: bool
     # CUDA events of the deferred rows' host copies (empty on CPU).
     host_events: list[Any] = field(default_factory=list)
+    # The KV slot of every step row (the save's private copy): ``trim_step`` vacates the rows it cuts.
+    slots_np: Any = None
 
     def planned_reads(self) -> list[PlannedRead]:
         return list(self.hits.values())

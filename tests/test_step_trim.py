@@ -1,0 +1,167 @@
+"""I14, accepted rows only: a verify step's rows of rejected draft tokens never leave the cache.
+
+Protects ``OmniPrefixCacheManager.trim_step`` (contract section 4.11): after a verify step's
+verdict, materialize returns per request only the rows it keeps (after its hit prefix), the cut
+rows' KV slots are vacated (a hit there raises "is not readable", never the rejected rows), and
+the request's later write of those slots wins for every later hit. A refused verdict changes
+nothing. Rows are ``cache_helpers.truth`` values: a rejected draft's row has another tag, so a
+served rejected row shows up as a wrong value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+import torch
+from cache_helpers import MODES, finished, manager, settle, slots, started, truth
+
+from omni_cache import ModelCachePolicy, PrefixCacheEventKind, PrefixCacheRequestEvent, PrefixCacheWriteLayout
+from omni_cache.runtime.errors import (
+    PHRASE_NOT_READABLE,
+    PHRASE_NOT_SAVED,
+    PHRASE_OUTSIDE_SNAPSHOT,
+    PHRASE_TRIM,
+    OmniPrefixCacheUnmatchError,
+)
+from omni_cache.runtime.manager import OmniPrefixCacheManager
+
+A_BLOCKS = (0, 1, 2)
+EMBEDS = "mm.embeds"
+
+
+def _save(m: OmniPrefixCacheManager, parts: Sequence[tuple[str, Sequence[int], int, int, torch.Tensor]],
+          *, deferred: bool = False) -> int:
+    """One step of ``(req, blocks, start, end, rows)``; with ``deferred`` an mm key (the rows
+    negated) rides the deferred write path too."""
+    hidden = torch.cat([rows for *_, rows in parts])
+    layout = PrefixCacheWriteLayout.packed([(r, s, e) for r, _, s, e, _ in parts],
+                                           torch.cat([slots(b, s, e) for _, b, s, e, _ in parts]))
+    mm = {EMBEDS: -hidden} if deferred else {}
+    n = hidden.shape[0]
+    return m.save_outputs(hidden, mm, num_tokens_unpadded=n, num_tokens_padded=n, write_layout=layout)
+
+
+def _extended(req: str) -> PrefixCacheRequestEvent:
+    return PrefixCacheRequestEvent(req, PrefixCacheEventKind.EXTENDED)
+
+
+def _verify_step(m: OmniPrefixCacheManager, *, deferred: bool = False) -> int:
+    """A's prompt [0, 7), then a verify step over [7, 12): position 7 is A's sampled token, 8 an
+    accepted draft, 9..11 rejected drafts (rows of another token sequence: tag "draft")."""
+    m.new_step_starts([started("A")])
+    m.materialize(_save(m, [("A", A_BLOCKS, 0, 7, truth("A", range(7)))], deferred=deferred), ["A"])
+    m.new_step_starts([_extended("A")])
+    rows = torch.cat([truth("A", range(7, 9)), truth("draft", range(9, 12))])
+    return _save(m, [("A", A_BLOCKS, 7, 12, rows)], deferred=deferred)
+
+
+@pytest.mark.parametrize("eager", MODES)
+def test_I14_rejected_rows_are_never_materialized_nor_read_by_a_later_hit(eager: bool) -> None:
+    m = manager(eager)
+    step = _verify_step(m)
+    m.trim_step(step, {"A": 2})  # the verdict: positions 7, 8 are A's
+    out = m.materialize(step, ["A"])
+    assert torch.equal(out.hidden_states["A"], truth("A", range(7, 9)))  # the rejected rows are gone
+    assert m.stats()["trimmed_rows"] == 3
+    settle(m)
+    # An engine that hits block 2 before A rewrote it (vLLM never does: the block holds draft
+    # positions, so it is not hashed) gets "is not readable", never the rejected rows.
+    m.new_step_starts([started("B", 12, A_BLOCKS)])
+    early = _save(m, [("B", (*A_BLOCKS, 3), 12, 13, truth("B", range(12, 13)))])
+    with pytest.raises(OmniPrefixCacheUnmatchError, match=PHRASE_NOT_READABLE):
+        m.materialize(early, ["B"])
+    # A hit on the blocks of kept positions only is served.
+    m.new_step_starts([finished("B"), started("C", 8, A_BLOCKS[:2])])
+    ok = _save(m, [("C", (*A_BLOCKS[:2], 4), 8, 9, truth("C", range(8, 9)))])
+    assert torch.equal(m.materialize(ok, ["C"]).hidden_states["C"][:8], truth("A", range(8)))
+    # A's next step computes positions 9..11 again, with its accepted tokens: that write wins.
+    m.new_step_starts([finished("C"), _extended("A")])
+    m.materialize(_save(m, [("A", A_BLOCKS, 9, 12, truth("A", range(9, 12)))]), ["A"])
+    settle(m)
+    m.new_step_starts([started("D", 12, A_BLOCKS)])
+    late = _save(m, [("D", (*A_BLOCKS, 5), 12, 13, truth("D", range(12, 13)))])
+    assert torch.equal(m.materialize(late, ["D"]).hidden_states["D"][:12], truth("A", range(12)))
+    assert m.shutdown() == {}
+
+
+@pytest.mark.parametrize("eager", MODES)
+def test_I14_a_deferred_write_of_the_rejected_rows_never_lands_over_the_rewrite(eager: bool) -> None:
+    """Both steps carry a deferred key: the verify step's deferred write (rejected rows included)
+    is still pending when A rewrites the slots, and lands at A's finish with the rewrite's."""
+    m = manager(eager)
+    m.register_policy(ModelCachePolicy(deferred_keys=frozenset({EMBEDS})))
+    step = _verify_step(m, deferred=True)
+    m.trim_step(step, {"A": 2})
+    out = m.materialize(step, ["A"])
+    assert torch.equal(out.mm_outputs[EMBEDS]["A"], -truth("A", range(7, 9)))
+    m.new_step_starts([_extended("A")])
+    m.materialize(_save(m, [("A", A_BLOCKS, 9, 12, truth("A", range(9, 12)))], deferred=True), ["A"])
+    m.new_step_starts([finished("A")])  # both deferred writes land now
+    settle(m)
+    m.new_step_starts([started("D", 12, A_BLOCKS)])
+    late = _save(m, [("D", (*A_BLOCKS, 5), 12, 13, truth("D", range(12, 13)))], deferred=True)
+    out = m.materialize(late, ["D"])
+    assert torch.equal(out.hidden_states["D"][:12], truth("A", range(12)))
+    assert torch.equal(out.mm_outputs[EMBEDS]["D"][:12], -truth("A", range(12)))
+    assert m.shutdown() == {}
+
+
+def test_I14_a_trimmed_first_step_after_a_hit_keeps_the_hit_prefix() -> None:
+    """vLLM pads a new request whose prompt is cached but for one token to a verify step (placeholder
+    drafts): its first step serves the hit, then its kept rows."""
+    m = manager()
+    m.new_step_starts([started("A")])
+    m.materialize(_save(m, [("A", (0, 1), 0, 8, truth("A", range(8)))]), ["A"])
+    m.new_step_starts([finished("A"), started("B", 8, (0, 1))])
+    rows = torch.cat([truth("A", range(8, 9)), truth("pad", range(9, 12))])  # B's prompt is A's + one token
+    step = _save(m, [("B", (0, 1, 2), 8, 12, rows)])
+    m.trim_step(step, {"B": 1})
+    assert torch.equal(m.materialize(step, ["B"]).hidden_states["B"], truth("A", range(9)))
+    assert m.shutdown() == {}
+
+
+@pytest.mark.parametrize("order", [("A", "B", "C"), ("C", "A", "B")], ids=["row-order", "other-order"])
+def test_I14_requests_the_verdict_does_not_name_keep_every_row_and_row_order_holds(order: tuple[str, ...]) -> None:
+    m = manager()
+    m.new_step_starts([started("A"), started("B"), started("C")])
+    parts = [("A", (0,), 0, 3, truth("A", range(3))), ("B", (1,), 0, 4, truth("B", range(4))),
+             ("C", (2,), 0, 2, truth("C", range(2)))]
+    step = _save(m, parts)
+    m.trim_step(step, {"A": 1, "C": 2})  # C keeps all: a no-op for it
+    out = m.materialize(step, list(order))
+    assert torch.equal(out.hidden_states["A"], truth("A", range(1)))
+    assert torch.equal(out.hidden_states["B"], truth("B", range(4)))
+    assert torch.equal(out.hidden_states["C"], truth("C", range(2)))
+    assert m.stats()["trimmed_rows"] == 2
+    assert m.shutdown() == {}
+
+
+@pytest.mark.parametrize("verdict, phrase", [
+    ({"Z": 1}, PHRASE_OUTSIDE_SNAPSHOT),
+    ({"A": 6}, PHRASE_TRIM),
+    ({"A": -1}, PHRASE_TRIM),
+    ({"A": 1.0}, "must be an int"),
+    ({"A": True}, "must be an int"),
+    ([("A", 1)], "mapping"),
+])
+def test_I14_a_refused_verdict_changes_nothing(verdict: object, phrase: str) -> None:
+    m = manager()
+    step = _verify_step(m)
+    with pytest.raises(OmniPrefixCacheUnmatchError, match=phrase):
+        m.trim_step(step, verdict)  # type: ignore[arg-type]
+    assert m.stats()["trimmed_rows"] == 0
+    out = m.materialize(step, ["A"])
+    assert torch.equal(out.hidden_states["A"], torch.cat([truth("A", range(7, 9)), truth("draft", range(9, 12))]))
+    assert m.shutdown() == {}
+
+
+def test_I14_a_verdict_comes_before_the_step_is_consumed() -> None:
+    m = manager()
+    step = _verify_step(m)
+    m.discard_step(step)
+    for bad in (step, step + 1000, True):
+        with pytest.raises(OmniPrefixCacheUnmatchError, match=PHRASE_NOT_SAVED):
+            m.trim_step(bad, {"A": 1})  # type: ignore[arg-type]
+    assert m.stats()["trimmed_rows"] == 0
+    assert m.shutdown() == {}
