@@ -525,12 +525,15 @@ class Engine:
         return None if prepared is None else self.save(prepared)
 
     def prepare(self, picks: Sequence[tuple[int, int]], *, pad: int = 0, leftover: bool = False,
-                padded_mm: bool = False, order: int = 0, forced: Any = None, omit: int = 0) -> Prepared | None:
+                padded_mm: bool = False, order: int = 0, forced: Any = None, omit: int = 0,
+                computed: dict[str, dict[str, torch.Tensor]] | None = None) -> Prepared | None:
         """Schedule, tell the manager (new_step_starts) and run the 'forward' of one step.
 
         ``omit`` 1 or 2 leaves ``PER_TOKEN_KEYS[omit - 1]`` out of this step's mm outputs, 3 leaves
         every per-token mm key out (with hidden opted out, a step that writes no key at all: its
-        slots' tenant still changes, so a later hit on them is absent).
+        slots' tenant still changes, so a later hit on them is absent). ``computed`` gives the
+        rows the forward computes for a request instead of its ground truth (a verify step's
+        rejected drafts: tests/manager_verify_rules.py).
         """
         late = [e for e in self.late if self.reqs[e.req_id].started]  # before this step schedules
         self.late = [e for e in self.late if e not in late]
@@ -557,7 +560,8 @@ class Engine:
                              dtype=torch.int64)
         total = len(slots)
         padded = total + pad
-        live = {k: torch.cat([q.rows[k][s:s + n] for q, s, n, _ in sched])
+        computed = computed or {}
+        live = {k: torch.cat([computed.get(q.rid, q.rows)[k][s:s + n] for q, s, n, _ in sched])
                 for k in (HIDDEN_KEY, *PER_TOKEN_KEYS)}
         junk = {k: torch.full((pad, *v.shape[1:]), -99, dtype=v.dtype) for k, v in live.items()}
         hidden = torch.cat([live[HIDDEN_KEY], junk[HIDDEN_KEY]])

@@ -22,7 +22,11 @@ scheduler steps (same sequence: nothing changes, I13), materialize of any pendin
 discard), a hit the cache cannot serve (I6), and misuse: double consume and
 unknown ids (I1), requests outside the snapshot (I4), unaligned or blockless
 hits (I5), an oversized step (I10), a save with staging full (I2). Each misuse
-raises the documented phrase and later steps still verify. Two rules drive rare
+raises the documented phrase and later steps still verify. Verify steps of speculative decoding
+(tests/manager_verify_rules.py, I14): decoding requests scheduled with draft tokens, some
+rejected, the verdict (``trim_step``) before the step is handed on; a hit on a vacated slot
+before the request rewrote it raises "is not readable"; bad verdicts raise and change nothing.
+Two rules drive rare
 states on purpose: new tenants rewrite the blocks of an unconsumed step's planned
 hit (after every rule the manager keeps at most one preserved row per planned
 (KV slot, key) pin, I7's bound), and, with a committer thread, ``shutdown`` while a
@@ -64,6 +68,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 from manager_rare_rules import RareStateRules
+from manager_verify_rules import VerifyStepRules
 from reference_model import CODES, EMBEDS, E, Engine, StepExpect, check_outputs, prefix_hashes, truth_rows
 from thread_helpers import Builder, HoldStep, SlowCommitter, expect_error
 
@@ -122,7 +127,7 @@ SETUP = dict(hidden=st.booleans(), defer=st.sampled_from([(), (EMBEDS,), (EMBEDS
              arrivals=st.lists(ARRIVAL, min_size=1, max_size=4), mru=st.booleans(), slow=st.booleans())
 
 
-class ManagerMachine(RareStateRules, RuleBasedStateMachine):
+class ManagerMachine(RareStateRules, VerifyStepRules, RuleBasedStateMachine):
     MODE = "eager"
     ADAPTER = False  # steps reach the manager through the adapter (tests/test_adapter_stateful.py)
     CHECK_WITH_TLC = False  # the Python replay always runs; TLC only in TestManagerTracesWithTLC
