@@ -70,9 +70,27 @@ def test_kv_producer_stage_is_accepted() -> None:
     assert stage_prefix_cache_config(vc, kv_cache_config(8, 16)) is not None
 
 
-def test_speculative_decoding_is_refused() -> None:
-    with pytest.raises(OmniPrefixCacheUnmatchError, match="speculative decoding is enabled"):
-        stage_prefix_cache_config(VllmConfig(speculative_config=SpeculativeConfig()), kv_cache_config(8, 16))
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle", "eagle3", "mtp", "suffix"])
+def test_speculative_decoding_is_accepted_where_each_verify_step_gets_a_verdict(method: str) -> None:
+    """I14: the runner bridge trims every verify step (tests/test_spec_decode_bridge.py)."""
+    vc = VllmConfig(speculative_config=SpeculativeConfig(method=method))
+    assert stage_prefix_cache_config(vc, kv_cache_config(8, 16)) is not None
+
+
+def test_speculative_decoding_with_the_gpu_ngram_proposer_is_refused() -> None:
+    vc = VllmConfig(speculative_config=SpeculativeConfig(method="ngram_gpu"))
+    with pytest.raises(OmniPrefixCacheUnmatchError, match=r"GPU n-gram proposer \(speculative_config.method='ngram_gpu'\)"):
+        stage_prefix_cache_config(vc, kv_cache_config(8, 16))
+
+
+def test_speculative_decoding_with_async_scheduling_is_refused() -> None:
+    class AsyncScheduler(SchedulerConfig):
+        async_scheduling = True
+
+    vc = VllmConfig(speculative_config=SpeculativeConfig(method="ngram"), scheduler_config=AsyncScheduler())
+    with pytest.raises(OmniPrefixCacheUnmatchError, match=r"async scheduling \(scheduler_config.async_scheduling=True\)"):
+        stage_prefix_cache_config(vc, kv_cache_config(8, 16))
+    assert stage_prefix_cache_config(VllmConfig(scheduler_config=AsyncScheduler()), kv_cache_config(8, 16)) is not None
 
 
 def test_sub_block_prefix_matching_is_refused() -> None:

@@ -1,7 +1,8 @@
 """The config gate refuses unsound stages on vLLM's real config objects (marker ``vllm``).
 
 Each refusal is tried on a ``VllmConfig`` built by vLLM's own ``EngineArgs``
-(speculative decoding, a KV-consumer role, decode context parallel) or a real
+(speculative decoding with the GPU n-gram proposer, a KV-consumer role, decode context
+parallel; speculative decoding with ngram or a draft model is accepted) or a real
 ``KVCacheConfig`` (a sliding-window-only layout; a hybrid one is accepted), through the same bridge call the
 model runner makes at KV-cache initialisation; a control config passes. One
 refusal is also tried at a real engine start (in a subprocess): the engine
@@ -71,18 +72,30 @@ def test_the_real_control_config_passes(base_kwargs) -> None:
 @pytest.mark.parametrize(
     ("extra", "phrase"),
     [
-        (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3,
-                                  "prompt_lookup_min": 2}), "speculative decoding"),
+        (dict(speculative_config={"method": "ngram_gpu", "num_speculative_tokens": 2, "prompt_lookup_max": 3,
+                                  "prompt_lookup_min": 2}), "GPU n-gram proposer"),
         (dict(kv_transfer_config={"kv_connector": "ExampleConnector", "kv_role": "kv_consumer"}), "KV-consumer"),
         (dict(decode_context_parallel_size=2, tensor_parallel_size=2), "decode context parallel"),
     ],
-    ids=["speculative-decoding", "kv-consumer", "dcp"],
+    ids=["gpu-ngram", "kv-consumer", "dcp"],
 )
 def test_the_gate_refuses_real_engine_configs(base_kwargs, extra, phrase) -> None:
     vllm_config = _vllm_config(base_kwargs, **extra)
     with pytest.raises(OmniPrefixCacheUnmatchError, match=phrase) as info:
         _gate(vllm_config, _kv_cache_config())
     assert "cannot run on this stage" in str(info.value)
+
+
+def test_the_gate_accepts_speculative_decoding_on_real_engine_configs(base_kwargs, tmp_path) -> None:
+    """I14: ngram and a draft model pass (the bridge gives every verify step its verdict)."""
+    from omni_cache.harness.vllm_engine.speculative import draft_model_dir
+
+    for spec in ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3, "prompt_lookup_min": 2},
+                 {"method": "draft_model", "model": draft_model_dir(str(tmp_path)), "num_speculative_tokens": 2}):
+        vllm_config = _vllm_config(base_kwargs, speculative_config=spec)
+        bridge = VllmRunnerBridge.from_vllm_config(vllm_config)
+        bridge.on_kv_cache_initialized(vllm_config, _kv_cache_config())
+        assert bridge.hooks.config is not None and bridge.speculative, spec
 
 
 def test_the_gate_takes_the_full_attention_group_of_several(base_kwargs) -> None:
@@ -97,7 +110,7 @@ def test_the_gate_takes_the_full_attention_group_of_several(base_kwargs) -> None
 def test_a_refused_config_fails_at_engine_start_before_any_step() -> None:
     line = engine_start_in_subprocess(
         'engine_kwargs(tiny_llama_dir(), kv_blocks=24, max_batched_tokens=256, max_model_len=512, '
-        'speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3, '
+        'speculative_config={"method": "ngram_gpu", "num_speculative_tokens": 2, "prompt_lookup_max": 3, '
         '"prompt_lookup_min": 2})')
     assert line.startswith("REFUSED OmniPrefixCacheUnmatchError steps 0"), line
-    assert "speculative decoding is enabled" in line
+    assert "GPU n-gram proposer" in line

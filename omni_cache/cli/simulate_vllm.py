@@ -38,6 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "store in a temp dir), reset the prefix cache and serve prefixes that come back through it "
                         "(docs/kv-tier.md)")
     add_model_argument(parser, "--engine vllm: ")
+    add_speculative_argument(parser, "--engine vllm: ")
     parser.add_argument("--tolerance", type=float_range(0, 1, lo_open=True),
                         help="--engine vllm: check (b) tolerance, max |diff| over the row's max |value| (default 1e-5)")
     parser.add_argument("--tp", type=int_range(1, 8), help="--engine vllm: tensor-parallel worker processes "
@@ -48,12 +49,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "bit for bit with the output rank's")
 
 
-VLLM_ONLY = ("tolerance", "tp", "pp", "check_ranks")
+VLLM_ONLY = ("tolerance", "tp", "pp", "check_ranks", "speculative")
+SPECULATIVE_METHODS = ("ngram", "draft", "eagle")  # omni_cache.harness.vllm_engine.speculative.METHODS
 
 
 def vllm_only_given(args: argparse.Namespace) -> list[str]:
     """The ``--engine vllm`` options given to a simulated-engine run."""
     return [f"--{name.replace('_', '-')}" for name in VLLM_ONLY if getattr(args, name, None) is not None]
+
+
+def add_speculative_argument(parser: argparse.ArgumentParser, scope: str = "") -> None:
+    """``--speculative`` (``omni_cache.harness.vllm_engine.speculative``), for every command that builds a real thinker."""
+    parser.add_argument("--speculative", choices=SPECULATIVE_METHODS,
+                        help=f"{scope}speculative decoding on the thinker: ngram (prompt lookup), draft (a tiny draft "
+                        "model) or eagle (a tiny EAGLE head), built at run time; prompts hold traps the proposer "
+                        "falls into, so drafts are rejected too (docs/speculative.md)")
 
 
 def add_model_argument(parser: argparse.ArgumentParser, scope: str = "") -> None:
@@ -88,7 +98,7 @@ def run_vllm(args: argparse.Namespace) -> int:
                                       max_batched_tokens=args.max_batched_tokens, eager=args.eager,
                                       tolerance=DEFAULT_TOLERANCE if args.tolerance is None else args.tolerance,
                                       tp=args.tp or 1, pp=args.pp or 1, check_ranks=bool(args.check_ranks),
-                                      model=args.model or DEFAULT_MODEL)
+                                      model=args.model or DEFAULT_MODEL, speculative=args.speculative)
         if args.steps_limit is not None:
             kwargs["steps_limit"] = args.steps_limit
         if getattr(args, "kv_connector", None) is not None:
@@ -106,6 +116,10 @@ def run_vllm(args: argparse.Namespace) -> int:
         from omni_cache.harness.vllm_engine.tier_run import TierSimulation
 
         sim: VllmSimulation = TierSimulation(cfg)
+    elif cfg.speculative is not None:
+        from omni_cache.harness.vllm_engine.spec_run import SpecSimulation
+
+        sim = SpecSimulation(cfg)
     else:
         sim = make_simulation(cfg)
     result = sim.run()
@@ -114,12 +128,20 @@ def run_vllm(args: argparse.Namespace) -> int:
         from omni_cache.harness.vllm_engine.tier_run import add_tier_summary, render_tier
 
         add_tier_summary(summary, sim)
+    if cfg.speculative is not None:
+        from omni_cache.harness.vllm_engine.spec_run import add_spec_summary
+
+        add_spec_summary(summary, sim)
     if args.json:
         print(json.dumps(summary, indent=2, default=str))
     else:
         render(summary, Console())
         if cfg.kv_connector is not None:
             render_tier(summary, Console())
+        if cfg.speculative is not None:
+            from omni_cache.harness.vllm_engine.spec_run import render_spec
+
+            render_spec(summary, Console())
     if not result.ok:
         return 1
     if result.incomplete:

@@ -12,7 +12,10 @@ prefix hit. Every configuration under which that is false is refused here:
 tokens a KV connector can load into the engine's blocks (decided by
 ``kv_capability.connector_verdict`` from what the connector class does in its
 role, not from the role's name; ``OmniKVConnector`` serves them), speculative decoding
-(rejected draft rows would be written), decode context parallel (tokens are
+whose verify steps the runner bridge cannot give a verdict before their rows leave (async
+scheduling: the sampled tokens stay on the device until the next step; the GPU n-gram
+proposer, which rewrites the step's scheduled tokens inside the worker; I14 -- every other
+method is accepted: ``spec_decode`` trims each verify step), decode context parallel (tokens are
 striped across ranks, so one rank's slots do not hold the prefix; refused as the
 reference does), sub-block prefix matching (unaligned hits), and a KV cache with no
 full-attention group (no group's slots cover the whole prefix). With several
@@ -70,6 +73,27 @@ def _refuse_loading_connector(kv_transfer_config: Any) -> None:
     )
 
 
+def _refuse_unverifiable_speculation(vllm_config: Any) -> None:
+    """Speculative decoding is served when each verify step gets its verdict before its rows leave
+    the worker (``spec_decode``): refuse the two settings where it cannot (I14)."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is None:
+        return
+    method = getattr(spec, "method", None)
+    if method == "ngram_gpu":
+        raise _refuse(
+            "speculative decoding with the GPU n-gram proposer (speculative_config.method='ngram_gpu') "
+            "rewrites each step's scheduled draft tokens inside the worker, after the cache read them, so "
+            "the rows of a verify step cannot be matched to its verdict. Use method='ngram' (or another method)")
+    scheduler = getattr(vllm_config, "scheduler_config", None)
+    if bool(getattr(scheduler, "async_scheduling", False)):
+        raise _refuse(
+            f"speculative decoding (speculative_config.method={method!r}) with async scheduling "
+            "(scheduler_config.async_scheduling=True): the tokens sampled in a verify step stay on the "
+            "device until the next step, after that step's rows must already have left the worker, so a "
+            "rejected draft token's row could not be cut. Run the stage with async_scheduling=False")
+
+
 def _dcp_world_size(vllm_config: Any) -> int:
     """vLLM's decode-context-parallel world size (``parallel_config.decode_context_parallel_size``,
     or a ``dcp_world_size`` attribute); 1 when absent."""
@@ -88,14 +112,16 @@ def stage_prefix_cache_config(vllm_config: Any, kv_cache_config: Any) -> PrefixC
     Reads ``vllm_config.cache_config.enable_prefix_caching`` /
     ``hash_block_size``, ``vllm_config.model_config.runner_type`` /
     ``pooler_config`` / ``max_model_len``, ``vllm_config.scheduler_config``,
-    ``vllm_config.speculative_config``, ``vllm_config.parallel_config``
+    ``vllm_config.speculative_config`` (``method``), ``scheduler_config.async_scheduling``,
+    ``vllm_config.parallel_config``
     (``decode_context_parallel_size``), ``vllm_config.kv_transfer_config``
     (``kv_connector``, ``kv_role``) and ``kv_cache_config.num_blocks`` /
     ``kv_cache_groups[i].kv_cache_spec`` (its class and ``block_size``).
 
     Returns ``None`` when prefix caching is off or the stage is a pooling
     model. Raises ``OmniPrefixCacheUnmatchError`` for a KV connector that can load
-    KV into this engine (unless ``OmniKVConnector`` wraps it), speculative decoding, decode
+    KV into this engine (unless ``OmniKVConnector`` wraps it), speculative decoding with async
+    scheduling or the GPU n-gram proposer, decode
     context parallel, sub-block prefix matching and a KV cache with no full-attention group
     (the message names every group and its spec); the config's ``output_group_id`` is the
     chosen group. Raises ``ValueError`` when
@@ -110,11 +136,7 @@ def stage_prefix_cache_config(vllm_config: Any, kv_cache_config: Any) -> PrefixC
 
     kv_transfer_config = getattr(vllm_config, "kv_transfer_config", None)
     _refuse_loading_connector(kv_transfer_config)
-    if getattr(vllm_config, "speculative_config", None) is not None:
-        raise _refuse(
-            "speculative decoding is enabled (speculative_config is set): draft tokens that the "
-            "verifier rejects would be written to the cache as if they were the request's tokens"
-        )
+    _refuse_unverifiable_speculation(vllm_config)
 
     dcp = _dcp_world_size(vllm_config)
     if dcp > 1:

@@ -20,7 +20,11 @@ loads) so restored rows are registered before the forward's save;
 ``after_forward`` right after the model forward, with the forward's hidden
 states and the runner's block table of the output KV-cache group
 (``PrefixCacheConfig.output_group_id``; V1: ``runner.input_batch``; Model Runner
-V2: ``runner.block_tables`` and its per-step ``InputBatch``).
+V2: ``runner.block_tables`` and its per-step ``InputBatch``). With speculative
+decoding (V1), a step whose requests carry draft tokens is held after its save
+until ``after_sample`` (the end of ``sample_tokens``) gives its verdict
+(``spec_decode.verdict_of``, ``OmniPrefixCacheManager.trim_step``): only then is its
+step id consumed or published, with the spans of the kept rows (I14).
 
 Who consumes the step ids (``additional_config["omni_cache"]["consumer"]``): ``"deliver"``
 (the default when the engine's ``OmniKVConnector`` delivers files: the worker consumes every
@@ -40,6 +44,7 @@ once), or consumed by the delivery or discarded right after its save.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 from collections.abc import Callable
@@ -51,6 +56,7 @@ import torch
 
 from omni_cache.integration.block_table import BlockTableView
 from omni_cache.integration.runner_hooks import PrefixCacheRunnerHooks
+from omni_cache.integration.spec_decode import VerdictError, VerifySteps
 from omni_cache.integration.vllm_logging import use_vllm_logging
 from omni_cache.runtime.errors import OmniPrefixCacheUnmatchError
 from omni_cache.runtime.interface import ModelCachePolicy, ReqId, StepId
@@ -234,6 +240,9 @@ class VllmRunnerBridge:
         self.tier_applier: Any = None
         # Sees every step's scheduler output at the top of begin_step (the simulation's tier truth).
         self.step_observer: Callable[[Any], None] | None = None
+        # Speculative decoding (set at KV-cache initialisation): a verify step waits for its verdict.
+        self.speculative = False
+        self.verify_steps = VerifySteps()
 
     @classmethod
     def from_vllm_config(cls, vllm_config: Any) -> VllmRunnerBridge:
@@ -250,6 +259,7 @@ class VllmRunnerBridge:
         """The config gate on the engine's real configs, and who consumes the step ids; raises
         before any step."""
         self.hooks.on_kv_cache_initialized(vllm_config, kv_cache_config)
+        self.speculative = getattr(vllm_config, "speculative_config", None) is not None
         self.resolve_consumer(_engine_delivery())
 
     def resolve_consumer(self, delivery: Any) -> str:
@@ -298,6 +308,8 @@ class VllmRunnerBridge:
     def begin_step(self, scheduler_output: Any) -> None:
         """Top of ``execute_model``: every real step, zero scheduled tokens included."""
         self.engine_step += 1
+        if (unverified := self.verify_steps.take()) is not None:  # its sample_tokens never came
+            self._drop(VerdictError(unverified, "sample_tokens did not run after its forward; its rows are discarded"))
         self.preemptions += len(getattr(scheduler_output, "preempted_req_ids", None) or ())
         self.zero_token_steps += int(not getattr(scheduler_output, "total_num_scheduled_tokens", 0))
         self._scheduler_output = scheduler_output
@@ -351,6 +363,11 @@ class VllmRunnerBridge:
     def install_v2_block_mirror(self, block_tables: Any) -> V2BlockTableMirror:
         """Model Runner V2, after ``initialize_kv_cache``: mirror its device-only
         block table on the CPU (the output group) so views never read the device."""
+        if self.speculative and self.active:
+            raise OmniPrefixCacheUnmatchError(
+                "omni prefix cache cannot run on this stage: speculative decoding with Model Runner V2 is not "
+                "supported (the verdict of a verify step is read from V1's sample_tokens); set "
+                "VLLM_USE_V2_MODEL_RUNNER=0 or disable speculative decoding")
         self.v2_mirror = V2BlockTableMirror.install(block_tables, self._output_group())
         return self.v2_mirror
 
@@ -429,8 +446,32 @@ class VllmRunnerBridge:
                 )
             )
         if step_id is not None:
-            self._consume(PublishedStep(step_id, self.engine_step, tuple(r for r, _, _ in spans), spans))
+            held = self.speculative and self.verify_steps.hold(step_id, self.engine_step, spans, so)
+            if not held:  # a step with draft rows awaits sampling's verdict (after_sample)
+                self._consume(PublishedStep(step_id, self.engine_step, tuple(r for r, _, _ in spans), spans))
         return step_id
+
+    def after_sample(self, output: Any, runner: Any) -> None:
+        """End of V1's ``sample_tokens``: the verdict of the step held since its save, if any (the
+        manager cuts the rows that are not the requests'), then the step id is consumed or
+        published with the kept rows' spans (I14)."""
+        try:
+            settled = self.verify_steps.settle(output, runner, self.hooks.manager)
+        except VerdictError as exc:
+            self._drop(exc)
+            return
+        if settled is not None:
+            step, spans = settled
+            self._consume(PublishedStep(step.step_id, step.engine_step, tuple(r for r, _, _ in spans), spans))
+
+    def _drop(self, exc: VerdictError) -> None:
+        """A verify step without a verdict: its step id is discarded, never handed on, and the cache
+        fails for good (``queue``: the error raises)."""
+        with contextlib.suppress(OmniPrefixCacheUnmatchError):  # a failed manager refuses: the reason stands
+            self.hooks.manager.discard_step(exc.step.step_id)
+        if not self.contained:
+            raise exc
+        self.fail(str(exc))
 
     def _consume(self, published: PublishedStep) -> None:
         """Hand a saved step id to its one consumer (see the module docstring)."""

@@ -16,8 +16,9 @@ section 2 call order on the real runners: the gate at
 KV-cache initialisation (before the KV cache is allocated, so a refused
 configuration fails at engine start), ``begin_step`` before the runner drops
 finished requests (also for steps with zero scheduled tokens), ``after_forward``
-with the real hidden states and block table; warmup and dummy runs are never
-fed. The cache is built on the output rank only (``ranks``); ``omni_cache_stats``
+with the real hidden states and block table, and, with speculative decoding,
+each verify step's verdict at the end of ``sample_tokens`` (I14); warmup and
+dummy runs are never fed. The cache is built on the output rank only (``ranks``); ``omni_cache_stats``
 is the worker method ``LLM.collective_rpc("omni_cache_stats")`` calls to read
 each rank's place and host bytes. With pipeline parallelism and
 ``enforce_eager=True`` the CPU runner skips its warm-up, the one place a
@@ -74,7 +75,14 @@ def omni_runner_class(base: type, v2: bool) -> type:
                 out = super()._model_forward(input_ids, positions, *args, **kwargs)
                 if self._omni_in_step:
                     self._omni_in_step = False  # one forward per step is fed
-                    self.omni_cache.after_forward_v1(self, out, input_ids, positions)
+                    # EAGLE-3 targets return (hidden states, auxiliary hidden states)
+                    hidden = out[0] if isinstance(out, tuple) else out
+                    self.omni_cache.after_forward_v1(self, hidden, input_ids, positions)
+                return out
+
+            def sample_tokens(self, grammar_output: Any, *args: Any, **kwargs: Any) -> Any:
+                out = super().sample_tokens(grammar_output, *args, **kwargs)
+                self.omni_cache.after_sample(out, self)  # a verify step's verdict (speculative decoding)
                 return out
 
         OmniModelRunnerV1.__name__ = OmniModelRunnerV1.__qualname__ = f"Omni{base.__name__}"

@@ -105,6 +105,7 @@ class VllmSimConfig:
     check_ranks: bool = False  # a cache on every TP rank of the last stage, each compared bit for bit
     kv_connector: str | None = None  # "example": ExampleConnector under OmniKVConnector (vllm_sim.tier_run)
     model: str = DEFAULT_MODEL
+    speculative: str | None = None  # "ngram", "draft", "eagle": speculative decoding (vllm_engine.spec_run)
 
     def __post_init__(self) -> None:
         sim_model(self.model)  # an unknown model: ValueError naming the choices
@@ -117,8 +118,10 @@ class VllmSimConfig:
         if not self.tolerance >= 0:
             raise ValueError(f"tolerance must be >= 0, got {self.tolerance}")
         from omni_cache.harness.vllm_engine.grid import check_parallel_config
+        from omni_cache.harness.vllm_engine.speculative import check_speculative
 
         check_parallel_config(self)
+        check_speculative(self)
 
     def as_dict(self) -> dict[str, Any]:
         preset = PRESETS[self.preset]
@@ -295,6 +298,9 @@ class VllmSimulation:
     def _after_step(self, llm: Any, res: VllmSimResult) -> None:
         """After each engine step (worker-process runs gather the workers' records here)."""
 
+    def _on_output(self, out: Any) -> None:
+        """Each ``RequestOutput`` of the workload's engine steps (speculative runs keep the tokens)."""
+
     def _observe_with(self, bridge: Any) -> Any:
         def observe(rec: Any) -> None:
             if rec.step_id is not None:
@@ -331,6 +337,7 @@ class VllmSimulation:
                     aborted.add(name)
                     res.aborted += 1
             for out in le.step():
+                self._on_output(out)
                 if out.finished and out.request_id in by_name and out.request_id not in aborted:
                     self._finished.append(by_name[out.request_id])
             self._after_step(llm, res)

@@ -145,15 +145,7 @@ class ForwardCapture:
                 if pos != list(range(start, end)):
                     self._fail(rec.engine_step, rid, None, start,
                                f"engine positions {pos[:4]}... differ from the span [{start}, {end})")
-                toks = self.tokens.setdefault(rid, [])
-                for p, tok in zip(range(start, end), rec.input_ids[row : row + n].tolist(), strict=True):
-                    if p < len(toks):
-                        if toks[p] != tok:
-                            self._fail(rec.engine_step, rid, None, p, f"engine fed token {tok}, expected {toks[p]}")
-                    elif p == len(toks):
-                        toks.append(tok)
-                    else:
-                        self._fail(rec.engine_step, rid, None, p, f"gap in the request's tokens ({len(toks)})")
+                self._feed_tokens(rec.engine_step, rid, start, rec.input_ids[row : row + n].tolist())
                 hidden = rec.hidden_states[row : row + n].detach().clone()
                 for p in range(start, min(end, self.prompt_len.get(rid, 0))):
                     self.forward_rows[rid][p] = hidden[p - start]
@@ -174,6 +166,25 @@ class ForwardCapture:
                 if any(self._slots[b * self.block_size][-1].engine_step == rec.engine_step
                        for b in prefix_blocks if self._slots.get(b * self.block_size)):
                     self.same_step_hits += 1
+
+    def _feed_tokens(self, engine_step: int, rid: str, start: int, inputs: list[int]) -> None:
+        """The request's tokens at positions ``[start, start + len(inputs))`` as the forward fed them
+        (engine thread, lock held): a known position must keep its token, a new one extends them."""
+        toks = self.tokens.setdefault(rid, [])
+        for p, tok in enumerate(inputs, start):
+            if p < len(toks):
+                if toks[p] != tok:
+                    self._fail(engine_step, rid, None, p, f"engine fed token {tok}, expected {toks[p]}")
+            elif p == len(toks):
+                toks.append(tok)
+            else:
+                self._fail(engine_step, rid, None, p, f"gap in the request's tokens ({len(toks)})")
+
+    def _keep_served(self, rid: str, engine_step: int, p: int, row: torch.Tensor, own: bool) -> None:
+        """A served row checked bit for bit (consumer thread, lock held): prompt rows are kept for
+        check (b); ``own``: the step's own row, not a hit's."""
+        if p < self.prompt_len.get(rid, 0):
+            self.prompt_rows[rid][p] = row.detach().clone()
 
     def _fail(self, step: int | None, rid: str | None, key: str | None, pos: int | None, detail: str,
               step_id: int | None = None) -> None:
@@ -235,5 +246,4 @@ class ForwardCapture:
                         if key in mm and mm[key].shape[0] == expect_len and not torch.equal(mm[key][i], want_mm[key]):
                             self._fail(engine_step, rid, key, p, "row differs from the forward's", step_id)
                     self.rows_verified += 1 + len(PER_TOKEN_KEYS)
-                    if p < self.prompt_len.get(rid, 0):
-                        self.prompt_rows[rid][p] = served[i].detach().clone()
+                    self._keep_served(rid, engine_step, p, served[i], p >= start)
