@@ -18,10 +18,11 @@ import sys
 from typing import Any
 
 from omni_cache.cli.args import EXIT_USAGE, float_range, int_range, non_negative_int
-from omni_cache.cli.simulate_vllm import add_model_argument
+from omni_cache.cli.simulate_vllm import add_model_argument, add_speculative_argument
 from omni_cache.harness.pipeline.workload import MAX_REQUESTS, PRESETS, plan_turns
 from omni_cache.harness.vllm_engine.grid import KV_CONNECTORS, check_kv_connector, check_parallel_config
 from omni_cache.harness.vllm_engine.models import DEFAULT_MODEL
+from omni_cache.harness.vllm_engine.speculative import check_speculative
 
 __all__ = ["register"]
 
@@ -60,6 +61,7 @@ def register(subparsers: Any) -> None:
                         help="runs of each pipeline, alternating (on, off, off, on, ...); times are each kind's "
                         "fastest, 1 to 5 (default: 2)")
     add_model_argument(parser)
+    add_speculative_argument(parser, "the thinker with prefix caching and the cache: ")
     parser.add_argument("--tp", type=int_range(1, 8), default=1,
                         help="the thinker's tensor-parallel worker processes (default 1: the engine in this "
                         "process); the cache lives on the output rank only")
@@ -78,9 +80,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         plan_turns(PRESETS[args.preset], seed=args.seed, requests=args.requests)
         grid = argparse.Namespace(tp=args.tp, pp=args.pp, model=args.model or DEFAULT_MODEL, repeats=args.repeats,
-                                  kv_connector=args.kv_connector)
+                                  kv_connector=args.kv_connector, speculative=args.speculative)
         check_parallel_config(grid)
         check_kv_connector(grid)
+        check_speculative(grid)
     except ValueError as exc:
         print(f"omni-cache pipeline: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -102,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = PipelineConfig(preset=args.preset, seed=args.seed, requests=args.requests, talker_tokens=args.talker_tokens,
                          repeats=args.repeats, model=args.model or DEFAULT_MODEL, tp=args.tp, pp=args.pp,
-                         kv_connector=args.kv_connector,
+                         kv_connector=args.kv_connector, speculative=args.speculative,
                          tolerance=DEFAULT_LOGPROB_TOLERANCE if args.tolerance is None else args.tolerance)
     result = run_pipeline(cfg)
     summary = summarize(result)

@@ -5,7 +5,8 @@ Owns: ``summarize`` (``PipelineResult`` -> dict: ``ok``, ``requests``,
 ``controls_run``), ``prefill_tokens_with_apc`` / ``_without_apc``,
 ``thinker_speedup``, ``end_to_end_speedup``, ``vllm_version``, the thinker's
 ``model``, ``kv_groups``, ``tp``, ``pp`` and worker ``ranks``, with ``--kv-connector``
-``tier_hit_tokens``, ``tier_bytes``, ``tier_load_failures`` and the ``tier`` counters (place, host bytes), the cache's
+``tier_hit_tokens``, ``tier_bytes``, ``tier_load_failures`` and the ``tier`` counters (place, host bytes), with
+``--speculative`` ``speculative`` and ``draft_tokens_accepted`` / ``_rejected``, the cache's
 cost per step and the details of every check), ``exit_code`` and ``render``.
 Invariants: none enforced here.
 """
@@ -91,6 +92,9 @@ def summarize(res: PipelineResult) -> dict[str, Any]:
         "tier_hit_tokens": res.tier.get("tier_hit_tokens", 0),
         "tier_bytes": res.tier.get("tier_bytes", 0),
         "tier_load_failures": res.tier.get("tier_load_failures", 0),
+        "speculative": res.speculative or None,
+        "draft_tokens_accepted": res.speculative.get("draft_tokens_accepted", 0),
+        "draft_tokens_rejected": res.speculative.get("draft_tokens_rejected", 0),
         "rows_verified": res.rows_verified,
         "second_materialize_refused": res.double_materialize_refused,
         "prefill_tokens_with_apc": apc.prefill_tokens,
@@ -170,10 +174,16 @@ def render(s: dict[str, Any], console: Console) -> None:
         *([("hidden-state tier (--kv-connector)", f"{s['tier_hit_tokens']} tier hit tokens restored of "
             f"{s['tier'].get('external_tokens', 0)} the connector loaded, {s['tier_bytes']:,} bytes held, "
             f"{s['tier_load_failures']} load failures")] if s["kv_connector"] else []),
+        *([("speculative decoding (--speculative)", f"{s['speculative']['method']}: {s['draft_tokens_accepted']} "
+            f"draft tokens accepted, {s['draft_tokens_rejected']} rejected (vLLM: "
+            f"{s['speculative']['vllm_accepted_tokens']} of {s['speculative']['vllm_draft_tokens']}), "
+            f"{s['speculative']['rows_trimmed']} rows trimmed")] if s["speculative"] else []),
         ("engine start / wall time", f"{s['engine_start_s']:.1f} s / {s['wall_s']:.1f} s"),
     ]
     if s["ok"]:
         verdict = "[green]OK[/]"
+    elif s["exit_code"] == 3 and s["speculative"] and not s["draft_tokens_rejected"]:
+        verdict = "[yellow]INCOMPLETE: no draft token was rejected, nothing about a verify step's trim was shown[/]"
     elif s["exit_code"] == 3:
         verdict = "[yellow]INCOMPLETE: no request hit the prefix cache, nothing about cached rows was shown[/]"
     else:

@@ -36,6 +36,7 @@ from omni_cache.harness.pipeline.checks import (
     row_diff,
 )
 from omni_cache.harness.pipeline.parallel import make_thinker_stage
+from omni_cache.harness.pipeline.spec_scope import spec_findings, trap_turns
 from omni_cache.harness.pipeline.stages import (
     StageOptions,
     StageTimers,
@@ -56,6 +57,7 @@ from omni_cache.harness.sim_engine.checker import Mismatch
 from omni_cache.harness.vllm_engine.engine import BLOCK_SIZE
 from omni_cache.harness.vllm_engine.grid import check_kv_connector, check_parallel_config
 from omni_cache.harness.vllm_engine.models import DEFAULT_MODEL, sim_model
+from omni_cache.harness.vllm_engine.speculative import check_speculative
 from omni_cache.harness.vllm_engine.tier_run import tier_findings
 from omni_cache.harness.vllm_engine.tier_truth import TierTruth
 from omni_cache.harness.vllm_engine.truth import ForwardCapture
@@ -78,6 +80,7 @@ class PipelineConfig:
     pp: int = 1  # the thinker's pipeline-parallel stages
     kv_connector: str | None = None  # "example": the thinker with prefix caching runs ExampleConnector under
     # OmniKVConnector; from the second repeat on its prefixes come back through it (pipeline.kv_scope)
+    speculative: str | None = None  # the thinker with prefix caching decodes speculatively (pipeline.spec_scope)
 
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:
@@ -92,6 +95,7 @@ class PipelineConfig:
         sim_model(self.model)  # an unknown model: ValueError naming the choices
         check_parallel_config(self)
         check_kv_connector(self)
+        check_speculative(self)
 
     def as_dict(self) -> dict[str, Any]:
         preset = PRESETS[self.preset]
@@ -137,6 +141,7 @@ class PipelineResult:
     ranks: list[dict[str, Any]] = field(default_factory=list)  # the thinker's workers (tp x pp > 1)
     kv_groups: int = 0  # the thinker's KV-cache groups (above 1: a hybrid layout)
     tier: dict[str, Any] = field(default_factory=dict)  # --kv-connector: the tier's counters and external tokens
+    speculative: dict[str, Any] = field(default_factory=dict)  # --speculative: draft counts (pipeline.spec_scope)
     rows_verified: int = 0
     served_from_cache: int = 0
     same_step_hits: int = 0
@@ -163,8 +168,10 @@ class PipelineResult:
 
     @property
     def incomplete(self) -> bool:
-        """Ran clean but proved less than asked (exit 3): no request hit the prefix cache."""
-        return self.with_apc.hit_tokens == 0
+        """Ran clean but proved less than asked (exit 3): no request hit the prefix cache, or, with
+        ``--speculative``, no draft token was rejected."""
+        unrejected = self.config.speculative is not None and not self.speculative.get("draft_tokens_rejected")
+        return self.with_apc.hit_tokens == 0 or unrejected
 
     @property
     def ok(self) -> bool:
@@ -251,7 +258,7 @@ class Pipeline:
         p = self.preset
         self.opts = StageOptions(kv_blocks=p.kv_blocks, max_batched_tokens=p.max_batched_tokens,
                                  max_model_len=p.max_model_len, seed=config.seed, extra=config.extra_engine_args,
-                                 model=config.model, tp=config.tp, pp=config.pp)
+                                 model=config.model, tp=config.tp, pp=config.pp, speculative=config.speculative)
         self.talker_tokens = config.talker_tokens or p.talker_tokens
         # The engine reports pool blocks: a hybrid layout's groups share one pool (vllm_sim.models).
         self.asked_kv_blocks = p.kv_blocks * sim_model(config.model).pool_blocks_per_block
@@ -308,6 +315,8 @@ class Pipeline:
         return engines
 
     def _run(self, engines: dict[str, Any], res: PipelineResult) -> None:
+        if self.config.speculative is not None:  # traps from the thinker's chains (on the truth engine)
+            self.plan = trap_turns(self.plan, engines["thinker_truth"], self.config.seed)
         talker = TalkerStage(engines["talker"], self.talker_tokens)
         self._warm_up(talker)
         runs: dict[bool, list[tuple[ThinkerStage, Drive]]] = {True: [], False: []}
@@ -354,6 +363,9 @@ class Pipeline:
         res.ranks, res.kv_groups = list(apc.ranks), apc.kv_groups
         if tier_truth is not None:
             self._check_tier(runs[True][-1][0], tier_truth, res)
+        if self.config.speculative is not None:
+            res.speculative = spec_findings([s for s, _ in runs[True]], engines["thinker_apc"], self.config.speculative,
+                                            res.mismatches)
         self._controls(apc, talker, truth_out, res)
 
     @staticmethod

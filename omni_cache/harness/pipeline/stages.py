@@ -52,8 +52,10 @@ from omni_cache.harness.vllm_engine.engine import (
 )
 from omni_cache.harness.vllm_engine.models import DEFAULT_MODEL, sim_model
 from omni_cache.harness.vllm_engine.parallel import worker_kv_bytes
+from omni_cache.harness.vllm_engine.spec_run import speculative_options
 from omni_cache.harness.vllm_engine.tier_truth import TierTruth
 from omni_cache.harness.vllm_engine.truth import ForwardCapture, derive_mm
+from omni_cache.harness.vllm_engine.truth_spec import SpecCapture
 from omni_cache.harness.vllm_engine.workload import FIRST_TOKEN
 from omni_cache.integration.block_table import BlockTableView
 from omni_cache.integration.vllm_bridge import bridge_of, runner_of
@@ -81,6 +83,7 @@ class StageOptions:
     tp: int = 1
     pp: int = 1
     kv_transfer_config: dict[str, Any] | None = None  # the thinker's KV connector (prefix caching on only)
+    speculative: str | None = None  # the thinker's speculative decoding (prefix caching on only)
 
     @property
     def workers(self) -> int:
@@ -102,6 +105,8 @@ def thinker_kwargs(model_dir: str, opts: StageOptions, *, prefix_caching: bool) 
         kwargs.update(enable_prefix_caching=False, worker_cls="auto", additional_config={})
     elif opts.kv_transfer_config is not None:
         kwargs["kv_transfer_config"] = opts.kv_transfer_config
+    if prefix_caching and opts.speculative is not None:
+        kwargs.update(speculative_options(opts.speculative, opts.kv_blocks))
     kwargs.update(dict(opts.extra))
     return kwargs
 
@@ -262,7 +267,8 @@ class ThinkerStage:
         self.bridge = VllmSimulation(VllmSimConfig()).attach(llm)
         self.kv_groups = len(runner.kv_cache_config.kv_cache_groups)
         self.kv_blocks_engine = int(runner.kv_cache_config.num_blocks)
-        self.capture = ForwardCapture(BLOCK_SIZE)
+        # Speculative decoding: tokens past a forward's start stay tentative; rows checked against the answers.
+        self.capture = SpecCapture(BLOCK_SIZE) if self.bridge.speculative else ForwardCapture(BLOCK_SIZE)
         self.bridge.mm_outputs_fn = derive_mm
         self.tier_truth = tier_truth
         if tier_truth is not None:
@@ -288,6 +294,8 @@ class ThinkerStage:
         self.double_materialize_refused = False
         self.unconsumed: dict[int, str] = {}
         self._first_step_id: int | None = None
+        self.final: dict[str, list[int]] = {}  # engine id -> prompt and answer tokens of a finished request
+        self.spec_counts: dict[str, int] = {}  # speculative decoding: the bridge's draft counts (at finish)
 
     def _install_timers(self, runner: Any) -> None:
         install_stage_timers(runner, self.bridge, self.timers, self._observe)
@@ -328,6 +336,8 @@ class ThinkerStage:
             if out.finished:
                 self.cached_tokens[out.request_id] = int(out.num_cached_tokens or 0)
                 done.append((out.request_id, tuple(out.outputs[0].token_ids)))
+                internal = self.internal.get(out.request_id, out.request_id)
+                self.final[internal] = [*out.prompt_token_ids, *out.outputs[0].token_ids]
         return done
 
     def _count_tapped(self) -> None:
@@ -416,6 +426,9 @@ class ThinkerStage:
         if self.tier_truth is not None:
             self._flush_tier_stores()
         runner.__dict__.pop("_model_forward", None)
+        if isinstance(self.capture, SpecCapture):  # I14 from outside: rows of the requests' tokens only, all of them
+            self.capture.check_tokens(self.final, set(self.final))
+            self.spec_counts = dict(self.bridge.verify_steps.counters)
         self.mismatches[:0] = self.capture.mismatches
         if self.published != self.materialized:
             self.mismatches.append(Mismatch(None, None, None, None, None,

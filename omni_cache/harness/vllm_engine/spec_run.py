@@ -49,7 +49,8 @@ from omni_cache.harness.vllm_engine.speculative import (
 from omni_cache.harness.vllm_engine.truth_spec import SpecCapture
 from omni_cache.harness.vllm_engine.workload import FIRST_TOKEN, VOCAB, PlannedRequest
 
-__all__ = ["PROBES", "SpecSimulation", "add_spec_summary", "render_spec", "spec_kv_bytes"]
+__all__ = ["PROBES", "SpecSimulation", "add_spec_summary", "render_spec", "spec_kv_bytes", "speculative_options",
+           "vllm_draft_counts"]
 
 PROBES = 16  # start tokens probed for their chains
 KEEP = 96  # a prompt's first tokens are never rewritten (its system prompt: the hits)
@@ -61,6 +62,21 @@ def spec_kv_bytes(kv_blocks: int, method: str) -> int:
     layers = TINY_LLAMA["num_hidden_layers"]
     per_layer = MODELS["llama"].kv_bytes_per_block // layers
     return kv_blocks * (layers + draft_kv_layers(method)) * per_layer
+
+
+def speculative_options(method: str, kv_blocks: int) -> dict[str, Any]:
+    """``LLM(...)`` options of a speculative thinker: vLLM's ``speculative_config`` (its draft built
+    at run time), the KV memory for ``kv_blocks`` blocks with the draft's layers, and vLLM's own
+    statistics on (its draft counters)."""
+    return {"speculative_config": speculative_config(method), "kv_cache_memory_bytes": spec_kv_bytes(kv_blocks, method),
+            "disable_log_stats": False}
+
+
+def vllm_draft_counts(llm: Any) -> dict[str, int]:
+    """vLLM's own counters: draft tokens scheduled and accepted (``vllm:spec_decode_num_*``)."""
+    names = {"vllm:spec_decode_num_draft_tokens": "draft_tokens",
+             "vllm:spec_decode_num_accepted_tokens": "accepted_tokens"}
+    return {names[m.name]: int(m.value) for m in llm.get_metrics() if m.name in names}
 
 
 class SpecSimulation(VllmSimulation):
@@ -94,9 +110,7 @@ class SpecSimulation(VllmSimulation):
         return LLM(**engine_kwargs(model_dir("llama"), kv_blocks=kv_blocks,
                                    max_batched_tokens=cfg.max_batched_tokens or p.max_batched_tokens,
                                    max_model_len=p.max_model_len, eager=cfg.eager,
-                                   kv_cache_memory_bytes=spec_kv_bytes(kv_blocks, cfg.speculative),
-                                   speculative_config=speculative_config(cfg.speculative),
-                                   disable_log_stats=False))  # vLLM's own draft counters
+                                   **speculative_options(cfg.speculative, kv_blocks)))
 
     def run(self, llm: Any = None) -> VllmSimResult:
         res = super().run(llm)
@@ -224,9 +238,7 @@ class SpecSimulation(VllmSimulation):
     def _check_exactly_once(self, bridge: Any, res: VllmSimResult) -> None:
         """vLLM's own draft counters, read here: the engine is still up."""
         if self._llm is not None:
-            names = {"vllm:spec_decode_num_draft_tokens": "draft_tokens",
-                     "vllm:spec_decode_num_accepted_tokens": "accepted_tokens"}
-            self._engine_counts = {names[m.name]: int(m.value) for m in self._llm.get_metrics() if m.name in names}
+            self._engine_counts = vllm_draft_counts(self._llm)
         super()._check_exactly_once(bridge, res)
 
 
