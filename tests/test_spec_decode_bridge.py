@@ -175,3 +175,14 @@ def test_the_verdict_keeps_one_row_per_token_of_the_final_output_but_the_last(
     assert verdict.spans(step.spans) == (("A", 20, 20 + kept), ("B", 5, 6))
     assert verdict.accepted == max(len(sampled) - 1, 0)
     assert verdict.rejected == 3 - verdict.accepted
+
+
+def test_the_sampled_tokens_are_read_from_vllms_bookkeeping_and_nothing_else() -> None:
+    """``_bookkeeping_sync``'s 8 values give the tokens; another shape (another vLLM) is refused."""
+    from omni_cache.integration.spec_decode import bookkeeping_tokens
+
+    got = bookkeeping_tokens(({}, None, None, [[7, 8], [5]], {}, ["A", "B"], {"A": 0, "B": 1}, []))
+    assert (got.req_ids, got.sampled_token_ids) == (["A", "B"], [[7, 8], [5]])
+    for bad in ((1, 2, 3), ({}, None, None, None, {}, ["A"], {}, []), [[7]]):
+        with pytest.raises(TypeError, match="_bookkeeping_sync returned"):
+            bookkeeping_tokens(bad)

@@ -140,6 +140,10 @@ def _build() -> dict[str, type]:
             self.omni_tier_applier: TierApplier | None = None
             self.omni_delivery: RowDelivery | None = None
             self.omni_delivery_sched: DeliveryScheduler | None = None
+            # Worker side: whether this step's wait_for_save came before its metadata, and the metadata
+            # built before it (speculative decoding), whose delivery outcomes wait_for_save adds.
+            self._omni_waited = False
+            self._omni_open_meta: Any = None
             delivery = settings["delivery"]
             if role == KVConnectorRole.WORKER:
                 self.omni_tier_applier = TierApplier(
@@ -223,14 +227,29 @@ def _build() -> dict[str, type]:
             super().wait_for_save()
             if self.omni_delivery is not None:
                 self.omni_delivery.finish_step()  # this step's files, bounded: their outcome goes out now
+                open_meta, self._omni_open_meta = self._omni_open_meta, None
+                if open_meta is not None:  # built before this wait (speculative decoding): fill it now
+                    open_meta.omni_results = open_meta.omni_results + self.omni_delivery.take_results()
+                else:
+                    self._omni_waited = True
 
         def build_connector_worker_meta(self) -> Any:
             inner = super().build_connector_worker_meta()
-            results = self.omni_delivery.take_results() if self.omni_delivery is not None else ()
-            if not results:
+            if self.omni_delivery is None:
+                return inner
+            waited, self._omni_waited = self._omni_waited, False
+            results = self.omni_delivery.take_results()
+            if not results and waited:
                 return inner
             children = inner.metadata if inner is not None else (None,) * len(self._connectors)
-            return OmniWorkerMetadata(metadata=children, omni_results=results)
+            meta = OmniWorkerMetadata(metadata=children, omni_results=results)
+            if not waited:
+                # NOTE: with speculative decoding vLLM builds this step's metadata before it waits for
+                # the saves (sample_tokens finalizes the connector after the draft model): the step's
+                # files are done, and their outcomes added to this same object, in wait_for_save; the
+                # runner's output carries it to the scheduler only after that.
+                self._omni_open_meta = meta
+            return meta
 
         def shutdown(self) -> None:
             try:

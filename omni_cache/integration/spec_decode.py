@@ -46,7 +46,8 @@ from omni_cache.runtime.interface import ReqId, StepId
 
 Spans = tuple[tuple[ReqId, int, int], ...]
 
-__all__ = ["Verdict", "VerdictError", "VerifyStep", "VerifySteps", "drafts_of", "sampled_tokens", "verdict_of"]
+__all__ = ["SampledTokens", "Verdict", "VerdictError", "VerifyStep", "VerifySteps", "bookkeeping_tokens", "drafts_of",
+           "sampled_tokens", "verdict_of"]
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,24 @@ def drafts_of(scheduler_output: Any) -> dict[ReqId, int]:
     the step, their verdict comes with sampling."""
     scheduled = getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or {}
     return {rid: len(tokens) for rid, tokens in scheduled.items() if len(tokens)}
+
+
+@dataclass(frozen=True)
+class SampledTokens:
+    """The sampled tokens of a step, per request in the runner's batch order."""
+
+    req_ids: list[ReqId]
+    sampled_token_ids: list[list[int]]
+
+
+def bookkeeping_tokens(out: Any) -> SampledTokens:
+    """The sampled tokens from what vLLM 0.32's ``GPUModelRunner._bookkeeping_sync`` returns
+    (``valid_sampled_token_ids`` and ``req_ids_output_copy``, the 4th and 6th of its 8 values);
+    ``TypeError`` for any other shape (another vLLM, async scheduling's empty lists)."""
+    if not isinstance(out, tuple) or len(out) != 8 or not isinstance(out[3], list) or not isinstance(out[5], list):
+        raise TypeError(f"_bookkeeping_sync returned {type(out).__name__} of {len(out) if isinstance(out, tuple) else '?'}"
+                        " values: not vLLM 0.32's (..., valid_sampled_token_ids, _, req_ids, ...)")
+    return SampledTokens(list(out[5]), [list(t) for t in out[3]])
 
 
 def sampled_tokens(output: Any) -> dict[ReqId, list[int]]:

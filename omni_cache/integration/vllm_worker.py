@@ -17,8 +17,9 @@ KV-cache initialisation (before the KV cache is allocated, so a refused
 configuration fails at engine start), ``begin_step`` before the runner drops
 finished requests (also for steps with zero scheduled tokens), ``after_forward``
 with the real hidden states and block table, and, with speculative decoding,
-each verify step's verdict at the end of ``sample_tokens`` (I14); warmup and
-dummy runs are never fed. The cache is built on the output rank only (``ranks``); ``omni_cache_stats``
+each verify step's verdict once ``sample_tokens`` has the sampled tokens on the
+CPU (``_bookkeeping_sync``), before it finalizes the KV connector (I14); warmup
+and dummy runs are never fed. The cache is built on the output rank only (``ranks``); ``omni_cache_stats``
 is the worker method ``LLM.collective_rpc("omni_cache_stats")`` calls to read
 each rank's place and host bytes. With pipeline parallelism and
 ``enforce_eager=True`` the CPU runner skips its warm-up, the one place a
@@ -40,6 +41,7 @@ __all__: list[str] = ["allocate_intermediate_tensors", "omni_runner_class", "shu
 @functools.cache
 def omni_runner_class(base: type, v2: bool) -> type:
     """``base`` (a vLLM model-runner class) with the cache wired in; ``v2``: Model Runner V2."""
+    from omni_cache.integration.spec_decode import bookkeeping_tokens
     from omni_cache.integration.vllm_bridge import VllmRunnerBridge
 
     class _OmniRunnerCommon(base):  # type: ignore[misc, valid-type]
@@ -80,9 +82,11 @@ def omni_runner_class(base: type, v2: bool) -> type:
                     self.omni_cache.after_forward_v1(self, hidden, input_ids, positions)
                 return out
 
-            def sample_tokens(self, grammar_output: Any, *args: Any, **kwargs: Any) -> Any:
-                out = super().sample_tokens(grammar_output, *args, **kwargs)
-                self.omni_cache.after_sample(out, self)  # a verify step's verdict (speculative decoding)
+            def _bookkeeping_sync(self, *args: Any, **kwargs: Any) -> Any:
+                out = super()._bookkeeping_sync(*args, **kwargs)
+                # A verify step's verdict (speculative decoding): the sampled tokens are on the CPU now,
+                # before sample_tokens finalizes the KV connector (the delivery's files of this step).
+                self.omni_cache.after_sample(bookkeeping_tokens(out), self)
                 return out
 
         OmniModelRunnerV1.__name__ = OmniModelRunnerV1.__qualname__ = f"Omni{base.__name__}"
