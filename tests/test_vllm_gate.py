@@ -110,7 +110,7 @@ def test_the_gate_takes_the_full_attention_group_of_several(base_kwargs) -> None
 def test_a_refused_config_fails_at_engine_start_before_any_step() -> None:
     line = engine_start_in_subprocess(
         'engine_kwargs(tiny_llama_dir(), kv_blocks=24, max_batched_tokens=256, max_model_len=512, '
-        'speculative_config={"method": "ngram_gpu", "num_speculative_tokens": 2, "prompt_lookup_max": 3, '
-        '"prompt_lookup_min": 2})')
+        'kv_transfer_config={"kv_connector": "ExampleConnector", "kv_role": "kv_consumer", '
+        '"kv_connector_extra_config": {"shared_storage_path": "/tmp/omni-cache-gate-test"}})')
     assert line.startswith("REFUSED OmniPrefixCacheUnmatchError steps 0"), line
-    assert "GPU n-gram proposer" in line
+    assert "KV-consumer" in line
