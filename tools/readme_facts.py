@@ -151,7 +151,7 @@ def module_map() -> str:
     for path in sorted((ROOT / "omni_cache").rglob("*.py")):
         doc = ast.get_docstring(ast.parse(path.read_text())) or ""
         first = " ".join(doc.split("\n\n")[0].split()).replace("|", "/")
-        named = sorted(set(re.findall(r"\bI1[0-3]\b|\bI[1-9]\b", doc)), key=lambda i: int(i[1:]))
+        named = sorted(set(re.findall(r"\bI1[0-4]\b|\bI[1-9]\b", doc)), key=lambda i: int(i[1:]))
         package = ".".join(path.parent.relative_to(ROOT).parts)
         groups.setdefault(package, []).append(f"| `{path.name}` | {first} | {', '.join(named) or '-'} |")
     parts = [f"### `{package}`\n\n| module | what it owns | invariants it names |\n|---|---|---|\n" + "\n".join(rows)
