@@ -451,6 +451,11 @@ class VllmRunnerBridge:
                 self._consume(PublishedStep(step_id, self.engine_step, tuple(r for r, _, _ in spans), spans))
         return step_id
 
+    @property
+    def awaits_verdict(self) -> bool:
+        """A verify step is held since its save, waiting for ``after_sample``."""
+        return self.verify_steps.pending is not None
+
     def after_sample(self, output: Any, runner: Any) -> None:
         """End of V1's ``sample_tokens``: the verdict of the step held since its save, if any (the
         manager cuts the rows that are not the requests'), then the step id is consumed or

@@ -86,7 +86,8 @@ def omni_runner_class(base: type, v2: bool) -> type:
                 out = super()._bookkeeping_sync(*args, **kwargs)
                 # A verify step's verdict (speculative decoding): the sampled tokens are on the CPU now,
                 # before sample_tokens finalizes the KV connector (the delivery's files of this step).
-                self.omni_cache.after_sample(bookkeeping_tokens(out), self)
+                if self.omni_cache.awaits_verdict:  # nothing to read on a step without drafts
+                    self.omni_cache.after_sample(bookkeeping_tokens(out), self)
                 return out
 
         OmniModelRunnerV1.__name__ = OmniModelRunnerV1.__qualname__ = f"Omni{base.__name__}"
