@@ -253,7 +253,8 @@ class RowDelivery:
                 self._fail(req_id, rows, f"step {step_id} served {sorted(count)} rows for one request's keys")
                 continue
             (n,) = count
-            rows.cached_tokens += max(0, n - (end - start))
+            if n > end - start:  # a hit: the cached prefix rows [0, start), then this step's
+                rows.cached_tokens = n - (end - start)  # (after a preemption, the latest hit's prefix)
             rows.chunks.append((end - n, tensors))
             target = rows.target
             if not target.include_output_tokens and end >= target.num_prompt_tokens:
