@@ -158,8 +158,8 @@ class StageTimers:
 
 def install_stage_timers(runner: Any, bridge: Any, t: StageTimers, observe: Any) -> None:
     """forward = the runner's ``_model_forward`` minus the bridge's ``after_forward_v1`` inside it;
-    save = ``after_forward_v1`` minus ``observe`` (the checker, installed as the bridge's observer)
-    inside it. Instance attributes: ``ThinkerStage.finish`` pops ``_model_forward`` again."""
+    save = ``after_forward_v1`` minus the bridge's ``observe_forward`` inside it (the checker: the
+    ``ForwardRecord`` built for ``observe``, installed as the bridge's observer, and ``observe``). Instance attributes: ``ThinkerStage.finish`` pops ``_model_forward`` again."""
     real_forward, real_after = runner._model_forward, bridge.after_forward_v1
     inner = {"after": 0.0, "observer": 0.0}
 
@@ -179,17 +179,20 @@ def install_stage_timers(runner: Any, bridge: Any, t: StageTimers, observe: Any)
             inner["after"] += total
             t.save_s += total - (inner["observer"] - obs0)
 
-    def observer(rec: Any) -> None:
+    real_observe_forward = bridge.observe_forward
+
+    def observe_forward(*args: Any, **kwargs: Any) -> None:
         start, cpu = time.perf_counter(), time.process_time()
         try:
-            observe(rec)
+            real_observe_forward(*args, **kwargs)  # builds the ForwardRecord, then calls ``observe``
         finally:
             dt = time.perf_counter() - start
             inner["observer"] += dt
             t.checker_s += dt
             t.checker_cpu_s += time.process_time() - cpu
 
-    runner._model_forward, bridge.after_forward_v1, bridge.observer = model_forward, after_forward_v1, observer
+    runner._model_forward, bridge.after_forward_v1 = model_forward, after_forward_v1
+    bridge.observer, bridge.observe_forward = observe, observe_forward
 
 
 class ForwardTap:
