@@ -28,7 +28,8 @@ CONFIG = PipelineConfig(preset="mix", requests=6, repeats=1, talker_tokens=6)
 @pytest.fixture(scope="module")
 def engines():
     require_vllm()
-    from omni_cache.harness.pipeline.stages import build_llm, talker_checkpoint, talker_kwargs, thinker_kwargs
+    from omni_cache.harness.pipeline.stages import build_llm, thinker_kwargs
+    from omni_cache.harness.pipeline.talker import talker_checkpoint, talker_kwargs
     from omni_cache.harness.vllm_engine.engine import prepare_vllm_env, stdout_to_stderr, tiny_llama_dir
 
     prepare_vllm_env()
