@@ -2,7 +2,7 @@
 
 Owns: ``SimModel`` (a model's ``config.json``, how its KV memory is sized and the
 engine options it needs), ``MODELS`` (``llama``: a 2-layer Llama, one KV-cache
-group; ``wide``: an 8-layer Llama of width 1024 whose forward dominates a step on a CPU;
+group; ``wide``: a 16-layer Llama of width 1024 whose forward dominates a step on a CPU;
 ``hybrid``: a 4-layer Gemma 3 text model, three sliding-window layers
 with window 64 and one full-attention layer, which vLLM's hybrid KV-cache
 manager gives four KV-cache groups), ``sim_model`` (a name to its model, with
@@ -62,7 +62,7 @@ TINY_LLAMA: dict[str, Any] = {
 # The realistic-width thinker: its forward dominates a step on a CPU (``omni-cache pipeline --model wide``).
 WIDE_LLAMA: dict[str, Any] = {
     **TINY_LLAMA, "hidden_size": 1024, "num_attention_heads": 8, "num_key_value_heads": 2,
-    "intermediate_size": 2816, "num_hidden_layers": 8,
+    "intermediate_size": 2816, "num_hidden_layers": 16,
 }
 # The talker of a thinker of width ``w`` (``talker_config``): a 2-layer Llama of the same width, so the
 # projection between the stages stays the identity.
@@ -92,10 +92,10 @@ MODELS: dict[str, SimModel] = {
     ),
     "wide": SimModel(
         "wide",
-        "8-layer Llama of width 1024 (8 heads, 2 KV heads, MLP 2816): its forward, tens to hundreds of ms a "
+        "16-layer Llama of width 1024 (8 heads, 2 KV heads, MLP 2816): its forward, tens to hundreds of ms a "
         "prefill step on 2 cores, dominates the step",
         WIDE_LLAMA,
-        kv_bytes_per_block=_kv_bytes(8, 2, 128),
+        kv_bytes_per_block=_kv_bytes(16, 2, 128),
     ),
     "hybrid": SimModel(
         "hybrid",

@@ -93,7 +93,8 @@ class StepCostProbe:
         if parts:
             self._wrap(bridge.hooks.adapter, "translate_step", "translate")
             self._wrap(manager, "new_step_starts", "new_step_starts")
-            self._wrap(bridge, "view_v1", "view")
+            if hasattr(bridge, "view_v1"):
+                self._wrap(bridge, "view_v1", "view")
             self._wrap(bridge.hooks.adapter, "build_write_layout", "layout")
             self._wrap(manager, "save_outputs", "save")
 
@@ -179,6 +180,7 @@ class StepCostResult:
     unconsumed: int = 0
     wall_s: float = 0.0
     target_us: float = FIXED_TARGET_US
+    stages: tuple[str, ...] = STAGES
 
     def one_token(self, stage: str) -> ConfigResult:
         return next(c for c in self.configs if c.stage == stage and c.kind == "decode" and c.requests == 1)
@@ -188,14 +190,14 @@ class StepCostResult:
 
     @property
     def passed(self) -> bool:
-        return self.unconsumed == 0 and all(self.one_token(s).cache_us <= self.target_us for s in STAGES)
+        return self.unconsumed == 0 and all(self.one_token(s).cache_us <= self.target_us for s in self.stages)
 
     def to_json(self) -> dict[str, Any]:
         return {"model": self.model, "repeats": self.repeats, "target_fixed_us": self.target_us,
-                "fixed_us": {s: round(self.one_token(s).cache_us, 2) for s in STAGES},
-                "fit": {s: {k: round(v, 3) for k, v in self.fit(s).items()} for s in STAGES},
+                "fixed_us": {s: round(self.one_token(s).cache_us, 2) for s in self.stages},
+                "fit": {s: {k: round(v, 3) for k, v in self.fit(s).items()} for s in self.stages},
                 "share_of_engine_step": {s: round(self.one_token(s).cache_us / self.one_token(s).step_us, 4)
-                                         for s in STAGES},
+                                         for s in self.stages},
                 "unconsumed_step_ids": self.unconsumed, "pass": self.passed, "wall_s": round(self.wall_s, 1),
                 "configs": [c.to_json() for c in self.configs]}
 
@@ -261,7 +263,7 @@ def _config_samples(driver: _Driver, kind: str, size: int, probe: StepCostProbe,
 
 def run_step_cost(llm: Any, *, model: str, repeats: int = 3, decode_steps: int = 16,
                   decode_batches: tuple[int, ...] = DECODE_BATCHES, prefill_tokens: tuple[int, ...] = PREFILL_TOKENS,
-                  progress: Callable[[str], None] | None = None) -> StepCostResult:
+                  stages: tuple[str, ...] = STAGES, progress: Callable[[str], None] | None = None) -> StepCostResult:
     """Measure every configuration of both stages on ``llm`` (built with the cache), ``repeats``
     totals passes alternating with as many parts passes; medians per configuration."""
     import gc
@@ -270,14 +272,14 @@ def run_step_cost(llm: Any, *, model: str, repeats: int = 3, decode_steps: int =
 
     t0 = time.perf_counter()
     driver = _Driver(llm)
-    for stage in STAGES:  # warm-up: builds the manager, first touches, both stages' keys
+    for stage in stages:  # warm-up: builds the manager, first touches, every stage's keys
         driver.bridge.mm_outputs_fn = derive_mm if stage == "hidden+mm" else None
         for _ in range(2):
             driver.add(PROMPT_TOKENS, decode_steps)
         driver.run_all(None)
     configs: list[ConfigResult] = []
     plan = [("decode", b) for b in decode_batches] + [("prefill", t) for t in prefill_tokens]
-    for stage in STAGES:
+    for stage in stages:
         driver.bridge.mm_outputs_fn = derive_mm if stage == "hidden+mm" else None
         for kind, size in plan:
             if progress is not None:
@@ -296,7 +298,7 @@ def run_step_cost(llm: Any, *, model: str, repeats: int = 3, decode_steps: int =
             configs.append(_summarize(stage, kind, size, got[False], got[True]))
     driver.bridge.mm_outputs_fn = None
     unconsumed = len(driver.bridge.hooks.manager.staging.unconsumed())
-    return StepCostResult(model, repeats, configs, unconsumed, time.perf_counter() - t0)
+    return StepCostResult(model, repeats, configs, unconsumed, time.perf_counter() - t0, stages=stages)
 
 
 def _summarize(stage: str, kind: str, size: int, totals: list[StepSample], parts: list[StepSample]) -> ConfigResult:
