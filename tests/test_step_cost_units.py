@@ -35,7 +35,7 @@ def _random_view(rng: random.Random, n: int, bs: int) -> tuple[BlockTableView, l
         table[i, :6] = torch.tensor(b)
     per_row = np.zeros(n + 3, dtype=np.int32)
     per_row[:n] = 6
-    view = BlockTableView(ids, np.array(computed + [0, 0, 0], dtype=np.int32), table, block_size=bs,
+    view = BlockTableView(ids, np.array([*computed, 0, 0, 0], dtype=np.int32), table, block_size=bs,
                           num_blocks_per_row=per_row)
     return view, computed
 
@@ -125,7 +125,12 @@ def test_the_step_cost_fit_recovers_a_linear_cost() -> None:
 
 
 def test_the_width_sweeps_models_and_arithmetic(tmp_path: Any) -> None:
-    from omni_cache.harness.vllm_engine.width_sweep import SweepPoint, sweep_config, sweep_rows, write_sweep_plot
+    from omni_cache.harness.vllm_engine.width_sweep import (
+        SweepPoint,
+        sweep_config,
+        sweep_rows,
+        write_sweep_plot,
+    )
 
     c = sweep_config(2048, 2, "bfloat16")
     assert (c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]) == (2048, 16, 4, 128)
