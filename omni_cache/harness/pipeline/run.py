@@ -1,20 +1,16 @@
-"""The run of ``omni-cache pipeline``: both pipelines, the controls and the measurements.
+"""The run of ``omni-cache pipeline``: the pipelines, the controls and the measurements.
 
-Owns: ``PipelineConfig``, ``PipelineResult``, ``drive`` (one pipeline: the
-planned turns arrive at their steps, the thinker steps, each request it
-finishes goes onto the handoff queue, the talker takes it in the same pipeline
-step and steps too -- both engines' steps interleaved, the talker never waits
-for the whole thinker batch) and ``Pipeline.run`` (build the talker checkpoint
-and the three engines, run the pipeline with prefix caching and the cache,
-then with prefix caching off on the thinker (ground truth), then the two
-negative controls on the talker, and compare).
+Owns: ``PipelineConfig``, ``PipelineResult`` (with the speed ``targets``) and ``Pipeline.run``
+(build the talker checkpoint and the engines -- a thinker with prefix caching and the cache,
+one with prefix caching off (the ground truth), in this process one with prefix caching and
+no cache (the upper bound), and a talker for each --, run every repeat's pipelines in lockstep
+(``drive.drive_together``), then the two negative controls on the talker, and compare).
 
-Measured in the same run: thinker prefill tokens computed and thinker time
-(its engine steps, the handoff included, the checker's own time excluded) and
-end-to-end time (first arrival to last talker output, checker excluded) with
-and without prefix caching, and the cache's cost (save and materialize per
-step against the forward). Invariants: checks I1, I4, I6, I7 from outside
-(see ``stages``).
+Measured in the same run: thinker prefill tokens computed and thinker time (its engine steps,
+the handoff included, the checker's own time excluded) and end-to-end time (first arrival to
+last talker output, checker excluded) of each thinker, medians over the repeats, and the
+cache's cost (begin_step, save and materialize per step against the forward, every repeat).
+Invariants: checks I1, I4, I6, I7 from outside (see ``stages``).
 """
 
 from __future__ import annotations
