@@ -94,8 +94,8 @@ class ServedEngine:
         self._log.close()
 
     def complete(self, prompt: str, *, max_tokens: int = 4, headers: dict[str, str] | None = None,
-                 **body: Any) -> dict[str, Any]:
-        return complete(self.url, prompt, max_tokens=max_tokens, headers=headers, **body)
+                 timeout_s: float = 180.0, **body: Any) -> dict[str, Any]:
+        return complete(self.url, prompt, max_tokens=max_tokens, headers=headers, timeout_s=timeout_s, **body)
 
 
 def complete(url: str, prompt: str, *, max_tokens: int = 4, headers: dict[str, str] | None = None,

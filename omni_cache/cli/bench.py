@@ -15,6 +15,8 @@ JSON document instead of tables; ``--plot FILE.png|FILE.svg`` draws the result
 At each batch size ``--profile`` also prints the per-category breakdown of a decode
 step. ``--preset``, ``--sweep`` and ``--memory`` (decode-step cost) live in
 ``omni_cache.harness.bench.perfcli``; a preset that misses its targets exits 3 too.
+``--engine-step`` and ``--width-sweep`` (real vLLM engines) live in
+``omni_cache.harness.bench.enginecli``.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import time
 from typing import Any
 
 from omni_cache.cli.args import EXIT_FAILED, EXIT_INCOMPLETE, int_list, int_range, non_negative_int, plot_path
+from omni_cache.harness.bench.enginecli import add_arguments as add_engine_arguments
 from omni_cache.harness.bench.perfcli import add_arguments as add_perf_arguments
 
 QUICK = {"batch_sizes": "2,4", "decode_steps": 6, "repeats": 1, "hidden_width": 256, "mm_width": 64,
@@ -75,6 +78,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     parser.add_argument("--profile", action="store_true",
                         help="also profile the manager (cProfile + section timers) at the largest batch size")
     add_perf_arguments(parser)  # --preset, --sweep, --memory (omni_cache.harness.bench.perfcli)
+    add_engine_arguments(parser)  # --engine-step, --width-sweep (omni_cache.harness.bench.enginecli)
     parser.set_defaults(func=run, error=parser.error)
 
 
@@ -88,6 +92,12 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.engine_step is not None or args.width_sweep is not None:  # real engines: refused without vLLM, before torch
+        from rich.console import Console
+
+        from omni_cache.harness.bench.enginecli import run_engine_extra
+
+        return run_engine_extra(args, Console(stderr=args.json, width=200)) or 0
     import torch
     from rich.console import Console
 

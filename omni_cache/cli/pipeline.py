@@ -43,7 +43,8 @@ def register(subparsers: Any) -> None:
             f"caching, and the cache's cost per step. Presets: {presets}."
         ),
         epilog="Exit codes: 0 identical and both controls caught, with prefix hits; 1 a check failed; "
-        "2 bad arguments or vLLM missing; 3 clean, but no request hit the prefix cache.",
+        "2 bad arguments or vLLM missing; 3 clean, but no request hit the prefix cache, or (--model wide) the "
+        "speed targets were missed: thinker_speedup >= 0.95 x apc_alone_speedup and the cache <= 2% of the forward.",
     )
     parser.add_argument("--preset", choices=sorted(PRESETS), default="mix", help="workload (default: mix)")
     parser.add_argument("--requests", type=int_range(1, MAX_REQUESTS),
@@ -56,9 +57,9 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--tolerance", type=float_range(0, 1),
                         help="largest |logprob difference| per talker token still called identical, 0 to 1 "
                         "(default: 1e-4)")
-    parser.add_argument("--repeats", type=int_range(1, 5), default=2,
-                        help="runs of each pipeline, alternating (on, off, off, on, ...); times are each kind's "
-                        "fastest, 1 to 5 (default: 2)")
+    parser.add_argument("--repeats", type=int_range(1, 5), default=None,
+                        help="runs of each pipeline, alternating (with the cache, off, without the cache, then "
+                        "backwards, ...); times are each kind's median, 1 to 5 (default: 3 with --model wide, else 2)")
     add_model_argument(parser)
     parser.add_argument("--tp", type=int_range(1, 8), default=1,
                         help="the thinker's tensor-parallel worker processes (default 1: the engine in this "
@@ -77,6 +78,8 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         plan_turns(PRESETS[args.preset], seed=args.seed, requests=args.requests)
+        if args.repeats is None:
+            args.repeats = 3 if args.model == "wide" else 2
         grid = argparse.Namespace(tp=args.tp, pp=args.pp, model=args.model or DEFAULT_MODEL, repeats=args.repeats,
                                   kv_connector=args.kv_connector)
         check_parallel_config(grid)

@@ -60,7 +60,8 @@ def add_model_argument(parser: argparse.ArgumentParser, scope: str = "") -> None
     """``--model`` (``omni_cache.harness.vllm_engine.models``), for every command that builds a real thinker."""
     parser.add_argument("--model", choices=sorted(MODELS),
                         help=f"{scope}the thinker model, built at run time (default {DEFAULT_MODEL}; hybrid: "
-                        "sliding-window and full-attention layers, several KV-cache groups)")
+                        "sliding-window and full-attention layers, several KV-cache groups; wide: 16 layers of "
+                        "width 1024, a forward that dominates the step)")
 
 
 def run_vllm(args: argparse.Namespace) -> int:

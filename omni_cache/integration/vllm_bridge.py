@@ -341,12 +341,17 @@ class VllmRunnerBridge:
             return None
         input_batch = runner.input_batch
         group = self._output_group()
-        view = BlockTableView.from_input_batch(input_batch, block_size=self._block_size(), kv_cache_group_id=group)
+        view = self.view_v1(input_batch)
         # The engine's own slot mapping, for the observer: the buffer vLLM's slot-mapping kernel
         # writes (``.gpu``; its ``.cpu`` half is never filled, and the CPU runner aliases the two
         # only for the input batch it builds first, not for one rebuilt for several KV-cache groups).
         slot_mapping = input_batch.block_table.block_tables[group].slot_mapping.gpu
         return self._save(so, view, hidden_states, input_ids, positions, slot_mapping)
+
+    def view_v1(self, input_batch: Any) -> BlockTableView:
+        """The block-table view of V1's persistent batch, the output KV-cache group."""
+        return BlockTableView.from_input_batch(input_batch, block_size=self._block_size(),
+                                               kv_cache_group_id=self._output_group())
 
     def install_v2_block_mirror(self, block_tables: Any) -> V2BlockTableMirror:
         """Model Runner V2, after ``initialize_kv_cache``: mirror its device-only
@@ -413,21 +418,8 @@ class VllmRunnerBridge:
             self.fail(f"engine step {self.engine_step}: save_outputs failed: {exc}")
             return None
         if self.observer is not None:
-            self.observer(
-                ForwardRecord(
-                    engine_step=self.engine_step,
-                    step_id=step_id,
-                    req_ids=view.req_ids,
-                    spans=spans,
-                    hidden_states=hidden_states[:num_unpadded],
-                    input_ids=torch.as_tensor(input_ids[:num_unpadded]),
-                    positions=torch.as_tensor(positions[:num_unpadded]),
-                    slot_mapping=torch.as_tensor(slot_mapping[:num_unpadded]),
-                    mm_outputs=mm,
-                    block_ids={rid: view.blocks_of(rid) for rid, _, _ in spans},
-                    scheduler_output=so,
-                )
-            )
+            self.observe_forward(so, view, spans, step_id, mm, hidden_states[:num_unpadded],
+                                 input_ids[:num_unpadded], positions[:num_unpadded], slot_mapping[:num_unpadded])
         if step_id is not None:
             self._consume(PublishedStep(step_id, self.engine_step, tuple(r for r, _, _ in spans), spans))
         return step_id
@@ -444,6 +436,28 @@ class VllmRunnerBridge:
                 self.hooks.manager.discard_step(published.step_id)
         except OmniPrefixCacheUnmatchError as exc:
             self.fail(f"engine step {self.engine_step}: consuming step {published.step_id} failed: {exc}")
+
+    def observe_forward(self, so: Any, view: BlockTableView, spans: tuple[tuple[ReqId, int, int], ...],
+                        step_id: StepId | None, mm: dict[str, Any], hidden_states: torch.Tensor, input_ids: Any,
+                        positions: Any, slot_mapping: Any) -> None:
+        """Hand ``observer`` the step's ``ForwardRecord`` (only when one is set: a checker's cost,
+        never the cache's; a harness times this call as the checker's)."""
+        assert self.observer is not None, "observe_forward without an observer"
+        self.observer(
+            ForwardRecord(
+                engine_step=self.engine_step,
+                step_id=step_id,
+                req_ids=view.req_ids,
+                spans=spans,
+                hidden_states=hidden_states,
+                input_ids=torch.as_tensor(input_ids),
+                positions=torch.as_tensor(positions),
+                slot_mapping=torch.as_tensor(slot_mapping),
+                mm_outputs=mm,
+                block_ids={rid: view.blocks_of(rid) for rid, _, _ in spans},
+                scheduler_output=so,
+            )
+        )
 
     def shutdown(self) -> dict[StepId, str]:
         """Shut the cache down; its unconsumed step ids (none unless a ``queue`` consumer left some)."""

@@ -73,7 +73,11 @@ class CopyEngine:
     def copy_all(self, dsts: dict[str, torch.Tensor], srcs: dict[str, torch.Tensor], after: Any = None) -> Any:
         """``copy_into`` of every key of ``srcs`` into ``dsts[key]``; the last event (or None)."""
         event = None
+        chunk = self.chunk_bytes
         for key, src in srcs.items():
+            if not self.use_cuda and src.nbytes <= chunk:  # a host copy in one piece (as ``_chunked``)
+                dsts[key].copy_(src)
+                continue
             event = self.copy_into(dsts[key], src, after) or event
         return event
 

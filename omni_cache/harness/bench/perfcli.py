@@ -7,7 +7,7 @@ of ``cli/bench.py`` so that module stays the default bench's. Upholds nothing;
 every run it starts checks the ground truth (runner).
 
   --preset decode13   the decode-heavy workload: ratios at 8 and 32 requests and at 8
-                      without hits against their targets (0.6 / 0.8 / 0.6)
+                      without hits against their targets (0.8 / 0.9 / 0.8)
   --sweep [FILE.png]  bookkeeping per decode step over requests 1/8/32/128 and
                       num_blocks 1k/4k/16k; plotted into FILE.png only when given
   --memory            pool + staging + tenancy bytes vs the formula vs peak RSS

@@ -39,7 +39,7 @@ from omni_cache.integration.ranks import output_rank_index
 
 __all__ = ["ParallelThinkerStage", "make_thinker_stage"]
 
-_TIMED = ("forward_s", "save_s", "materialize_s", "steps")  # the output rank's timers the report reads
+_TIMED = ("forward_s", "begin_s", "save_s", "model_outputs_s", "materialize_s", "steps")  # the output rank's timers the report reads
 
 
 def make_thinker_stage(llm: Any, opts: StageOptions, *, cached: bool, tier_truth: Any = None) -> ThinkerStage:
