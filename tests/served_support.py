@@ -1,22 +1,16 @@
 """A real served engine for tests: ``omni-cache serve`` as a server process on 127.0.0.1.
 
 ``ServedEngine`` starts ``python -m omni_cache.cli serve tiny-llama --port P --delivery-dir D``
-(vLLM's default multiprocess engine: API server, engine core and worker processes) in its own
-process group, waits for ``/health``, and stops it with SIGTERM (then SIGKILL), keeping the
-log. ``complete`` is a real HTTP client (stdlib ``urllib``): it POSTs to ``/v1/completions``.
+(vLLM's default multiprocess engine: API server, engine core and worker processes) as the
+harness's ``ServerProcess``: its own process group, a wait for ``/health``, a stop by SIGTERM
+(then SIGKILL), the log kept. ``complete`` is a real HTTP client (stdlib ``urllib``): it POSTs to ``/v1/completions``.
 Files are read with vLLM's own ``load_hidden_states``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
-import socket
-import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -24,74 +18,34 @@ from typing import Any
 
 from vllm_support import require_vllm
 
+from omni_cache.harness.served.process import ServerProcess, free_port
+
 START_TIMEOUT_S = 420.0
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+class ServedEngine(ServerProcess):
+    """``omni-cache serve tiny-llama`` (plus ``args``) on a free port, files in ``tmp/<name>-files``."""
 
-
-class ServedEngine:
     def __init__(self, tmp: Path, *args: str, env: dict[str, str] | None = None, name: str = "server") -> None:
         require_vllm()
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        port = free_port()
         self.delivery_dir = tmp / f"{name}-files"
-        self.log_path = tmp / f"{name}.log"
-        argv = [sys.executable, "-m", "omni_cache.cli", "serve", "tiny-llama", "--port", str(self.port),
+        argv = [sys.executable, "-m", "omni_cache.cli", "serve", "tiny-llama", "--port", str(port),
                 "--delivery-dir", str(self.delivery_dir), *args]
-        full_env = {**os.environ, "VLLM_LOGGING_LEVEL": "INFO", **(env or {})}
-        full_env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # vLLM's default: the multiprocess engine
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=full_env,
-                                     start_new_session=True)
-        self._wait_healthy()
-
-    def _wait_healthy(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"the server exited with {self.proc.returncode} during start:\n{self.log()[-4000:]}")
-            if self.healthy(timeout_s=5.0):
-                return
-            time.sleep(1.0)
-        self.stop()
-        raise AssertionError(f"the server was not healthy within {START_TIMEOUT_S:.0f} s:\n{self.log()[-4000:]}")
-
-    def log(self) -> str:
-        if not self._log.closed:
-            self._log.flush()
-        return self.log_path.read_text(errors="replace")
-
-    def healthy(self, timeout_s: float = 10.0) -> bool:
+        # vLLM's default, the multiprocess engine: no in-process switch inherited from other tests
+        full_env: dict[str, str | None] = {"VLLM_LOGGING_LEVEL": "INFO", "VLLM_ENABLE_V1_MULTIPROCESSING": None,
+                                           **(env or {})}
         try:
-            with urllib.request.urlopen(self.url + "/health", timeout=timeout_s) as r:
-                return r.status == 200
-        except OSError:
-            return False
-
-    def terminate(self) -> None:
-        """SIGTERM to the server's process group (as a supervisor stops it)."""
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGTERM)
+            super().__init__(argv, port=port, log_path=tmp / f"{name}.log", env=full_env,
+                             start_timeout_s=START_TIMEOUT_S)
+        except RuntimeError as exc:
+            raise AssertionError(str(exc)) from None
 
     def wait(self, timeout_s: float = 120.0) -> int:
         try:
-            return self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=30)
-            raise AssertionError(f"the server did not exit within {timeout_s:.0f} s of SIGTERM") from None
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.terminate()
-            with contextlib.suppress(AssertionError):
-                self.wait(60.0)
-        self._log.close()
+            return super().wait(timeout_s)
+        except TimeoutError as exc:
+            raise AssertionError(str(exc)) from None
 
     def complete(self, prompt: str, *, max_tokens: int = 4, headers: dict[str, str] | None = None,
                  timeout_s: float = 180.0, **body: Any) -> dict[str, Any]:
