@@ -78,7 +78,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 
 def _adhoc_entry(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from omni_cache.verify.tlc import _EXPECT_EXIT, ManifestEntry, ManifestError, _check_expect
+    from omni_cache.verify.tlc import EXPECT_EXIT, ManifestEntry, ManifestError, check_expect
 
     cfg: Path = args.cfg.resolve()
     if not cfg.is_file():
@@ -96,8 +96,8 @@ def _adhoc_entry(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     if not spec.is_file():
         raise ManifestError(f"--spec {args.spec} does not exist")
     kind = args.expect.split(":", 1)[0]
-    exit_code = _EXPECT_EXIT.get(kind, -1)
-    _check_expect(args.expect, exit_code, "--expect")
+    exit_code = EXPECT_EXIT.get(kind, -1)
+    check_expect(args.expect, exit_code, "--expect")
     return ManifestEntry(
         model=spec.parent.name, spec=spec.name, cfg=str(cfg), expect=args.expect, exit=exit_code,
         why="ad-hoc run (--cfg)",

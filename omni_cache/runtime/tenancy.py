@@ -394,6 +394,13 @@ class SlotTenancy:
                 self._note("read", None, plan=read.plan_id, key=key, served=tuple(served.tolist()))
         return rows
 
+    def nbytes(self) -> int:
+        """Host bytes of the version vectors: the slots' tenant and, per key, registered/tenant/landed
+        and the pin counts (``omni-cache bench --memory`` reports it)."""
+        with self.pool.lock:
+            return int(self._tenant.nbytes) + sum(
+                int(v.registered.nbytes + v.tenant.nbytes + v.landed.nbytes + v.pins.nbytes) for v in self._keys.values())
+
     def num_preserved(self) -> int:
         with self.pool.lock:
             return sum(len(per_slot) for v in self._keys.values() for per_slot in v.preserved.values())

@@ -45,7 +45,7 @@ EXIT_INVARIANT = 12
 EXIT_PROPERTY = 13
 EXIT_PARSE = (150, 151, 152, 153)
 
-_EXPECT_EXIT = {"ok": EXIT_OK, "deadlock": EXIT_DEADLOCK, "invariant": EXIT_INVARIANT, "property": EXIT_PROPERTY}
+EXPECT_EXIT = {"ok": EXIT_OK, "deadlock": EXIT_DEADLOCK, "invariant": EXIT_INVARIANT, "property": EXIT_PROPERTY}
 TIERS = ("ci", "nightly")
 _EXPECT_RE = re.compile(r"^(ok|deadlock|(invariant|property):[A-Za-z_][A-Za-z0-9_]*)$")
 
@@ -155,12 +155,12 @@ class ManifestEntry:
         return f"{self.model}/{Path(self.cfg).stem}"
 
 
-def _check_expect(expect: str, exit_code: int, where: str) -> None:
+def check_expect(expect: str, exit_code: int, where: str) -> None:
     if not _EXPECT_RE.match(expect):
         raise ManifestError(f"{where}: expect {expect!r} is not ok, deadlock, invariant:<Name> or property:<Name>")
     kind = expect.split(":", 1)[0]
-    if _EXPECT_EXIT[kind] != exit_code:
-        raise ManifestError(f"{where}: expect {expect!r} goes with TLC exit {_EXPECT_EXIT[kind]}, not {exit_code}")
+    if EXPECT_EXIT[kind] != exit_code:
+        raise ManifestError(f"{where}: expect {expect!r} goes with TLC exit {EXPECT_EXIT[kind]}, not {exit_code}")
 
 
 def load_manifest(tla_dir: Path | None = None) -> list[ManifestEntry]:
@@ -183,7 +183,7 @@ def load_manifest(tla_dir: Path | None = None) -> list[ManifestEntry]:
             )
         except KeyError as exc:
             raise ManifestError(f"{where}: missing field {exc}") from exc
-        _check_expect(entry.expect, entry.exit, where)
+        check_expect(entry.expect, entry.exit, where)
         if entry.tier not in TIERS:
             raise ManifestError(f"{where}: tier {entry.tier!r} is not one of {TIERS}")
         for name in (entry.spec, entry.cfg):
