@@ -14,7 +14,7 @@ JSON document instead of tables; ``--plot FILE.png|FILE.svg`` draws the result
 (``omni_cache.harness.bench.report.write_plot``).
 At each batch size ``--profile`` also prints the per-category breakdown of a decode
 step. ``--preset``, ``--sweep`` and ``--memory`` (decode-step cost) live in
-``omni_cache.harness.bench.perfcli``; a preset that misses its targets exits 3 too.
+``omni_cache.cli.bench_workloads``; a preset that misses its targets exits 3 too.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import time
 from typing import Any
 
 from omni_cache.cli.args import EXIT_FAILED, EXIT_INCOMPLETE, int_list, int_range, non_negative_int, plot_path
-from omni_cache.harness.bench.perfcli import add_arguments as add_perf_arguments
+from omni_cache.cli.bench_workloads import add_arguments as add_perf_arguments
 
 QUICK = {"batch_sizes": "2,4", "decode_steps": 6, "repeats": 1, "hidden_width": 256, "mm_width": 64,
          "num_blocks": 128, "prompt_tokens": 64, "hit_tokens": 32}
@@ -74,7 +74,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                         help="measure the state-machine cost instead of the engine")
     parser.add_argument("--profile", action="store_true",
                         help="also profile the manager (cProfile + section timers) at the largest batch size")
-    add_perf_arguments(parser)  # --preset, --sweep, --memory (omni_cache.harness.bench.perfcli)
+    add_perf_arguments(parser)  # --preset, --sweep, --memory (omni_cache.cli.bench_workloads)
     parser.set_defaults(func=run, error=parser.error)
 
 
@@ -136,7 +136,7 @@ def _run_engine(args: argparse.Namespace, console: Any) -> int:
     sizes = args.batch_sizes or _batch_sizes(QUICK["batch_sizes"] if args.quick else "8,32")
     repeats = args.repeats if args.repeats is not None else (QUICK["repeats"] if args.quick else 5)
     kwargs = _engine_kwargs(args)
-    from omni_cache.harness.bench.perfcli import run_breakdown, run_extra
+    from omni_cache.cli.bench_workloads import run_breakdown, run_extra
 
     extra = run_extra(args, console, sizes, repeats, kwargs)
     if extra is not None:

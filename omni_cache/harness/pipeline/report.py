@@ -17,7 +17,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from omni_cache.cli.args import EXIT_FAILED, EXIT_INCOMPLETE, EXIT_OK
+from omni_cache.harness.exit_codes import EXIT_FAILED, EXIT_INCOMPLETE, EXIT_OK
 from omni_cache.harness.pipeline.checks import Verdict
 from omni_cache.harness.pipeline.run import PipelineResult, RunStats
 

@@ -3,7 +3,8 @@
 Owns: their argument definitions (``add_arguments``) and their runs
 (``run_extra``, called by ``omni_cache.cli.bench.run`` before the default
 engine bench; it returns None when none of these options was given). Kept out
-of ``cli/bench.py`` so that module stays the default bench's. Upholds nothing;
+of ``cli/bench.py`` so that module stays the default bench's; the runs themselves are
+``omni_cache.harness.bench``'s. Upholds nothing;
 every run it starts checks the ground truth (runner).
 
   --preset decode13   the decode-heavy workload: ratios at 8 and 32 requests and at 8
