@@ -15,6 +15,8 @@ JSON document instead of tables; ``--plot FILE.png|FILE.svg`` draws the result
 At each batch size ``--profile`` also prints the per-category breakdown of a decode
 step. ``--preset``, ``--sweep`` and ``--memory`` (decode-step cost) live in
 ``omni_cache.cli.bench_workloads``; a preset that misses its targets exits 3 too.
+
+Upholds nothing itself: it checks what the runtime upholds.
 """
 
 from __future__ import annotations
@@ -24,19 +26,33 @@ import json
 import os
 import sys
 import time
-from typing import Any
+from typing import Any, TypedDict
 
 from omni_cache.cli.args import EXIT_FAILED, EXIT_INCOMPLETE, int_list, int_range, non_negative_int, plot_path
 from omni_cache.cli.bench_workloads import add_arguments as add_perf_arguments
 
-QUICK = {"batch_sizes": "2,4", "decode_steps": 6, "repeats": 1, "hidden_width": 256, "mm_width": 64,
+
+class _QuickRun(TypedDict):
+    """``--quick``: the batch sizes, decode steps and repeats, and the workload's narrow shape."""
+
+    batch_sizes: str
+    decode_steps: int
+    repeats: int
+    hidden_width: int
+    mm_width: int
+    num_blocks: int
+    prompt_tokens: int
+    hit_tokens: int
+
+
+QUICK: _QuickRun = {"batch_sizes": "2,4", "decode_steps": 6, "repeats": 1, "hidden_width": 256, "mm_width": 64,
          "num_blocks": 128, "prompt_tokens": 64, "hit_tokens": 32}
 
 
 _batch_sizes = int_list(1, 4096)
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(
         "bench",
         help="benchmark the manager against a raw-copy floor (or, with --machine, the state machine)",
@@ -196,8 +212,9 @@ def _run_engine(args: argparse.Namespace, console: Any) -> int:
         if profile is not None:
             from types import SimpleNamespace
 
-            ns = [[SimpleNamespace(**r) for r in profile[k]] for k in ("by_own", "by_cum", "sections")]
-            for table in report.profile_tables(*ns, profile["meta"]):
+            own_rows, cum_rows, section_rows = ([SimpleNamespace(**r) for r in profile[k]]
+                                                for k in ("by_own", "by_cum", "sections"))
+            for table in report.profile_tables(own_rows, cum_rows, section_rows, profile["meta"]):
                 console.print(table)
     if args.quick:
         return 0

@@ -44,7 +44,8 @@ def run_extra(args: argparse.Namespace, console: Any, sizes: list[int], repeats:
     """Run whichever of the options was given; None if none was."""
     if not (args.preset or args.sweep or args.memory):
         return None
-    eager, doc, rc = not args.async_, {}, 0
+    eager, rc = not args.async_, 0
+    doc: dict[str, Any] = {}
     mode = "eager" if eager else "async"
     say = None if args.json else (lambda line: console.print(f"[dim]{line}[/dim]"))
     steps = args.decode_steps

@@ -100,7 +100,7 @@ def _build() -> dict[str, type]:
 
         omni_tier: TierPlan = field(default_factory=TierPlan)
 
-    class OmniKVConnector(MultiConnector):  # type: ignore[misc, valid-type]
+    class OmniKVConnector(MultiConnector):
         """See ``omni_cache.integration.kv_tier``."""
 
         def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:

@@ -20,6 +20,7 @@ import os
 import sys
 import threading
 from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 _RUNTIME_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -36,12 +37,12 @@ _CACHE_DIRS = tuple(os.path.join(os.path.dirname(_RUNTIME_DIR), d) + os.sep for 
 def caller_location() -> str:
     """file:line of the first frame outside the cache (where a step was saved): outside
     ``omni_cache/runtime`` and ``omni_cache/integration``."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         filename = frame.f_code.co_filename
         if not filename.startswith(_CACHE_DIRS):
             break
-        frame = frame.f_back  # type: ignore[assignment]
+        frame = frame.f_back
     return f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else "?"
 
 

@@ -13,7 +13,7 @@ tier's pool side (``omni_cache.runtime.tier_rows``: restores registered as write
 block's rows) reaches the manager through one door, ``tier_port`` (a ``TierPort``), and its
 public collaborators; nothing outside this module touches the manager's private state.
 
-Per real scheduler step (DESIGN section 2): ``new_step_starts`` ->
+Per real scheduler step (spec/protocol.md): ``new_step_starts`` ->
 forward -> ``save_outputs`` -> exactly one of ``materialize`` / ``discard_step``
 (possibly on another thread while the engine saves the next steps).
 
@@ -216,22 +216,22 @@ class OmniPrefixCacheManager:
             # only the ids this step names: O(events), not O(live requests)
             live = {e.req_id: r.admission for e in step.events if (r := self._requests.get(e.req_id)) is not None}
         plan = plan_events(step.events, live, self.config.block_size, self.config.output_group_id)
-        for op, _, event in plan.changes:  # validate everything first: an error changes nothing
-            if op == "lookup" and (event.hit_end or event.hit_start):  # type: ignore[union-attr]
-                validate_hit(event, self.config)  # type: ignore[arg-type]
+        for _, _, arg in plan.changes:  # validate everything first: an error changes nothing
+            if isinstance(arg, PrefixCacheRequestEvent) and (arg.hit_end or arg.hit_start):  # a lookup's event
+                validate_hit(arg, self.config)
         to_flush: list[PoolWrite] = []
         with self._lock:
-            for op, req_id, arg in plan.changes:
-                if op == "end":
+            for _, req_id, arg in plan.changes:  # the op is told by the argument's type
+                if arg is None:  # "end"
                     self.hits.drop(req_id)
                     request = self._requests.pop(req_id, None)
                     if request is not None:
                         to_flush.extend(request.open_deferred)
-                elif op == "admit":
+                elif isinstance(arg, Admission):  # "admit"
                     self.hits.drop(req_id)
-                    self._requests[req_id] = _Request(req_id, arg)  # type: ignore[arg-type]
-                else:
-                    self._install_lookup(req_id, arg)  # type: ignore[arg-type]
+                    self._requests[req_id] = _Request(req_id, arg)
+                else:  # "lookup": the event
+                    self._install_lookup(req_id, arg)
             self._scheduled = scheduled
             self.counters["stale_events"] += plan.stale
             if step.sequence is not None:

@@ -88,6 +88,7 @@ class StepReader:
         if not req_ids:
             return StageCacheOutputs({} if ctx.caches_hidden else None, {})
         step_rows = ctx.rows
+        wanted: Sequence[PrefixCacheWrite]
         if req_ids == step_rows.req_ids:  # every request, in row order: the rows [0, n) of the step
             wanted, sizes, contiguous = step_rows.writes, step_rows.sizes, True
             lo, hi = 0, step_rows.ends[-1]

@@ -382,17 +382,17 @@ def run_entry(
     cfg_path = Path(entry.cfg) if Path(entry.cfg).is_absolute() else folder / entry.cfg
     with tempfile.TemporaryDirectory(prefix="omni-tlc-") as tmp:
         workdir = Path(tmp)
-        dump = workdir / "graph" if entry.conformance else None
+        graph = workdir / "graph"  # the state graph TLC dumps for a conformance run
         run = run_tlc(
             folder / entry.spec, cfg_path, workdir=workdir, check_deadlock=entry.check_deadlock,
-            dump_dot=dump, timeout_s=timeout_s, java=java, jar=jar, pool=pool, short=entry.tier == "ci",
+            dump_dot=graph if entry.conformance else None, timeout_s=timeout_s, java=java, jar=jar, pool=pool, short=entry.tier == "ci",
         )
         outcome = parse_tlc_output(run.output, run.exit_code, cfg_path.read_text())
         problems = judge(entry, run.exit_code, outcome)
         if entry.conformance and run.exit_code == EXIT_OK:
             from omni_cache.verify.conformance import check_conformance
 
-            problems += check_conformance(entry.conformance, dump.with_suffix(".dot"), run.output)
+            problems += check_conformance(entry.conformance, graph.with_suffix(".dot"), run.output)
     return RunResult(
         entry=entry, exit_code=run.exit_code, result=outcome.result,
         distinct_states=outcome.distinct_states, generated_states=outcome.generated_states,

@@ -39,6 +39,7 @@ with them), so the reader sees how well they agree. Upholds nothing.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -183,6 +184,12 @@ def _resolve(manager: Any, path: str) -> Any:
     return owner
 
 
+def _drop_instance_attr(owner: Any, attr: str) -> None:
+    """Undo a wrapper set on the instance: the class's method shows through again."""
+    if attr in vars(owner):
+        delattr(owner, attr)
+
+
 def _instrument(manager: Any, clock: _Clock) -> tuple[Callable[[], None], Callable[[], None]]:
     """Wrap the instance's methods, swap its locks, patch globals and torch; return the undo of
     all but the locks, and the undo of the locks (run after it)."""
@@ -195,23 +202,23 @@ def _instrument(manager: Any, clock: _Clock) -> tuple[Callable[[], None], Callab
         for attr in attrs:
             fn = getattr(owner, attr)
             setattr(owner, attr, clock.wrap(fn, category))
-            undo.append(lambda o=owner, a=attr: delattr(o, a) if a in vars(o) else None)
+            undo.append(functools.partial(_drop_instance_attr, owner, attr))
     for module, names in ((manager_module, _MANAGER_GLOBALS), (reader_module, _READER_GLOBALS)):
         for category, name in names:
             fn = getattr(module, name)
             setattr(module, name, clock.wrap(fn, category))
-            undo.append(lambda m=module, n=name, f=fn: setattr(m, n, f))
+            undo.append(functools.partial(setattr, module, name, fn))
     # Locks: the state lock's inner lock, the staging and write-book locks with their
     # conditions, the pool's leaf lock and the committer's drain lock.
     undo_locks = manager.wrap_locks(lambda lock: _TimedLock(lock, clock))
-    for names, category in ((_TENSOR_COPIES, "copies"), (_TENSOR_VIEWS, "output views")):
-        for name in names:
+    for tensor_methods, category in ((_TENSOR_COPIES, "copies"), (_TENSOR_VIEWS, "output views")):
+        for name in tensor_methods:
             original = getattr(torch.Tensor, name)
             setattr(torch.Tensor, name, clock.wrap(original, category))
-            undo.append(lambda n=name, f=original: setattr(torch.Tensor, n, f))
+            undo.append(functools.partial(setattr, torch.Tensor, name, original))
     original_cat = torch.cat
-    torch.cat = clock.wrap(original_cat, "copies")  # type: ignore[assignment]
-    undo.append(lambda: setattr(torch, "cat", original_cat))
+    setattr(torch, "cat", clock.wrap(original_cat, "copies"))  # noqa: B010 (patched for the pass only)
+    undo.append(functools.partial(setattr, torch, "cat", original_cat))
 
     def restore() -> None:
         for fn in reversed(undo):

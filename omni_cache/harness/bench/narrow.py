@@ -69,12 +69,12 @@ class OutputFloor(RawCopyFloor):
             for key in self.keys}
         self._step = None
         hidden = out.pop(HIDDEN_KEY)
-        return StageCacheOutputs(hidden, out)  # type: ignore[arg-type]
+        return StageCacheOutputs(hidden, out)
 
 
 def _read_inputs(step: Step) -> None:
     """Read a step's inputs (outside the timers): its slots, scheduled counts and request ids."""
-    step.layout.slots_cpu.numpy().tolist()
+    step.slots.numpy().tolist()
     tuple(step.events.scheduled_tokens.items())
     tuple(step.req_ids)
 
