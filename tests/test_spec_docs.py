@@ -1,7 +1,7 @@
 """spec/state_machines.md and `omni-cache diagram` stay what the state tables in code say.
 
 Owns the "diagram generated from the machine itself, checked up to date" check of
-DESIGN section 7: the generated file must equal what ``omni_cache.verify.spec_render``
+spec/README.md: the generated file must equal what ``omni_cache.verify.spec_render``
 renders now from ``omni_cache.runtime.states`` (I1/I3/I8 are documented there), and the
 rendered Mermaid must carry exactly the tables' edges.
 """

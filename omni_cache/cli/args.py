@@ -8,7 +8,7 @@ by the subcommands (defined in ``omni_cache.harness.exit_codes``, where the runs
 them can import them). A user mistake never reaches the code as a bad value, so
 no traceback is shown for one; ``--debug`` (hidden) re-raises runtime errors.
 
-Invariants: none (the cache's I1..I11 live in the runtime); this module only
+Upholds nothing (the cache's I1..I13 live in the runtime); this module only
 keeps bad input out of it.
 """
 

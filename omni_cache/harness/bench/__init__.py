@@ -18,6 +18,8 @@ Owns nothing at run time; ``omni-cache bench`` (``omni_cache.cli.bench``) drives
 
 Their command-line options (``--preset`` / ``--sweep`` / ``--memory``, and the breakdown
 ``--profile`` prints) are ``omni_cache.cli.bench_workloads``.
+
+Upholds nothing itself: the runs check I1, I2, I4, I6 and I7 from outside.
 """
 
 from __future__ import annotations

@@ -21,6 +21,8 @@ Checks (every repeat, warm-up included): every materialized step equals the
 ground truth (I4, I6, I7 through ``check_outputs``), each step id is consumed
 exactly once by materialize (I1), and ``shutdown`` reports no unconsumed step
 ids (I2).
+
+Upholds nothing itself: it checks the invariants above from outside.
 """
 
 from __future__ import annotations

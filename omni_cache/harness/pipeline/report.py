@@ -7,7 +7,7 @@ Owns: ``summarize`` (``PipelineResult`` -> dict: ``ok``, ``requests``,
 ``model``, ``kv_groups``, ``tp``, ``pp`` and worker ``ranks``, with ``--kv-connector``
 ``tier_hit_tokens``, ``tier_bytes``, ``tier_load_failures`` and the ``tier`` counters (place, host bytes), the cache's
 cost per step and the details of every check), ``exit_code`` and ``render``.
-Invariants: none enforced here.
+Upholds nothing (a report).
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ Measured in the same run: thinker prefill tokens computed and thinker time
 (its engine steps, the handoff included, the checker's own time excluded) and
 end-to-end time (first arrival to last talker output, checker excluded) with
 and without prefix caching, and the cache's cost (save and materialize per
-step against the forward). Invariants: checks I1, I4, I6, I7 from outside
-(see ``stages``).
+step against the forward). Upholds nothing itself: it checks I1, I4, I6, I7 from
+outside (see ``stages``).
 """
 
 from __future__ import annotations
