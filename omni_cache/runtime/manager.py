@@ -37,7 +37,6 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from omni_cache.runtime.admissions import Admission, lookup_of, plan_events
@@ -73,7 +72,6 @@ from omni_cache.runtime.tenancy import PlannedRead, SlotTenancy
 from omni_cache.runtime.tier_rows import TierPort
 from omni_cache.runtime.trace import TraceRecorder
 from omni_cache.runtime.validation import (
-    RowSig,
     check_scheduled,
     validate_hit,
     validate_save,
@@ -169,9 +167,9 @@ class OmniPrefixCacheManager:
         # Registration and landing order of the pool writes; shares the state lock.
         self.scheduling = WriteScheduler(book=self.book, tenancy=self.tenancy, staging=self.staging,
                                          committer=self.committer, faults=self.faults, lock=self._lock,
-                                         on_budget_flush=lambda: self._count("budget_flushes"),
+                                         count=self._count, issue_step_id=self._issue_step_id,
                                          gpu_staging_bytes=config.gpu_staging_bytes)
-        self.tier_port = TierPort(self.check_usable, self._register_restored, self._vacate)
+        self.tier_port = TierPort(self.check_usable, self.scheduling.register_restored, self.scheduling.vacate)
 
     # ------------------------------------------------------------------ API --
     def register_policy(self, policy: ModelCachePolicy) -> None:
@@ -498,23 +496,3 @@ class OmniPrefixCacheManager:
         with self._lock:
             self._ids_issued += 1
             return next(_STEP_IDS)
-
-    def _register_restored(self, slots: torch.Tensor, slots_np: np.ndarray, source: dict[str, torch.Tensor],
-                           sigs: dict[str, RowSig]) -> StepId:
-        """``TierPort.register_restored_write``: ``source`` (host rows, checked against the pool's
-        signatures by the caller) as one immediate write on ``slots``, queued like a save's."""
-        self.scheduling.check_deferred_sigs(sigs, self.scheduling.held_deferred_keys(sigs))
-        self.tenancy.prepare_keys(sigs.keys())
-        step_id = self._issue_step_id()
-        self._count("tier_restores")
-        # an older tenant's open (deferred) write on these slots lands first, then is skipped there (I7)
-        write, older = self.scheduling.register(WriteSchedule.JOIN_NEXT_STEP, step_id, slots, slots_np, source,
-                                                None, (), [], sigs, scan_older=True)
-        self.scheduling.after_save(write, older, [])
-        return step_id
-
-    def _vacate(self, slots_np: np.ndarray) -> StepId:
-        """``TierPort.vacate``: a new tenant that wrote nothing on ``slots``."""
-        step_id = self._issue_step_id()
-        self.tenancy.take_slots(slots_np, step_id=step_id)
-        return step_id

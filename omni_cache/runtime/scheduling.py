@@ -7,8 +7,10 @@ the front of the copy queue, a save's immediate write joins the queue after them
 write (``JOIN_ON_FINISH``) stays open until its requests end (the manager pushes it then) or the
 open deferred writes outgrow ``gpu_staging_bytes`` (the oldest are flushed). It keeps the open
 deferred writes, their device bytes and the row signature of every deferred key a save carried,
-guarded by the manager's state lock, which it shares (``OwnedLock``); a budget flush is
-counted by the manager's ``on_budget_flush``.
+guarded by the manager's state lock, which it shares (``OwnedLock``); the manager's ``count``
+counts budget flushes and tier restores, its ``issue_step_id`` names a restore. It implements
+the write half of the manager's door for the hidden-state tier (``TierPort``): a restored block
+registered as one write, and a vacated block's new tenant.
 
 Upholds: I7 (an older tenant's unlanded write on the new tenant's slots is found at registration
 and lands first, then is skipped there), I9 (``flush`` pushes writes to the queue's front and
@@ -38,17 +40,18 @@ class WriteScheduler:
     """Registers pool writes and queues them in landing order; one per manager."""
 
     def __init__(self, *, book: WriteBook, tenancy: SlotTenancy, staging: StagingPool, committer: Committer,
-                 faults: FaultHooks, lock: OwnedLock, on_budget_flush: Callable[[], None],
-                 gpu_staging_bytes: int) -> None:
+                 faults: FaultHooks, lock: OwnedLock, count: Callable[[str], None],
+                 issue_step_id: Callable[[], StepId], gpu_staging_bytes: int) -> None:
         self.book = book
         self.tenancy = tenancy
         self.staging = staging
         self.committer = committer
         self.faults = faults
         self.gpu_staging_bytes = gpu_staging_bytes
-        # The manager's state lock (I11: bookkeeping only under it), and its budget-flush count.
+        # The manager's state lock (I11: bookkeeping only under it), its counters and step ids.
         self._lock = lock
-        self._on_budget_flush = on_budget_flush
+        self._count = count
+        self._issue_step_id = issue_step_id
         # ---- guarded by _lock ----
         self._deferred_open: dict[int, PoolWrite] = {}
         self._deferred_bytes = 0
@@ -125,8 +128,28 @@ class WriteScheduler:
                 oldest.append(write)
                 over -= write.nbytes
         if oldest:
-            self._on_budget_flush()  # takes the state lock for the count, then lets it go
+            self._count("budget_flushes")  # takes the state lock for the count, then lets it go
             self.flush(oldest, front=False, why="gpu_staging_bytes budget")
+
+    def register_restored(self, slots: torch.Tensor, slots_np: np.ndarray, source: dict[str, torch.Tensor],
+                          sigs: dict[str, RowSig]) -> StepId:
+        """``TierPort.register_restored_write``: ``source`` (host rows, checked against the pool's
+        signatures by the caller) as one immediate write on ``slots``, queued like a save's."""
+        self.check_deferred_sigs(sigs, self.held_deferred_keys(sigs))
+        self.tenancy.prepare_keys(sigs.keys())
+        step_id = self._issue_step_id()
+        self._count("tier_restores")
+        # an older tenant's open (deferred) write on these slots lands first, then is skipped there (I7)
+        write, older = self.register(WriteSchedule.JOIN_NEXT_STEP, step_id, slots, slots_np, source,
+                                     None, (), [], sigs, scan_older=True)
+        self.after_save(write, older, [])
+        return step_id
+
+    def vacate(self, slots_np: np.ndarray) -> StepId:
+        """``TierPort.vacate``: a new tenant that wrote nothing on ``slots``."""
+        step_id = self._issue_step_id()
+        self.tenancy.take_slots(slots_np, step_id=step_id)
+        return step_id
 
     def flush(self, writes: list[PoolWrite], *, front: bool, why: str) -> None:
         """Queue pending writes (no state lock held: I11) and make progress."""
