@@ -23,7 +23,7 @@ per decode step unless named otherwise:
   decode steps. **bookkeeping = narrow omni - narrow outputs**: what a decode step costs beyond
   its copies and its outputs, read in one run, robust to load bursts (the minimum).
 * ``runtime Python lines / step``: a count no load can move, the Python lines of the runtime
-  (the package minus its drivers: bench, cli, sim, vllm_sim) one decode step runs, counted with
+  (the package minus its drivers: harness and cli) one decode step runs, counted with
   ``sys.settrace``. It is the same at every number of requests when no loop over the step's
   requests is left in the runtime (``tests/test_step_cost.py`` holds that at 2 and 64 requests).
 
