@@ -9,10 +9,11 @@ rule, checked on the AST of every module of the package:
   on ``self``/``cls``. A module's top-level ``_name`` is that module's private.
 * An *access* is ``x._name`` (read, write or delete) or ``getattr``/``setattr``/``hasattr``/
   ``delattr(x, "_name")`` with the name written out.
-* Allowed: ``x`` is ``self``, ``cls`` or ``super()`` (a class and its subclasses), or the module
-  doing it defines ``_name`` in one of its own classes. The module is the unit of privacy: its
-  functions and classes may use each other's privates (``events.layout_rows`` reads
-  ``PrefixCacheWriteLayout._rows``; a module's own private helpers are its own).
+* Allowed: ``x`` is ``self``, ``cls`` or ``super()`` (a class and its subclasses); inside a
+  class, ``x._name`` when that class defines ``_name`` (``other._inner`` in ``__eq__``); outside
+  any class, ``x._name`` when one of the module's own classes defines it (the module's helper
+  functions are its own: ``events.layout_rows`` reads ``PrefixCacheWriteLayout._rows``). A class
+  never reaches into a sibling class's privates, even in its own module.
 * A reach-in: any other access of a package private, and importing another module's private
   name (``from omni_cache.x import _y``) or reading it through the module (``x_module._y``).
 * Not ours, so not checked: names no class of the package defines (namedtuple's ``_replace``/
@@ -176,10 +177,24 @@ class PrivateAccessChecker:
         dotted = ast.unparse(node)
         return dotted if dotted in self.modules else None
 
+    @staticmethod
+    def _enclosing_classes(tree: ast.Module) -> dict[ast.AST, ast.ClassDef | None]:
+        """Each node -> the innermost class whose body holds it (None: module level or a function)."""
+        out: dict[ast.AST, ast.ClassDef | None] = {}
+
+        def visit(node: ast.AST, cls: ast.ClassDef | None) -> None:
+            for child in ast.iter_child_nodes(node):
+                out[child] = cls
+                visit(child, child if isinstance(child, ast.ClassDef) else cls)
+
+        visit(tree, None)
+        return out
+
     def reach_ins(self) -> list[str]:
         """``module:line: what`` for each reach-in, in module and line order."""
         found: list[tuple[str, int, str]] = []
         for module in self.modules.values():
+            enclosing = self._enclosing_classes(module.tree)
             for node in ast.walk(module.tree):
                 if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("omni_cache"):
                     for a in node.names:
@@ -201,7 +216,11 @@ class PrivateAccessChecker:
                         found.append((module.name, node.lineno, f"{ast.unparse(receiver)}.{name}"))
                     continue
                 owners = self.owners.get(name)
-                if owners and module.name not in owners:
+                cls = enclosing.get(node)
+                # its own class's private (``other._x`` in ``__eq__``), or a module function's use of
+                # a private of the module's own classes (``events.layout_rows``)
+                own = name in self._members(cls, methods=True) if cls is not None else module.name in (owners or ())
+                if owners and not own:
                     where = ", ".join(sorted(owners)[:3]) + (f" and {len(owners) - 3} more" if len(owners) > 3 else "")
                     found.append((module.name, node.lineno, f"{ast.unparse(receiver)}.{name} (private to {where})"))
         return [f"{m}:{line}: {what}" for m, line, what in sorted(set(found))]
@@ -236,7 +255,10 @@ class Lock:
         return self._inner is other._inner          # its own class: allowed
 def _module_helper(): ...
 def peek(lock):
-    return lock._inner                               # same module: allowed
+    return lock._inner                               # a module function, its own class: allowed
+class Sibling:
+    def go(self, lock):
+        return lock._inner                           # another class, even in the same module
 P = namedtuple("P", "a")
 '''
 _USER = '''
@@ -266,6 +288,7 @@ def build(base):
 def test_the_checker_flags_reach_ins_and_allows_what_the_rule_allows() -> None:
     found = PrivateAccessChecker({"omni_cache.owner": _OWNER, "omni_cache.user": _USER}).reach_ins()
     assert [f.split(": ", 1)[1].split(" (")[0] for f in found] == [
+        "lock._inner",
         "imports omni_cache.owner._module_helper",
         "lock._inner",
         "lock._spare",
@@ -274,4 +297,5 @@ def test_the_checker_flags_reach_ins_and_allows_what_the_rule_allows() -> None:
         "owner_module._module_helper",
         "owner._module_helper",
     ]
-    assert all(f.startswith("omni_cache.user:") for f in found)
+    assert found[0] == "omni_cache.owner:17: lock._inner (private to omni_cache.owner)"
+    assert all(f.startswith("omni_cache.user:") for f in found[1:])
