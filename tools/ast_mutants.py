@@ -61,7 +61,7 @@ ROOT = Path(__file__).resolve().parent.parent
 EQUIVALENT_FILE = ROOT / "tools" / "equivalent_mutants.json"
 
 CORE_MODULES = (
-    "adapter", "block_pool", "copier", "events", "locks", "manager", "reader", "staging", "states",
+    "adapter", "block_pool", "copier", "events", "locks", "manager", "reader", "scheduling", "staging", "states",
     "step_outputs", "tenancy", "validation", "writes",
 )
 

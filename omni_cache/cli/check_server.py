@@ -4,7 +4,9 @@ Owns: the subcommand's arguments (validated before anything heavy is imported: a
 line and exit 2) and its exit code: 0 every request's file equals the ground truth (its prompt
 recomputed with a fresh ``cache_salt``), requests hit the prefix cache and the negative control
 was caught; 1 a check failed (or the server could not be driven); 3 clean, but no request hit.
-The run is ``omni_cache.harness.served.check``. Invariants: none enforced here.
+The run is ``omni_cache.harness.served.check``.
+
+Upholds nothing itself: it checks a served engine's delivered rows (I4, I6, I7) from outside.
 """
 
 from __future__ import annotations

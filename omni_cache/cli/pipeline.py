@@ -6,7 +6,7 @@ output with prefix caching and the cache equals the output with prefix caching
 off, both negative controls are caught and requests hit; 1 when a check
 failed; 2 for bad arguments or a missing vLLM; 3 when the run was clean but no
 request hit the prefix cache. The run is ``omni_cache.harness.pipeline``.
-Invariants: none enforced here.
+Upholds nothing itself: the run checks what the runtime upholds.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ environment, or when vLLM is not installed; 3 when the checks passed but the
 run did less than asked: the engine got other KV blocks than asked, or a preset
 that promises preemptions had none). ``--tp``/``--pp`` run the engine on worker
 processes (``omni_cache.harness.vllm_engine.parallel``). The run itself is
-``omni_cache.harness.vllm_engine``. Invariants: none enforced here.
+``omni_cache.harness.vllm_engine``. Upholds nothing itself.
 """
 
 from __future__ import annotations

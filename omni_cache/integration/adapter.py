@@ -7,7 +7,7 @@ importing vLLM. The value types themselves (``PrefixCacheEventKind``,
 ``PrefixCacheRequestOwner``, ``PrefixCacheRequestEvent``, ``PrefixCacheStep``,
 ``PrefixCacheWrite``, ``PrefixCacheWriteLayout``) live in ``omni_cache.runtime.events``
 and are re-exported here: ``omni_cache.integration.adapter`` is their public import path
-(DESIGN section 6).
+(spec/contract.md section 10).
 
 Upholds the adapter half of I12 (request identity: events carry their
 admission's owner, terminal events the owner they end, a reused id is REPLACED
@@ -177,10 +177,10 @@ class PrefixCacheSchedulerAdapter:
         after: dict[ReqId, PrefixCacheRequestOwner] = {}
         for req_id in finished | aborted:
             current = live.get(req_id)
-            ending[req_id] = declared_terminal.get(req_id, current)
-            if ending[req_id] is not None and (req_id, ending[req_id]) in named:
-                after[req_id] = ending[req_id]  # type: ignore[assignment]
-            elif not _is_older(ending[req_id], current):
+            ended = ending[req_id] = declared_terminal.get(req_id, current)
+            if ended is not None and (req_id, ended) in named:
+                after[req_id] = ended
+            elif not _is_older(ended, current):
                 live.pop(req_id, None)
                 preempted.discard(req_id)
                 admitted_by.pop(req_id, None)
@@ -207,9 +207,7 @@ class PrefixCacheSchedulerAdapter:
             owner = owners.get(req_id, current)
             if _is_older(owner, current) or _is_older(owner, ending.get(req_id)):
                 continue  # a stale admission's lookup
-            hit = dict(hit_start=0, hit_end=int(getattr(new_req, "num_computed_tokens", 0) or 0),
-                       block_ids=freeze_block_ids(getattr(new_req, "block_ids", None)),
-                       scheduled_tokens=int(scheduled.get(req_id, 0)), owner=owner)
+            hit_end = int(getattr(new_req, "num_computed_tokens", 0) or 0)
             control = admitted_by.pop(req_id, None)
             if not is_live or owner != current:
                 if is_live:  # the id is reused by a new owner while the old admission is live
@@ -221,8 +219,10 @@ class PrefixCacheSchedulerAdapter:
             else:
                 kind = PrefixCacheEventKind.EXTENDED
                 if control is not None and control.owner == owner:  # the first new request of a control's owner
-                    self._carry_lookup(events, control_at.get(req_id), control, hit["hit_end"])
-            events.append(PrefixCacheRequestEvent(req_id, kind, **hit))
+                    self._carry_lookup(events, control_at.get(req_id), control, hit_end)
+            events.append(PrefixCacheRequestEvent(
+                req_id, kind, hit_start=0, hit_end=hit_end, block_ids=freeze_block_ids(getattr(new_req, "block_ids", None)),
+                scheduled_tokens=int(scheduled.get(req_id, 0)), owner=owner))
             live[req_id] = owner
             preempted.discard(req_id)
 

@@ -125,7 +125,7 @@ def _build() -> dict[str, type]:
             extra = other.omni_results if isinstance(other, OmniWorkerMetadata) else ()
             return OmniWorkerMetadata(metadata=children.metadata, omni_results=self.omni_results + extra)
 
-    class OmniKVConnector(MultiConnector):  # type: ignore[misc, valid-type]
+    class OmniKVConnector(MultiConnector):
         """See ``omni_cache.integration.kv_tier``."""
 
         def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:

@@ -7,7 +7,7 @@ hooks allocate nothing and do nothing), the
 scheduler adapter, this step's scheduled-token counts between ``begin_step``
 and ``after_forward``, and the save-time request ids of every unconsumed step.
 
-Call order (DESIGN section 2), all on the engine thread except the output path:
+Call order (spec/protocol.md), all on the engine thread except the output path:
 
 1. ``on_model_loaded(model)`` -- freeze ``ModelCachePolicy.from_model(model)``.
 2. ``on_kv_cache_initialized(vllm_config, kv_cache_config)`` -- the config gate

@@ -11,8 +11,8 @@ importing this module never imports vLLM ("no vLLM import at module scope"
 holds) and vLLM's own ``worker_cls`` lookup (``import_module`` + ``getattr``)
 still finds them.
 
-Upholds I5 (the config gate runs on the engine's real configs) and the DESIGN
-section 2 call order on the real runners: the gate at
+Upholds I5 (the config gate runs on the engine's real configs) and the
+spec/protocol.md call order on the real runners: the gate at
 KV-cache initialisation (before the KV cache is allocated, so a refused
 configuration fails at engine start), ``begin_step`` before the runner drops
 finished requests (also for steps with zero scheduled tokens), ``after_forward``
@@ -41,7 +41,7 @@ def omni_runner_class(base: type, v2: bool) -> type:
     """``base`` (a vLLM model-runner class) with the cache wired in; ``v2``: Model Runner V2."""
     from omni_cache.integration.vllm_bridge import VllmRunnerBridge
 
-    class _OmniRunnerCommon(base):  # type: ignore[misc, valid-type]
+    class _OmniRunnerCommon(base):
         def __init__(self, vllm_config: Any, device: Any, *args: Any, **kwargs: Any) -> None:
             super().__init__(vllm_config, device, *args, **kwargs)
             self.omni_cache = VllmRunnerBridge.from_vllm_config(vllm_config)
@@ -152,7 +152,7 @@ def _build_classes() -> dict[str, type]:
 
     cpu_runner = omni_runner_class(CPUModelRunner, False)
 
-    class OmniCPUWorker(CPUWorker):  # type: ignore[misc, valid-type]
+    class OmniCPUWorker(CPUWorker):
         """vLLM's CPU worker whose model runner is ``OmniCPUModelRunner`` (V1)."""
 
         def init_device(self) -> None:
@@ -175,7 +175,7 @@ def _build_classes() -> dict[str, type]:
             shutdown_worker_cache(self)
             super().shutdown()
 
-    class OmniGPUWorker(Worker):  # type: ignore[misc, valid-type]
+    class OmniGPUWorker(Worker):
         """vLLM's GPU worker whose runner (V1, or V2 where vLLM picks it) feeds the cache."""
 
         def _make_model_runner(self) -> Any:

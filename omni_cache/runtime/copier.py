@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from omni_cache.runtime.faults import FaultHooks
+from omni_cache.runtime.locks import LockWrap
 from omni_cache.runtime.staging import StagingPool
 from omni_cache.runtime.tenancy import SlotTenancy
 from omni_cache.runtime.writes import PoolWrite, WriteBook
@@ -133,6 +135,17 @@ class Committer:
         if threaded:
             self._thread = threading.Thread(target=self._run, name="omni-cache-committer", daemon=True)
             self._thread.start()
+
+    def wrap_lock(self, wrap: LockWrap) -> Callable[[], None]:
+        """Instrumentation seam (``locks.LockWrap``): the drain lock becomes ``wrap(lock)`` until the
+        returned undo runs. Only while nothing drains."""
+        inner = self._drain_lock
+        self._drain_lock = wrap(inner)
+
+        def undo() -> None:
+            self._drain_lock = inner
+
+        return undo
 
     def kick(self) -> None:
         """Make progress on the queue: drain it inline in eager mode.

@@ -1,14 +1,15 @@
 """The two contract errors of the omni prefix cache.
 
 Owns: ``OmniPrefixCacheUnmatchError`` and ``OmniPrefixCacheStagingTimeoutError``.
-Every contract violation (I1-I11 in spec/contract.md) surfaces as one of these;
-callers match on the phrases of DESIGN section 6, so the phrases live here as
-constants and the raising code uses them instead of retyping them.
+Every contract violation (I1-I13 in spec/invariants.md) surfaces as one of these;
+callers match on the phrases of spec/contract.md section 11, so the phrases live here as
+constants and the raising code uses them instead of retyping them. Upholds nothing itself:
+these are what the others raise when an invariant's precondition is broken.
 """
 
 from __future__ import annotations
 
-# Phrases callers match on (DESIGN section 6). Raising code must embed these.
+# Phrases callers match on (spec/contract.md section 11). Raising code must embed these.
 PHRASE_NO_BLOCK_IDS = "carries no block_ids"
 PHRASE_NOT_ALIGNED = "not block aligned"
 PHRASE_NOT_SAVED = "already consumed or never saved"

@@ -3,7 +3,7 @@
 Owns: ``PrefixCacheEventKind``, ``PrefixCacheRequestOwner``,
 ``PrefixCacheRequestEvent``, ``PrefixCacheStep``, ``PrefixCacheWrite`` and
 ``PrefixCacheWriteLayout`` -- immutable snapshots the engine hands to the
-manager. ``omni_cache.integration.adapter`` (the public import path, DESIGN section 6)
+manager. ``omni_cache.integration.adapter`` (the public import path, spec/contract.md section 10)
 re-exports them next to ``PrefixCacheSchedulerAdapter``, which builds them.
 
 Upholds the input half of I5: events carry block ids as tuples (one per KV
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import enum
 import operator
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -188,6 +188,16 @@ class PrefixCacheStep:
     events: tuple[PrefixCacheRequestEvent, ...]
     scheduled_tokens: dict[ReqId, int] = field(default_factory=dict)
     sequence: int | None = None
+
+    def __init__(self, events: Iterable[PrefixCacheRequestEvent],
+                 scheduled_tokens: Mapping[ReqId, int] | Iterable[tuple[ReqId, int]] = (),
+                 sequence: int | None = None) -> None:
+        """Any iterable of events, and counts as a mapping or pairs: ``__post_init__`` checks them
+        and keeps a tuple and a private dict (the fields' types)."""
+        object.__setattr__(self, "events", events)
+        object.__setattr__(self, "scheduled_tokens", scheduled_tokens)
+        object.__setattr__(self, "sequence", sequence)
+        self.__post_init__()
 
     def __post_init__(self) -> None:
         try:

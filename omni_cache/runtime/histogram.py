@@ -37,7 +37,7 @@ class WaitHistogram:
 
     @staticmethod
     def _upper(bucket: int) -> float:
-        return _BASE_S * 2.0 ** (bucket / _PER_DOUBLING)
+        return _BASE_S * float(2.0 ** (bucket / _PER_DOUBLING))  # float ** float is typed Any (complex)
 
     def record(self, seconds: float) -> None:
         self.buckets[self._bucket(seconds)] += 1

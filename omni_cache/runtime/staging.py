@@ -42,6 +42,7 @@ from omni_cache.runtime.errors import (
 )
 from omni_cache.runtime.histogram import WaitHistogram
 from omni_cache.runtime.interface import StepId, TensorName
+from omni_cache.runtime.locks import LockWrap
 from omni_cache.runtime.states import STAGING_TABLE, TableMachine
 from omni_cache.runtime.trace import TraceRecorder
 from omni_cache.runtime.validation import RowSig, check_capacity, check_held_sigs, check_sig, row_sig
@@ -409,6 +410,19 @@ class StagingPool:
     def wait_history_footprint(self) -> int:
         with self._lock:
             return self._waits.footprint()
+
+    def wrap_lock(self, wrap: LockWrap) -> Callable[[], None]:
+        """Instrumentation seam (``locks.LockWrap``): guard the pool with ``wrap(lock)`` until the
+        returned undo runs; the condition is rebuilt on it. Only while no call is in flight."""
+        inner = self._lock
+        self._lock = wrap(inner)
+        self._cond = threading.Condition(self._lock)
+
+        def undo() -> None:
+            self._lock = inner
+            self._cond = threading.Condition(inner)
+
+        return undo
 
     def close(self) -> None:
         """Shutdown began (contract 4.6): refuse every claim not yet made, and wake the waiting ones."""

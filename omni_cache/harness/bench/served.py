@@ -57,7 +57,7 @@ class ServedBenchResult:
     runs: dict[str, list[dict[str, float]]] = field(default_factory=dict)
     medians: dict[str, dict[str, float]] = field(default_factory=dict)
     seconds: float = 0.0
-    load_average: list[float] = field(default_factory=list)
+    load_average: list[float | None] = field(default_factory=list)
 
     def ratios(self) -> dict[str, float]:
         m = self.medians

@@ -16,4 +16,6 @@ controls), ``report``.
 Nothing here imports vLLM at module scope. Checks I1 (every saved step id
 materialized exactly once), I4, I6 and I7 (served rows are the forward's rows
 of the same token prefix) from outside, end to end through the next stage.
+
+Upholds nothing itself: the pipeline checks I1, I4, I6 and I7 from outside.
 """

@@ -11,8 +11,9 @@ Why lockstep: on a machine shared with other jobs a burst of load lasts seconds;
 after the other each meet a different load, and their time ratios move by tens of percent.
 Interleaved step by step, every run meets the same bursts. Each run's times are the sums of
 its own steps' times (wall and process CPU), the checker's own time taken out; a run never
-waits for another run's step inside its own timers. Invariants: none enforced here (the
-checks are the stages' and ``pipeline.checks``').
+waits for another run's step inside its own timers.
+
+Upholds nothing itself (the checks are the stages' and ``pipeline.checks``').
 """
 
 from __future__ import annotations

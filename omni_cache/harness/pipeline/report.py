@@ -8,7 +8,7 @@ without the cache: the upper bound), the speed ``targets``, ``vllm_version``, th
 ``model``, ``kv_groups``, ``tp``, ``pp`` and worker ``ranks``, with ``--kv-connector``
 ``tier_hit_tokens``, ``tier_bytes``, ``tier_load_failures`` and the ``tier`` counters (place, host bytes), the cache's
 cost per step and the details of every check), ``exit_code`` and ``render``.
-Invariants: none enforced here.
+Upholds nothing (a report).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from omni_cache.cli.args import EXIT_FAILED, EXIT_INCOMPLETE, EXIT_OK
+from omni_cache.harness.exit_codes import EXIT_FAILED, EXIT_INCOMPLETE, EXIT_OK
 from omni_cache.harness.pipeline.checks import Verdict
 from omni_cache.harness.pipeline.run import PipelineResult, RunStats
 

@@ -10,7 +10,7 @@ Measured in the same run: thinker prefill tokens computed and thinker time (its 
 the handoff included, the checker's own time excluded) and end-to-end time (first arrival to
 last talker output, checker excluded) of each thinker, medians over the repeats, and the
 cache's cost (begin_step, save and materialize per step against the forward, every repeat).
-Invariants: checks I1, I4, I6, I7 from outside (see ``stages``).
+Upholds nothing itself: it checks I1, I4, I6, I7 from outside (see ``stages``).
 """
 
 from __future__ import annotations
@@ -164,7 +164,9 @@ class PipelineResult:
         fraction = self.cache_fraction_of_forward()
         kept = with_cache / alone if with_cache is not None and alone is not None else None
         judged = self.config.model in JUDGED_MODELS and kept is not None and fraction is not None
-        met = None if not judged else bool(kept >= KEEP_TARGET and fraction <= FRACTION_TARGET)  # type: ignore[operator]
+        met = None
+        if judged and kept is not None and fraction is not None:
+            met = bool(kept >= KEEP_TARGET and fraction <= FRACTION_TARGET)
         return {"judged": judged, "met": met, "kept_of_apc_alone": kept, "kept_min": KEEP_TARGET,
                 "fraction_of_forward": fraction, "fraction_max": FRACTION_TARGET}
 

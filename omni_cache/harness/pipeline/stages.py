@@ -22,19 +22,21 @@ own time (check (a), the forward capture, the ground truth's tap), kept apart
 so the measured stage times exclude it.
 vLLM is imported only inside functions. Checks I1 (every saved step id
 materialized exactly once, a second refused), I4, I6 and I7 from outside.
+
+Upholds nothing itself: it checks I1, I4, I6 and I7 from outside.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import queue
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from omni_cache.harness.sim_engine.checker import Mismatch
+from omni_cache.harness.vllm_engine.consumer import StepConsumer, second_materialize_refused
 from omni_cache.harness.vllm_engine.engine import (
     BLOCK_SIZE,
     VllmSimConfig,
@@ -172,11 +174,17 @@ def install_stage_timers(runner: Any, bridge: Any, t: StageTimers, observe: Any)
         bridge.mm_outputs_fn = mm_outputs_fn
 
 
+class PromptLengths(Protocol):
+    """Request -> prompt length, as ``ForwardTap`` reads it (a dict, or the runner's request states)."""
+
+    def get(self, rid: str, default: int, /) -> int: ...
+
+
 class ForwardTap:
     """Prefix caching off: each request's prompt rows read straight from the forward (batch order and
     computed counts from the runner's input batch, like the cache's own view)."""
 
-    def __init__(self, runner: Any, prompt_len: dict[str, int], timers: StageTimers) -> None:
+    def __init__(self, runner: Any, prompt_len: PromptLengths, timers: StageTimers) -> None:
         self.rows: dict[str, dict[int, torch.Tensor]] = {}  # written by the engine thread (this process)
         self.computed = 0  # prompt positions the forward computed, recomputations included
         self._prompt_len = prompt_len
@@ -228,6 +236,8 @@ class ForwardTap:
 class ThinkerStage:
     """One thinker engine, driven step by step; ``cached``: prefix caching on with the omni cache."""
 
+    timers: StageTimers  # set by ``_init_state``, which both stages' constructors call first
+
     def __init__(self, llm: Any, *, cached: bool, tier_truth: TierTruth | None = None, partial: bool = False) -> None:
         """``cached``: ``llm`` runs the omni cache (a fresh one is attached: its prefix cache is emptied).
         ``partial`` (not ``cached``; ``llm`` runs prefix caching without the cache): the next stage gets
@@ -251,6 +261,8 @@ class ThinkerStage:
         self.capture = ForwardCapture(BLOCK_SIZE)
         self.bridge.mm_outputs_fn = derive_mm
         self.tier_truth = tier_truth
+        self.consumer = StepConsumer(self.bridge, served=self._serve, failed=self._fail,
+                                     catch=(OmniPrefixCacheUnmatchError,), timed=self._time_materialize)
         if tier_truth is not None:
             bridge = self.bridge
             tier_truth.capture, tier_truth.engine_step = self.capture, lambda: bridge.engine_step
@@ -321,32 +333,26 @@ class ThinkerStage:
         self.prefill_tokens = self.tap.computed
 
     def _handoff(self) -> None:
+        """Materialize every step id the step published (``consumer.StepConsumer``, inline)."""
+        self.consumer.take_waiting()
+        self.published, self._first_step_id = self.consumer.taken, self.consumer.first_step_id
+
+    def _serve(self, ps: Any, out: Any) -> None:
         t = self.timers
-        while True:
-            try:
-                ps = self.bridge.step_ids.get_nowait()
-            except queue.Empty:
-                return
-            self.published += 1
-            if self._first_step_id is None:
-                self._first_step_id = ps.step_id
-            start = time.perf_counter()
-            try:
-                out = self.bridge.hooks.materialize(ps.step_id)
-            except OmniPrefixCacheUnmatchError as exc:
-                self.mismatches.append(Mismatch(ps.engine_step, ps.step_id, None, None, None,
-                                                f"materialize raised {type(exc).__name__}: {exc}"))
-                continue
-            finally:
-                t.materialize_s += time.perf_counter() - start
-                self.bridge.step_ids.task_done()
-            self.materialized += 1
-            t.saved_steps += 1
-            self._keep_served(ps.spans, out)
-            c0, cpu = time.perf_counter(), time.process_time()
-            self.capture.check_step(ps.engine_step, ps.step_id, ps.spans, out)
-            t.checker_s += time.perf_counter() - c0
-            t.checker_cpu_s += time.process_time() - cpu
+        self.materialized += 1
+        t.saved_steps += 1
+        self._keep_served(ps.spans, out)
+        c0, cpu = time.perf_counter(), time.process_time()
+        self.capture.check_step(ps.engine_step, ps.step_id, ps.spans, out)
+        t.checker_s += time.perf_counter() - c0
+        t.checker_cpu_s += time.process_time() - cpu
+
+    def _fail(self, ps: Any, exc: Exception) -> None:
+        self.mismatches.append(Mismatch(ps.engine_step, ps.step_id, None, None, None,
+                                        f"materialize raised {type(exc).__name__}: {exc}"))
+
+    def _time_materialize(self, seconds: float) -> None:
+        self.timers.materialize_s += seconds
 
     def _flush_tier_stores(self) -> None:
         """The connector sends a finished request's stores with the next scheduled step; a serving
@@ -413,10 +419,7 @@ class ThinkerStage:
         first = self._first_step_id
         manager = self.bridge.hooks.manager
         if manager is not None and self.capture.rows_verified and first is not None:
-            try:
-                manager.materialize(first, [])
-            except OmniPrefixCacheUnmatchError:
-                self.double_materialize_refused = True
+            self.double_materialize_refused = second_materialize_refused(manager, first)
             if not self.double_materialize_refused:
                 self.mismatches.append(Mismatch(None, first, None, None, None,
                                                 "a second materialize of a consumed step id was not refused"))

@@ -5,8 +5,9 @@ the thinker's width with weights drawn from the seed, written with ``transformer
 ``save_pretrained`` into a temporary directory removed on exit), ``talker_kwargs`` (no prefix
 caching, no cache, ``prompt_embeds`` on), ``project`` (the identity between the stages: both
 widths are the thinker's) and ``TalkerStage`` (requests given as ``prompt_embeds``; greedy, the
-logprob of every sampled token kept). vLLM is imported only inside functions. Invariants: none
-enforced here (the checks are ``pipeline.checks``).
+logprob of every sampled token kept). vLLM is imported only inside functions.
+
+Upholds nothing itself (the checks are ``pipeline.checks``).
 """
 
 from __future__ import annotations
@@ -54,9 +55,9 @@ def talker_checkpoint(seed: int, model: str = DEFAULT_MODEL) -> Iterator[str]:
                              initializer_range=TALKER_INIT_STD)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            model = LlamaForCausalLM(config)
-        model.save_pretrained(path)
-        del model
+            weights = LlamaForCausalLM(config)
+        weights.save_pretrained(path)
+        del weights
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)

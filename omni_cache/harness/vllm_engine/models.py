@@ -13,7 +13,7 @@ one error line for a bad name), ``model_dir`` (a directory holding only the
 that builds a real thinker (``simulate --engine vllm``, and later ``pipeline``)
 takes ``--model`` through these. vLLM is not imported here.
 
-Invariants: none enforced here (input generation only); the ``hybrid`` model is
+Upholds nothing (input generation only); the ``hybrid`` model is
 what exercises the output KV-cache group of spec/contract.md section 7.1.
 """
 

@@ -25,8 +25,9 @@ keys beside them, one written on finish).
 
 **Fixed cost** is the cache's cost of a decode step of one request and one token (median
 over its steps): what every step pays whatever the batch. The fit's intercept is printed
-beside it. vLLM is imported only inside functions. Invariants: none enforced here; every
-saved step id is materialized exactly once (a second materialize is the bridge's refusal)
+beside it. vLLM is imported only inside functions.
+
+Upholds nothing itself; every saved step id is materialized exactly once (a second materialize is the bridge's refusal)
 and the run fails when one is left unconsumed.
 """
 

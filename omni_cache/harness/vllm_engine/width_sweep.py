@@ -11,8 +11,9 @@ The forward is measured with ``layers`` layers and reported per layer too, so th
 norm are counted in the layers' share; the cache does not depend on the layers). The cache's
 cost is the ``hidden`` stage's (a thinker handing on its hidden rows): ``begin_step + after_forward
 + materialize`` per step, the median over the configuration's steps. vLLM is imported only inside
-functions. Invariants: none enforced here (``step_cost`` fails a run that leaves a step id
-unconsumed).
+functions.
+
+Upholds nothing itself (``step_cost`` fails a run that leaves a step id unconsumed).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The real-engine options of ``omni-cache bench``: ``--engine-step`` and ``--width-sweep``.
+"""The real-engine options of ``omni-cache bench``: ``--engine-step``, ``--width-sweep`` and ``--served``.
 
 Owns: their argument definitions (``add_arguments``) and their runs (``run_engine_extra``,
 called by ``omni_cache.cli.bench.run`` first; None when neither option was given). Both build
