@@ -108,7 +108,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.engine_step is not None or args.width_sweep is not None:  # real engines: refused without vLLM, before torch
+    if any(v is not None for v in (args.engine_step, args.width_sweep, args.served, args.num_prompts)):  # real engines: refused without vLLM, before torch
         from rich.console import Console
 
         from omni_cache.cli.bench_engine import run_engine_extra

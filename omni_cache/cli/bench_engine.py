@@ -24,9 +24,10 @@ import json
 import sys
 from typing import Any
 
-from omni_cache.cli.args import EXIT_FAILED, EXIT_INCOMPLETE, EXIT_USAGE, int_list, plot_path
+from omni_cache.cli.args import EXIT_FAILED, EXIT_INCOMPLETE, EXIT_USAGE, int_list, int_range, plot_path
 
 ENGINE_STEP_MODELS = ("llama", "wide")
+SERVED_MODELS = ("wide-llama", "tiny-llama")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,17 +43,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--width-sweep: the widths (multiples of 128; default 128,256,512,1024,2048,4096)")
     parser.add_argument("--dtypes", choices=("float32", "bfloat16", "both"), default="both",
                         help="--width-sweep: the dtypes (default both)")
+    parser.add_argument("--served", nargs="?", const="wide-llama", default=None, choices=SERVED_MODELS,
+                        metavar="MODEL", help="the served comparison (MODEL: wide-llama, the default, or tiny-llama): "
+                        "three servers -- prefix caching with the cache (omni-cache serve), off, and without the "
+                        "cache -- driven in turn by vLLM's serving benchmark on its prefix-repetition dataset; TTFT "
+                        "and throughput medians, the cache's share of TTFT (needs the [vllm] extra)")
+    parser.add_argument("--num-prompts", type=int_range(2, 1000), default=None,
+                        help="--served: requests per benchmark run (default 16)")
 
 
 def run_engine_extra(args: argparse.Namespace, console: Any) -> int | None:
-    """Run ``--engine-step`` or ``--width-sweep`` if given; None if neither was."""
-    if args.engine_step is None and args.width_sweep is None:
+    """Run ``--engine-step``, ``--width-sweep`` or ``--served`` if given; None if none was."""
+    if args.num_prompts is not None and args.served is None:
+        print("omni-cache bench: error: --num-prompts goes with --served", file=sys.stderr)
+        return EXIT_USAGE
+    if args.engine_step is None and args.width_sweep is None and args.served is None:
         return None
     if args.widths and any(w % 128 for w in args.widths):
         print(f"omni-cache bench: error: --widths must be multiples of 128, got {args.widths}", file=sys.stderr)
         return EXIT_USAGE
     if importlib.util.find_spec("vllm") is None:
-        print("omni-cache bench: error: --engine-step and --width-sweep run real vLLM engines; vLLM is not "
+        print("omni-cache bench: error: --engine-step, --width-sweep and --served run real vLLM engines; vLLM is not "
               "installed (see the README's set-up with the [vllm] extra)", file=sys.stderr)
         return EXIT_USAGE
     from omni_cache.harness.vllm_engine.engine import prepare_vllm_env
@@ -66,6 +77,8 @@ def run_engine_extra(args: argparse.Namespace, console: Any) -> int | None:
         rc = max(rc, _engine_step(args, console, repeats, say, doc))
     if args.width_sweep is not None:
         rc = max(rc, _width_sweep(args, console, repeats, say, doc))
+    if args.served is not None:
+        rc = max(rc, _served(args, console, repeats, say, doc))
     if args.json:
         print(json.dumps(doc, indent=2))
     return rc
@@ -97,6 +110,34 @@ def _engine_step(args: argparse.Namespace, console: Any, repeats: int, say: Any,
     if result.unconsumed:
         return EXIT_FAILED
     return 0 if result.passed else EXIT_INCOMPLETE
+
+
+def _served(args: argparse.Namespace, console: Any, repeats: int, say: Any, doc: dict[str, Any]) -> int:
+    from omni_cache.harness.bench.served import SETUPS, ServedBenchConfig, run_served_bench
+
+    cfg = ServedBenchConfig(model=args.served, repeats=repeats,
+                            **({"num_prompts": args.num_prompts} if args.num_prompts else {}))
+    result = run_served_bench(cfg, progress=say)
+    doc["served"] = result.to_json()
+    if not args.json:
+        from rich.table import Table
+
+        table = Table(title=f"omni-cache bench --served {cfg.model}: vLLM's serving benchmark, prefix-repetition "
+                            f"({cfg.num_prompts} requests, prefixes of {cfg.prefix_len} tokens, medians of "
+                            f"{cfg.repeats} repeats)", title_justify="left")
+        for col in ("setup", "mean TTFT ms", "median TTFT ms", "p99 TTFT ms", "req/s", "output tok/s"):
+            table.add_column(col, justify="left" if col == "setup" else "right")
+        for setup, what in SETUPS.items():
+            m = result.medians[setup]
+            table.add_row(what, f"{m['mean_ttft_ms']:,.0f}", f"{m['median_ttft_ms']:,.0f}", f"{m['p99_ttft_ms']:,.0f}",
+                          f"{m['request_throughput']:.3f}", f"{m['output_throughput']:.2f}")
+        console.print(table)
+        r = result.ratios()
+        console.print(f"TTFT speedup over prefix caching off: {r['ttft_speedup']:.3f} with the cache, "
+                      f"{r['apc_alone_ttft_speedup']:.3f} without it (kept {r['kept_of_apc_ttft']:.1%}); the cache's "
+                      f"share of TTFT {r['cache_share_of_ttft']:.1%}; throughput x{r['throughput_speedup']:.3f} "
+                      f"(x{r['apc_alone_throughput_speedup']:.3f} without the cache); {result.seconds:.0f} s")
+    return 0
 
 
 def step_cost_table(result: Any) -> Any:
