@@ -32,6 +32,7 @@ step id given to ``consume`` is consumed exactly once (I1), whatever happens to 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import logging
 import math
 import os
@@ -45,6 +46,7 @@ from typing import Any
 import torch
 
 from omni_cache.integration.delivery_files import DeliveryPaths, DeliveryStore
+from omni_cache.runtime.errors import OmniPrefixCacheUnmatchError
 from omni_cache.runtime.interface import HIDDEN_KEY, StepId
 
 __all__ = ["DeliveryPlan", "DeliveryResult", "DeliverySettings", "DeliveryTarget", "RowDelivery"]
@@ -227,6 +229,10 @@ class RowDelivery:
         try:
             out = manager.materialize(step_id, [r for r, _, _ in needed])
         except Exception as exc:  # the requests fail, the engine does not
+            # NOTE: a materialize that failed before consuming would leave the step's staging slot
+            # pinned (I1/I2): discard it; one that consumed it already refuses, which is fine.
+            with contextlib.suppress(OmniPrefixCacheUnmatchError):
+                manager.discard_step(step_id)
             self.fail_requests([r for r, _, _ in needed], f"materialize of step {step_id} failed: {exc}")
             return
         self.counters["steps_materialized"] += 1
