@@ -464,10 +464,9 @@ def test_a_file_the_client_cleaned_up_already_is_forgotten_quietly(tmp_path: Pat
 
 def test_files_already_in_the_directory_are_adopted_oldest_first(tmp_path: Path, clock: _Clock) -> None:
     root = _root(tmp_path)
-    for i, name in enumerate(["a.safetensors", "b.safetensors", "c.safetensors"]):
-        Path(root, name).write_bytes(b"x" * 100)
+    for i, name in enumerate(["a.safetensors", "a.safetensors.lock", "b.safetensors", "c.safetensors"]):
+        Path(root, name).write_bytes(b"" if name.endswith(".lock") else b"x" * 100)
         os.utime(os.path.join(root, name), (clock.now - 100 + i, clock.now - 100 + i))
-    Path(root, "a.safetensors.lock").touch()
     Path(root, "notes.txt").write_text("not ours")
     outside = tmp_path / "outside.safetensors"
     outside.write_bytes(b"y" * 1000)
@@ -476,6 +475,21 @@ def test_files_already_in_the_directory_are_adopted_oldest_first(tmp_path: Path,
     store = DeliveryStore(root, max_bytes=250, max_age_s=3600)
     assert sorted(os.listdir(root)) == ["b.safetensors", "c.safetensors", "link.safetensors", "notes.txt"]
     assert store.nbytes == 200 and store.removed == 1 and outside.read_bytes() == b"y" * 1000
+
+
+def test_lock_files_and_error_notes_left_alone_are_adopted_too(tmp_path: Path, clock: _Clock) -> None:
+    """A failed delivery of an earlier server left only ``.lock`` and ``.error``: they are bounded too."""
+    root = _root(tmp_path)
+    for name, age in (("gone.safetensors.lock", 7200), ("gone.safetensors.error", 7200), ("new.safetensors.lock", 10),
+                      ("new.safetensors.error", 10), ("other.lock", 7200)):
+        Path(root, name).write_text("why" if name.endswith(".error") else "")
+        os.utime(os.path.join(root, name), (clock.now - age, clock.now - age))
+    store = DeliveryStore(root, max_bytes=1 << 30, max_age_s=3600)
+    assert sorted(os.listdir(root)) == ["new.safetensors.error", "new.safetensors.lock", "other.lock"]
+    assert store.nbytes == 3 and store.removed == 1
+    clock.now += 3600
+    store.enforce()
+    assert os.listdir(root) == ["other.lock"]
 
 
 def test_adopted_files_older_than_the_age_bound_are_removed_at_start(tmp_path: Path, clock: _Clock) -> None:

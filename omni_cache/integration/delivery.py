@@ -215,8 +215,8 @@ class RowDelivery:
                 self._complete(req_id, rows, len(token_ids), tuple(token_ids))
         for req_id in plan.dropped:
             rows = self._requests.pop(req_id, None)
-            if rows is not None and not rows.done:
-                self.store.release_lock(rows.lock_fd)
+            if rows is not None and not rows.done and rows.target.path is not None:
+                self.store.discard_lock(rows.target.path, rows.lock_fd)  # its client was told no path
 
     def consume(self, manager: Any, step_id: StepId, spans: Iterable[tuple[str, int, int]]) -> None:
         """Consume ``step_id`` (exactly once): materialize the rows the step's requests still

@@ -185,6 +185,13 @@ class DeliveryStore:
         if fd is not None:
             os.close(fd)  # releases LOCK_EX: a reader sleeping on LOCK_SH wakes up
 
+    def discard_lock(self, path: str, fd: int | None) -> None:
+        """A delivery that will never be written and whose path no client was told (its request
+        ended before its rows were complete): remove ``<path>.lock``, then release it."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path + ".lock")
+        self.release_lock(fd)
+
     # ------------------------------------------------------------------ write
     def write(self, path: str, payload: bytes, *, publish: PublishGate | None = None) -> int:
         """Put ``payload`` at ``path`` atomically; never overwrites. Returns the bytes written.
@@ -227,19 +234,23 @@ class DeliveryStore:
         return len(payload)
 
     def note_failure(self, path: str, message: str) -> None:
-        """Best effort: ``<path>.error`` holds why the file is not there (a full disk may refuse it too)."""
+        """Best effort: ``<path>.error`` holds why the file is not there (a full disk may refuse it too).
+        The note and the lock file are then under retention, as a delivered file is."""
+        nbytes = 0
         try:
             fd = os.open(path + ".error", os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
             with os.fdopen(fd, "w") as f:
-                f.write(message + "\n")
+                nbytes = f.write(message + "\n")
         except OSError as exc:
             log.warning("could not record the delivery error of %s: %s", path, exc)
+        self._track(path, nbytes)
 
     # -------------------------------------------------------------- retention
     def _track(self, path: str, nbytes: int) -> None:
         with self._lock:
+            old = self._delivered.pop(path, None)  # e.g. a failed write over an adopted name
+            self._bytes += nbytes - (old.nbytes if old is not None else 0)
             self._delivered[path] = _Delivered(nbytes, time.time())
-            self._bytes += nbytes
             self._enforce_locked()
 
     def enforce(self) -> None:
@@ -270,9 +281,10 @@ class DeliveryStore:
             self.removed += 1
 
     def _adopt_existing(self) -> None:
-        """Files of this naming left in the directory by an earlier server count against the
-        bounds (oldest first); temporary files of a killed writer are removed."""
-        found: list[tuple[float, str, int]] = []
+        """Files of this naming left in the directory by an earlier server (with their lock files
+        and error notes, or those alone) count against the bounds (oldest first); temporary files
+        of a killed writer are removed."""
+        found: dict[str, list[float]] = {}  # a delivery's path -> [newest mtime, bytes] of its files
         for entry in os.scandir(self.root):
             if _TMP_MARK in entry.name:
                 try:
@@ -281,11 +293,13 @@ class DeliveryStore:
                     if exc.errno != errno.ENOENT:
                         log.warning("could not remove the stale temporary file %s: %s", entry.path, exc)
                 continue
-            if entry.name.endswith(FILE_SUFFIX) and entry.is_file(follow_symlinks=False):
+            extra = next((x for x in ("", ".lock", ".error") if entry.name.endswith(FILE_SUFFIX + x)), None)
+            if extra is not None and entry.is_file(follow_symlinks=False):
                 st = entry.stat(follow_symlinks=False)
-                found.append((st.st_mtime, entry.path, st.st_size))
+                seen = found.setdefault(entry.path[: len(entry.path) - len(extra)], [st.st_mtime, 0])
+                seen[0], seen[1] = max(seen[0], st.st_mtime), seen[1] + st.st_size
         with self._lock:
-            for mtime, path, size in sorted(found):
-                self._delivered[path] = _Delivered(size, mtime)
-                self._bytes += size
+            for path, (mtime, size) in sorted(found.items(), key=lambda item: (item[1][0], item[0])):
+                self._delivered[path] = _Delivered(int(size), mtime)
+                self._bytes += int(size)
             self._enforce_locked()
