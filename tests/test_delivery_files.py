@@ -352,8 +352,18 @@ def test_hold_lock_does_not_follow_a_symlink(tmp_path: Path) -> None:
     os.symlink(victim, path + ".lock")
     with pytest.raises(OSError) as info:
         store.hold_lock(path)
-    assert info.value.errno == errno.ELOOP
-    assert victim.read_bytes() == b"x"
+    assert info.value.errno in (errno.EEXIST, errno.ELOOP)
+    assert os.path.islink(path + ".lock") and victim.read_bytes() == b"x"
+
+
+def test_hold_lock_never_shares_or_waits_for_an_existing_lock(tmp_path: Path) -> None:
+    root = _root(tmp_path)
+    store = DeliveryStore(root, max_bytes=1 << 30, max_age_s=3600)
+    path = os.path.join(root, "a.safetensors")
+    fd = store.hold_lock(path)
+    with pytest.raises(FileExistsError):
+        store.hold_lock(path)  # a second request for the same path: refused at once, never a wait
+    store.release_lock(fd)
 
 
 def _vllm_reader():

@@ -171,10 +171,14 @@ class DeliveryStore:
 
     # ------------------------------------------------------------------ locks
     def hold_lock(self, path: str) -> int:
-        """Create ``<path>.lock`` (mode 0600) and hold an exclusive ``flock`` on it; the fd."""
-        fd = os.open(path + ".lock", os.O_CREAT | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        """Create ``<path>.lock`` (mode 0600) and hold an exclusive ``flock`` on it; the fd.
+
+        ``FileExistsError`` when the lock file exists (another request's file is on its way
+        there: two clients may ask for one custom path before either lock exists); never waits,
+        since the engine thread that calls it is the one that would release the other lock."""
+        fd = os.open(path + ".lock", os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BaseException:
             os.close(fd)
             raise
