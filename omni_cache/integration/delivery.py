@@ -259,8 +259,8 @@ class RowDelivery:
                 self._fail(req_id, rows, f"step {step_id} served {sorted(count)} rows for one request's keys")
                 continue
             (n,) = count
-            if n > end - start:  # a hit: the cached prefix rows [0, start), then this step's
-                rows.cached_tokens = n - (end - start)  # (after a preemption, the latest hit's prefix)
+            if end == n:  # rows from position 0: the request (re)starts here, with a hit or without
+                rows.cached_tokens = n - (end - start)  # (after a preemption, only the latest start's hit)
             rows.chunks.append((end - n, tensors))
             target = rows.target
             if not target.include_output_tokens and end >= target.num_prompt_tokens:
