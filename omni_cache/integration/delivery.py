@@ -144,9 +144,7 @@ class DeliverySettings:
         for key, kind in _POSITIVE_KEYS.items():
             if key in settings:
                 value = settings[key]
-                ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) \
-                    and value > 0 and (kind is float or float(value).is_integer())
-                if not ok:
+                if not _positive(value, integer=kind is int):
                     raise ValueError(f"OmniKVConnector: omni_cache.{key} must be a positive "
                                      f"{'integer' if kind is int else 'number'}, got {value!r}")
                 values[key] = kind(value)
@@ -154,6 +152,18 @@ class DeliverySettings:
 
     def paths(self) -> DeliveryPaths:
         return DeliveryPaths(self.delivery_dir, self.nonce, self.allow_custom_save_path)
+
+
+def _positive(value: Any, *, integer: bool) -> bool:
+    """A positive finite int or float (not a bool), integral when ``integer``; an int past float's
+    range is refused too (``math.isfinite`` would raise ``OverflowError``, naming no key)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    try:
+        number = float(value)
+    except OverflowError:
+        return False
+    return math.isfinite(number) and number > 0 and (not integer or number.is_integer())
 
 
 # ---------------------------------------------------------------------------- the worker half
