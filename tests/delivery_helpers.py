@@ -104,6 +104,7 @@ class ServedLoop:
     def __init__(self, directory: str, *, block_size: int = 4, num_blocks: int = 64, max_batched: int = 64,
                  consumer: str | None = None, store: DeliveryStore | None = None, mm: bool = False,
                  hooks: PrefixCacheRunnerHooks | None = None, **settings: Any) -> None:
+        settings.setdefault("delivery_timeout_s", 60.0)  # a loaded machine never fails a healthy write
         self.settings = DeliverySettings(delivery_dir=os.path.realpath(directory), nonce=NONCE, **settings)
         self.scheduler = FakeScheduler(num_blocks=num_blocks, block_size=block_size,
                                        max_num_batched_tokens=max_batched)
