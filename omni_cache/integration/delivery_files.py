@@ -25,7 +25,9 @@ request's file: the name carries a digest of the id and a per-server nonce); a c
 path is honoured only when allowed and only inside the directory after resolving symlinks;
 files and lock files are the server user's only (mode 0600, the directory 0700 when created);
 the directory holds at most ``max_bytes`` of delivered files and none older than
-``max_age_s`` (oldest removed first).
+``max_age_s`` (oldest removed first), a failed delivery's lock file and ``.error`` note included
+(a dropped one's lock file is removed at once); a lock is never shared or waited for (a second
+request for a path whose lock exists fails at once: the engine thread never blocks on a lock).
 
 Fault injection (for tests of a served engine, where no Python hook reaches the worker): the
 environment variable ``OMNI_CACHE_DELIVERY_FAULT`` holds comma-separated rules ``KIND@MARKER``
