@@ -28,11 +28,12 @@ from typing import Any
 import pytest
 import torch
 from cache_helpers import E, config, save, started, truth, wait_until
-from delivery_helpers import NONCE, FullDisk, HeldDisk, ServedLoop, expected_rows, read
+from delivery_helpers import JOIN_S, NONCE, FullDisk, HeldDisk, ServedLoop, expected_rows, read
 
 from omni_cache import PrefixCacheRequestEvent
 from omni_cache.integration import delivery_files
 from omni_cache.integration.delivery import DeliveryPlan, DeliverySettings, DeliveryTarget, RowDelivery
+from omni_cache.integration.delivery_files import DeliveryStore
 from omni_cache.runtime.manager import OmniPrefixCacheManager
 
 KEY = "audio.codes"
@@ -295,6 +296,44 @@ def test_a_write_slower_than_the_timeout_fails_and_is_never_published(worker) ->
     assert "abandoned" in Path(w.path("a") + ".error").read_text()
     w.delivery.finish_step()
     assert w.results() == {} and w.delivery.counters["files"] == 0
+    w.assert_every_step_consumed_once()
+
+
+class _StallsAfterPublishing(DeliveryStore):
+    """Links the file, then stalls before returning (retention unlinking on a slow disk)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.published, self.gate = threading.Event(), threading.Event()
+
+    def write(self, path: str, payload: bytes, *, publish: Any = None) -> int:
+        nbytes = super().write(path, payload, publish=publish)
+        self.published.set()
+        assert self.gate.wait(JOIN_S), "the test never let the write return"
+        return nbytes
+
+
+def test_a_file_published_in_time_is_delivered_without_waiting_for_the_writer(worker) -> None:
+    """The file was linked before the deadline; what the writer does after the link (its retention)
+    must not hold the engine thread past ``delivery_timeout_s``."""
+    w = worker(store_cls=_StallsAfterPublishing, delivery_timeout_s=0.2)
+    w.admit("a", 4)
+    w.m.new_step_starts([started("a")])
+    step_id, rows = save(w.m, [("a", [1], 0, 4)], mm_key=KEY)
+    w.saved += 1
+    w.delivery.consume(w.m, step_id, [("a", 0, 4)])
+    assert w.store.published.wait(JOIN_S)
+    ended = threading.Thread(target=w.delivery.finish_step, daemon=True)
+    ended.start()
+    ended.join(JOIN_S / 2)
+    stuck = ended.is_alive()
+    w.store.gate.set()
+    ended.join(JOIN_S)
+    assert not stuck, "the engine thread waited for a writer whose file was already published"
+    result = w.results()["a"]
+    assert result.error is None and result.nbytes == os.path.getsize(w.path("a"))
+    wait_until(lambda: _lock_is_free(w.path("a")), "the writer released the lock")
+    _assert_file(w.path("a"), rows, w.ids["a"])
     w.assert_every_step_consumed_once()
 
 

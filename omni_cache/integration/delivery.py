@@ -179,6 +179,7 @@ class _Job:
     published: bool = False
     cancelled: threading.Event = field(default_factory=threading.Event)
     future: cf.Future[int] | None = None
+    nbytes: int = 0  # the file's size, set before it is written
 
 
 @dataclass
@@ -301,12 +302,15 @@ class RowDelivery:
                 with job.lock:
                     if not job.published:
                         job.cancelled.set()
+                self._abandoned.append(job)  # still running: it counts against max_pending
                 if job.cancelled.is_set():
-                    self._abandoned.append(job)
                     self._record_failure(job.target, f"the file was not written within delivery_timeout_s="
                                          f"{self.settings.delivery_timeout_s:g}s (a slow or stuck disk)")
                     continue
-                nbytes = job.future.result()  # published just now: it is done
+                # NOTE: published in time: the file is complete; what the writer does after the link
+                # (its retention, on a slow disk) must not hold the engine thread. A reader still
+                # waits on the lock, which the writer releases when it returns.
+                nbytes = job.nbytes
             except Exception as exc:  # the request fails, the engine does not
                 self._record_failure(job.target, f"writing the file failed: {type(exc).__name__}: {exc}")
                 continue
@@ -387,6 +391,7 @@ class RowDelivery:
         try:
             assert job.target.path is not None
             payload = save({k: t.contiguous() for k, t in tensors.items()}, metadata=metadata)
+            job.nbytes = len(payload)
             return self.store.write(job.target.path, payload, publish=job)
         except BaseException as exc:
             if job.target.path is not None:
