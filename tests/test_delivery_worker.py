@@ -182,6 +182,23 @@ def test_a_preempted_hit_counts_only_the_cached_rows_its_file_holds(tmp_path: Pa
     assert loop.bridge.preemptions == 1 and loop.close() == {}
 
 
+def test_a_hit_recomputed_from_scratch_after_a_preemption_counts_no_cached_rows(worker) -> None:
+    """B hits A's 8 rows, is preempted, and resumes with no hit (its prefix blocks were evicted):
+    every row of its file is recomputed, none is a cached copy any more."""
+    w = worker()
+    w.admit("a", 8)
+    rows_a = w.step([started("a")], [("a", [4, 5], 0, 8)])
+    w.admit("b", 12)
+    w.step([started("b", hit_end=8, blocks=[4, 5, 9])], [("b", [4, 5, 9], 8, 10)], tag_of={"b": "a"})
+    again = w.step([PrefixCacheRequestEvent("b", E.RESUMED, 0, 0, ((11, 12, 13),))], [("b", [11, 12, 13], 0, 12)],
+                   tag_of={"b": "b recomputed"})
+    result = w.results()["b"]
+    assert (result.error, result.num_tokens, result.cached_tokens) == (None, 12, 0)
+    _assert_file(w.path("b"), again, w.ids["b"])
+    assert not torch.equal(again[:8], rows_a)
+    w.assert_every_step_consumed_once()
+
+
 def test_steps_no_request_needs_rows_for_are_discarded(worker) -> None:
     w = worker()
     w.step([started("x")], [("x", [1], 0, 3)])  # no target: nobody asked for x's rows
