@@ -24,8 +24,6 @@ import tempfile
 from collections.abc import Sequence
 from typing import Any
 
-from omni_cache.integration.ranks import prepare_parallel_env
-
 __all__ = ["TINY_LLAMA", "WORKER_CLS", "default_delivery_dir", "serve_command", "tiny_llama_dir"]
 
 WORKER_CLS = "omni_cache.integration.vllm_worker.OmniCPUWorker"
@@ -151,9 +149,14 @@ def serve_command(model: str, vllm_args: Sequence[str], *, delivery: dict[str, A
         extra.append("--enable-prefix-caching")
     argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, *extra,
             "--kv-transfer-config", json.dumps(transfer), *args]
+    world_size = _world_size(args)  # the last refusal: a -tp/-pp that is not an integer
+    # NOTE: imported only now: the integration package imports torch, and a user's mistake is one
+    # line before torch
+    from omni_cache.integration.ranks import prepare_parallel_env
+
     env = {"VLLM_USE_V2_MODEL_RUNNER": os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0")}
     # several CPU workers: each gets its own CPUs (vLLM's automatic binding wants a NUMA node per worker)
-    env.update(prepare_parallel_env(_world_size(args), dict(os.environ)))
+    env.update(prepare_parallel_env(world_size, dict(os.environ)))
     return argv, env
 
 
