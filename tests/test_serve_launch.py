@@ -146,6 +146,17 @@ def test_every_tiny_llama_option_can_be_overridden() -> None:
             assert (_option(argv, name) == [value]) if value is not None else argv.count(name) == 1, name
 
 
+@pytest.mark.parametrize(("args", "workers"), [(["-tp", "2"], 2), (["--tensor-parallel-size=2", "-pp", "2"], 4)])
+def test_several_cpu_workers_get_their_own_cpus(args: list[str], workers: int,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    _, env = serve_command("some/model", args, delivery=DELIVERY)
+    assert env["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
+    assert len(env["VLLM_CPU_OMP_THREADS_BIND"].split("|")) == workers
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in serve_command("some/model", args, delivery=DELIVERY)[1]  # the user's
+
+
 # ----------------------------------------------------------------------------------- tiny-llama
 def test_the_tiny_llama_directory_is_built_once_in_a_directory_of_this_user(private_tmp: Path) -> None:
     path = launch.tiny_llama_dir()
@@ -198,6 +209,7 @@ except SystemExit as exc:
     (["serve", "tiny-llama", "--no-enable-prefix-caching"], "--no-enable-prefix-caching: the cache keeps"),
     (["serve", "tiny-llama", "--kv-transfer-config", "{bad"], "--kv-transfer-config is not JSON"),
     (["serve", "--port", "8011"], "unrecognized arguments: --port"),
+    (["serve", "tiny-llama", "--tensor-parallel-size", "two"], "--tensor-parallel-size wants an integer"),
     (["check-server", "ftp://127.0.0.1:1"], "argument URL: wants http://HOST:PORT"),
     (["check-server", "http://127.0.0.1:1", "--families", "0"], "argument --families: wants an integer from 1"),
     (["check-server", "http://127.0.0.1:1", "--tolerance", "2"], "argument --tolerance: wants a number from 0 to 1"),
