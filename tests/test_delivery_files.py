@@ -23,6 +23,7 @@ import contextlib
 import errno
 import fcntl
 import os
+import re
 import stat
 import threading
 from pathlib import Path
@@ -53,10 +54,9 @@ def _no_temporary_files(directory: str) -> list[str]:
 
 # ------------------------------------------------------------------------------------ names
 def _assert_safe_name(name: str) -> None:
-    assert name.endswith(FILE_SUFFIX)
-    assert set(name) <= SAFE_CHARS, name
-    assert not name.startswith("."), name
-    assert len(name) <= 100, len(name)  # far below NAME_MAX (255)
+    assert re.fullmatch(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,47}-[0-9a-f]{20}\.safetensors", name), name
+    assert set(name) <= SAFE_CHARS and not name.startswith("."), name
+    assert len(name) <= 81  # a 48-character prefix, an 80-bit digest: far below NAME_MAX (255)
 
 
 @pytest.mark.parametrize("req_id", HOSTILE_IDS)

@@ -133,6 +133,10 @@ def test_a_miss_then_a_hit_deliver_the_cached_prefix_and_the_computed_rows(worke
     _assert_file(w.path("b"), torch.cat([rows_a[:8], rows_b]), w.ids["b"])
     assert result.as_params() == {"hidden_states_path": w.path("b"), "hidden_states_num_tokens": 14,
                                   "hidden_states_cached_tokens": 8}
+    sizes = [os.path.getsize(w.path(r)) for r in ("a", "b")]
+    assert result.nbytes == sizes[1] and w.delivery.counters == {
+        "files": 2, "bytes": sum(sizes), "failures": 0, "steps_materialized": 2, "steps_discarded": 0}
+    assert len(w.delivery.latencies) == 2
     w.assert_every_step_consumed_once()
 
 
@@ -374,6 +378,34 @@ def test_a_backlog_beyond_max_pending_fails_new_files_at_once(worker) -> None:
     assert w.results()["c"].error is None
     _assert_file(w.path("c"), rows_c, w.ids["c"])
     w.assert_every_step_consumed_once()
+
+
+def test_shutdown_lets_a_write_in_flight_finish_within_its_bound(worker) -> None:
+    w = worker(store_cls=HeldDisk, delivery_timeout_s=0.05)
+    w.admit("a", 4)
+    w.step([started("a")], [("a", [1], 0, 4)])  # abandoned, still on the disk
+    w.admit("b", 8)  # open: its lock is held
+    stopped = threading.Thread(target=w.delivery.shutdown, daemon=True)
+    stopped.start()
+    stopped.join(0.3)
+    assert stopped.is_alive(), "shutdown must wait for the write still on the disk"
+    w.store.gate.set()
+    stopped.join(JOIN_S)
+    assert not stopped.is_alive()
+    assert _lock_is_free(w.path("a")) and os.path.exists(w.path("a") + ".error") and _lock_is_free(w.path("b"))
+    w.assert_every_step_consumed_once()
+
+
+def test_shutdown_on_a_stuck_disk_gives_up_after_its_bound(worker) -> None:
+    w = worker(store_cls=HeldDisk, delivery_timeout_s=0.05)
+    w.admit("a", 4)
+    w.step([started("a")], [("a", [1], 0, 4)])
+    stopped = threading.Thread(target=lambda: w.delivery.shutdown(timeout_s=0.1), daemon=True)
+    stopped.start()
+    stopped.join(JOIN_S / 2)
+    stuck = stopped.is_alive()
+    w.store.gate.set()  # let the writer go, whatever happened
+    assert not stuck, "shutdown waited past its bound for a stuck disk"
 
 
 def test_fail_all_fails_every_open_delivery_and_every_later_one(worker) -> None:
