@@ -258,6 +258,12 @@ class PrefixCacheRunnerHooks:
         with self._lock:
             return self._save_req_ids.get(step_id)
 
+    def take_save_time_req_ids(self, step_id: StepId) -> tuple[ReqId, ...] | None:
+        """Forget ``step_id``'s save-time request ids (a consumer that consumes the step on the
+        manager itself, not through ``materialize``/``discard``); returns them."""
+        with self._lock:
+            return self._save_req_ids.pop(step_id, None)
+
     def materialize(self, step_id: StepId) -> StageCacheOutputs:
         """Merged outputs of the save-time requests; a failed materialize
         discards the step (so its staging slot is not held) and re-raises."""

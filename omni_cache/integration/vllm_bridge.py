@@ -429,6 +429,7 @@ class VllmRunnerBridge:
         if self.consumer == "queue":
             self.step_ids.put(published)
             return
+        self.hooks.take_save_time_req_ids(published.step_id)  # consumed below, on the manager itself
         try:
             if self.delivery is not None:
                 self.delivery.consume(self.hooks.manager, published.step_id, published.spans)

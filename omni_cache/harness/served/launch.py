@@ -26,8 +26,6 @@ import tempfile
 from collections.abc import Sequence
 from typing import Any
 
-from omni_cache.integration.ranks import prepare_parallel_env
-
 __all__ = ["BUILTIN", "TINY_LLAMA", "WORKER_CLS", "builtin_model_dir", "default_delivery_dir", "plain_server_command",
            "serve_command", "tiny_llama_dir"]
 
@@ -158,9 +156,14 @@ def serve_command(model: str, vllm_args: Sequence[str], *, delivery: dict[str, A
         extra.append("--enable-prefix-caching")
     argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, *extra,
             "--kv-transfer-config", json.dumps(transfer), *args]
+    world_size = _world_size(args)  # the last refusal: a -tp/-pp that is not an integer
+    # NOTE: imported only now: the integration package imports torch, and a user's mistake is one
+    # line before torch
+    from omni_cache.integration.ranks import prepare_parallel_env
+
     env = {"VLLM_USE_V2_MODEL_RUNNER": os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0")}
     # several CPU workers: each gets its own CPUs (vLLM's automatic binding wants a NUMA node per worker)
-    env.update(prepare_parallel_env(_world_size(args), dict(os.environ)))
+    env.update(prepare_parallel_env(world_size, dict(os.environ)))
     return argv, env
 
 
@@ -185,6 +188,8 @@ def plain_server_command(model: str, vllm_args: Sequence[str], *, prefix_caching
     model, extra = _model_options(model, args)
     extra.append("--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching")
     argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, *extra, *args]
+    from omni_cache.integration.ranks import prepare_parallel_env  # torch: only once nothing is refused
+
     env = {"VLLM_USE_V2_MODEL_RUNNER": os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0")}
     env.update(prepare_parallel_env(_world_size(args), dict(os.environ)))
     return argv, env

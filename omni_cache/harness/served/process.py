@@ -72,14 +72,31 @@ class ServerProcess:
             os.killpg(self.proc.pid, signal.SIGTERM)
 
     def wait(self, timeout_s: float = 120.0) -> int:
-        """The exit code; after ``timeout_s`` the group is killed and ``TimeoutError`` raised."""
+        """The server's exit code, once every process of its group (engine core, workers) is gone
+        too, so their last log lines are in the log; after ``timeout_s`` the group is killed and
+        ``TimeoutError`` raised."""
+        deadline = time.monotonic() + timeout_s
         try:
-            return self.proc.wait(timeout=timeout_s)
+            code = self.proc.wait(timeout=timeout_s)
+            while self._group_alive():
+                if time.monotonic() > deadline:
+                    raise subprocess.TimeoutExpired(self.proc.args, timeout_s)
+                time.sleep(0.2)
+            return code
         except subprocess.TimeoutExpired:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=30)
             raise TimeoutError(f"the server did not exit within {timeout_s:.0f} s of SIGTERM") from None
+
+    def _group_alive(self) -> bool:
+        try:
+            os.killpg(self.proc.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
 
     def stop(self, timeout_s: float = 60.0) -> None:
         if self.proc.poll() is None:
