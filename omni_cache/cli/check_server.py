@@ -94,8 +94,40 @@ def _print(report: Any) -> None:
         f"{report.cached_tokens}",
         f"negative control (a perturbed prefix row): {'caught' if report.control_caught else 'NOT caught'}",
     ]
+    lines += _metrics_lines(report)
     for problem in report.problems:
         lines.append(f"PROBLEM: {problem}")
     verdict = ("OK" if report.ok and report.hit_requests else "NO HITS" if report.ok else "FAILED")
     lines.append(f"{verdict} in {report.seconds:.1f} s")
     print("\n".join(lines))
+
+
+def _metrics_lines(report: Any) -> list[str]:
+    """The cache's series on /metrics (change during the run, total), beside what the run checked."""
+    metrics = report.metrics
+    if not metrics:
+        return []
+    if not metrics["available"]:
+        return [f"cache metrics: none ({metrics['note']})"]
+    change, total = metrics["change"], metrics["total"]
+    beside = {
+        "vllm:omni_cache_delivered_files_total":
+            f"this run got {2 * report.requests} files ({report.requests} checked, {report.requests} ground truth)",
+        "vllm:omni_cache_hit_requests_total": f"{report.hit_requests} checked files carry cached rows",
+        "vllm:omni_cache_hit_tokens_total":
+            f"{report.cached_tokens} cached rows checked; vllm:prefix_cache_hits "
+            f"+{change.get('vllm:prefix_cache_hits_total', 0):.0f}",
+    }
+    from omni_cache.integration.metrics import SERIES
+
+    def order(key: str) -> tuple[int, str]:  # in SERIES' order
+        return next((i for i, s in enumerate(SERIES) if key.startswith((s.name + "_", s.name + "{"))
+                     or key == s.name), len(SERIES)), key
+
+    lines = [f"cache metrics on {metrics['url']} (change during this run, total):"]
+    ours = sorted((k for k in total if k.startswith("vllm:omni_cache_")), key=order)
+    width = max(len(k) for k in ours)
+    for key in ours:
+        note = f"   {beside[key]}" if key in beside else ""
+        lines.append(f"  {key:<{width}} {change[key]:+g} ({total[key]:g}){note}")
+    return lines

@@ -47,6 +47,8 @@ from omni_cache.runtime.states import STAGING_TABLE, TableMachine
 from omni_cache.runtime.trace import TraceRecorder
 from omni_cache.runtime.validation import RowSig, check_capacity, check_held_sigs, check_sig, row_sig
 
+# Claim waits kept for a reader between two ``take_claim_waits`` (older ones are dropped and counted).
+CLAIM_WAIT_LOG = 4096
 # Slot states through which a page may be read (the step's consumer, or its pool write).
 _READABLE = ("saved", "materialized")
 
@@ -126,7 +128,7 @@ class StagingPool:
         # Claims that had to wait, and how long: a fixed-size histogram (bounded however long the run).
         self._waits = WaitHistogram()
         # Every claim's wait (0.0 when a slot was free), until a reader takes them (metrics).
-        self._claim_log = ObservationLog()
+        self._claim_log = ObservationLog(CLAIM_WAIT_LOG)
         self._note(None, "open", None)  # trace validation reads the configured depth here
 
     # ---- lifecycle (the machine's triggers) ---------------------------------
