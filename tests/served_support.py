@@ -143,6 +143,7 @@ def expected_series(worker: dict[str, Any]) -> dict[str, float]:
     from omni_cache.runtime.errors import ERROR_KINDS
 
     stats, tier, delivery = worker["manager"], worker["tier"], worker["delivery"]
+    assert stats is not None, "the worker's cache starts at the first engine step: send a request first"
     staging = stats["staging"]
     p = "vllm:omni_cache_"
     return {

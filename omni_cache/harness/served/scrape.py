@@ -23,8 +23,9 @@ from omni_cache.integration.metrics import PREFIX
 
 __all__ = ["VLLM_PREFIX_SAMPLES", "MetricsScrape", "metrics_section", "scrape_metrics", "scrape_settled"]
 
-# vLLM's own prefix-cache series, read beside the cache's.
-VLLM_PREFIX_SAMPLES = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")
+# vLLM's own prefix-cache series (local and through a KV connector), read beside the cache's.
+VLLM_PREFIX_SAMPLES = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+                       "vllm:external_prefix_cache_queries_total", "vllm:external_prefix_cache_hits_total")
 _DROP_LABELS = ("engine", "model_name")
 
 
