@@ -46,11 +46,12 @@ def test_an_observation_log_hands_each_value_out_once_and_drops_the_oldest_beyon
     log = ObservationLog(capacity=3)
     for value in (1.0, 2.0, 3.0, 4.0, 5.0):
         log.record(value)
-    assert len(log) == 3 and log.dropped == 2
+    assert len(log) == 3 == log.capacity and log.dropped(5) == 2
     assert log.take() == (3.0, 4.0, 5.0)
     assert log.take() == () and len(log) == 0
     log.record(6.0)
-    assert log.take() == (6.0,) and log.dropped == 2
+    assert log.dropped(6) == 2
+    assert log.take() == (6.0,) and log.dropped(6) == 2
     with pytest.raises(ValueError, match="capacity"):
         ObservationLog(capacity=0)
 
@@ -306,3 +307,116 @@ def test_every_series_has_a_unit_and_vllm_style_name() -> None:
         if series.unit in ("seconds", "bytes") and series.kind != "counter":
             assert series.name.endswith("_" + series.unit), series.name
         assert bool(series.buckets) == (series.kind == "histogram")
+
+
+# ---- check-server's view of /metrics -------------------------------------------------------------
+
+_VLLM_ONLY = """# HELP vllm:prefix_cache_hits Prefix cache hits, in terms of number of cached tokens.
+# TYPE vllm:prefix_cache_hits counter
+vllm:prefix_cache_hits_total{engine="0",model_name="m"} 64.0
+"""
+_OURS = _VLLM_ONLY + """# HELP vllm:omni_cache_hit_tokens x
+# TYPE vllm:omni_cache_hit_tokens counter
+vllm:omni_cache_hit_tokens_total{engine="0",model_name="m"} 64.0
+vllm:omni_cache_hit_tokens_total{engine="1",model_name="m"} 32.0
+vllm:omni_cache_hit_tokens_created{engine="0",model_name="m"} 1.7e+09
+# HELP vllm:omni_cache_errors x
+# TYPE vllm:omni_cache_errors counter
+vllm:omni_cache_errors_total{engine="0",kind="staging",model_name="m"} 2.0
+# HELP vllm:omni_cache_staging_wait_seconds x
+# TYPE vllm:omni_cache_staging_wait_seconds histogram
+vllm:omni_cache_staging_wait_seconds_bucket{engine="0",le="+Inf",model_name="m"} 3.0
+vllm:omni_cache_staging_wait_seconds_count{engine="0",model_name="m"} 3.0
+vllm:omni_cache_staging_wait_seconds_sum{engine="0",model_name="m"} 0.5
+"""
+
+
+@pytest.fixture
+def metrics_server() -> Any:
+    """A plain HTTP server whose /metrics body the test sets (``server.body``; ``None``: 404)."""
+    import http.server
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = self.server.body  # type: ignore[attr-defined]
+            if body is None or self.path != "/metrics":
+                self.send_error(404)
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.end_headers()
+            self.wfile.write(body.encode())
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.body = None  # type: ignore[attr-defined]
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+def test_check_server_reads_the_caches_series_and_says_so_when_a_server_has_none(metrics_server: Any) -> None:
+    from omni_cache.cli.check_server import _metrics_lines
+    from omni_cache.harness.served.scrape import metrics_section, scrape_metrics, scrape_settled
+
+    url = f"http://127.0.0.1:{metrics_server.server_address[1]}"
+    missing = scrape_metrics(url)
+    assert not missing.available and "HTTP 404" in (missing.note or "")
+    metrics_server.body = _VLLM_ONLY
+    plain = scrape_metrics(url)
+    assert not plain.available and "has no vllm:omni_cache_" in (plain.note or "")
+    report = SimpleNamespace(requests=1, hit_requests=0, cached_tokens=0, metrics=metrics_section(plain, plain))
+    assert report.metrics == {"available": False, "url": url + "/metrics", "note": plain.note}
+    assert _metrics_lines(report) == [f"cache metrics: none ({plain.note})"]
+    metrics_server.body = "this is {not prometheus"
+    assert "is not Prometheus text" in (scrape_metrics(url).note or "")
+    metrics_server.body = _OURS
+    ours = scrape_settled(url, settle_s=1.0)
+    assert ours.samples == {"vllm:prefix_cache_hits_total": 64.0, "vllm:omni_cache_hit_tokens_total": 96.0,
+                            'vllm:omni_cache_errors_total{kind="staging"}': 2.0,
+                            "vllm:omni_cache_staging_wait_seconds_count": 3.0,
+                            "vllm:omni_cache_staging_wait_seconds_sum": 0.5}
+    section = metrics_section(plain, ours)
+    assert not section["available"], "a run that began without the series has no change to report"
+    section = metrics_section(ours, ours)
+    assert section["available"] and section["change"]["vllm:omni_cache_hit_tokens_total"] == 0
+    report.metrics = section
+    lines = _metrics_lines(report)
+    assert lines[1].split() == ["vllm:omni_cache_hit_tokens_total", "+0", "(96)", "0", "cached", "rows", "checked;",
+                                "vllm:prefix_cache_hits", "+0"]
+    assert any('kind="staging"} +0 (2)' in line for line in lines)
+    closed = f"http://127.0.0.1:{free_port_closed()}"
+    assert not scrape_metrics(closed, timeout_s=2.0).available
+
+
+def free_port_closed() -> int:
+    """A port nothing listens on."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_the_docs_list_every_series_with_its_type_and_unit() -> None:
+    """docs/metrics.md has one table row per series (name, type, unit), every error kind, and is
+    linked from docs/serving.md and the README's documentation table."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    page = (root / "docs" / "metrics.md").read_text(encoding="utf-8")
+    rows = {m.group(1): (m.group(2).strip(), m.group(3).strip())
+            for m in re.finditer(r"^\| `(vllm:omni_cache_\w+)` \| ([^|]+) \| ([^|]+) \|", page, re.M)}
+    assert set(rows) == {s.name for s in SERIES}
+    for series in SERIES:
+        kind, unit = rows[series.name]
+        assert kind.startswith(series.kind) and unit == series.unit, (series.name, kind, unit)
+    for kind in ERROR_KINDS:
+        assert f"| `{kind}` |" in page, kind
+    assert "(metrics.md)" in (root / "docs" / "serving.md").read_text(encoding="utf-8")
+    assert "[docs/metrics.md](docs/metrics.md)" in (root / "README.md").read_text(encoding="utf-8")

@@ -113,21 +113,27 @@ def _metrics_lines(report: Any) -> list[str]:
     beside = {
         "vllm:omni_cache_delivered_files_total":
             f"this run got {2 * report.requests} files ({report.requests} checked, {report.requests} ground truth)",
-        "vllm:omni_cache_hit_requests_total": f"{report.hit_requests} checked files carry cached rows",
+        "vllm:omni_cache_hit_requests_total": f"{report.hit_requests} checked responses name cached rows",
         "vllm:omni_cache_hit_tokens_total":
             f"{report.cached_tokens} cached rows checked; vllm:prefix_cache_hits "
             f"+{change.get('vllm:prefix_cache_hits_total', 0):.0f}",
     }
     from omni_cache.integration.metrics import SERIES
+    from omni_cache.runtime.errors import ERROR_KINDS
 
-    def order(key: str) -> tuple[int, str]:  # in SERIES' order
-        return next((i for i, s in enumerate(SERIES) if key.startswith((s.name + "_", s.name + "{"))
-                     or key == s.name), len(SERIES)), key
+    def order(key: str) -> tuple[int, int, str]:  # in SERIES' order, error kinds in theirs
+        series = next((i for i, s in enumerate(SERIES) if key.startswith((s.name + "_", s.name + "{"))
+                       or key == s.name), len(SERIES))
+        kind = next((i for i, k in enumerate(ERROR_KINDS) if f'kind="{k}"' in key), -1)
+        return series, kind, key
+
+    def number(value: float, sign: str = "") -> str:
+        return f"{value:{sign},.0f}" if float(value).is_integer() else f"{value:{sign}.4g}"
 
     lines = [f"cache metrics on {metrics['url']} (change during this run, total):"]
     ours = sorted((k for k in total if k.startswith("vllm:omni_cache_")), key=order)
     width = max(len(k) for k in ours)
     for key in ours:
         note = f"   {beside[key]}" if key in beside else ""
-        lines.append(f"  {key:<{width}} {change[key]:+g} ({total[key]:g}){note}")
+        lines.append(f"  {key:<{width}} {number(change[key], '+')} ({number(total[key])}){note}")
     return lines

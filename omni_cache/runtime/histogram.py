@@ -77,26 +77,35 @@ class WaitHistogram:
 
 
 class ObservationLog:
-    """The values recorded since the last ``take``: at most ``capacity``, the oldest dropped first."""
+    """The values recorded since the last ``take``: at most ``capacity``, the oldest dropped first.
 
-    __slots__ = ("_values", "dropped")
+    ``record`` is the deque's own ``append`` (no Python line per value: it sits on the per-step
+    path); the owner counts what it recorded, and ``dropped(recorded)`` says how many of those
+    were pushed out unread."""
+
+    __slots__ = ("_values", "record", "taken")
 
     def __init__(self, capacity: int = 4096) -> None:
         if capacity < 1:
             raise ValueError(f"ObservationLog: capacity must be >= 1, got {capacity}")
         self._values: collections.deque[float] = collections.deque(maxlen=capacity)
-        self.dropped = 0  # values pushed out unread (the reader took them too rarely)
+        self.record = self._values.append
+        self.taken = 0  # values handed out by ``take`` so far
 
-    def record(self, value: float) -> None:
-        if len(self._values) == self._values.maxlen:
-            self.dropped += 1
-        self._values.append(value)
+    @property
+    def capacity(self) -> int:
+        return self._values.maxlen or 0
 
     def take(self) -> tuple[float, ...]:
         """Every value recorded since the last ``take`` (oldest first), and forget them."""
         values = tuple(self._values)
         self._values.clear()
+        self.taken += len(values)
         return values
+
+    def dropped(self, recorded: int) -> int:
+        """Of ``recorded`` values (the owner's count), how many were pushed out unread."""
+        return recorded - self.taken - len(self._values)
 
     def __len__(self) -> int:
         return len(self._values)

@@ -148,11 +148,12 @@ class StagingPool:
                     self.machine.fire(slot, "claim")
                     slot.num_rows = num_rows
                     self.num_claims += 1
-                    waited = 0.0
                     if start is not None:
                         waited = time.perf_counter() - start
                         self._waits.record(waited)
-                    self._claim_log.record(waited)
+                        self._claim_log.record(waited)
+                    else:
+                        self._claim_log.record(0.0)
                     return slot
                 if start is None:
                     start = time.perf_counter()
@@ -388,7 +389,7 @@ class StagingPool:
     def stats(self) -> dict[str, Any]:
         with self._lock:
             num_waits, max_wait = self._waits.count, self._waits.max_s
-            dropped = self._claim_log.dropped
+            dropped = self._claim_log.dropped(self.num_claims)
             states = [s.state for s in self._slots]
         return {
             "depth": self.depth,
