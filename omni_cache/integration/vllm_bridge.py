@@ -31,7 +31,8 @@ in the worker's process consumes ``step_ids``: the in-process drivers of the har
 first two modes a cache fault never takes the engine down: a failed materialize fails the
 deliveries it was for, and a failed step (events, tier plan or save) fails the cache for good
 -- it stops saving and serving, every delivery from then on fails with the reason -- while the
-engine keeps serving; in ``"queue"`` mode every error raises, as the contract says.
+engine keeps serving; each such contained error is counted by kind (``errors``: the served
+engine's ``vllm:omni_cache_errors``). In ``"queue"`` mode every error raises, as the contract says.
 
 Upholds I1 on the producer side: every saved step id is consumed exactly once -- published
 exactly once on ``step_ids`` (``"queue"``: the consumer must materialize or discard it exactly
