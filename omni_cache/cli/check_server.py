@@ -1,7 +1,8 @@
 """``omni-cache check-server URL``: a running server's delivered files checked over HTTP.
 
 Owns: the subcommand's arguments (validated before anything heavy is imported: a mistake is one
-line and exit 2) and its exit code: 0 every request's file equals the ground truth (its prompt
+line and exit 2), its report's text (the cache's ``/metrics`` series beside what was checked) and
+its exit code: 0 every request's file equals the ground truth (its prompt
 recomputed with a fresh ``cache_salt``), requests hit the prefix cache and the negative control
 was caught; 1 a check failed (or the server could not be driven); 3 clean, but no request hit.
 The run is ``omni_cache.harness.served.check``. Invariants: none enforced here.
@@ -36,7 +37,9 @@ def register(subparsers: Any) -> None:
             "load_hidden_states and check it against the same prompt recomputed by the same server with a fresh "
             "cache_salt (no prefix cache): token_ids equal, one row per token, every row equal bit for bit (or "
             "within --tolerance, for engines that are not batch-invariant). A negative control (one prefix row "
-            "perturbed) must be caught. Works against the built-in tiny-llama or a real model."),
+            "perturbed) must be caught. The server's /metrics is read before and after the run: the cache's "
+            "vllm:omni_cache_* series are printed beside what was checked (or why there are none). Works against "
+            "the built-in tiny-llama or a real model."),
         epilog="Exit codes: 0 every file checked equal, prefix hits, control caught; 1 a check failed or the "
         "server could not be driven; 2 bad arguments; 3 clean, but no request hit the prefix cache.",
     )
