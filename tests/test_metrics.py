@@ -280,6 +280,24 @@ def test_only_the_output_rank_of_an_engine_whose_cache_is_on_reports() -> None:
         m.shutdown()
 
 
+class _BrokenStats:
+    config = SimpleNamespace(staging_depth=4)
+
+    def stats(self) -> dict[str, Any]:
+        raise KeyError("a bug in the numbers")
+
+
+def test_a_report_that_fails_ends_the_reports_and_never_raises_into_the_engine() -> None:
+    broken = _BrokenStats()
+    bridge = SimpleNamespace(hooks=SimpleNamespace(manager=broken, config=broken.config), errors=ErrorTally(),
+                             failed=None, delivery=None)
+    reporter = CacheMetricsReporter()
+    reporter.bind(bridge, output_rank=True)
+    assert reporter.reporting
+    assert reporter.report() is None and reporter.failed is not None and "a bug in the numbers" in reporter.failed
+    assert not reporter.reporting and reporter.report() is None
+
+
 def test_before_the_first_step_the_report_has_the_configured_depth_and_zeros() -> None:
     m = manager()
     try:

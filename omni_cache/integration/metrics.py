@@ -21,6 +21,7 @@ rank reports nothing, so nothing is counted twice when vLLM aggregates the worke
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,8 @@ from omni_cache.runtime.errors import ERROR_KINDS
 
 __all__ = ["ERRORS", "PREFIX", "SERIES", "CacheMetricsReporter", "Series", "bind_worker_metrics",
            "cache_sources", "series_named", "worker_metrics"]
+
+log = logging.getLogger(__name__)
 
 PREFIX = "vllm:omni_cache_"
 ERRORS = "errors"  # the counter labelled by ``kind`` (``ERROR_KINDS``)
@@ -169,6 +172,7 @@ class CacheMetricsReporter:
         self._sent_counters: dict[str, int] = {}
         self._sent_errors: dict[str, int] = {}
         self._sent_gauges: dict[str, float] | None = None
+        self.failed: str | None = None  # why reports stopped (a report raised)
 
     def bind(self, bridge: Any, *, output_rank: bool) -> None:
         """The runner bridge whose cache this worker reports; only an ``output_rank`` reports."""
@@ -177,8 +181,10 @@ class CacheMetricsReporter:
 
     @property
     def reporting(self) -> bool:
-        """Whether this worker reports: the output rank of an engine whose cache is on."""
-        return self._bridge is not None and self._output_rank and self._bridge.hooks.config is not None
+        """Whether this worker reports: the output rank of an engine whose cache is on (until a
+        report fails)."""
+        return (self._bridge is not None and self._output_rank and self._bridge.hooks.config is not None
+                and self.failed is None)
 
     def sources(self) -> dict[str, Any]:
         """``cache_sources`` of the bound bridge and this connector's delivery and tier."""
@@ -188,9 +194,19 @@ class CacheMetricsReporter:
         """What changed since the last report, or ``None`` (nothing did, or this rank does not report):
         ``counters`` and ``errors`` (increments), ``gauges`` (current values), ``observations``
         (histogram values recorded since the last report). Plain values only: vLLM pickles the
-        report to the scheduler and msgpack-encodes it to the API server."""
+        report to the scheduler and msgpack-encodes it to the API server. A report that fails
+        is logged with its traceback and ends this worker's reports (``failed``); metrics never
+        take the engine down."""
         if not self.reporting:
             return None
+        try:
+            return self._report()
+        except Exception as exc:
+            self.failed = f"{type(exc).__name__}: {exc}"
+            log.exception("omni-cache metrics: a report failed; this worker reports no more cache metrics")
+            return None
+
+    def _report(self) -> dict[str, Any] | None:
         counters, errors, gauges = _cumulative(self.sources())
         manager, delivery = self._bridge.hooks.manager, self.delivery
         observations = {
