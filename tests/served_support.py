@@ -4,13 +4,18 @@
 (vLLM's default multiprocess engine: API server, engine core and worker processes) as the
 harness's ``ServerProcess``: its own process group, a wait for ``/health``, a stop by SIGTERM
 (then SIGKILL), the log kept. ``complete`` is a real HTTP client (stdlib ``urllib``): it POSTs to ``/v1/completions``.
-Files are read with vLLM's own ``load_hidden_states``.
+Files are read with vLLM's own ``load_hidden_states``. ``worker_stats`` reads every worker's
+``omni_cache_stats`` through vLLM's dev-mode ``/collective_rpc`` (the server needs
+``VLLM_SERVER_DEV_MODE=1``); ``expected_series`` maps one worker's numbers to the ``/metrics``
+samples they must equal -- written out here, independently of the package's own mapping -- and
+``metrics_matching_worker`` waits (bounded) until a scrape equals them.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -74,3 +79,60 @@ def load(path: str) -> dict[str, Any]:
     )
 
     return load_hidden_states(path)
+
+
+def post_json(url: str, body: dict[str, Any], timeout_s: float = 60.0) -> Any:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout_s) as response:
+        raw = response.read()
+    return json.loads(raw) if raw else None
+
+
+def worker_stats(url: str) -> list[dict[str, Any]]:
+    """Every worker's ``omni_cache_stats`` (rank order), through the served engine's ``/collective_rpc``."""
+    return post_json(url + "/collective_rpc", {"method": "omni_cache_stats"})["results"]
+
+
+def expected_series(worker: dict[str, Any]) -> dict[str, float]:
+    """The ``/metrics`` samples one worker's numbers (``omni_cache_stats``) make, as docs/metrics.md says."""
+    from omni_cache.runtime.errors import ERROR_KINDS
+
+    stats, tier, delivery = worker["manager"], worker["tier"], worker["delivery"]
+    assert stats is not None, "the worker's cache starts at the first engine step: send a request first"
+    staging = stats["staging"]
+    p = "vllm:omni_cache_"
+    return {
+        p + "saved_tokens_total": stats["saved_rows"], p + "hit_tokens_total": stats["hit_tokens"],
+        p + "hit_requests_total": stats["hits"], p + "failed_writes_total": stats["writes_failed"],
+        p + "tier_stores_total": tier["tier_stored_blocks"],
+        p + "tier_loads_total": tier["tier_restored_blocks"] + tier["tier_load_failures"],
+        p + "tier_restores_total": stats["tier_restores"], p + "tier_evictions_total": tier["tier_evictions"],
+        p + "tier_load_failures_total": tier["tier_load_failures"],
+        p + "delivered_files_total": delivery["files"], p + "delivered_bytes_total": delivery["bytes"],
+        p + "delivery_failures_total": delivery["failures"],
+        p + "staging_slots_in_use": staging["depth"] - staging["slots"]["free"], p + "staging_depth": staging["depth"],
+        p + "pool_bytes": sum(stats["pool_bytes"].values()), p + "staging_bytes": sum(staging["page_bytes"].values()),
+        p + "writes_in_flight": stats["writes_in_flight"], p + "tier_bytes": tier["tier_bytes"],
+        p + "staging_wait_seconds_count": staging["claims"], p + "delivery_latency_seconds_count": delivery["files"],
+        **{p + f'errors_total{{kind="{kind}"}}': worker["errors"][kind] for kind in ERROR_KINDS},
+    }
+
+
+def metrics_matching_worker(url: str, rank: int = 0, timeout_s: float = 30.0) -> tuple[Any, list[dict[str, Any]]]:
+    """The scrape of ``/metrics`` and the workers' numbers once every sample ``expected_series``
+    names equals worker ``rank``'s (the engine's last steps reach the API server a moment after
+    their outputs); an ``AssertionError`` listing the differences if they never do."""
+    from omni_cache.harness.served.scrape import scrape_metrics
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        scrape = scrape_metrics(url)
+        workers = worker_stats(url)
+        assert scrape.available, scrape.note
+        want = expected_series(workers[rank])
+        diff = {k: (scrape.samples.get(k), v) for k, v in want.items() if scrape.samples.get(k) != v}
+        if not diff:
+            return scrape, workers
+        if time.monotonic() > deadline:
+            raise AssertionError(f"/metrics (got, worker's) differ after {timeout_s:.0f} s: {diff}")
+        time.sleep(0.5)

@@ -46,7 +46,8 @@ from typing import Any
 import torch
 
 from omni_cache.integration.delivery_files import DeliveryPaths, DeliveryStore
-from omni_cache.runtime.errors import OmniPrefixCacheUnmatchError
+from omni_cache.runtime.errors import ErrorTally, OmniPrefixCacheUnmatchError
+from omni_cache.runtime.histogram import ObservationLog
 from omni_cache.runtime.interface import HIDDEN_KEY, StepId
 
 __all__ = ["DeliveryPlan", "DeliveryResult", "DeliverySettings", "DeliveryTarget", "RowDelivery"]
@@ -210,7 +211,9 @@ class RowDelivery:
         self._results: list[DeliveryResult] = []
         self._failed_reason: str | None = None  # the whole cache failed: every delivery fails
         self.counters = {"files": 0, "bytes": 0, "failures": 0, "steps_materialized": 0, "steps_discarded": 0}
-        self.latencies: list[float] = []  # seconds from hand-off to published, per file (for metrics)
+        # Seconds from hand-off to published, per file, until the metrics report takes them (bounded).
+        self._latencies = ObservationLog()
+        self.errors = ErrorTally()  # the contract errors a materialize raised (each failed its requests)
 
     # ----------------------------------------------------------------- per step
     def begin_step(self, plan: DeliveryPlan | None, prompt_token_ids: Mapping[str, Any]) -> None:
@@ -240,6 +243,7 @@ class RowDelivery:
         try:
             out = manager.materialize(step_id, [r for r, _, _ in needed])
         except Exception as exc:  # the requests fail, the engine does not
+            self.errors.record(exc)
             # NOTE: a materialize that failed before consuming would leave the step's staging slot
             # pinned (I1/I2): discard it; one that consumed it already refuses, which is fine.
             with contextlib.suppress(OmniPrefixCacheUnmatchError):
@@ -316,6 +320,11 @@ class RowDelivery:
                 continue
             self._record_success(job, nbytes)
         self._abandoned = [j for j in self._abandoned if j.future is not None and not j.future.done()]
+
+    def take_latencies(self) -> tuple[float, ...]:
+        """Each published file's latency (seconds from hand-off to the writer to published) since
+        the last call: the observations behind the delivery-latency histogram."""
+        return self._latencies.take()
 
     def take_results(self) -> tuple[DeliveryResult, ...]:
         results, self._results = tuple(self._results), []
@@ -421,7 +430,7 @@ class RowDelivery:
         seconds = time.monotonic() - job.started
         self.counters["files"] += 1
         self.counters["bytes"] += nbytes
-        self.latencies.append(seconds)
+        self._latencies.record(seconds)
         self._results.append(DeliveryResult(job.target.req_id, job.target.path, None, job.num_tokens,
                                              job.cached_tokens, nbytes, seconds))
 

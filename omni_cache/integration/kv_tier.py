@@ -17,7 +17,10 @@ Configure it with ``kv_transfer_config = {"kv_connector": "OmniKVConnector",
 load errors, handshakes, stats, HMA) is delegated to the wrapped connectors
 exactly as ``MultiConnector`` does; only ``get_num_new_matched_tokens``,
 ``update_state_after_alloc``, ``request_finished(_all_groups)`` and
-``build_connector_meta`` add to it. The class is built on first attribute
+``build_connector_meta`` add to it, and the stats path carries the cache's metrics
+beside the wrapped connectors' (``get_kv_connector_stats``, ``build_kv_connector_stats``,
+``build_prom_metrics``: ``omni_cache.integration.metrics_vllm``; the worker's
+``metrics.CacheMetricsReporter`` makes the reports). The class is built on first attribute
 access (PEP 562), so importing this module never imports vLLM.
 
 Upholds contract section 4.10 on the scheduler side: a load names, for each
@@ -40,6 +43,7 @@ from omni_cache.integration.delivery import (
     RowDelivery,
 )
 from omni_cache.integration.delivery_sched import DeliveryScheduler
+from omni_cache.integration.metrics import CacheMetricsReporter
 from omni_cache.integration.tier_apply import TierApplier, TierLoad, TierPlan, TierStore
 from omni_cache.integration.vllm_logging import use_vllm_logging
 
@@ -104,6 +108,12 @@ def _build() -> dict[str, type]:
         MultiKVConnectorWorkerMetadata,
     )
 
+    from omni_cache.integration.metrics_vllm import (
+        build_prom_metrics,
+        combine_stats,
+        rebuild_stats,
+        remember_child_classes,
+    )
     from omni_cache.runtime.tier import HiddenTier
 
     @dataclass
@@ -140,12 +150,14 @@ def _build() -> dict[str, type]:
             self.omni_tier_applier: TierApplier | None = None
             self.omni_delivery: RowDelivery | None = None
             self.omni_delivery_sched: DeliveryScheduler | None = None
+            self.omni_metrics: CacheMetricsReporter | None = None
             delivery = settings["delivery"]
             if role == KVConnectorRole.WORKER:
                 self.omni_tier_applier = TierApplier(
                     HiddenTier(settings["tier_bytes"], settings["tier_dir"]), self._omni_block_size)
                 if delivery is not None:
                     self.omni_delivery = RowDelivery(delivery)
+                self.omni_metrics = CacheMetricsReporter(self.omni_delivery, self.omni_tier_applier)
             elif delivery is not None:
                 self.omni_delivery_sched = DeliveryScheduler(delivery)
 
@@ -155,7 +167,25 @@ def _build() -> dict[str, type]:
             extra = vllm_config.kv_transfer_config.kv_connector_extra_config
             if extra.get("connectors") is None:
                 extra["connectors"] = []
-            return super()._get_connector_classes_and_configs(vllm_config)
+            children = super()._get_connector_classes_and_configs(vllm_config)
+            remember_child_classes(cls for cls, _ in children)  # their stats are rebuilt by name
+            return children
+
+        # ---------------------------------------------------------- metrics (metrics_vllm)
+        def get_kv_connector_stats(self) -> Any:
+            """The wrapped connectors' stats plus this worker's cache report (output rank only)."""
+            report = self.omni_metrics.report() if self.omni_metrics is not None else None
+            return combine_stats(super().get_kv_connector_stats(), report)
+
+        @classmethod
+        def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
+            return rebuild_stats(data)
+
+        @classmethod
+        def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: list[str],
+                               per_engine_labelvalues: dict[int, list[object]]) -> Any:
+            return build_prom_metrics(cls._get_connector_classes_and_configs(vllm_config), vllm_config,
+                                      metric_types, labelnames, per_engine_labelvalues)
 
         # ---------------------------------------------------------- scheduler side
         def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:

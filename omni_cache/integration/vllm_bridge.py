@@ -31,7 +31,8 @@ in the worker's process consumes ``step_ids``: the in-process drivers of the har
 first two modes a cache fault never takes the engine down: a failed materialize fails the
 deliveries it was for, and a failed step (events, tier plan or save) fails the cache for good
 -- it stops saving and serving, every delivery from then on fails with the reason -- while the
-engine keeps serving; in ``"queue"`` mode every error raises, as the contract says.
+engine keeps serving; each such contained error is counted by kind (``errors``: the served
+engine's ``vllm:omni_cache_errors``). In ``"queue"`` mode every error raises, as the contract says.
 
 Upholds I1 on the producer side: every saved step id is consumed exactly once -- published
 exactly once on ``step_ids`` (``"queue"``: the consumer must materialize or discard it exactly
@@ -52,7 +53,7 @@ import torch
 from omni_cache.integration.block_table import BlockTableView
 from omni_cache.integration.runner_hooks import PrefixCacheRunnerHooks
 from omni_cache.integration.vllm_logging import use_vllm_logging
-from omni_cache.runtime.errors import OmniPrefixCacheUnmatchError
+from omni_cache.runtime.errors import ErrorTally, OmniPrefixCacheUnmatchError
 from omni_cache.runtime.interface import ModelCachePolicy, ReqId, StepId
 
 __all__ = ["CONFIG_KEY", "ForwardRecord", "PublishedStep", "V2BlockTableMirror", "VllmRunnerBridge", "bridge_of",
@@ -210,6 +211,7 @@ class VllmRunnerBridge:
         self.consumer: str | None = consumer
         self.delivery: Any = None  # the worker's delivery.RowDelivery ("deliver")
         self.failed: str | None = None  # the cache failed for good ("deliver"/"discard" only)
+        self.errors = ErrorTally()  # the contract errors contained here ("deliver"/"discard"), by kind
         self._policy_override: ModelCachePolicy | None = None
         if "deferred_keys" in settings or "needs_full_hidden_states" in settings:
             self._policy_override = ModelCachePolicy(
@@ -251,6 +253,9 @@ class VllmRunnerBridge:
         before any step."""
         self.hooks.on_kv_cache_initialized(vllm_config, kv_cache_config)
         self.resolve_consumer(_engine_delivery())
+        from omni_cache.integration.metrics import bind_worker_metrics
+
+        bind_worker_metrics(self)
 
     def resolve_consumer(self, delivery: Any) -> str:
         """Fix the consumer (see the module docstring) given the engine's ``RowDelivery`` (or ``None``)."""
@@ -313,6 +318,7 @@ class VllmRunnerBridge:
             except OmniPrefixCacheUnmatchError as exc:
                 if not self.contained:
                     raise
+                self.errors.record(exc)
                 self._scheduler_output = None
                 self.fail(f"engine step {self.engine_step}: {exc}")
         if self.delivery is not None and (self.active or self.failed is not None):
@@ -415,6 +421,7 @@ class VllmRunnerBridge:
         except OmniPrefixCacheUnmatchError as exc:
             if not self.contained:
                 raise
+            self.errors.record(exc)
             self.fail(f"engine step {self.engine_step}: save_outputs failed: {exc}")
             return None
         if self.observer is not None:
@@ -436,6 +443,7 @@ class VllmRunnerBridge:
             else:
                 self.hooks.manager.discard_step(published.step_id)
         except OmniPrefixCacheUnmatchError as exc:
+            self.errors.record(exc)
             self.fail(f"engine step {self.engine_step}: consuming step {published.step_id} failed: {exc}")
 
     def observe_forward(self, so: Any, view: BlockTableView, spans: tuple[tuple[ReqId, int, int], ...],

@@ -19,7 +19,7 @@ finished requests (also for steps with zero scheduled tokens), ``after_forward``
 with the real hidden states and block table; warmup and dummy runs are never
 fed. The cache is built on the output rank only (``ranks``); ``omni_cache_stats``
 is the worker method ``LLM.collective_rpc("omni_cache_stats")`` calls to read
-each rank's place and host bytes. With pipeline parallelism and
+each rank's place, host bytes and the numbers behind its metrics. With pipeline parallelism and
 ``enforce_eager=True`` the CPU runner skips its warm-up, the one place a
 non-first pipeline rank allocates the buffer for the previous stage's
 intermediate tensors; ``OmniCPUWorker`` allocates it as that warm-up would.
@@ -121,14 +121,22 @@ def allocate_intermediate_tensors(runner: Any) -> bool:
 
 def worker_cache_stats(worker: Any) -> dict[str, Any]:
     """One worker's rank (global ``rank`` as vLLM numbers it), whether it holds
-    the cache, its host bytes and its step counts; plain values only, so the
-    reply crosses any of vLLM's RPC channels."""
+    the cache, its host bytes and its step counts, plus the numbers behind its
+    metrics (``metrics.cache_sources``: the manager's full ``stats()``, the
+    delivery's and the tier's counters, the contained errors by kind); plain
+    values only, so the reply crosses any of vLLM's RPC channels (a served
+    engine's ``/collective_rpc`` too)."""
+    from omni_cache.integration.metrics import cache_sources, worker_metrics
+
     bridge = getattr(worker.model_runner, "omni_cache", None)
     if bridge is None:
         raise RuntimeError("omni_cache_stats: this worker's model runner has no omni cache")
+    reporter = worker_metrics()
+    sources = cache_sources(bridge, reporter.delivery, reporter.tier) if reporter is not None else cache_sources(bridge)
     return {**bridge.hooks.rank_stats(), "engine_steps": int(bridge.engine_step),
             "preemptions": int(bridge.preemptions),
-            "zero_token_steps": int(bridge.zero_token_steps)}
+            "zero_token_steps": int(bridge.zero_token_steps),
+            "reports_metrics": reporter is not None and reporter.reporting, **sources}
 
 
 def shutdown_worker_cache(worker: Any) -> None:

@@ -161,7 +161,7 @@ class OmniPrefixCacheManager:
         self._shut_down = False
         # The saves in progress (its own lock): shutdown closes it and waits for them (contract 4.6).
         self._saves = SaveGate()
-        self.counters = {"hits": 0, "hit_tokens": 0, "misses": 0, "saved": 0,
+        self.counters = {"hits": 0, "hit_tokens": 0, "misses": 0, "saved": 0, "saved_rows": 0,
                          "materialized": 0, "discarded": 0, "budget_flushes": 0,
                          "replayed_steps": 0, "stale_events": 0, "tier_restores": 0}
         # Registration and landing order of the pool writes; shares the state lock.
@@ -360,6 +360,7 @@ class OmniPrefixCacheManager:
                 self._scheduled = {}
             self._num_saved += 1
             self.counters["saved"] += 1
+            self.counters["saved_rows"] += n
             if imm is not None:
                 self._last_immediate = imm
             if deferred is not None:
@@ -448,6 +449,7 @@ class OmniPrefixCacheManager:
             "writes_in_flight": len(self.book.live()),
             "write_queue": self.book.queue_length(),
             "writes_written": self.book.num_written,
+            "writes_failed": self.book.num_failed,
             "deferred_open": deferred_open,
             "deferred_bytes_on_device": deferred_bytes,
             "pool_bytes": self.pool.nbytes(),
@@ -473,6 +475,11 @@ class OmniPrefixCacheManager:
                 step()
 
         return undo
+
+    def take_staging_waits(self) -> tuple[float, ...]:
+        """Each save's wait for a staging slot, in seconds (0.0: a slot was free), since the last
+        call: the observations behind a wait histogram (contract 4.13)."""
+        return self.staging.take_claim_waits()
 
     def state_lock_held_by_current_thread(self) -> bool:
         """For I11 tests: does the calling thread hold the state lock?"""
