@@ -3,6 +3,8 @@
 Everything public is importable from here. No module imports vLLM at module scope. The public
 names are loaded on first use (PEP 562 ``__getattr__``), so ``omni-cache`` parses its arguments
 without importing torch; ``from omni_cache import X`` works as usual.
+
+Upholds nothing itself: the runtime's modules name what they uphold.
 """
 
 from __future__ import annotations

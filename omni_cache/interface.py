@@ -6,11 +6,10 @@ this module keeps the path that callers of the reference import from. Upholds: n
 
 from __future__ import annotations
 
+from omni_cache.runtime.errors import OmniPrefixCacheStagingTimeoutError, OmniPrefixCacheUnmatchError
 from omni_cache.runtime.interface import (
     HIDDEN_KEY,
     ModelCachePolicy,
-    OmniPrefixCacheStagingTimeoutError,
-    OmniPrefixCacheUnmatchError,
     PrefixCacheConfig,
     ReqId,
     StageCacheOutputs,

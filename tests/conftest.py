@@ -14,7 +14,7 @@ Owns: the profile registry and which profile loads. Selected by the
   (and a longer soak, see tests/test_soak.py).
 * ``mutation``: ``ci`` without the shrink phase, for tools/mutation_check.py.
 
-Invariants touched: none directly; this sizes the property tests of I1..I11.
+Invariants touched: none directly; this sizes the property tests of I1..I13.
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ TINY = {"hidden_width": 32, "mm_width": 8, "num_blocks": 64, "prompt_tokens": 32
 def test_decode13_preset_is_the_issue_workload() -> None:
     cases = {c.name: c for c in PRESETS["decode13"]}
     assert [(c.spec["batch_size"], c.spec["hit_tokens"], c.target) for c in cases.values()] == [
-        (8, 256, 0.6), (32, 256, 0.8), (8, 0, 0.6)]
+        (8, 256, 0.8), (32, 256, 0.9), (8, 0, 0.8)]
     for case in cases.values():
         spec = WorkloadSpec(**case.spec)
         assert (spec.hidden_width, spec.mm_width, spec.dtype, spec.block_size, spec.num_blocks) == (

@@ -1,5 +1,5 @@
 """The adapter's value types a user builds: PrefixCacheRequestEvent, PrefixCacheStep,
-PrefixCacheWriteLayout (spec/contract.md section 2; DESIGN section 7).
+PrefixCacheWriteLayout (spec/contract.md sections 2 and 10).
 
 Their defaults are the reference's, malformed values are refused where the value is built,
 and a built value is a private snapshot (I13: a step's events and counts cannot change after
@@ -24,7 +24,7 @@ from omni_cache.runtime.events import PrefixCacheWrite
 
 def test_an_events_defaults_are_the_references() -> None:
     """Mutant: ``events:PrefixCacheRequestEvent:int_off:ee162ae5#3`` (``num_output_tokens`` default
-    0 -> 1). DESIGN section 7: ``PrefixCacheRequestEvent(req_id, kind, hit_start=0, hit_end=0,
+    0 -> 1). spec/contract.md section 10: ``PrefixCacheRequestEvent(req_id, kind, hit_start=0, hit_end=0,
     block_ids=(), scheduled_tokens=0, num_output_tokens=0)``."""
     event = PrefixCacheRequestEvent("r", PrefixCacheEventKind.STARTED)
     assert (event.hit_start, event.hit_end, event.block_ids, event.scheduled_tokens, event.num_output_tokens) == (

@@ -57,7 +57,7 @@ for _op in ("__getitem__", "__setitem__", "__delitem__", "__contains__", "__iter
     setattr(_LockedOnly, _op, _guarded)
 
 
-_GUARDED = ("_requests", "_contexts", "_deferred_open", "counters")
+_GUARDED = ("_requests", "_contexts", "counters")
 
 
 @pytest.mark.parametrize("eager", MODES)
@@ -76,11 +76,13 @@ def test_manager_bookkeeping_is_only_touched_under_the_state_lock(eager: bool) -
     m.new_step_starts([started(r) for r in "efgh"])
     # The emptiness checks of pending hits and open deferred writes are documented lock-free: only
     # the engine thread (this one) adds to either, so its own "none" needs no lock.
-    lock_free = {"_deferred_open": ("__len__",)}
-    guarded = {name: _LockedOnly(m, name, getattr(m, name), lock_free.get(name, ())) for name in _GUARDED}
+    guarded = {name: _LockedOnly(m, name, getattr(m, name)) for name in _GUARDED}
     for name, d in guarded.items():
         setattr(m, name, d)
-    guarded["_hits._pending"] = m._hits._pending = _LockedOnly(m, "_hits._pending", m._hits._pending,
+    # the write scheduler's open deferred writes share the state lock (its emptiness check is lock-free)
+    guarded["scheduling._deferred_open"] = m.scheduling._deferred_open = _LockedOnly(
+        m, "scheduling._deferred_open", m.scheduling._deferred_open, lock_free=("__len__",))
+    guarded["hits._pending"] = m.hits._pending = _LockedOnly(m, "hits._pending", m.hits._pending,
                                                                lock_free=("__len__",))
     m.new_step_starts([started("a"), started("b")])
     s1, rows_a = save(m, [("a", [0, 1], 0, 8)], mm={"audio": torch.ones(8, 3)})
@@ -109,33 +111,39 @@ def test_manager_bookkeeping_is_only_touched_under_the_state_lock(eager: bool) -
 
 
 # ---- I11: the manager's scalar state is touched only under its state lock -----------------
-_GUARDED_ATTRS = ("_num_saved", "_ids_issued", "_scheduled", "_last_immediate", "_deferred_bytes")
+_GUARDED_ATTRS = ("_num_saved", "_ids_issued", "_scheduled", "_last_immediate")
+_GUARDED_SCHEDULING_ATTRS = ("_deferred_bytes",)  # the write scheduler's, under the manager's state lock
 
 
 def _guard_attributes(m: OmniPrefixCacheManager) -> list[str]:
-    """Swap ``m``'s class for a subclass whose guarded attributes record lockless access."""
-    values = {name: m.__dict__.pop(name) for name in (*_GUARDED_ATTRS, "_shut_down", "policy")}
+    """Swap ``m``'s class (and its write scheduler's) for a subclass whose guarded attributes record
+    lockless access."""
     misses: list[str] = []
 
-    def guarded(name: str, check_get: bool = True) -> property:
-        def get(self):  # type: ignore[no-untyped-def]
-            if check_get and not self.state_lock_held_by_current_thread():
-                misses.append(f"read {name}")
-            return values[name]
+    def guard(obj: object, names: tuple[str, ...], lock_free_reads: tuple[str, ...] = ()) -> None:
+        values = {name: obj.__dict__.pop(name) for name in (*names, *lock_free_reads)}
 
-        def put(self, value):  # type: ignore[no-untyped-def]
-            if not self.state_lock_held_by_current_thread():
-                misses.append(f"write {name}")
-            values[name] = value
+        def guarded(name: str, check_get: bool = True) -> property:
+            def get(self):  # type: ignore[no-untyped-def]
+                if check_get and not m.state_lock_held_by_current_thread():
+                    misses.append(f"read {name}")
+                return values[name]
 
-        return property(get, put)
+            def put(self, value):  # type: ignore[no-untyped-def]
+                if not m.state_lock_held_by_current_thread():
+                    misses.append(f"write {name}")
+                values[name] = value
 
-    props = {name: guarded(name) for name in _GUARDED_ATTRS}
+            return property(get, put)
+
+        props = {name: guarded(name) for name in names}
+        props.update({name: guarded(name, check_get=False) for name in lock_free_reads})
+        obj.__class__ = type(f"LockChecked{type(obj).__name__}", (type(obj),), props)
+
     # Lockless reads allowed: the shut-down flag (a bool), and the policy, which validate_save reads
     # before the snapshot (it only changes before the first save; writes still need the lock).
-    props["_shut_down"] = guarded("_shut_down", check_get=False)
-    props["policy"] = guarded("policy", check_get=False)
-    m.__class__ = type("LockCheckedManager", (OmniPrefixCacheManager,), props)
+    guard(m, _GUARDED_ATTRS, ("_shut_down", "policy"))
+    guard(m.scheduling, _GUARDED_SCHEDULING_ATTRS)
     return misses
 
 

@@ -510,8 +510,8 @@ def test_shutdown_stops_the_committer_thread_after_draining() -> None:
 # ---- I5/I12: an ended request's untaken hit is dropped ------------------------------------
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "async"])
 def test_an_ended_requests_untaken_hit_is_never_served(eager: bool) -> None:
-    """Mutant: ``manager:OmniPrefixCacheManager.new_step_starts:del_call:a9b43551`` (the ``end``
-    op's ``self._hits.drop(req_id)`` deleted: the hit stays pending after FINISHED)."""
+    """Mutant: ``manager:OmniPrefixCacheManager.new_step_starts:del_call:9103d72c`` (the ``end``
+    op's ``self.hits.drop(req_id)`` deleted: the hit stays pending after FINISHED)."""
     m = manager(eager)
     try:
         m.new_step_starts([started("x")])

@@ -360,7 +360,7 @@ def test_a_zero_row_write_leaves_its_hit_for_the_first_step_that_schedules_it(ea
 
 
 def test_a_planned_reads_pending_deferred_write_is_queued_by_the_save_that_plans_it() -> None:
-    """Mutant: ``manager:OmniPrefixCacheManager._after_save:del_call:48111a35``. A is live, so its
+    """Mutant: ``scheduling:WriteScheduler.after_save:del_call:98f1dacc``. A is live, so its
     deferred K is still open (it lands at A's FINISHED); B's save plans a hit on A's blocks, which
     needs that write: the save queues it at once (eager: it lands inside the save), so B's
     materialize finds it landed instead of starting it then, and it leaves the open set

@@ -1,4 +1,4 @@
-"""One test per contract invariant I1..I11 (spec/invariants.md traces to these names)."""
+"""One test per contract invariant of the manager's core, I1 through I11 (I12 and I13: tests/test_request_identity.py); spec/invariants.md traces to these names."""
 
 from __future__ import annotations
 

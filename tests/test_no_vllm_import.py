@@ -1,4 +1,4 @@
-"""No module of omni_cache imports vLLM at module scope (DESIGN section 6).
+"""No module of omni_cache imports vLLM at module scope (spec/contract.md, "No module imports vLLM at module scope").
 
 Scans every module's AST: an ``import vllm...`` / ``from vllm... import`` is
 allowed only inside a function body. Also checks that ``import omni_cache``

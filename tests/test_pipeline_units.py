@@ -271,7 +271,8 @@ def test_the_thinker_engine_arguments_follow_model_and_grid() -> None:
     """Each worker of a ``tp x pp`` thinker gets the KV bytes of its own layers; the hybrid model its
     hybrid KV manager and a pool of ``pool_blocks_per_block`` blocks per preset block; the truth
     thinker (prefix caching off) vLLM's own worker and no cache, in every case."""
-    from omni_cache.harness.pipeline.stages import StageOptions, talker_kwargs, thinker_kwargs
+    from omni_cache.harness.pipeline.stages import StageOptions, thinker_kwargs
+    from omni_cache.harness.pipeline.talker import talker_kwargs
     from omni_cache.harness.vllm_engine.models import MODELS
 
     base = dict(kv_blocks=40, max_batched_tokens=256, max_model_len=1024)

@@ -58,3 +58,17 @@ def test_the_module_map_is_the_modules_docstrings() -> None:
     assert readme_facts.stated_module_map() == readme_facts.module_map(), (
         "docs/architecture.md's module map is stale; run: .venv/bin/python tools/readme_facts.py --write")
     assert "| `manager.py` |" in readme_facts.module_map()
+
+
+def test_the_invariants_column_reads_each_modules_upholds_line() -> None:
+    """The column is the "Upholds" paragraph's invariants, not every I-number in the docstring;
+    "Upholds nothing" is "none" whatever it goes on to check; a module that does not say is an error."""
+    upheld = readme_facts.upheld
+    assert upheld("Owns x (I2 matters here).\n\nUpholds I6/I7 (reads) and\nI11 (no lock).\n\nSee I3.") == "I6, I7, I11"
+    assert upheld("Owns x.\n\nUpholds nothing itself: it checks I1, I4 from outside.") == "none"
+    assert upheld("Owns x.\n\nUpholds (by checking): I1 ExactlyOnce, I2 BoundedStaging.") == "checks I1, I2"
+    assert upheld("Owns x.\n\nUpholds the tier half of contract section 4.10.") == "contract 4.10"
+    assert upheld("Owns x; checks I1.") is None
+    rows = {line.split("|")[1].strip(): line.split("|")[3].strip()
+            for line in readme_facts.module_map().splitlines() if line.startswith("| `")}
+    assert rows["`faults.py`"] == "none" and rows["`scheduling.py`"] == "I7, I9, I11"

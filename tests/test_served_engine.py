@@ -6,8 +6,11 @@ hidden-states format, read with vLLM's own ``load_hidden_states``, equal to the 
 recomputed with a fresh ``cache_salt`` (``check-server`` and an independent client); file names
 stay safe whatever ``X-Request-Id`` a client sends; a client-given path is ignored unless allowed;
 a full disk, a slow disk and a missing directory fail only the requests they hit, with a clear
-error in the response, and the server keeps answering; SIGTERM under load leaves no partial file
-and no unconsumed step id. One server serves the module (its faults are keyed by request id).
+error in the response, and the server keeps answering; the cache's series on ``/metrics``
+(scraped over HTTP, vLLM's default registry) equal the worker's own numbers read through
+``/collective_rpc`` and what a prefix-sharing workload implies, and ``check-server`` reports them;
+SIGTERM under load leaves no partial file and no unconsumed step id. One server serves the module
+(its faults are keyed by request id).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -23,7 +27,9 @@ import time
 from pathlib import Path
 
 import pytest
-from served_support import ServedEngine, load, params
+from served_support import ServedEngine, load, metrics_matching_worker, params
+
+from omni_cache.integration.metrics import SERIES
 
 pytestmark = pytest.mark.vllm
 
@@ -36,7 +42,8 @@ PREFIX = ("The omni thinker hands its hidden states to the talker, and the talke
 def server(tmp_path_factory: pytest.TempPathFactory) -> ServedEngine:
     tmp = tmp_path_factory.mktemp("served")
     engine = ServedEngine(tmp, "--delivery-timeout", str(TIMEOUT_S),
-                          env={"OMNI_CACHE_DELIVERY_FAULT": f"enospc@disk-full,slow:{SLOW_S:g}@slow-disk"})
+                          env={"OMNI_CACHE_DELIVERY_FAULT": f"enospc@disk-full,slow:{SLOW_S:g}@slow-disk",
+                               "VLLM_SERVER_DEV_MODE": "1"})  # /collective_rpc reads the worker's numbers
     yield engine
     engine.stop()
 
@@ -53,6 +60,19 @@ def test_check_server_passes_against_a_served_engine(server: ServedEngine) -> No
     assert report["cached_rows_matched_origin"] == report["cached_tokens"]
     assert report["control_caught"] and report["include_output_files"] > 0
     assert report["reader"] == "vllm load_hidden_states"
+    metrics = report["metrics"]  # the cache's series, scraped before and after the run
+    assert metrics["available"], metrics
+    change = metrics["change"]
+    assert change["vllm:omni_cache_delivered_files_total"] == 2 * report["requests"]  # each request and its truth
+    assert change["vllm:omni_cache_hit_requests_total"] >= report["hit_requests"]
+    assert change["vllm:omni_cache_hit_tokens_total"] >= report["cached_tokens"]
+    assert change["vllm:omni_cache_hit_tokens_total"] >= change["vllm:prefix_cache_hits_total"] > 0
+    assert change["vllm:omni_cache_delivery_failures_total"] == 0
+    text = subprocess.run([sys.executable, "-m", "omni_cache.cli", "check-server", server.url, "--families", "1",
+                           "--per-family", "2"], capture_output=True, text=True, timeout=600)
+    assert text.returncode == 0, text.stdout + text.stderr[-3000:]
+    assert "cache metrics on " + server.url + "/metrics" in text.stdout
+    assert re.search(r"vllm:omni_cache_delivered_files_total +\+8 \(", text.stdout), text.stdout  # 4 + 4 truths
 
 
 def test_an_independent_client_reads_rows_equal_to_the_recomputation(server: ServedEngine) -> None:
@@ -147,15 +167,58 @@ def test_a_missing_delivery_directory_fails_requests_not_the_server(server: Serv
     assert load(params(again)["hidden_states_path"])["hidden_states"].shape[0] == again["usage"]["prompt_tokens"]
 
 
+def test_metrics_equal_the_workers_numbers_and_what_a_prefix_sharing_workload_implies(server: ServedEngine) -> None:
+    """After a family of prompts sharing a long prefix (one first, three at once after it, one of
+    them with output-token rows) and one request whose file fails (a full disk): every cache
+    series on /metrics equals the worker's own numbers (``omni_cache_stats`` through
+    ``/collective_rpc``), and their change covers the workload: the hit tokens at least the
+    shared block-aligned prefix of each later request and at least vLLM's own prefix-cache hits,
+    the rows saved exactly the tokens the engine computed, one file per request but the failed one."""
+    before, _ = metrics_matching_worker(server.url)  # earlier tests' last steps have reached /metrics
+    prefix = "metrics family: " + PREFIX  # the byte-level tokenizer: one token per byte, plus <s>
+    shared = (1 + len(prefix)) // 32 * 32  # block-aligned tokens each later request shares
+    first = server.complete(prefix + "first question?")
+    with cf.ThreadPoolExecutor(3) as pool:
+        later = list(pool.map(lambda i: server.complete(
+            prefix + f"question {i}?", **({"kv_transfer_params": {"include_output_tokens": True}} if i == 1 else {})),
+            range(3)))
+    failed = server.complete("metrics disk full " + PREFIX, headers={"X-Request-Id": "disk-full-metrics"})
+    assert "hidden_states_error" in params(failed)
+    responses = [first, *later, failed]
+    for response in (first, *later):
+        load(params(response)["hidden_states_path"])  # every file is in place (output-token ones too)
+    after, workers = metrics_matching_worker(server.url)
+    (worker,) = workers
+    assert worker["output_rank"] and worker["reports_metrics"]
+    families = {k.split("{")[0].removesuffix("_total").removesuffix("_count").removesuffix("_sum") for k in after.samples}
+    assert {s.name for s in SERIES} <= families
+    change = after.delta(before)
+    assert change["vllm:omni_cache_hit_requests_total"] >= 3
+    assert change["vllm:omni_cache_hit_tokens_total"] >= 3 * shared
+    assert change["vllm:omni_cache_hit_tokens_total"] >= change["vllm:prefix_cache_hits_total"] >= 3 * shared
+    computed = sum(r["usage"]["prompt_tokens"] + r["usage"]["completion_tokens"] - 1 for r in responses)
+    assert change["vllm:omni_cache_saved_tokens_total"] == computed - change["vllm:omni_cache_hit_tokens_total"]
+    assert change["vllm:omni_cache_delivered_files_total"] == 4 and change["vllm:omni_cache_delivery_failures_total"] == 1
+    assert change["vllm:omni_cache_delivery_latency_seconds_count"] == 4
+    assert change["vllm:omni_cache_delivered_bytes_total"] == sum(
+        os.path.getsize(params(r)["hidden_states_path"]) for r in (first, *later))
+    assert after.samples["vllm:omni_cache_staging_slots_in_use"] == 0  # idle: every step id consumed
+    assert after.samples["vllm:omni_cache_staging_wait_seconds_sum"] == 0  # the worker consumes at once
+    assert sum(v for k, v in after.samples.items() if k.startswith("vllm:omni_cache_errors_total")) == 0
+
+
 def test_sigterm_under_load_leaves_no_partial_file_and_no_unconsumed_step(server: ServedEngine) -> None:
     """Runs last: SIGTERM while requests are in flight; every file that exists is whole, no
     temporary file is left, and the worker's cache reports 0 unconsumed step ids at shutdown."""
     prompts = [f"load {i} " + PREFIX * 2 for i in range(10)]
+    # NOTE: vLLM's API server stops its engine at once (shutdown_timeout 0) but waits for open HTTP
+    # connections to close; requests cut off by the stop never answer, so the clients give up
+    # after 30 s and the server's exit is awaited well past that.
     with cf.ThreadPoolExecutor(10) as pool:
-        futures = [pool.submit(server.complete, p, max_tokens=32) for p in prompts]
+        futures = [pool.submit(server.complete, p, max_tokens=32, timeout_s=30.0) for p in prompts]
         cf.wait(futures, timeout=120, return_when=cf.FIRST_COMPLETED)
         server.terminate()
-        server.wait(120.0)
+        server.wait(300.0)
     names = os.listdir(server.delivery_dir)
     assert not [n for n in names if ".omni-tmp-" in n], names
     whole = 0

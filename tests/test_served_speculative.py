@@ -11,6 +11,8 @@ delivered file holds exactly one row per token but the last (prompt and output t
 with a fresh ``cache_salt`` (a prefill: no draft token in its forward): prompt rows bit for bit,
 output-token rows within the served check's output tolerance (decode and verify steps are not
 batch-invariant on CPU). A rejected draft's row in a file would differ from that recomputation.
+And the cache's ``/metrics`` series equal the worker's own numbers after those steps (vLLM takes a
+speculative step's connector stats before the step's files are done).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import sys
 import urllib.request
 
 import pytest
-from served_support import ServedEngine, complete, load, params
+from served_support import ServedEngine, complete, load, metrics_matching_worker, params
 
 from omni_cache.harness.vllm_engine.speculative import probe_chains, trapped
 
@@ -36,7 +38,7 @@ OUTPUT_TOLERANCE = 1e-5  # check-server's default for output-token rows
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> ServedEngine:
     engine = ServedEngine(tmp_path_factory.mktemp("served-spec"), "--speculative-config", json.dumps(SPEC),
-                          name="spec-server")
+                          name="spec-server", env={"VLLM_SERVER_DEV_MODE": "1"})  # /collective_rpc: the worker's numbers
     yield engine
     engine.stop()
 
@@ -100,3 +102,7 @@ def test_I14_files_hold_the_requests_rows_only_while_drafts_are_rejected(server:
     drafts, accepted = _drafts(server)
     assert drafts - accepted > drafts0 - accepted0, "no draft token was rejected: the traps did not work"
     assert checked > 0
+    # vLLM takes a speculative step's connector stats before the step's files are done: the cache's
+    # series must still reach /metrics with the step (the last step's file included), equal to the worker's.
+    _, workers = metrics_matching_worker(server.url)
+    assert workers[0]["delivery"]["files"] >= 2 * 2 * len(chains)  # each trap request and its recomputation

@@ -121,12 +121,12 @@ def test_a_save_that_claimed_its_page_lands_before_shutdown_returns(eager: bool)
 @pytest.mark.parametrize("eager", MODES)
 def test_a_save_past_the_usable_check_when_shutdown_begins_is_refused_at_the_door(eager: bool) -> None:
     """Mutant: ``manager:OmniPrefixCacheManager.save_outputs:del_raise:43130aa8``. The save passed
-    ``_check_usable`` before ``shutdown`` began and reaches the save door after it closed: it is
+    ``check_usable`` before ``shutdown`` began and reaches the save door after it closed: it is
     refused there, before it claims anything or issues a step id (a save without a staging page,
     e.g. only deferred keys, would otherwise register a write no committer lands)."""
     m = manager(eager=eager)
     m.new_step_starts([started("a", scheduled=4)])
-    real, passed, go = m._check_usable, threading.Event(), threading.Event()
+    real, passed, go = m.check_usable, threading.Event(), threading.Event()
 
     def check_then_pause(what: str) -> None:
         real(what)
@@ -134,7 +134,7 @@ def test_a_save_past_the_usable_check_when_shutdown_begins_is_refused_at_the_doo
             passed.set()
             assert go.wait(JOIN_S), "the test never let the save go on"
 
-    m._check_usable = check_then_pause  # type: ignore[method-assign]
+    m.check_usable = check_then_pause  # type: ignore[method-assign]
     saving = _Call(lambda: save(m, [("a", [0], 0, 4)]))
     assert passed.wait(JOIN_S), "the save never reached the usable check"
     shutting = _Call(m.shutdown)

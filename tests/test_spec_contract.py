@@ -2,7 +2,7 @@
 
 The contract is prose, but its skeleton is checked against the code: every
 public call of ``OmniPrefixCacheManager`` has a section whose heading carries
-its real parameter list; every error phrase of DESIGN section 6 is in the
+its real parameter list; every error phrase callers match on (``runtime.errors``) is in the
 errors table (I1, I2, I4..I8, I10 are the invariants those phrases report);
 every ``PrefixCacheConfig`` field is in the config table with its real
 default; every ``ModelCachePolicy`` member and every adapter type's signature

@@ -122,7 +122,8 @@ def test_I14_a_verify_step_without_a_verdict_never_leaves(consumer: str) -> None
     runner.prefill("A", 40, [1, 2])
     if consumer == "queue":
         bridge.hooks.materialize(bridge.step_ids.get_nowait().step_id)
-    runner.verify({"A": 2}, {"A": 40})  # no sample_tokens follows (its execute_model failed)
+    step_id = runner.verify({"A": 2}, {"A": 40})  # no sample_tokens follows (its execute_model failed)
+    assert step_id is not None and bridge.hooks.save_time_req_ids(step_id) == ("A",)
     so = SchedulerOutput.make_empty()
     if consumer == "queue":
         with pytest.raises(OmniPrefixCacheUnmatchError, match="sample_tokens did not run"):
@@ -130,8 +131,10 @@ def test_I14_a_verify_step_without_a_verdict_never_leaves(consumer: str) -> None
     else:
         bridge.begin_step(so)
         assert bridge.failed is not None and "sample_tokens did not run" in bridge.failed
+        assert sum(bridge.errors.counts().values()) == 1  # the contained error is counted
     assert bridge.step_ids.empty()
     assert bridge.hooks.manager.stats()["unconsumed_step_ids"] == {}  # discarded, never handed on
+    assert bridge.hooks.save_time_req_ids(step_id) is None  # and the hooks forgot it
 
 
 def test_an_output_without_sampled_token_lists_fails_the_verdict_and_hands_nothing_on() -> None:

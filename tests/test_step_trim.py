@@ -1,6 +1,6 @@
 """I14, accepted rows only: a verify step's rows of rejected draft tokens never leave the cache.
 
-Protects ``OmniPrefixCacheManager.trim_step`` (contract section 4.11): after a verify step's
+Protects ``OmniPrefixCacheManager.trim_step`` (contract section 4.14): after a verify step's
 verdict, materialize returns per request only the rows it keeps (after its hit prefix), the cut
 rows' KV slots are vacated (a hit there raises "is not readable", never the rejected rows), and
 the request's later write of those slots wins for every later hit. A refused verdict changes

@@ -33,7 +33,7 @@ from omni_cache.runtime.writes import WriteBook
 
 # ---- I7: planned rows that are gone are "not readable" -------------------------------------
 def test_a_hit_whose_planned_rows_are_gone_is_not_readable() -> None:
-    """Mutant: ``reader:StepReader._read_hit:del_call:cf8df906`` (a landed planned write never counted
+    """Mutant: ``reader:StepReader.read_planned:del_call:cf8df906`` (a landed planned write never counted
     as settled: the read retried 10,000 times and ended in an AssertionError "tenancy bug").
 
     The planned version landed, a newer tenant overwrote its slots and the preserved copy is
@@ -98,7 +98,7 @@ def _reader_for(book: WriteBook, tenancy: SlotTenancy) -> StepReader:
 
 
 def test_a_hit_whose_planned_write_failed_raises_write_failed_not_a_tenancy_bug() -> None:
-    """Mutant: delete ``self.book.check_failed(what)`` in ``StepReader._read_hit``.
+    """Mutant: delete ``self.book.check_failed(what)`` in ``StepReader.read_hit``.
 
     The planned write failed (it is terminal, so the book no longer lists it) and its
     rows never landed: the read must raise the sticky "write failed" error at once,
@@ -113,12 +113,12 @@ def test_a_hit_whose_planned_write_failed_raises_write_failed_not_a_tenancy_bug(
     assert book.get(write.tid) is None
     ctx = SimpleNamespace(step_id=7, saved_at="engine.py:3")
     with pytest.raises(OmniPrefixCacheUnmatchError, match=PHRASE_WRITE_FAILED) as info:
-        _reader_for(book, ten)._read_hit(ctx, "r", plan, "k")  # type: ignore[arg-type]
+        _reader_for(book, ten).read_hit(ctx, "r", plan, "k")  # type: ignore[arg-type]
     assert "step 7" in str(info.value) and "disk on fire" in str(info.value)
 
 
 def test_a_read_that_never_converges_raises_instead_of_returning_nothing() -> None:
-    """Mutant: delete the final ``raise AssertionError`` of ``_read_hit`` (it would return None as rows)."""
+    """Mutant: delete the final ``raise AssertionError`` of ``read_hit`` (it would return None as rows)."""
 
     class NeverLands(SlotTenancy):
         def read(self, *args, **kwargs):  # type: ignore[no-untyped-def]
@@ -132,7 +132,7 @@ def test_a_read_that_never_converges_raises_instead_of_returning_nothing() -> No
     plan = SlotTenancy(PrefixBlockPool(8)).plan(["k"], torch.tensor([0]))
     ctx = SimpleNamespace(step_id=7, saved_at="engine.py:3")
     with pytest.raises(AssertionError, match="never landed: tenancy bug"):
-        _reader_for(Forgetful(1.0), ten)._read_hit(ctx, "r", plan, "k")  # type: ignore[arg-type]
+        _reader_for(Forgetful(1.0), ten).read_hit(ctx, "r", plan, "k")  # type: ignore[arg-type]
 
 
 # ---- I7: a planned version that has not landed is waited for, never read early -------------

@@ -28,7 +28,8 @@ CONFIG = PipelineConfig(preset="mix", requests=6, repeats=1, talker_tokens=6)
 @pytest.fixture(scope="module")
 def engines():
     require_vllm()
-    from omni_cache.harness.pipeline.stages import build_llm, talker_checkpoint, talker_kwargs, thinker_kwargs
+    from omni_cache.harness.pipeline.stages import build_llm, thinker_kwargs
+    from omni_cache.harness.pipeline.talker import talker_checkpoint, talker_kwargs
     from omni_cache.harness.vllm_engine.engine import prepare_vllm_env, stdout_to_stderr, tiny_llama_dir
 
     prepare_vllm_env()
@@ -37,9 +38,10 @@ def engines():
         ckpt = stack.enter_context(talker_checkpoint(CONFIG.seed))
         thinker_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="omni-cache-thinker-"))
         tiny_llama_dir(thinker_dir)
-        built = {"talker": build_llm(talker_kwargs(ckpt, opts)),
-                 "thinker_apc": build_llm(thinker_kwargs(thinker_dir, opts, prefix_caching=True)),
-                 "thinker_truth": build_llm(thinker_kwargs(thinker_dir, opts, prefix_caching=False))}
+        built = {name: build_llm(talker_kwargs(ckpt, opts)) for name in ("talker", "talker_truth", "talker_alone")}
+        built.update({"thinker_apc": build_llm(thinker_kwargs(thinker_dir, opts, prefix_caching=True)),
+                      "thinker_truth": build_llm(thinker_kwargs(thinker_dir, opts, prefix_caching=False)),
+                      "thinker_alone": build_llm(thinker_kwargs(thinker_dir, opts, prefix_caching=True, cache=False))})
     yield built
     for llm in built.values():
         shutdown_llm(llm)
@@ -64,6 +66,18 @@ def test_talker_output_with_prefix_caching_equals_prefix_caching_off(result) -> 
     assert s["ok"] and exit_code(result) == 0 and s["vllm_version"]
     assert s["prefill_tokens_with_apc"] < s["prefill_tokens_without_apc"]
     assert s["cache_cost"]["steps"] > 0 and s["cache_cost"]["forward_ms_per_step"] > 0
+    assert s["cache_cost"]["begin_step_ms_per_step"] > 0 and s["targets"]["judged"] is False  # llama: reported only
+
+
+def test_the_third_thinker_is_prefix_caching_without_the_cache(result) -> None:
+    """The upper bound ran in lockstep with the others: the same hits and prefill as the cache's thinker
+    (the same scheduler), no cache on its engine, every talker request of it finished, never compared."""
+    alone = result.apc_alone
+    assert alone is not None and alone.finished == alone.talker_finished == 6
+    assert alone.hit_tokens == result.with_apc.hit_tokens and alone.prefill_tokens == result.with_apc.prefill_tokens
+    assert alone.thinker_s > 0 and alone.end_to_end_s >= alone.thinker_s
+    assert len(result.repeats_apc_alone) == CONFIG.repeats and result.speedup(alone) is not None
+    assert result.identity.compared == 6  # its talker outputs (wrong rows) are not among the comparisons
 
 
 def test_control_only_computed_rows_is_caught(result) -> None:

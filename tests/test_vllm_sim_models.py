@@ -20,7 +20,7 @@ from omni_cache.harness.vllm_engine.models import MODELS, model_dir, model_engin
 
 
 def test_an_unknown_model_names_the_choices() -> None:
-    with pytest.raises(ValueError, match=r"unknown model 'gemma' \(choose from hybrid, llama\)"):
+    with pytest.raises(ValueError, match=r"unknown model 'gemma' \(choose from hybrid, llama, wide\)"):
         sim_model("gemma")
     with pytest.raises(ValueError, match="unknown model"):
         VllmSimConfig(model="gemma")
@@ -42,7 +42,9 @@ def test_engine_kwargs_size_the_kv_memory_per_model() -> None:
     assert hybrid["kv_cache_memory_bytes"] == 48 * 4 * (2 * 32 * 64 * 4)  # 192 one-layer pages
     assert hybrid["disable_hybrid_kv_cache_manager"] is False
     assert os.path.isfile(os.path.join(hybrid["model"], "config.json"))
-    assert set(MODELS) == {"llama", "hybrid"}
+    wide = model_engine_kwargs("wide", kv_blocks=48)  # 16 layers, 2 KV heads of 128
+    assert wide["kv_cache_memory_bytes"] == 48 * 16 * 2 * 32 * 2 * 128 * 4
+    assert set(MODELS) == {"llama", "hybrid", "wide"}
 
 
 @pytest.mark.parametrize("argv", [["simulate", "--model", "hybrid"], ["simulate", "--engine", "vllm", "--model", "x"]])

@@ -35,7 +35,7 @@ from omni_cache.harness.bench.narrow import narrow_bookkeeping
 from omni_cache.harness.bench.sweep import SWEEP_SHAPE
 from omni_cache.harness.bench.workload import WorkloadSpec
 from omni_cache.runtime.block_pool import PrefixBlockPool
-from omni_cache.runtime.manager import OmniPrefixCacheManager
+from omni_cache.runtime.scheduling import WriteScheduler
 
 
 def _unchecked_slots(self: PrefixBlockPool, slots: Any, *, where: str = "") -> Any:
@@ -75,9 +75,9 @@ def _scheduled_copy() -> Iterator[None]:
 
 @contextmanager
 def _version_writes() -> Iterator[None]:
-    real = OmniPrefixCacheManager._register
+    real = WriteScheduler.register
 
-    def register(self: OmniPrefixCacheManager, schedule: Any, step_id: Any, slots: Any, slots_np: Any,
+    def register(self: WriteScheduler, schedule: Any, step_id: Any, slots: Any, slots_np: Any,
                  source: Any, staging_slot: Any, req_ids: Any, registered: Any, sigs: Any) -> Any:
         if len(slots_np) != len(req_ids):  # not a decode step: unchanged
             return real(self, schedule, step_id, slots, slots_np, source, staging_slot, req_ids, registered, sigs)
@@ -87,7 +87,7 @@ def _version_writes() -> Iterator[None]:
         finally:
             del self.tenancy.register  # the class's method again
 
-    with _patched(OmniPrefixCacheManager, "_register", register):
+    with _patched(WriteScheduler, "register", register):
         yield
 
 

@@ -61,7 +61,7 @@ ROOT = Path(__file__).resolve().parent.parent
 EQUIVALENT_FILE = ROOT / "tools" / "equivalent_mutants.json"
 
 CORE_MODULES = (
-    "adapter", "block_pool", "copier", "events", "locks", "manager", "reader", "staging", "states",
+    "adapter", "block_pool", "copier", "events", "locks", "manager", "reader", "scheduling", "staging", "states",
     "step_outputs", "tenancy", "validation", "writes",
 )
 
@@ -99,6 +99,10 @@ FAST_TESTS = (
     "tests/test_integration_block_table.py",
     "tests/test_integration_config_gate.py",
     "tests/test_integration_hooks.py",
+    "tests/test_delivery_files.py",  # served delivery: names, paths, atomic writes, locks, retention
+    "tests/test_delivery_worker.py",  # RowDelivery on a real manager: rows, I1, containment
+    "tests/test_delivery_scheduler.py",  # DeliveryScheduler and the delivery settings
+    "tests/test_delivery_bridge.py",  # the bridge's consumer modes (deliver, discard, queue)
     "tests/test_integration_e2e.py",
     "tests/test_sim_manager_regressions.py",
     "tests/test_staging_stateful.py",
@@ -106,7 +110,9 @@ FAST_TESTS = (
     "tests/test_manager_stateful.py",
 )
 # TLC runs Java for seconds; the stateful TLC replay is covered by the full suite instead.
-FAST_DESELECT = ("tests/test_manager_stateful.py::TestManagerTracesWithTLC",)
+# vLLM's reader imports vLLM (seconds); the other delivery-file tests kill the same mutants.
+FAST_DESELECT = ("tests/test_manager_stateful.py::TestManagerTracesWithTLC",
+                 "tests/test_delivery_files.py::test_vllms_reader_waits_for_the_lock_then_reads_the_complete_file")
 
 _NEGATE = {
     ast.Lt: ast.GtE, ast.GtE: ast.Lt, ast.Gt: ast.LtE, ast.LtE: ast.Gt,

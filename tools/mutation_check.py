@@ -70,7 +70,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "I7", "drop a late older write's rows (a newer tenant landed first) instead of keeping them for a pinned read",
         "omni_cache/runtime/tenancy.py",
-        "                        self._preserve_late_locked(v, rows, slots_np, ~newer, tid)\n",
+        "                        self._preserve_late_locked(key, v, rows, slots_np, ~newer, tid)\n",
         "                        pass  # MUTANT I7: the late rows are dropped\n",
     ),
     Mutant(

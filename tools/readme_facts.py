@@ -1,7 +1,9 @@
 """The README's countable facts, computed from this tree: print them, check them, or rewrite them.
 
 It also keeps docs/architecture.md's module map (between ``<!-- module-map:begin -->`` and
-``<!-- module-map:end -->``) equal to the modules' docstrings. The README holds the facts in one marked table (between ``<!-- facts:begin -->`` and
+``<!-- module-map:end -->``) equal to the modules' docstrings: each module's first paragraph and
+the invariants its "Upholds" paragraph names ("none" for "Upholds nothing"; a module without one
+is an error). The README holds the facts in one marked table (between ``<!-- facts:begin -->`` and
 ``<!-- facts:end -->``): tests collected, ``vllm``-marked tests, the mutation fast subset, TLC
 runs and pinned distinct states per tier, and runtime Python lines per decode step. Each row
 names the command that gives its number. ``tests/test_readme_facts.py`` runs ``--check``'s
@@ -143,19 +145,50 @@ def stated(text: str | None = None) -> dict[str, int]:
     return out
 
 
+WING_ORDER = ("omni_cache.runtime", "omni_cache.integration", "omni_cache", "omni_cache.harness", "omni_cache.verify",
+              "omni_cache.cli")  # the layers, bottom up (tests/test_layering.py)
+_INVARIANT = re.compile(r"\bI1[0-4]\b|\bI[1-9]\b")
+
+
+def upheld(doc: str) -> str | None:
+    """What a module docstring's "Upholds" paragraph names: its invariants and contract sections
+    ("I6, I7, contract 4.10"), "checks I1, I2" for a checker ("Upholds (by checking) ..."), "none"
+    when it upholds nothing ("Upholds nothing ..."), or None when the docstring has no "Upholds"."""
+    match = re.search(r"\bUpholds\b:?\s*(.*?)(?:\n\s*\n|\Z)", doc, re.S)
+    if match is None:
+        return None
+    text = " ".join(match.group(1).split())
+    if text.startswith("nothing"):
+        return "none"
+    named = sorted(set(_INVARIANT.findall(text)), key=lambda i: int(i[1:]))
+    named += [f"contract {s}" for s in dict.fromkeys(re.findall(r"contract section (\d+(?:\.\d+)*)", text))]
+    listed = ", ".join(named) or "none named"
+    return f"checks {listed}" if text.startswith("(by checking") else listed
+
+
 def module_map() -> str:
-    """docs/architecture.md's module map: each module's docstring's first paragraph, by package."""
+    """docs/architecture.md's module map, wing by wing (bottom up): each module's docstring's first
+    paragraph and the invariants its "Upholds" paragraph names. Raises for a module that does not say."""
     import ast
 
     groups: dict[str, list[str]] = {}
+    silent = []
     for path in sorted((ROOT / "omni_cache").rglob("*.py")):
         doc = ast.get_docstring(ast.parse(path.read_text())) or ""
         first = " ".join(doc.split("\n\n")[0].split()).replace("|", "/")
-        named = sorted(set(re.findall(r"\bI1[0-4]\b|\bI[1-9]\b", doc)), key=lambda i: int(i[1:]))
         package = ".".join(path.parent.relative_to(ROOT).parts)
-        groups.setdefault(package, []).append(f"| `{path.name}` | {first} | {', '.join(named) or '-'} |")
-    parts = [f"### `{package}`\n\n| module | what it owns | invariants it names |\n|---|---|---|\n" + "\n".join(rows)
-             for package, rows in groups.items()]
+        if (upholds := upheld(doc)) is None:
+            silent.append(str(path.relative_to(ROOT)))
+        groups.setdefault(package, []).append(f"| `{path.name}` | {first} | {upholds} |")
+    if silent:
+        raise ValueError(f"modules whose docstring has no \"Upholds\" line: {silent}")
+
+    def rank(package: str) -> tuple[int, str]:
+        wing = max((w for w in WING_ORDER if package == w or package.startswith(w + ".")), key=len)
+        return WING_ORDER.index(wing), package
+
+    parts = [f"### `{package}`\n\n| module | what it owns | invariants it upholds |\n|---|---|---|\n"
+             + "\n".join(groups[package]) for package in sorted(groups, key=rank)]
     return f"{MAP_BEGIN}\n" + "\n\n".join(parts) + f"\n{MAP_END}"
 
 

@@ -8,6 +8,8 @@ heavy imports happen inside ``func``. Validation of arguments lives in
 usage of the (sub)command it belongs to, exit 2, never a traceback. A runtime
 error that escapes a subcommand is one line too (exit 1); the hidden ``--debug``
 flag shows its traceback.
+
+Upholds nothing (dispatch).
 """
 
 from __future__ import annotations

@@ -2,7 +2,10 @@
 
 The guard matters: vLLM's worker processes are spawned, and a spawned child
 re-imports the parent's main module; unguarded, each worker would run the
-command again."""
+command again.
+
+Upholds nothing.
+"""
 
 import sys
 

@@ -4,10 +4,11 @@ Owns: the parser class (``CliParser``: a usage error prints the usage of the
 parser it belongs to, then one line ``omni-cache <cmd>: error: ...``, and exits
 2), the typed validators used as argparse ``type=`` (each names the allowed
 range in its message; argparse prefixes the flag), and the exit codes shared
-by the subcommands. A user mistake never reaches the code as a bad value, so
+by the subcommands (defined in ``omni_cache.harness.exit_codes``, where the runs that decide
+them can import them). A user mistake never reaches the code as a bad value, so
 no traceback is shown for one; ``--debug`` (hidden) re-raises runtime errors.
 
-Invariants: none (the cache's I1..I11 live in the runtime); this module only
+Upholds nothing (the cache's I1..I13 live in the runtime); this module only
 keeps bad input out of it.
 """
 
@@ -20,15 +21,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
-EXIT_OK = 0
-"""Everything asked for ran and was verified."""
-EXIT_FAILED = 1
-"""A check failed: a mismatch, a contract error, a ground-truth failure, a TLC surprise."""
-EXIT_USAGE = 2
-"""Bad arguments (argparse's own code): nothing ran."""
-EXIT_INCOMPLETE = 3
-"""It ran without a wrong result, but did less than asked or missed its target (simulate: requests
-dropped or steps cut; bench: a ratio below the target)."""
+# The subcommands' exit codes, handed on (explicit re-exports).
+from omni_cache.harness.exit_codes import EXIT_FAILED as EXIT_FAILED
+from omni_cache.harness.exit_codes import EXIT_INCOMPLETE as EXIT_INCOMPLETE
+from omni_cache.harness.exit_codes import EXIT_OK as EXIT_OK
+from omni_cache.harness.exit_codes import EXIT_USAGE as EXIT_USAGE
 
 PLOT_SUFFIXES = (".png", ".svg")
 

@@ -14,7 +14,11 @@ JSON document instead of tables; ``--plot FILE.png|FILE.svg`` draws the result
 (``omni_cache.harness.bench.report.write_plot``).
 At each batch size ``--profile`` also prints the per-category breakdown of a decode
 step. ``--preset``, ``--sweep`` and ``--memory`` (decode-step cost) live in
-``omni_cache.harness.bench.perfcli``; a preset that misses its targets exits 3 too.
+``omni_cache.cli.bench_workloads``; a preset that misses its targets exits 3 too.
+``--engine-step``, ``--width-sweep`` and ``--served`` (real vLLM engines) live in
+``omni_cache.cli.bench_engine``.
+
+Upholds nothing itself: it checks what the runtime upholds.
 """
 
 from __future__ import annotations
@@ -24,19 +28,34 @@ import json
 import os
 import sys
 import time
-from typing import Any
+from typing import Any, TypedDict
 
 from omni_cache.cli.args import EXIT_FAILED, EXIT_INCOMPLETE, int_list, int_range, non_negative_int, plot_path
-from omni_cache.harness.bench.perfcli import add_arguments as add_perf_arguments
+from omni_cache.cli.bench_engine import add_arguments as add_engine_arguments
+from omni_cache.cli.bench_workloads import add_arguments as add_perf_arguments
 
-QUICK = {"batch_sizes": "2,4", "decode_steps": 6, "repeats": 1, "hidden_width": 256, "mm_width": 64,
+
+class _QuickRun(TypedDict):
+    """``--quick``: the batch sizes, decode steps and repeats, and the workload's narrow shape."""
+
+    batch_sizes: str
+    decode_steps: int
+    repeats: int
+    hidden_width: int
+    mm_width: int
+    num_blocks: int
+    prompt_tokens: int
+    hit_tokens: int
+
+
+QUICK: _QuickRun = {"batch_sizes": "2,4", "decode_steps": 6, "repeats": 1, "hidden_width": 256, "mm_width": 64,
          "num_blocks": 128, "prompt_tokens": 64, "hit_tokens": 32}
 
 
 _batch_sizes = int_list(1, 4096)
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(
         "bench",
         help="benchmark the manager against a raw-copy floor (or, with --machine, the state machine)",
@@ -74,7 +93,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                         help="measure the state-machine cost instead of the engine")
     parser.add_argument("--profile", action="store_true",
                         help="also profile the manager (cProfile + section timers) at the largest batch size")
-    add_perf_arguments(parser)  # --preset, --sweep, --memory (omni_cache.harness.bench.perfcli)
+    add_perf_arguments(parser)  # --preset, --sweep, --memory (omni_cache.cli.bench_workloads)
+    add_engine_arguments(parser)  # --engine-step, --width-sweep, --served (omni_cache.cli.bench_engine)
     parser.set_defaults(func=run, error=parser.error)
 
 
@@ -88,6 +108,12 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if any(v is not None for v in (args.engine_step, args.width_sweep, args.served, args.num_prompts)):  # real engines: refused without vLLM, before torch
+        from rich.console import Console
+
+        from omni_cache.cli.bench_engine import run_engine_extra
+
+        return run_engine_extra(args, Console(stderr=args.json, width=200)) or 0
     import torch
     from rich.console import Console
 
@@ -136,7 +162,7 @@ def _run_engine(args: argparse.Namespace, console: Any) -> int:
     sizes = args.batch_sizes or _batch_sizes(QUICK["batch_sizes"] if args.quick else "8,32")
     repeats = args.repeats if args.repeats is not None else (QUICK["repeats"] if args.quick else 5)
     kwargs = _engine_kwargs(args)
-    from omni_cache.harness.bench.perfcli import run_breakdown, run_extra
+    from omni_cache.cli.bench_workloads import run_breakdown, run_extra
 
     extra = run_extra(args, console, sizes, repeats, kwargs)
     if extra is not None:
@@ -196,8 +222,9 @@ def _run_engine(args: argparse.Namespace, console: Any) -> int:
         if profile is not None:
             from types import SimpleNamespace
 
-            ns = [[SimpleNamespace(**r) for r in profile[k]] for k in ("by_own", "by_cum", "sections")]
-            for table in report.profile_tables(*ns, profile["meta"]):
+            own_rows, cum_rows, section_rows = ([SimpleNamespace(**r) for r in profile[k]]
+                                                for k in ("by_own", "by_cum", "sections"))
+            for table in report.profile_tables(own_rows, cum_rows, section_rows, profile["meta"]):
                 console.print(table)
     if args.quick:
         return 0

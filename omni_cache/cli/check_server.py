@@ -1,10 +1,13 @@
 """``omni-cache check-server URL``: a running server's delivered files checked over HTTP.
 
 Owns: the subcommand's arguments (validated before anything heavy is imported: a mistake is one
-line and exit 2) and its exit code: 0 every request's file equals the ground truth (its prompt
+line and exit 2), its report's text (the cache's ``/metrics`` series beside what was checked) and
+its exit code: 0 every request's file equals the ground truth (its prompt
 recomputed with a fresh ``cache_salt``), requests hit the prefix cache and the negative control
 was caught; 1 a check failed (or the server could not be driven); 3 clean, but no request hit.
-The run is ``omni_cache.harness.served.check``. Invariants: none enforced here.
+The run is ``omni_cache.harness.served.check``.
+
+Upholds nothing itself: it checks a served engine's delivered rows (I4, I6, I7) from outside.
 """
 
 from __future__ import annotations
@@ -36,7 +39,9 @@ def register(subparsers: Any) -> None:
             "load_hidden_states and check it against the same prompt recomputed by the same server with a fresh "
             "cache_salt (no prefix cache): token_ids equal, one row per token, every row equal bit for bit (or "
             "within --tolerance, for engines that are not batch-invariant). A negative control (one prefix row "
-            "perturbed) must be caught. Works against the built-in tiny-llama or a real model."),
+            "perturbed) must be caught. The server's /metrics is read before and after the run: the cache's "
+            "vllm:omni_cache_* series are printed beside what was checked (or why there are none). Works against "
+            "the built-in tiny-llama or a real model."),
         epilog="Exit codes: 0 every file checked equal, prefix hits, control caught; 1 a check failed or the "
         "server could not be driven; 2 bad arguments; 3 clean, but no request hit the prefix cache.",
     )
@@ -94,8 +99,46 @@ def _print(report: Any) -> None:
         f"{report.cached_tokens}",
         f"negative control (a perturbed prefix row): {'caught' if report.control_caught else 'NOT caught'}",
     ]
+    lines += _metrics_lines(report)
     for problem in report.problems:
         lines.append(f"PROBLEM: {problem}")
     verdict = ("OK" if report.ok and report.hit_requests else "NO HITS" if report.ok else "FAILED")
     lines.append(f"{verdict} in {report.seconds:.1f} s")
     print("\n".join(lines))
+
+
+def _metrics_lines(report: Any) -> list[str]:
+    """The cache's series on /metrics (change during the run, total), beside what the run checked."""
+    metrics = report.metrics
+    if not metrics:
+        return []
+    if not metrics["available"]:
+        return [f"cache metrics: none ({metrics['note']})"]
+    change, total = metrics["change"], metrics["total"]
+    beside = {
+        "vllm:omni_cache_delivered_files_total":
+            f"this run got {2 * report.requests} files ({report.requests} checked, {report.requests} ground truth)",
+        "vllm:omni_cache_hit_requests_total": f"{report.hit_requests} checked responses name cached rows",
+        "vllm:omni_cache_hit_tokens_total":
+            f"{report.cached_tokens} cached rows checked; vllm:prefix_cache_hits "
+            f"+{change.get('vllm:prefix_cache_hits_total', 0):.0f}",
+    }
+    from omni_cache.integration.metrics import SERIES
+    from omni_cache.runtime.errors import ERROR_KINDS
+
+    def order(key: str) -> tuple[int, int, str]:  # in SERIES' order, error kinds in theirs
+        series = next((i for i, s in enumerate(SERIES) if key.startswith((s.name + "_", s.name + "{"))
+                       or key == s.name), len(SERIES))
+        kind = next((i for i, k in enumerate(ERROR_KINDS) if f'kind="{k}"' in key), -1)
+        return series, kind, key
+
+    def number(value: float, sign: str = "") -> str:
+        return f"{value:{sign},.0f}" if float(value).is_integer() else f"{value:{sign}.4g}"
+
+    lines = [f"cache metrics on {metrics['url']} (change during this run, total):"]
+    ours = sorted((k for k in total if k.startswith("vllm:omni_cache_")), key=order)
+    width = max(len(k) for k in ours)
+    for key in ours:
+        note = f"   {beside[key]}" if key in beside else ""
+        lines.append(f"  {key:<{width}} {number(change[key], '+')} ({number(total[key])}){note}")
+    return lines

@@ -5,6 +5,8 @@ and pool-write machines -- the same text ``spec/state_machines.md`` holds, both
 rendered by ``omni_cache.verify.spec_render`` from ``omni_cache.runtime.states`` -- and, with
 ``--write``, regenerates ``spec/state_machines.md``; ``--check`` exits 1 when
 that file is stale. Documents I1/I3/I8 (see ``omni_cache.verify.spec_render``).
+
+Upholds nothing (rendering).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import sys
 from omni_cache.cli.args import file_in_existing_folder
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(
         "diagram",
         help="print the Mermaid diagrams of the state machines (the text spec/ holds)",

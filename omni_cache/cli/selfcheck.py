@@ -2,6 +2,8 @@
 
 Owns nothing; prints each protocol call it makes and what came back, and exits
 non-zero if any returned row differs from what was saved.
+
+Upholds nothing itself: it checks one miss and one hit through the public API.
 """
 
 from __future__ import annotations

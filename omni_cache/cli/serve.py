@@ -5,7 +5,9 @@ a small tokenizer, or any model vLLM serves), the delivery options (``--delivery
 rest, validated before anything is imported: a mistake is one line and exit 2) and every other
 argument, which goes to vLLM's server unchanged. It then replaces this process with
 ``python -m vllm.entrypoints.openai.api_server`` (``harness.served.launch``), so Ctrl-C and
-SIGTERM reach the server itself. Invariants: none enforced here.
+SIGTERM reach the server itself.
+
+Upholds nothing (argument checks and the server's command line).
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ that can); 3 when the run was clean but did less than asked (requests dropped
 as too long for the KV cache, or steps cut by ``--steps-limit``) unless
 ``--allow-incomplete`` says that is intended.
 
-Invariants: none enforced here (see ``omni_cache.harness.sim_engine``: the run checks I1, I2,
-I4-I7 and I9 from the outside).
+Upholds nothing itself (``omni_cache.harness.sim_engine``'s run checks I1, I2, I4-I7 and I9
+from the outside).
 """
 
 from __future__ import annotations

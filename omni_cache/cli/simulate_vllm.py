@@ -7,7 +7,7 @@ environment, or when vLLM is not installed; 3 when the checks passed but the
 run did less than asked: the engine got other KV blocks than asked, or a preset
 that promises preemptions had none). ``--tp``/``--pp`` run the engine on worker
 processes (``omni_cache.harness.vllm_engine.parallel``). The run itself is
-``omni_cache.harness.vllm_engine``. Invariants: none enforced here.
+``omni_cache.harness.vllm_engine``. Upholds nothing itself.
 """
 
 from __future__ import annotations
@@ -70,7 +70,8 @@ def add_model_argument(parser: argparse.ArgumentParser, scope: str = "") -> None
     """``--model`` (``omni_cache.harness.vllm_engine.models``), for every command that builds a real thinker."""
     parser.add_argument("--model", choices=sorted(MODELS),
                         help=f"{scope}the thinker model, built at run time (default {DEFAULT_MODEL}; hybrid: "
-                        "sliding-window and full-attention layers, several KV-cache groups)")
+                        "sliding-window and full-attention layers, several KV-cache groups; wide: 16 layers of "
+                        "width 1024, a forward that dominates the step)")
 
 
 def run_vllm(args: argparse.Namespace) -> int:

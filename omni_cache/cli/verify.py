@@ -19,6 +19,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from omni_cache.cli.args import (
     EXIT_FAILED,
@@ -29,8 +30,13 @@ from omni_cache.cli.args import (
     int_range,
 )
 
+if TYPE_CHECKING:  # imported when a run needs them: the arguments are parsed first
+    from rich.console import JustifyMethod
 
-def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from omni_cache.verify.tlc import ManifestEntry, RunResult
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(
         "verify",
         help="model-check the TLA+ specs (every model and broken variant) with TLC",
@@ -77,8 +83,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     parser.set_defaults(func=run, error=parser.error)
 
 
-def _adhoc_entry(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from omni_cache.verify.tlc import _EXPECT_EXIT, ManifestEntry, ManifestError, _check_expect
+def _adhoc_entry(args: argparse.Namespace) -> tuple[ManifestEntry, Path]:
+    """The manifest entry of a ``--cfg`` run, and the folder of its model's folder (the TLA+ root)."""
+    from omni_cache.verify.tlc import EXPECT_EXIT, ManifestEntry, ManifestError, check_expect
 
     cfg: Path = args.cfg.resolve()
     if not cfg.is_file():
@@ -96,8 +103,8 @@ def _adhoc_entry(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     if not spec.is_file():
         raise ManifestError(f"--spec {args.spec} does not exist")
     kind = args.expect.split(":", 1)[0]
-    exit_code = _EXPECT_EXIT.get(kind, -1)
-    _check_expect(args.expect, exit_code, "--expect")
+    exit_code = EXPECT_EXIT.get(kind, -1)
+    check_expect(args.expect, exit_code, "--expect")
     return ManifestEntry(
         model=spec.parent.name, spec=spec.name, cfg=str(cfg), expect=args.expect, exit=exit_code,
         why="ad-hoc run (--cfg)",
@@ -190,16 +197,17 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_FAILED if surprises else 0
 
 
-def _print_table(results: list, title: str, wall_s: float, jobs: int) -> None:  # type: ignore[type-arg]
+def _print_table(results: list[RunResult], title: str, wall_s: float, jobs: int) -> None:
     from rich.console import Console
     from rich.table import Table
 
     table = Table(title=title)
-    for col, justify in (
+    columns: tuple[tuple[str, JustifyMethod], ...] = (
         ("model", "left"), ("cfg", "left"), ("distinct states", "right"), ("result", "left"),
         ("expected", "left"), ("seconds", "right"), ("", "center"),
-    ):
-        table.add_column(col, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+    )
+    for col, justify in columns:
+        table.add_column(col, justify=justify, no_wrap=True)
     for r in results:
         table.add_row(
             r.entry.model, Path(r.entry.cfg).name,

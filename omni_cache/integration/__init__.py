@@ -8,7 +8,7 @@ The scheduler adapter is ``omni_cache.integration.adapter.PrefixCacheSchedulerAd
 
 No module here imports vLLM at module scope (a test scans the package); vLLM
 objects are read by their field names. Upholds I5 (config gate, block-size
-check) and the protocol order of DESIGN section 2 (hooks).
+check) and the protocol order of spec/protocol.md (hooks).
 """
 
 from omni_cache.integration.adapter import PrefixCacheSchedulerAdapter

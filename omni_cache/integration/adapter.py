@@ -7,7 +7,7 @@ importing vLLM. The value types themselves (``PrefixCacheEventKind``,
 ``PrefixCacheRequestOwner``, ``PrefixCacheRequestEvent``, ``PrefixCacheStep``,
 ``PrefixCacheWrite``, ``PrefixCacheWriteLayout``) live in ``omni_cache.runtime.events``
 and are re-exported here: ``omni_cache.integration.adapter`` is their public import path
-(DESIGN section 6).
+(spec/contract.md section 10).
 
 Upholds the adapter half of I12 (request identity: events carry their
 admission's owner, terminal events the owner they end, a reused id is REPLACED
@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from omni_cache.integration.block_table import BlockTableView
 from omni_cache.runtime.errors import OmniPrefixCacheUnmatchError
 from omni_cache.runtime.events import (
     PrefixCacheEventKind,
@@ -176,10 +177,10 @@ class PrefixCacheSchedulerAdapter:
         after: dict[ReqId, PrefixCacheRequestOwner] = {}
         for req_id in finished | aborted:
             current = live.get(req_id)
-            ending[req_id] = declared_terminal.get(req_id, current)
-            if ending[req_id] is not None and (req_id, ending[req_id]) in named:
-                after[req_id] = ending[req_id]  # type: ignore[assignment]
-            elif not _is_older(ending[req_id], current):
+            ended = ending[req_id] = declared_terminal.get(req_id, current)
+            if ended is not None and (req_id, ended) in named:
+                after[req_id] = ended
+            elif not _is_older(ended, current):
                 live.pop(req_id, None)
                 preempted.discard(req_id)
                 admitted_by.pop(req_id, None)
@@ -206,9 +207,7 @@ class PrefixCacheSchedulerAdapter:
             owner = owners.get(req_id, current)
             if _is_older(owner, current) or _is_older(owner, ending.get(req_id)):
                 continue  # a stale admission's lookup
-            hit = dict(hit_start=0, hit_end=int(getattr(new_req, "num_computed_tokens", 0) or 0),
-                       block_ids=freeze_block_ids(getattr(new_req, "block_ids", None)),
-                       scheduled_tokens=int(scheduled.get(req_id, 0)), owner=owner)
+            hit_end = int(getattr(new_req, "num_computed_tokens", 0) or 0)
             control = admitted_by.pop(req_id, None)
             if not is_live or owner != current:
                 if is_live:  # the id is reused by a new owner while the old admission is live
@@ -220,8 +219,10 @@ class PrefixCacheSchedulerAdapter:
             else:
                 kind = PrefixCacheEventKind.EXTENDED
                 if control is not None and control.owner == owner:  # the first new request of a control's owner
-                    self._carry_lookup(events, control_at.get(req_id), control, hit["hit_end"])
-            events.append(PrefixCacheRequestEvent(req_id, kind, **hit))
+                    self._carry_lookup(events, control_at.get(req_id), control, hit_end)
+            events.append(PrefixCacheRequestEvent(
+                req_id, kind, hit_start=0, hit_end=hit_end, block_ids=freeze_block_ids(getattr(new_req, "block_ids", None)),
+                scheduled_tokens=int(scheduled.get(req_id, 0)), owner=owner))
             live[req_id] = owner
             preempted.discard(req_id)
 
@@ -344,6 +345,8 @@ class PrefixCacheSchedulerAdapter:
         sequence in batch order. A request scheduled here but absent from the
         view raises (stale view).
         """
+        if _is_block_table_view(view):
+            return _layout_of_block_table_view(view, num_scheduled_tokens)
         view = _as_reference_view(view)
         req_ids = tuple(view.batch_req_ids())
         if isinstance(num_scheduled_tokens, Mapping):
@@ -376,6 +379,56 @@ class PrefixCacheSchedulerAdapter:
         # The caller's mapping itself, as the reference passes it; per-row counts as a mapping.
         given = num_scheduled_tokens if isinstance(num_scheduled_tokens, Mapping) else counts
         return PrefixCacheWriteLayout(tuple(writes), row, view.step_slots_cpu(list(req_ids), given))
+
+
+def _is_block_table_view(view: Any) -> bool:
+    """omni-cache's ``BlockTableView``: rows in batch order with their computed tokens, and every
+    row's slots in one vectorized call that makes a fresh tensor (taken by the layout as is)."""
+    return isinstance(view, BlockTableView)
+
+
+def _scheduled_per_row(req_ids: tuple[ReqId, ...], num_scheduled_tokens: Any) -> list[int]:
+    """This step's count of every row of the batch (0 for a row not scheduled); a mapping that
+    schedules a request outside the batch raises (stale view), as does a negative count."""
+    if isinstance(num_scheduled_tokens, Mapping):
+        counts = num_scheduled_tokens
+        per_row = [int(counts.get(rid, 0)) for rid in req_ids]
+        outside = counts.keys() - req_ids  # one set difference in C
+        if outside:
+            missing = sorted((rid for rid in outside if int(counts[rid]) > 0), key=str)
+            if missing:
+                raise ValueError(
+                    f"PrefixCacheSchedulerAdapter.build_write_layout: requests {missing} are scheduled "
+                    f"but not in the block-table view (batch {list(req_ids)}); build the view after the "
+                    "runner has updated its input batch for this step"
+                )
+    else:
+        per_row = [int(n) for n in num_scheduled_tokens]
+        if len(per_row) > len(req_ids):
+            raise ValueError(
+                f"PrefixCacheSchedulerAdapter.build_write_layout: {len(per_row)} per-row counts "
+                f"for a batch of {len(req_ids)} requests"
+            )
+        per_row += [0] * (len(req_ids) - len(per_row))
+    if per_row and min(per_row) < 0:
+        i = next(i for i, n in enumerate(per_row) if n < 0)
+        raise ValueError(f"build_write_layout: negative token count {per_row[i]} for {req_ids[i]!r}")
+    return per_row
+
+
+def _layout_of_block_table_view(view: Any, num_scheduled_tokens: Any) -> PrefixCacheWriteLayout:
+    """``build_write_layout`` over a block-table view: the same writes, every row's slots from one
+    vectorized ``slots_for_counts`` (no per-request tensor work)."""
+    req_ids = tuple(view.req_ids)
+    per_row = _scheduled_per_row(req_ids, num_scheduled_tokens)
+    writes: list[PrefixCacheWrite] = []
+    row = 0
+    for req_id, n, start in zip(req_ids, per_row, view.num_computed_tokens, strict=True):
+        start = int(start)
+        writes.append(PrefixCacheWrite(req_id, row, row + n, start, start + n))
+        row += n
+    # NOTE: the view computes a fresh slot tensor for this layout alone: taken, not copied again.
+    return PrefixCacheWriteLayout.taking(tuple(writes), row, view.slots_for_counts(per_row))
 
 
 class _SpanViewAsReference:

@@ -37,15 +37,22 @@ from omni_cache.runtime.interface import ReqId
 __all__ = ["BlockTableView"]
 
 
-def _cpu_int64(values: Any, what: str) -> torch.Tensor:
+def _cpu_int64(values: Any, what: str, rows: int | None = None) -> np.ndarray:
+    """A private int64 numpy copy of ``values`` (its first ``rows`` entries when given: the copy
+    is taken of those only), read without a device synchronization."""
     if isinstance(values, torch.Tensor):
         if values.device.type != "cpu":
             raise ValueError(
                 f"BlockTableView: {what} must be a CPU tensor (reading a {values.device} tensor "
                 "would synchronize with the device); pass the engine's CPU mirror"
             )
-        return values.detach().to(torch.int64).clone()
-    return torch.as_tensor(np.asarray(values), dtype=torch.int64).clone()
+        values = values.detach().numpy()
+    array = np.asarray(values)
+    if rows is not None and array.ndim:
+        array = array[:rows]
+    # NOTE: one copy, of the rows the view keeps (never of the engine's whole persistent table):
+    # the engine's buffers change after this step, the view must not.
+    return array.astype(np.int64, copy=True)
 
 
 class BlockTableView:
@@ -85,33 +92,32 @@ class BlockTableView:
         self.block_size = int(block_size)
         self.req_ids: tuple[ReqId, ...] = tuple(req_ids)
         n = len(self.req_ids)
-        if len(set(self.req_ids)) != n:
+        self._row_of = {rid: i for i, rid in enumerate(self.req_ids)}
+        if len(self._row_of) != n:
             raise ValueError(f"BlockTableView: duplicate request ids in the batch {list(self.req_ids)}")
-        computed = _cpu_int64(num_computed_tokens, "num_computed_tokens").reshape(-1)
-        if computed.numel() < n:
+        computed = _cpu_int64(num_computed_tokens, "num_computed_tokens", n).reshape(-1)
+        if computed.size < n:
             raise ValueError(
-                f"BlockTableView: {computed.numel()} num_computed_tokens for a batch of {n} requests"
+                f"BlockTableView: {computed.size} num_computed_tokens for a batch of {n} requests"
             )
-        self._computed = computed[:n].clone()
-        self.num_computed_tokens: tuple[int, ...] = tuple(int(c) for c in self._computed.tolist())
+        self._computed = computed
+        self.num_computed_tokens: tuple[int, ...] = tuple(computed.tolist())
         table = block_table_cpu
         if isinstance(table, torch.Tensor) and table.device.type != "cpu":
             raise ValueError(
                 f"BlockTableView: the block table must be the CPU mirror, got a {table.device} tensor "
                 "(reading it would synchronize with the device)"
             )
-        table_t = _cpu_int64(table, "block_table_cpu")
-        if table_t.dim() != 2 or table_t.shape[0] < n:
+        table_np = _cpu_int64(table, "block_table_cpu", n)
+        if table_np.ndim != 2 or table_np.shape[0] < n:
             raise ValueError(
-                f"BlockTableView: block table of shape {tuple(table_t.shape)} cannot hold {n} rows"
+                f"BlockTableView: block table of shape {tuple(np.shape(table))} cannot hold {n} rows"
             )
-        self._table = table_t[:n].clone()
+        self._table = table_np
         if num_blocks_per_row is not None:
-            per_row = _cpu_int64(num_blocks_per_row, "num_blocks_per_row").reshape(-1)[:n].clone()
+            self._blocks_per_row = _cpu_int64(num_blocks_per_row, "num_blocks_per_row", n).reshape(-1)
         else:
-            per_row = torch.full((n,), self._table.shape[1], dtype=torch.int64)
-        self._blocks_per_row = per_row
-        self._row_of = {rid: i for i, rid in enumerate(self.req_ids)}
+            self._blocks_per_row = np.full(n, table_np.shape[1], dtype=np.int64)
         if self.kernel_blocks_per_block > 1:
             self._check_kernel_runs()
 
@@ -120,13 +126,13 @@ class BlockTableView:
         then ``kernel_block * kernel_size + offset`` is the manager slot ``b * block_size +
         offset`` the hits are addressed by. A packed layout (another stride) is refused."""
         k = self.kernel_blocks_per_block
-        cols = torch.arange(self._table.shape[1], dtype=torch.int64)
-        valid = cols.unsqueeze(0) < self._blocks_per_row.unsqueeze(1)
+        cols = np.arange(self._table.shape[1], dtype=np.int64)
+        valid = cols[None, :] < self._blocks_per_row[:, None]
         partial = (self._blocks_per_row % k) != 0
         first = self._table[:, (cols // k) * k]
         bad = valid & ((self._table != first + cols % k) | (first % k != 0))
         if bool(bad.any()) or bool(partial.any()):
-            row = int((bad.any(dim=1) | partial).nonzero()[0, 0])
+            row = int(np.flatnonzero(bad.any(axis=1) | partial)[0])
             count = int(self._blocks_per_row[row])
             raise ValueError(
                 f"BlockTableView: the kernel block table row of request {self.req_ids[row]!r} "
@@ -225,25 +231,49 @@ class BlockTableView:
     def slots_for_spans(self, spans: Sequence[tuple[ReqId, int, int]]) -> torch.Tensor:
         """KV slots of positions ``[start, end)`` of each request, concatenated
         in the order given (int64, CPU)."""
-        rows: list[torch.Tensor] = []
-        positions: list[torch.Tensor] = []
+        rows: list[int] = []
+        starts: list[int] = []
+        counts: list[int] = []
         for req_id, start, end in spans:
             start, end = operator.index(start), operator.index(end)
             if not 0 <= start <= end:
                 raise ValueError(f"BlockTableView: bad span [{start}, {end}) for {req_id!r}")
-            row = self.row_of(req_id)
-            pos = torch.arange(start, end, dtype=torch.int64)
-            rows.append(torch.full_like(pos, row))
-            positions.append(pos)
-        if not positions:
+            rows.append(self.row_of(req_id))
+            starts.append(start)
+            counts.append(end - start)
+        return self._slots(np.array(rows, dtype=np.int64), np.array(starts, dtype=np.int64),
+                           np.array(counts, dtype=np.int64))
+
+    def slots_for_counts(self, counts: Sequence[int]) -> torch.Tensor:
+        """KV slots of each row's next ``counts[i]`` positions (``[num_computed_tokens[i],
+        num_computed_tokens[i] + counts[i])``), rows in batch order, concatenated (int64, CPU).
+        ``counts`` has one non-negative count per row of the view (a row may be 0)."""
+        n = np.asarray(counts, dtype=np.int64).reshape(-1)
+        if n.size != len(self.req_ids):
+            raise ValueError(f"BlockTableView: {n.size} counts for a batch of {len(self.req_ids)} requests")
+        if n.size and int(n.min()) < 0:
+            row = int(np.flatnonzero(n < 0)[0])
+            raise ValueError(f"BlockTableView: negative token count {int(n[row])} for {self.req_ids[row]!r}")
+        return self._slots(np.arange(n.size, dtype=np.int64), self._computed, n)
+
+    def _slots(self, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray) -> torch.Tensor:
+        """Slots of positions ``[starts[j], starts[j] + counts[j])`` of view rows ``rows[j]``, in order:
+        one vectorized pass (no Python per request or per token)."""
+        total = int(counts.sum()) if counts.size else 0
+        if total == 0:
             return torch.empty(0, dtype=torch.int64)
-        row_t = torch.cat(rows)
-        pos_t = torch.cat(positions)
+        if total == counts.size and int(counts.min()) == 1:  # one token per entry (a decode step)
+            row_t, pos_t = rows, starts
+        else:
+            row_t = np.repeat(rows, counts)
+            # position of every token: its entry's start plus its offset within the entry
+            offsets = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+            pos_t = np.repeat(starts, counts) + offsets
         block_idx = pos_t // self.block_size
         limit = self._blocks_per_row[row_t]
         bad = block_idx >= limit
-        if bool(bad.any()):
-            i = int(bad.nonzero()[0, 0])
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
             rid = self.req_ids[int(row_t[i])]
             raise ValueError(
                 f"BlockTableView: position {int(pos_t[i])} of request {rid!r} needs block index "
@@ -251,4 +281,4 @@ class BlockTableView:
                 "the step's blocks were not appended yet"
             )
         block_ids = self._table[row_t, block_idx]
-        return block_ids * self.block_size + pos_t % self.block_size
+        return torch.from_numpy(block_ids * self.block_size + pos_t % self.block_size)

@@ -32,6 +32,7 @@ step id given to ``consume`` is consumed exactly once (I1), whatever happens to 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import logging
 import math
 import os
@@ -45,6 +46,8 @@ from typing import Any
 import torch
 
 from omni_cache.integration.delivery_files import DeliveryPaths, DeliveryStore
+from omni_cache.runtime.errors import ErrorTally, OmniPrefixCacheUnmatchError
+from omni_cache.runtime.histogram import ObservationLog
 from omni_cache.runtime.interface import HIDDEN_KEY, StepId
 
 __all__ = ["DeliveryPlan", "DeliveryResult", "DeliverySettings", "DeliveryTarget", "RowDelivery"]
@@ -142,9 +145,7 @@ class DeliverySettings:
         for key, kind in _POSITIVE_KEYS.items():
             if key in settings:
                 value = settings[key]
-                ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) \
-                    and value > 0 and (kind is float or float(value).is_integer())
-                if not ok:
+                if not _positive(value, integer=kind is int):
                     raise ValueError(f"OmniKVConnector: omni_cache.{key} must be a positive "
                                      f"{'integer' if kind is int else 'number'}, got {value!r}")
                 values[key] = kind(value)
@@ -152,6 +153,18 @@ class DeliverySettings:
 
     def paths(self) -> DeliveryPaths:
         return DeliveryPaths(self.delivery_dir, self.nonce, self.allow_custom_save_path)
+
+
+def _positive(value: Any, *, integer: bool) -> bool:
+    """A positive finite int or float (not a bool), integral when ``integer``; an int past float's
+    range is refused too (``math.isfinite`` would raise ``OverflowError``, naming no key)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    try:
+        number = float(value)
+    except OverflowError:
+        return False
+    return math.isfinite(number) and number > 0 and (not integer or number.is_integer())
 
 
 # ---------------------------------------------------------------------------- the worker half
@@ -167,6 +180,7 @@ class _Job:
     published: bool = False
     cancelled: threading.Event = field(default_factory=threading.Event)
     future: cf.Future[int] | None = None
+    nbytes: int = 0  # the file's size, set before it is written
 
 
 @dataclass
@@ -197,7 +211,9 @@ class RowDelivery:
         self._results: list[DeliveryResult] = []
         self._failed_reason: str | None = None  # the whole cache failed: every delivery fails
         self.counters = {"files": 0, "bytes": 0, "failures": 0, "steps_materialized": 0, "steps_discarded": 0}
-        self.latencies: list[float] = []  # seconds from hand-off to published, per file (for metrics)
+        # Seconds from hand-off to published, per file, until the metrics report takes them (bounded).
+        self._latencies = ObservationLog()
+        self.errors = ErrorTally()  # the contract errors a materialize raised (each failed its requests)
 
     # ----------------------------------------------------------------- per step
     def begin_step(self, plan: DeliveryPlan | None, prompt_token_ids: Mapping[str, Any]) -> None:
@@ -213,8 +229,8 @@ class RowDelivery:
                 self._complete(req_id, rows, len(token_ids), tuple(token_ids))
         for req_id in plan.dropped:
             rows = self._requests.pop(req_id, None)
-            if rows is not None and not rows.done:
-                self.store.release_lock(rows.lock_fd)
+            if rows is not None and not rows.done and rows.target.path is not None:
+                self.store.discard_lock(rows.target.path, rows.lock_fd)  # its client was told no path
 
     def consume(self, manager: Any, step_id: StepId, spans: Iterable[tuple[str, int, int]]) -> None:
         """Consume ``step_id`` (exactly once): materialize the rows the step's requests still
@@ -227,6 +243,11 @@ class RowDelivery:
         try:
             out = manager.materialize(step_id, [r for r, _, _ in needed])
         except Exception as exc:  # the requests fail, the engine does not
+            self.errors.record(exc)
+            # NOTE: a materialize that failed before consuming would leave the step's staging slot
+            # pinned (I1/I2): discard it; one that consumed it already refuses, which is fine.
+            with contextlib.suppress(OmniPrefixCacheUnmatchError):
+                manager.discard_step(step_id)
             self.fail_requests([r for r, _, _ in needed], f"materialize of step {step_id} failed: {exc}")
             return
         self.counters["steps_materialized"] += 1
@@ -253,7 +274,8 @@ class RowDelivery:
                 self._fail(req_id, rows, f"step {step_id} served {sorted(count)} rows for one request's keys")
                 continue
             (n,) = count
-            rows.cached_tokens += max(0, n - (end - start))
+            if end == n:  # rows from position 0: the request (re)starts here, with a hit or without
+                rows.cached_tokens = n - (end - start)  # (after a preemption, only the latest start's hit)
             rows.chunks.append((end - n, tensors))
             target = rows.target
             if not target.include_output_tokens and end >= target.num_prompt_tokens:
@@ -284,17 +306,25 @@ class RowDelivery:
                 with job.lock:
                     if not job.published:
                         job.cancelled.set()
+                self._abandoned.append(job)  # still running: it counts against max_pending
                 if job.cancelled.is_set():
-                    self._abandoned.append(job)
                     self._record_failure(job.target, f"the file was not written within delivery_timeout_s="
                                          f"{self.settings.delivery_timeout_s:g}s (a slow or stuck disk)")
                     continue
-                nbytes = job.future.result()  # published just now: it is done
+                # NOTE: published in time: the file is complete; what the writer does after the link
+                # (its retention, on a slow disk) must not hold the engine thread. A reader still
+                # waits on the lock, which the writer releases when it returns.
+                nbytes = job.nbytes
             except Exception as exc:  # the request fails, the engine does not
                 self._record_failure(job.target, f"writing the file failed: {type(exc).__name__}: {exc}")
                 continue
             self._record_success(job, nbytes)
         self._abandoned = [j for j in self._abandoned if j.future is not None and not j.future.done()]
+
+    def take_latencies(self) -> tuple[float, ...]:
+        """Each published file's latency (seconds from hand-off to the writer to published) since
+        the last call: the observations behind the delivery-latency histogram."""
+        return self._latencies.take()
 
     def take_results(self) -> tuple[DeliveryResult, ...]:
         results, self._results = tuple(self._results), []
@@ -370,6 +400,7 @@ class RowDelivery:
         try:
             assert job.target.path is not None
             payload = save({k: t.contiguous() for k, t in tensors.items()}, metadata=metadata)
+            job.nbytes = len(payload)
             return self.store.write(job.target.path, payload, publish=job)
         except BaseException as exc:
             if job.target.path is not None:
@@ -399,7 +430,7 @@ class RowDelivery:
         seconds = time.monotonic() - job.started
         self.counters["files"] += 1
         self.counters["bytes"] += nbytes
-        self.latencies.append(seconds)
+        self._latencies.record(seconds)
         self._results.append(DeliveryResult(job.target.req_id, job.target.path, None, job.num_tokens,
                                              job.cached_tokens, nbytes, seconds))
 

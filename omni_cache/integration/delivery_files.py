@@ -25,7 +25,9 @@ request's file: the name carries a digest of the id and a per-server nonce); a c
 path is honoured only when allowed and only inside the directory after resolving symlinks;
 files and lock files are the server user's only (mode 0600, the directory 0700 when created);
 the directory holds at most ``max_bytes`` of delivered files and none older than
-``max_age_s`` (oldest removed first).
+``max_age_s`` (oldest removed first), a failed delivery's lock file and ``.error`` note included
+(a dropped one's lock file is removed at once); a lock is never shared or waited for (a second
+request for a path whose lock exists fails at once: the engine thread never blocks on a lock).
 
 Fault injection (for tests of a served engine, where no Python hook reaches the worker): the
 environment variable ``OMNI_CACHE_DELIVERY_FAULT`` holds comma-separated rules ``KIND@MARKER``
@@ -171,10 +173,14 @@ class DeliveryStore:
 
     # ------------------------------------------------------------------ locks
     def hold_lock(self, path: str) -> int:
-        """Create ``<path>.lock`` (mode 0600) and hold an exclusive ``flock`` on it; the fd."""
-        fd = os.open(path + ".lock", os.O_CREAT | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        """Create ``<path>.lock`` (mode 0600) and hold an exclusive ``flock`` on it; the fd.
+
+        ``FileExistsError`` when the lock file exists (another request's file is on its way
+        there: two clients may ask for one custom path before either lock exists); never waits,
+        since the engine thread that calls it is the one that would release the other lock."""
+        fd = os.open(path + ".lock", os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BaseException:
             os.close(fd)
             raise
@@ -184,6 +190,13 @@ class DeliveryStore:
     def release_lock(fd: int | None) -> None:
         if fd is not None:
             os.close(fd)  # releases LOCK_EX: a reader sleeping on LOCK_SH wakes up
+
+    def discard_lock(self, path: str, fd: int | None) -> None:
+        """A delivery that will never be written and whose path no client was told (its request
+        ended before its rows were complete): remove ``<path>.lock``, then release it."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path + ".lock")
+        self.release_lock(fd)
 
     # ------------------------------------------------------------------ write
     def write(self, path: str, payload: bytes, *, publish: PublishGate | None = None) -> int:
@@ -227,19 +240,23 @@ class DeliveryStore:
         return len(payload)
 
     def note_failure(self, path: str, message: str) -> None:
-        """Best effort: ``<path>.error`` holds why the file is not there (a full disk may refuse it too)."""
+        """Best effort: ``<path>.error`` holds why the file is not there (a full disk may refuse it too).
+        The note and the lock file are then under retention, as a delivered file is."""
+        nbytes = 0
         try:
             fd = os.open(path + ".error", os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
             with os.fdopen(fd, "w") as f:
-                f.write(message + "\n")
+                nbytes = f.write(message + "\n")
         except OSError as exc:
             log.warning("could not record the delivery error of %s: %s", path, exc)
+        self._track(path, nbytes)
 
     # -------------------------------------------------------------- retention
     def _track(self, path: str, nbytes: int) -> None:
         with self._lock:
+            old = self._delivered.pop(path, None)  # e.g. a failed write over an adopted name
+            self._bytes += nbytes - (old.nbytes if old is not None else 0)
             self._delivered[path] = _Delivered(nbytes, time.time())
-            self._bytes += nbytes
             self._enforce_locked()
 
     def enforce(self) -> None:
@@ -270,9 +287,10 @@ class DeliveryStore:
             self.removed += 1
 
     def _adopt_existing(self) -> None:
-        """Files of this naming left in the directory by an earlier server count against the
-        bounds (oldest first); temporary files of a killed writer are removed."""
-        found: list[tuple[float, str, int]] = []
+        """Files of this naming left in the directory by an earlier server (with their lock files
+        and error notes, or those alone) count against the bounds (oldest first); temporary files
+        of a killed writer are removed."""
+        found: dict[str, list[float]] = {}  # a delivery's path -> [newest mtime, bytes] of its files
         for entry in os.scandir(self.root):
             if _TMP_MARK in entry.name:
                 try:
@@ -281,11 +299,13 @@ class DeliveryStore:
                     if exc.errno != errno.ENOENT:
                         log.warning("could not remove the stale temporary file %s: %s", entry.path, exc)
                 continue
-            if entry.name.endswith(FILE_SUFFIX) and entry.is_file(follow_symlinks=False):
+            extra = next((x for x in ("", ".lock", ".error") if entry.name.endswith(FILE_SUFFIX + x)), None)
+            if extra is not None and entry.is_file(follow_symlinks=False):
                 st = entry.stat(follow_symlinks=False)
-                found.append((st.st_mtime, entry.path, st.st_size))
+                seen = found.setdefault(entry.path[: len(entry.path) - len(extra)], [st.st_mtime, 0])
+                seen[0], seen[1] = max(seen[0], st.st_mtime), seen[1] + st.st_size
         with self._lock:
-            for mtime, path, size in sorted(found):
-                self._delivered[path] = _Delivered(size, mtime)
-                self._bytes += size
+            for path, (mtime, size) in sorted(found.items(), key=lambda item: (item[1][0], item[0])):
+                self._delivered[path] = _Delivered(int(size), mtime)
+                self._bytes += int(size)
             self._enforce_locked()

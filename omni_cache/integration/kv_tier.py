@@ -17,7 +17,10 @@ Configure it with ``kv_transfer_config = {"kv_connector": "OmniKVConnector",
 load errors, handshakes, stats, HMA) is delegated to the wrapped connectors
 exactly as ``MultiConnector`` does; only ``get_num_new_matched_tokens``,
 ``update_state_after_alloc``, ``request_finished(_all_groups)`` and
-``build_connector_meta`` add to it. The class is built on first attribute
+``build_connector_meta`` add to it, and the stats path carries the cache's metrics
+beside the wrapped connectors' (``get_kv_connector_stats``, ``build_kv_connector_stats``,
+``build_prom_metrics``: ``omni_cache.integration.metrics_vllm``; the worker's
+``metrics.CacheMetricsReporter`` makes the reports). The class is built on first attribute
 access (PEP 562), so importing this module never imports vLLM.
 
 Upholds contract section 4.10 on the scheduler side: a load names, for each
@@ -40,6 +43,7 @@ from omni_cache.integration.delivery import (
     RowDelivery,
 )
 from omni_cache.integration.delivery_sched import DeliveryScheduler
+from omni_cache.integration.metrics import CacheMetricsReporter
 from omni_cache.integration.tier_apply import TierApplier, TierLoad, TierPlan, TierStore
 from omni_cache.integration.vllm_logging import use_vllm_logging
 
@@ -104,6 +108,13 @@ def _build() -> dict[str, type]:
         MultiKVConnectorWorkerMetadata,
     )
 
+    from omni_cache.integration.metrics_vllm import (
+        OMNI_KEY,
+        build_prom_metrics,
+        combine_stats,
+        rebuild_stats,
+        remember_child_classes,
+    )
     from omni_cache.runtime.tier import HiddenTier
 
     @dataclass
@@ -125,7 +136,7 @@ def _build() -> dict[str, type]:
             extra = other.omni_results if isinstance(other, OmniWorkerMetadata) else ()
             return OmniWorkerMetadata(metadata=children.metadata, omni_results=self.omni_results + extra)
 
-    class OmniKVConnector(MultiConnector):  # type: ignore[misc, valid-type]
+    class OmniKVConnector(MultiConnector):
         """See ``omni_cache.integration.kv_tier``."""
 
         def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
@@ -140,16 +151,21 @@ def _build() -> dict[str, type]:
             self.omni_tier_applier: TierApplier | None = None
             self.omni_delivery: RowDelivery | None = None
             self.omni_delivery_sched: DeliveryScheduler | None = None
-            # Worker side: whether this step's wait_for_save came before its metadata, and the metadata
-            # built before it (speculative decoding), whose delivery outcomes wait_for_save adds.
+            self.omni_metrics: CacheMetricsReporter | None = None
+            # Worker side, with speculative decoding (vLLM then finalizes the connector after it took the
+            # step's stats and built its metadata): whether this step's wait_for_save came first, and the
+            # stats and metadata taken before it, which wait_for_save completes.
+            self._omni_deferred = getattr(vllm_config, "speculative_config", None) is not None
             self._omni_waited = False
             self._omni_open_meta: Any = None
+            self._omni_open_stats: Any = None
             delivery = settings["delivery"]
             if role == KVConnectorRole.WORKER:
                 self.omni_tier_applier = TierApplier(
                     HiddenTier(settings["tier_bytes"], settings["tier_dir"]), self._omni_block_size)
                 if delivery is not None:
                     self.omni_delivery = RowDelivery(delivery)
+                self.omni_metrics = CacheMetricsReporter(self.omni_delivery, self.omni_tier_applier)
             elif delivery is not None:
                 self.omni_delivery_sched = DeliveryScheduler(delivery)
 
@@ -159,7 +175,31 @@ def _build() -> dict[str, type]:
             extra = vllm_config.kv_transfer_config.kv_connector_extra_config
             if extra.get("connectors") is None:
                 extra["connectors"] = []
-            return super()._get_connector_classes_and_configs(vllm_config)
+            children = super()._get_connector_classes_and_configs(vllm_config)
+            remember_child_classes(cls for cls, _ in children)  # their stats are rebuilt by name
+            return children
+
+        # ---------------------------------------------------------- metrics (metrics_vllm)
+        def get_kv_connector_stats(self) -> Any:
+            """The wrapped connectors' stats plus this worker's cache report (output rank only)."""
+            children = super().get_kv_connector_stats()
+            if self.omni_metrics is None or not self.omni_metrics.reporting:
+                return children
+            if self._omni_deferred and not self._omni_waited:  # before this step's wait: report it there
+                stats = combine_stats(children, {})
+                self._omni_open_stats = stats[OMNI_KEY]
+                return stats
+            return combine_stats(children, self.omni_metrics.report())
+
+        @classmethod
+        def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
+            return rebuild_stats(data)
+
+        @classmethod
+        def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: list[str],
+                               per_engine_labelvalues: dict[int, list[object]]) -> Any:
+            return build_prom_metrics(cls._get_connector_classes_and_configs(vllm_config), vllm_config,
+                                      metric_types, labelnames, per_engine_labelvalues)
 
         # ---------------------------------------------------------- scheduler side
         def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -227,23 +267,28 @@ def _build() -> dict[str, type]:
             super().wait_for_save()
             if self.omni_delivery is not None:
                 self.omni_delivery.finish_step()  # this step's files, bounded: their outcome goes out now
-                open_meta, self._omni_open_meta = self._omni_open_meta, None
-                if open_meta is not None:  # built before this wait (speculative decoding): fill it now
-                    open_meta.omni_results = open_meta.omni_results + self.omni_delivery.take_results()
-                else:
-                    self._omni_waited = True
+            open_meta, self._omni_open_meta = self._omni_open_meta, None
+            open_stats, self._omni_open_stats = self._omni_open_stats, None
+            # Taken before this wait (speculative decoding): complete them now, before the runner's output leaves.
+            if open_meta is not None and self.omni_delivery is not None:
+                open_meta.omni_results = open_meta.omni_results + self.omni_delivery.take_results()
+            if open_stats is not None and self.omni_metrics is not None \
+                    and (report := self.omni_metrics.report()) is not None:
+                open_stats.aggregate(type(open_stats)(data=report))
+            self._omni_waited = open_meta is None and open_stats is None
 
         def build_connector_worker_meta(self) -> Any:
             inner = super().build_connector_worker_meta()
+            waited, self._omni_waited = self._omni_waited, False  # this step's order is known now
             if self.omni_delivery is None:
                 return inner
-            waited, self._omni_waited = self._omni_waited, False
+            opens = self._omni_deferred and not waited
             results = self.omni_delivery.take_results()
-            if not results and waited:
+            if not results and not opens:
                 return inner
             children = inner.metadata if inner is not None else (None,) * len(self._connectors)
             meta = OmniWorkerMetadata(metadata=children, omni_results=results)
-            if not waited:
+            if opens:
                 # NOTE: with speculative decoding vLLM builds this step's metadata before it waits for
                 # the saves (sample_tokens finalizes the connector after the draft model): the step's
                 # files are done, and their outcomes added to this same object, in wait_for_save; the

@@ -7,7 +7,7 @@ hooks allocate nothing and do nothing), the
 scheduler adapter, this step's scheduled-token counts between ``begin_step``
 and ``after_forward``, and the save-time request ids of every unconsumed step.
 
-Call order (DESIGN section 2), all on the engine thread except the output path:
+Call order (spec/protocol.md), all on the engine thread except the output path:
 
 1. ``on_model_loaded(model)`` -- freeze ``ModelCachePolicy.from_model(model)``.
 2. ``on_kv_cache_initialized(vllm_config, kv_cache_config)`` -- the config gate
@@ -257,6 +257,12 @@ class PrefixCacheRunnerHooks:
     def save_time_req_ids(self, step_id: StepId) -> tuple[ReqId, ...] | None:
         with self._lock:
             return self._save_req_ids.get(step_id)
+
+    def take_save_time_req_ids(self, step_id: StepId) -> tuple[ReqId, ...] | None:
+        """Forget ``step_id``'s save-time request ids (a consumer that consumes the step on the
+        manager itself, not through ``materialize``/``discard``); returns them."""
+        with self._lock:
+            return self._save_req_ids.pop(step_id, None)
 
     def materialize(self, step_id: StepId) -> StageCacheOutputs:
         """Merged outputs of the save-time requests; a failed materialize

@@ -151,7 +151,7 @@ def stop_index(state: Any, new_tokens: Sequence[int], max_model_len: int) -> int
     probe = _StopProbe(params, int(state.num_prompt_tokens), prior)
     for j, token in enumerate(new_tokens, 1):
         probe.output_token_ids.append(int(token))
-        if check_stop(probe, max_model_len):  # type: ignore[arg-type]
+        if check_stop(probe, max_model_len):
             return j
     return None
 

@@ -35,7 +35,8 @@ in the worker's process consumes ``step_ids``: the in-process drivers of the har
 first two modes a cache fault never takes the engine down: a failed materialize fails the
 deliveries it was for, and a failed step (events, tier plan or save) fails the cache for good
 -- it stops saving and serving, every delivery from then on fails with the reason -- while the
-engine keeps serving; in ``"queue"`` mode every error raises, as the contract says.
+engine keeps serving; each such contained error is counted by kind (``errors``: the served
+engine's ``vllm:omni_cache_errors``). In ``"queue"`` mode every error raises, as the contract says.
 
 Upholds I1 on the producer side: every saved step id is consumed exactly once -- published
 exactly once on ``step_ids`` (``"queue"``: the consumer must materialize or discard it exactly
@@ -58,7 +59,7 @@ from omni_cache.integration.block_table import BlockTableView
 from omni_cache.integration.runner_hooks import PrefixCacheRunnerHooks
 from omni_cache.integration.spec_decode import VerdictError, VerifySteps
 from omni_cache.integration.vllm_logging import use_vllm_logging
-from omni_cache.runtime.errors import OmniPrefixCacheUnmatchError
+from omni_cache.runtime.errors import ErrorTally, OmniPrefixCacheUnmatchError
 from omni_cache.runtime.interface import ModelCachePolicy, ReqId, StepId
 
 __all__ = ["CONFIG_KEY", "ForwardRecord", "PublishedStep", "V2BlockTableMirror", "VllmRunnerBridge", "bridge_of",
@@ -216,6 +217,7 @@ class VllmRunnerBridge:
         self.consumer: str | None = consumer
         self.delivery: Any = None  # the worker's delivery.RowDelivery ("deliver")
         self.failed: str | None = None  # the cache failed for good ("deliver"/"discard" only)
+        self.errors = ErrorTally()  # the contract errors contained here ("deliver"/"discard"), by kind
         self._policy_override: ModelCachePolicy | None = None
         if "deferred_keys" in settings or "needs_full_hidden_states" in settings:
             self._policy_override = ModelCachePolicy(
@@ -261,6 +263,9 @@ class VllmRunnerBridge:
         self.hooks.on_kv_cache_initialized(vllm_config, kv_cache_config)
         self.speculative = getattr(vllm_config, "speculative_config", None) is not None
         self.resolve_consumer(_engine_delivery())
+        from omni_cache.integration.metrics import bind_worker_metrics
+
+        bind_worker_metrics(self)
 
     def resolve_consumer(self, delivery: Any) -> str:
         """Fix the consumer (see the module docstring) given the engine's ``RowDelivery`` (or ``None``)."""
@@ -325,6 +330,7 @@ class VllmRunnerBridge:
             except OmniPrefixCacheUnmatchError as exc:
                 if not self.contained:
                     raise
+                self.errors.record(exc)
                 self._scheduler_output = None
                 self.fail(f"engine step {self.engine_step}: {exc}")
         if self.delivery is not None and (self.active or self.failed is not None):
@@ -353,12 +359,17 @@ class VllmRunnerBridge:
             return None
         input_batch = runner.input_batch
         group = self._output_group()
-        view = BlockTableView.from_input_batch(input_batch, block_size=self._block_size(), kv_cache_group_id=group)
+        view = self.view_v1(input_batch)
         # The engine's own slot mapping, for the observer: the buffer vLLM's slot-mapping kernel
         # writes (``.gpu``; its ``.cpu`` half is never filled, and the CPU runner aliases the two
         # only for the input batch it builds first, not for one rebuilt for several KV-cache groups).
         slot_mapping = input_batch.block_table.block_tables[group].slot_mapping.gpu
         return self._save(so, view, hidden_states, input_ids, positions, slot_mapping)
+
+    def view_v1(self, input_batch: Any) -> BlockTableView:
+        """The block-table view of V1's persistent batch, the output KV-cache group."""
+        return BlockTableView.from_input_batch(input_batch, block_size=self._block_size(),
+                                               kv_cache_group_id=self._output_group())
 
     def install_v2_block_mirror(self, block_tables: Any) -> V2BlockTableMirror:
         """Model Runner V2, after ``initialize_kv_cache``: mirror its device-only
@@ -427,24 +438,12 @@ class VllmRunnerBridge:
         except OmniPrefixCacheUnmatchError as exc:
             if not self.contained:
                 raise
+            self.errors.record(exc)
             self.fail(f"engine step {self.engine_step}: save_outputs failed: {exc}")
             return None
         if self.observer is not None:
-            self.observer(
-                ForwardRecord(
-                    engine_step=self.engine_step,
-                    step_id=step_id,
-                    req_ids=view.req_ids,
-                    spans=spans,
-                    hidden_states=hidden_states[:num_unpadded],
-                    input_ids=torch.as_tensor(input_ids[:num_unpadded]),
-                    positions=torch.as_tensor(positions[:num_unpadded]),
-                    slot_mapping=torch.as_tensor(slot_mapping[:num_unpadded]),
-                    mm_outputs=mm,
-                    block_ids={rid: view.blocks_of(rid) for rid, _, _ in spans},
-                    scheduler_output=so,
-                )
-            )
+            self.observe_forward(so, view, spans, step_id, mm, hidden_states[:num_unpadded],
+                                 input_ids[:num_unpadded], positions[:num_unpadded], slot_mapping[:num_unpadded])
         if step_id is not None:
             held = self.speculative and self.verify_steps.hold(step_id, self.engine_step, spans, so)
             if not held:  # a step with draft rows awaits sampling's verdict (after_sample)
@@ -473,9 +472,10 @@ class VllmRunnerBridge:
         """A verify step without a verdict: its step id is discarded, never handed on, and the cache
         fails for good (``queue``: the error raises)."""
         with contextlib.suppress(OmniPrefixCacheUnmatchError):  # a failed manager refuses: the reason stands
-            self.hooks.manager.discard_step(exc.step.step_id)
+            self.hooks.discard(exc.step.step_id)  # its save-time request ids go too
         if not self.contained:
             raise exc
+        self.errors.record(exc)
         self.fail(str(exc))
 
     def _consume(self, published: PublishedStep) -> None:
@@ -483,13 +483,37 @@ class VllmRunnerBridge:
         if self.consumer == "queue":
             self.step_ids.put(published)
             return
+        self.hooks.take_save_time_req_ids(published.step_id)  # consumed below, on the manager itself
         try:
             if self.delivery is not None:
                 self.delivery.consume(self.hooks.manager, published.step_id, published.spans)
             else:
                 self.hooks.manager.discard_step(published.step_id)
         except OmniPrefixCacheUnmatchError as exc:
+            self.errors.record(exc)
             self.fail(f"engine step {self.engine_step}: consuming step {published.step_id} failed: {exc}")
+
+    def observe_forward(self, so: Any, view: BlockTableView, spans: tuple[tuple[ReqId, int, int], ...],
+                        step_id: StepId | None, mm: dict[str, Any], hidden_states: torch.Tensor, input_ids: Any,
+                        positions: Any, slot_mapping: Any) -> None:
+        """Hand ``observer`` the step's ``ForwardRecord`` (only when one is set: a checker's cost,
+        never the cache's; a harness times this call as the checker's)."""
+        assert self.observer is not None, "observe_forward without an observer"
+        self.observer(
+            ForwardRecord(
+                engine_step=self.engine_step,
+                step_id=step_id,
+                req_ids=view.req_ids,
+                spans=spans,
+                hidden_states=hidden_states,
+                input_ids=torch.as_tensor(input_ids),
+                positions=torch.as_tensor(positions),
+                slot_mapping=torch.as_tensor(slot_mapping),
+                mm_outputs=mm,
+                block_ids={rid: view.blocks_of(rid) for rid, _, _ in spans},
+                scheduler_output=so,
+            )
+        )
 
     def shutdown(self) -> dict[StepId, str]:
         """Shut the cache down; its unconsumed step ids (none unless a ``queue`` consumer left some)."""

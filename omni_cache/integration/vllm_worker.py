@@ -11,8 +11,8 @@ importing this module never imports vLLM ("no vLLM import at module scope"
 holds) and vLLM's own ``worker_cls`` lookup (``import_module`` + ``getattr``)
 still finds them.
 
-Upholds I5 (the config gate runs on the engine's real configs) and the DESIGN
-section 2 call order on the real runners: the gate at
+Upholds I5 (the config gate runs on the engine's real configs) and the
+spec/protocol.md call order on the real runners: the gate at
 KV-cache initialisation (before the KV cache is allocated, so a refused
 configuration fails at engine start), ``begin_step`` before the runner drops
 finished requests (also for steps with zero scheduled tokens), ``after_forward``
@@ -21,7 +21,7 @@ each verify step's verdict once ``sample_tokens`` has the sampled tokens on the
 CPU (``_bookkeeping_sync``), before it finalizes the KV connector (I14); warmup
 and dummy runs are never fed. The cache is built on the output rank only (``ranks``); ``omni_cache_stats``
 is the worker method ``LLM.collective_rpc("omni_cache_stats")`` calls to read
-each rank's place and host bytes. With pipeline parallelism and
+each rank's place, host bytes and the numbers behind its metrics. With pipeline parallelism and
 ``enforce_eager=True`` the CPU runner skips its warm-up, the one place a
 non-first pipeline rank allocates the buffer for the previous stage's
 intermediate tensors; ``OmniCPUWorker`` allocates it as that warm-up would.
@@ -44,7 +44,7 @@ def omni_runner_class(base: type, v2: bool) -> type:
     from omni_cache.integration.spec_decode import bookkeeping_tokens
     from omni_cache.integration.vllm_bridge import VllmRunnerBridge
 
-    class _OmniRunnerCommon(base):  # type: ignore[misc, valid-type]
+    class _OmniRunnerCommon(base):
         def __init__(self, vllm_config: Any, device: Any, *args: Any, **kwargs: Any) -> None:
             super().__init__(vllm_config, device, *args, **kwargs)
             self.omni_cache = VllmRunnerBridge.from_vllm_config(vllm_config)
@@ -134,14 +134,22 @@ def allocate_intermediate_tensors(runner: Any) -> bool:
 
 def worker_cache_stats(worker: Any) -> dict[str, Any]:
     """One worker's rank (global ``rank`` as vLLM numbers it), whether it holds
-    the cache, its host bytes and its step counts; plain values only, so the
-    reply crosses any of vLLM's RPC channels."""
+    the cache, its host bytes and its step counts, plus the numbers behind its
+    metrics (``metrics.cache_sources``: the manager's full ``stats()``, the
+    delivery's and the tier's counters, the contained errors by kind); plain
+    values only, so the reply crosses any of vLLM's RPC channels (a served
+    engine's ``/collective_rpc`` too)."""
+    from omni_cache.integration.metrics import cache_sources, worker_metrics
+
     bridge = getattr(worker.model_runner, "omni_cache", None)
     if bridge is None:
         raise RuntimeError("omni_cache_stats: this worker's model runner has no omni cache")
+    reporter = worker_metrics()
+    sources = cache_sources(bridge, reporter.delivery, reporter.tier) if reporter is not None else cache_sources(bridge)
     return {**bridge.hooks.rank_stats(), "engine_steps": int(bridge.engine_step),
             "preemptions": int(bridge.preemptions),
-            "zero_token_steps": int(bridge.zero_token_steps)}
+            "zero_token_steps": int(bridge.zero_token_steps),
+            "reports_metrics": reporter is not None and reporter.reporting, **sources}
 
 
 def shutdown_worker_cache(worker: Any) -> None:
@@ -165,7 +173,7 @@ def _build_classes() -> dict[str, type]:
 
     cpu_runner = omni_runner_class(CPUModelRunner, False)
 
-    class OmniCPUWorker(CPUWorker):  # type: ignore[misc, valid-type]
+    class OmniCPUWorker(CPUWorker):
         """vLLM's CPU worker whose model runner is ``OmniCPUModelRunner`` (V1)."""
 
         def init_device(self) -> None:
@@ -188,7 +196,7 @@ def _build_classes() -> dict[str, type]:
             shutdown_worker_cache(self)
             super().shutdown()
 
-    class OmniGPUWorker(Worker):  # type: ignore[misc, valid-type]
+    class OmniGPUWorker(Worker):
         """vLLM's GPU worker whose runner (V1, or V2 where vLLM picks it) feeds the cache."""
 
         def _make_model_runner(self) -> Any:

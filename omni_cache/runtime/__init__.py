@@ -1,8 +1,9 @@
 """The runtime wing: the omni prefix cache itself.
 
 Owns every piece of the cache and nothing else: the state tables (``states``), the staging
-pool (``staging``), pool writes and the committer (``writes``, ``copier``), the block pool and
-KV-slot tenancy (``block_pool``, ``tenancy``), the read path (``reader``, ``step_outputs``),
+pool (``staging``), pool writes, their scheduling and the committer (``writes``,
+``scheduling``, ``copier``), the block pool and KV-slot tenancy (``block_pool``,
+``tenancy``), the read path (``reader``, ``step_outputs``),
 input validation (``validation``), request identity and pending hits (``admissions``,
 ``hits``), the engine-facing value types (``events``), the public interface types and errors
 (``interface``, ``errors``), the hidden-state tier (``tier``) and the manager that composes

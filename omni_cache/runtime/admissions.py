@@ -50,7 +50,7 @@ class EventPlan:
     ``("admit", req, Admission)`` and ``("lookup", req, event)``; ``stale`` counts
     events older than their id's current owner (ignored)."""
 
-    changes: list[tuple[str, ReqId, object]]
+    changes: list[tuple[str, ReqId, Admission | PrefixCacheRequestEvent | None]]
     stale: int = 0
 
 

@@ -3,10 +3,12 @@
 Owns: the pool tensors and the pool data lock. Rows are addressed by the engine's
 KV slots (``slot = block_id * block_size + offset``); rows never written read as
 zeros, which is why readers consult ``omni_cache.runtime.tenancy`` before trusting them
-(I6). Only the committer writes here (``write``); keys are never dropped.
+(I6). The committer's landing writes here (``SlotTenancy.land_all``, under the data
+lock, into the tensors ``ensure_key`` allocates); ``write`` is the pool's own scatter of one
+key. Keys are never dropped.
 
-The data lock is a leaf lock: it covers one ``index_copy_`` or ``index_select``
-and nothing is waited for or acquired while holding it (I11).
+Upholds I11: the data lock is a leaf lock; it covers one ``index_copy_`` or ``index_select``
+and nothing is waited for or acquired while holding it.
 """
 
 from __future__ import annotations

@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from omni_cache.runtime.faults import FaultHooks
+from omni_cache.runtime.locks import LockWrap
 from omni_cache.runtime.staging import StagingPool
 from omni_cache.runtime.tenancy import SlotTenancy
 from omni_cache.runtime.writes import PoolWrite, WriteBook
@@ -73,7 +75,11 @@ class CopyEngine:
     def copy_all(self, dsts: dict[str, torch.Tensor], srcs: dict[str, torch.Tensor], after: Any = None) -> Any:
         """``copy_into`` of every key of ``srcs`` into ``dsts[key]``; the last event (or None)."""
         event = None
+        chunk = self.chunk_bytes
         for key, src in srcs.items():
+            if not self.use_cuda and src.nbytes <= chunk:  # a host copy in one piece (as ``_chunked``)
+                dsts[key].copy_(src)
+                continue
             event = self.copy_into(dsts[key], src, after) or event
         return event
 
@@ -129,6 +135,17 @@ class Committer:
         if threaded:
             self._thread = threading.Thread(target=self._run, name="omni-cache-committer", daemon=True)
             self._thread.start()
+
+    def wrap_lock(self, wrap: LockWrap) -> Callable[[], None]:
+        """Instrumentation seam (``locks.LockWrap``): the drain lock becomes ``wrap(lock)`` until the
+        returned undo runs. Only while nothing drains."""
+        inner = self._drain_lock
+        self._drain_lock = wrap(inner)
+
+        def undo() -> None:
+            self._drain_lock = inner
+
+        return undo
 
     def kick(self) -> None:
         """Make progress on the queue: drain it inline in eager mode.

@@ -3,7 +3,7 @@
 Owns: ``PrefixCacheEventKind``, ``PrefixCacheRequestOwner``,
 ``PrefixCacheRequestEvent``, ``PrefixCacheStep``, ``PrefixCacheWrite`` and
 ``PrefixCacheWriteLayout`` -- immutable snapshots the engine hands to the
-manager. ``omni_cache.integration.adapter`` (the public import path, DESIGN section 6)
+manager. ``omni_cache.integration.adapter`` (the public import path, spec/contract.md section 10)
 re-exports them next to ``PrefixCacheSchedulerAdapter``, which builds them.
 
 Upholds the input half of I5: events carry block ids as tuples (one per KV
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import enum
 import operator
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,6 +86,8 @@ def freeze_block_ids(block_ids: Any) -> tuple[tuple[int, ...], ...]:
 def as_index(where: str, value: Any) -> int:
     """``value`` as an ``int``: integer-likes (numpy ints, 0-d integer tensors) become ``int``;
     a bool, float, string or ``None`` raises ``TypeError`` naming ``where``."""
+    if type(value) is int:
+        return value
     if isinstance(value, bool) or not hasattr(value, "__index__"):
         raise TypeError(f"{where} must be an int, got {value!r}")
     try:
@@ -109,6 +111,8 @@ def scheduled_counts(where: str, counts: Any) -> dict[ReqId, int]:
         pairs = dict(counts)
     except (TypeError, ValueError) as exc:
         raise TypeError(f"{where} must be a {{req_id: n}} mapping or (req_id, n) pairs, got {counts!r}") from exc
+    if all(type(n) is int for n in pairs.values()):
+        return pairs
     return {rid: as_index(f"{where}[{rid!r}]", n) for rid, n in pairs.items()}
 
 
@@ -134,15 +138,26 @@ class PrefixCacheRequestEvent:
     lookup_complete: bool = True
 
     def __post_init__(self) -> None:
-        where = f"PrefixCacheRequestEvent {self.req_id!r}"
-        check_req_id(where, self.req_id)
-        for name in ("hit_start", "hit_end", "scheduled_tokens", "num_output_tokens"):
-            object.__setattr__(self, name, as_index(f"{where}: {name}", getattr(self, name)))
         try:
-            object.__setattr__(self, "block_ids", freeze_block_ids(self.block_ids))
-        except TypeError as exc:
-            raise TypeError(f"{where}: block_ids must be ints (one sequence per KV group), got "
-                            f"{self.block_ids!r}") from exc
+            hash(self.req_id)
+        except TypeError:  # the refusal, named (its message is built only here)
+            check_req_id(f"PrefixCacheRequestEvent {self.req_id!r}", self.req_id)
+        # NOTE: exact ints (what the adapter passes) need no coercion; anything else goes through
+        # ``as_index``, which makes integer-likes ints and refuses the rest, naming the field.
+        if not (type(self.hit_start) is int and type(self.hit_end) is int
+                and type(self.scheduled_tokens) is int and type(self.num_output_tokens) is int):
+            where = f"PrefixCacheRequestEvent {self.req_id!r}"
+            for name in ("hit_start", "hit_end", "scheduled_tokens", "num_output_tokens"):
+                object.__setattr__(self, name, as_index(f"{where}: {name}", getattr(self, name)))
+        block_ids = self.block_ids
+        if not (block_ids is None or (type(block_ids) is tuple and not block_ids)):
+            try:
+                object.__setattr__(self, "block_ids", freeze_block_ids(self.block_ids))
+            except TypeError as exc:
+                raise TypeError(f"PrefixCacheRequestEvent {self.req_id!r}: block_ids must be ints (one sequence "
+                                f"per KV group), got {self.block_ids!r}") from exc
+        elif block_ids is None:  # () and None freeze to (): nothing to walk
+            object.__setattr__(self, "block_ids", ())
         if not isinstance(self.kind, PrefixCacheEventKind):
             object.__setattr__(self, "kind", PrefixCacheEventKind(self.kind))
         if self.owner is not None and not isinstance(self.owner, PrefixCacheRequestOwner):
@@ -173,6 +188,16 @@ class PrefixCacheStep:
     events: tuple[PrefixCacheRequestEvent, ...]
     scheduled_tokens: dict[ReqId, int] = field(default_factory=dict)
     sequence: int | None = None
+
+    def __init__(self, events: Iterable[PrefixCacheRequestEvent],
+                 scheduled_tokens: Mapping[ReqId, int] | Iterable[tuple[ReqId, int]] = (),
+                 sequence: int | None = None) -> None:
+        """Any iterable of events, and counts as a mapping or pairs: ``__post_init__`` checks them
+        and keeps a tuple and a private dict (the fields' types)."""
+        object.__setattr__(self, "events", events)
+        object.__setattr__(self, "scheduled_tokens", scheduled_tokens)
+        object.__setattr__(self, "sequence", sequence)
+        self.__post_init__()
 
     def __post_init__(self) -> None:
         try:
@@ -209,11 +234,17 @@ class PrefixCacheWrite:
     token_end: int
 
     def __post_init__(self) -> None:
-        check_req_id(f"PrefixCacheWrite {self.req_id!r}", self.req_id)
-        for name in ("row_start", "row_end", "token_start", "token_end"):
-            # Integer-likes (numpy ints, 0-d integer tensors) become ``int``; floats, bools,
-            # strings and None are refused here, never at materialize after an id is consumed.
-            object.__setattr__(self, name, as_index(f"PrefixCacheWrite {self.req_id!r}: {name}", getattr(self, name)))
+        try:
+            hash(self.req_id)
+        except TypeError:  # the refusal, named (its message is built only here)
+            check_req_id(f"PrefixCacheWrite {self.req_id!r}", self.req_id)
+        if not (type(self.row_start) is int and type(self.row_end) is int
+                and type(self.token_start) is int and type(self.token_end) is int):
+            for name in ("row_start", "row_end", "token_start", "token_end"):
+                # Integer-likes (numpy ints, 0-d integer tensors) become ``int``; floats, bools,
+                # strings and None are refused here, never at materialize after an id is consumed.
+                object.__setattr__(self, name, as_index(f"PrefixCacheWrite {self.req_id!r}: {name}",
+                                                        getattr(self, name)))
         if not (0 <= self.row_start <= self.row_end):
             raise ValueError(f"PrefixCacheWrite {self.req_id!r}: bad rows [{self.row_start}, {self.row_end})")
         if self.token_end - self.token_start != self.row_end - self.row_start or self.token_start < 0:
@@ -263,7 +294,20 @@ class PrefixCacheWriteLayout:
 
     @property
     def req_ids(self) -> tuple[ReqId, ...]:
-        return tuple(w.req_id for w in self.writes)
+        rows = layout_rows(self)
+        return rows.req_ids if rows is not None else tuple(w.req_id for w in self.writes)
+
+    @classmethod
+    def taking(cls, writes: tuple[PrefixCacheWrite, ...], total_rows: int, slots_cpu: torch.Tensor) -> PrefixCacheWriteLayout:
+        """A layout that takes ``slots_cpu`` as it is: a tensor the caller made for this layout alone
+        and never writes again (e.g. ``BlockTableView.slots_for_counts``'s), so no private copy
+        is made. Anything else about it is checked by ``save_outputs`` as for any layout."""
+        layout = object.__new__(cls)
+        object.__setattr__(layout, "writes", writes if type(writes) is tuple else tuple(writes))
+        object.__setattr__(layout, "total_rows", total_rows)
+        object.__setattr__(layout, "slots_cpu", slots_cpu)
+        object.__setattr__(layout, "_rows", StepRows.of(layout.writes, total_rows))
+        return layout
 
     @classmethod
     def packed(cls, spans: Iterable[tuple[ReqId, int, int]], slots_cpu: torch.Tensor | None) -> PrefixCacheWriteLayout:
@@ -329,6 +373,13 @@ class StepRows:
         if self._by_req is None:
             self._by_req = dict(zip(self.req_ids, self.writes, strict=True))
         return self._by_req
+
+    def write_of(self, req_id: Any) -> PrefixCacheWrite | None:
+        """``req_id``'s write, or ``None`` when it is not one of the step's (an unhashable id never is)."""
+        try:
+            return self.by_req.get(req_id)
+        except TypeError:
+            return None
 
 
 def layout_rows(layout: PrefixCacheWriteLayout) -> StepRows | None:

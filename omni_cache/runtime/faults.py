@@ -15,6 +15,8 @@ Hooks and what a raise there means:
   ``on_blocking(what)``             called right before every wait, copy and budget
                                     flush; I11 tests assert there that the state lock
                                     is not held by the calling thread
+
+Upholds nothing itself: it is where tests break I8 and watch I11.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Lazy public names for a package (PEP 562), so importing it costs nothing until a name is used.
 
 Owns: ``lazy_exports``. The CLI parses its arguments with only the light modules loaded (torch
-comes in when a command runs). Invariants: none.
+comes in when a command runs). Upholds nothing.
 """
 
 from __future__ import annotations

@@ -3,15 +3,17 @@
 Owns: the live requests (their pending hits are a ``hits.PendingHits`` it guards
 with its state lock), the unconsumed step contexts,
 the step ids it took from the process-wide counter (another manager's id is never
-one of ours), the open deferred writes and their GPU-byte budget, and
-the state lock over all of those. It composes the staging pool (pages), the
-write book (write lifecycle and queue), the committer (copies and landing),
-the block pool and the slot tenancy (versions and preserved rows). The hidden-state
+one of ours), and the state lock over all of those. It composes the staging pool
+(pages), the write book (write lifecycle and queue), the write scheduler
+(``scheduling``: registration, landing order, the open deferred writes and their
+GPU-byte budget, under the same state lock), the committer (copies and landing),
+the block pool and the slot tenancy (versions and preserved rows). ``wrap_locks``
+is the documented seam that lets a profiler time every runtime lock. The hidden-state
 tier's pool side (``omni_cache.runtime.tier_rows``: restores registered as writes, reads of a
 block's rows) reaches the manager through one door, ``tier_port`` (a ``TierPort``), and its
 public collaborators; nothing outside this module touches the manager's private state.
 
-Per real scheduler step (DESIGN section 2): ``new_step_starts`` ->
+Per real scheduler step (spec/protocol.md): ``new_step_starts`` ->
 forward -> ``save_outputs`` -> (a verify step of speculative decoding: ``trim_step``) ->
 exactly one of ``materialize`` / ``discard_step`` (possibly on another thread while the
 engine saves the next steps).
@@ -33,11 +35,10 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from omni_cache.runtime.admissions import Admission, lookup_of, plan_events
@@ -65,8 +66,9 @@ from omni_cache.runtime.interface import (
     StepId,
     WriteSchedule,
 )
-from omni_cache.runtime.locks import OwnedLock, SaveGate, caller_location
+from omni_cache.runtime.locks import LockWrap, OwnedLock, SaveGate, caller_location
 from omni_cache.runtime.reader import StepReader
+from omni_cache.runtime.scheduling import WriteScheduler
 from omni_cache.runtime.staging import StagingPool
 from omni_cache.runtime.step_outputs import StepContext, classify_outputs, copy_leftovers
 from omni_cache.runtime.step_trim import trim_rows
@@ -74,8 +76,6 @@ from omni_cache.runtime.tenancy import PlannedRead, SlotTenancy
 from omni_cache.runtime.tier_rows import TierPort
 from omni_cache.runtime.trace import TraceRecorder
 from omni_cache.runtime.validation import (
-    RowSig,
-    check_held_sigs,
     check_scheduled,
     validate_hit,
     validate_save,
@@ -97,14 +97,6 @@ class _Request:
     admission: Admission = field(default_factory=Admission)
     # Deferred writes holding this request's rows (pushed to the front at finish/abort, I9).
     open_deferred: list[PoolWrite] = field(default_factory=list)
-
-
-def _held(req_id: Any, by_req: dict[ReqId, Any]) -> bool:
-    """Is ``req_id`` one of the snapshot's requests? An unhashable id never is."""
-    try:
-        return req_id in by_req
-    except TypeError:
-        return False
 
 
 class OmniPrefixCacheManager:
@@ -146,34 +138,35 @@ class OmniPrefixCacheManager:
         self.committer = Committer(
             self.book, self.tenancy, self.staging, self.copies, self.faults, threaded=not self.eager
         )
+        # late-bound: an instrumented ``scheduling.flush`` (``omni-cache bench --profile``) is the one called
         self.reader = StepReader(self.staging, self.tenancy, self.book, self.copies, self.faults,
-                                 lambda writes, why: self._flush(writes, front=True, why=why))
+                                 lambda writes, why: self.scheduling.flush(writes, front=True, why=why))
         # ---- guarded by _lock (the state lock; I11: bookkeeping only) ----
         self._lock = OwnedLock()
         self.policy = ModelCachePolicy()
         self._num_saved = 0
         self._requests: dict[ReqId, _Request] = {}
-        # req -> (hit_end, group-0 block ids) from STARTED/RESUMED, served by its next save.
-        self._hits = PendingHits(config.block_size, config.output_group_id)
+        # req -> (hit_end, group-0 block ids) from STARTED/RESUMED, served by its next save; guarded
+        # by the state lock like ``policy`` (a public attribute: a profiler may wrap its methods).
+        self.hits = PendingHits(config.block_size, config.output_group_id)
         self._contexts: dict[StepId, StepContext] = {}
         self._scheduled: dict[ReqId, int] = {}
         self._last_sequence: int | None = None  # of the last applied PrefixCacheStep (I13)
         self._ids_issued = 0  # step ids this manager took from _STEP_IDS (``_issue_step_id``)
         self._last_immediate: PoolWrite | None = None
-        self._deferred_open: dict[int, PoolWrite] = {}
-        self._deferred_bytes = 0
-        # key -> (dtype, row shape) of every deferred key a successful save carried: a pending
-        # deferred write fixes its key's width before any pool tensor or staging page holds it.
-        # Only save_outputs (the engine thread) reads and writes it.
-        self._deferred_sigs: dict[str, RowSig] = {}
         self._shut_down = False
         # The saves in progress (its own lock): shutdown closes it and waits for them (contract 4.6).
         self._saves = SaveGate()
-        self.counters = {"hits": 0, "hit_tokens": 0, "misses": 0, "saved": 0,
+        self.counters = {"hits": 0, "hit_tokens": 0, "misses": 0, "saved": 0, "saved_rows": 0,
                          "materialized": 0, "discarded": 0, "budget_flushes": 0,
                          "replayed_steps": 0, "stale_events": 0, "tier_restores": 0,
                          "trimmed_rows": 0}
-        self.tier_port = TierPort(self._check_usable, self._register_restored, self._vacate)
+        # Registration and landing order of the pool writes; shares the state lock.
+        self.scheduling = WriteScheduler(book=self.book, tenancy=self.tenancy, staging=self.staging,
+                                         committer=self.committer, faults=self.faults, lock=self._lock,
+                                         count=self._count, issue_step_id=self._issue_step_id,
+                                         gpu_staging_bytes=config.gpu_staging_bytes)
+        self.tier_port = TierPort(self.check_usable, self.scheduling.register_restored, self.scheduling.vacate)
 
     # ------------------------------------------------------------------ API --
     def register_policy(self, policy: ModelCachePolicy) -> None:
@@ -198,7 +191,7 @@ class OmniPrefixCacheManager:
         replaced) and push their open writes to the queue's front (I9), admit new ones,
         register lookups (hits of started/resumed requests, I5). A replayed step (same
         ``sequence``) changes nothing (I13); an error changes nothing."""
-        self._check_usable("new_step_starts")
+        self.check_usable("new_step_starts")
         try:  # typed input is refused at the door, with the contract error; nothing has changed yet
             step = events if isinstance(events, PrefixCacheStep) else PrefixCacheStep(events)
             extra = scheduled_counts("num_scheduled_tokens", num_scheduled_tokens) if num_scheduled_tokens else {}
@@ -218,34 +211,34 @@ class OmniPrefixCacheManager:
             # only the ids this step names: O(events), not O(live requests)
             live = {e.req_id: r.admission for e in step.events if (r := self._requests.get(e.req_id)) is not None}
         plan = plan_events(step.events, live, self.config.block_size, self.config.output_group_id)
-        for op, _, event in plan.changes:  # validate everything first: an error changes nothing
-            if op == "lookup" and (event.hit_end or event.hit_start):  # type: ignore[union-attr]
-                validate_hit(event, self.config)  # type: ignore[arg-type]
+        for _, _, arg in plan.changes:  # validate everything first: an error changes nothing
+            if isinstance(arg, PrefixCacheRequestEvent) and (arg.hit_end or arg.hit_start):  # a lookup's event
+                validate_hit(arg, self.config)
         to_flush: list[PoolWrite] = []
         with self._lock:
-            for op, req_id, arg in plan.changes:
-                if op == "end":
-                    self._hits.drop(req_id)
+            for _, req_id, arg in plan.changes:  # the op is told by the argument's type
+                if arg is None:  # "end"
+                    self.hits.drop(req_id)
                     request = self._requests.pop(req_id, None)
                     if request is not None:
                         to_flush.extend(request.open_deferred)
-                elif op == "admit":
-                    self._hits.drop(req_id)
-                    self._requests[req_id] = _Request(req_id, arg)  # type: ignore[arg-type]
-                else:
-                    self._install_lookup(req_id, arg)  # type: ignore[arg-type]
+                elif isinstance(arg, Admission):  # "admit"
+                    self.hits.drop(req_id)
+                    self._requests[req_id] = _Request(req_id, arg)
+                else:  # "lookup": the event
+                    self._install_lookup(req_id, arg)
             self._scheduled = scheduled
             self.counters["stale_events"] += plan.stale
             if step.sequence is not None:
                 self._last_sequence = step.sequence
         if to_flush:
-            self._flush(to_flush, front=True, why="finished/aborted/replaced requests' open writes (I9)")
+            self.scheduling.flush(to_flush, front=True, why="finished/aborted/replaced requests' open writes (I9)")
 
     def _install_lookup(self, req_id: ReqId, event: PrefixCacheRequestEvent) -> None:
         """A lookup's hit (or miss) for the request's current admission. Caller holds the lock."""
         request = self._requests[req_id]
         request.admission = Admission(request.admission.owner, lookup_of(event, self.config.block_size, self.config.output_group_id))
-        if self._hits.install(req_id, event):
+        if self.hits.install(req_id, event):
             self.counters["hits"] += 1
             self.counters["hit_tokens"] += event.hit_end
         else:
@@ -265,7 +258,7 @@ class OmniPrefixCacheManager:
         A save that has not claimed its page when ``shutdown`` begins is refused (nothing
         changes); one that has claimed it finishes, and its write lands before ``shutdown``
         returns (contract 4.6)."""
-        self._check_usable("save_outputs")
+        self.check_usable("save_outputs")
         if not self._saves.enter():
             raise OmniPrefixCacheUnmatchError(f"cannot save_outputs: {PHRASE_SHUT_DOWN}")
         try:
@@ -289,7 +282,7 @@ class OmniPrefixCacheManager:
         self.staging.check_sigs(split.immediate, sigs)  # a key's row shape and dtype never change
         self.pool.check_sigs(sigs)
         if split.deferred:  # no store holds a deferred key's rows before they land
-            check_held_sigs("deferred key", self._deferred_sigs, sigs, split.deferred)
+            self.scheduling.check_deferred_sigs(sigs, split.deferred)
         # Per-slot bookkeeping of new keys is allocated before anything is claimed (a MemoryError
         # here has nothing to undo), so registration below allocates nothing.
         self.tenancy.prepare_keys(sigs.keys())  # every per-token key, immediate and deferred
@@ -300,9 +293,9 @@ class OmniPrefixCacheManager:
         compute_event = self.copies.record_compute_event()
         saved_at = caller_location()
         hits = {}
-        if self._hits:  # only the engine thread (this one) installs hits: no lock needed to see none
+        if self.hits:  # only the engine thread (this one) installs hits: no lock needed to see none
             with self._lock:
-                hits = self._hits.take(step_rows)  # raises (taking nothing) if one is not continued (I5)
+                hits = self.hits.take(step_rows)  # raises (taking nothing) if one is not continued (I5)
         step_id: StepId | None = None
         plans: list[PlannedRead] = []
         registered: list[PoolWrite] = []
@@ -319,15 +312,15 @@ class OmniPrefixCacheManager:
             for key, rows in split.deferred.items():
                 deferred_host[key], event = self.copies.to_host(rows, compute_event)
                 host_events.append(event)
-            hit_keys = self._hits.hit_keys(policy, (*split.immediate, *split.deferred))
+            hit_keys = self.hits.hit_keys(policy, (*split.immediate, *split.deferred))
             req_ids = step_rows.req_ids
             # Registration: from here on a failure cannot be rolled back (versions are
             # published), so it fails the manager for good (I8) instead.
-            imm, older = self._register(WriteSchedule.JOIN_NEXT_STEP, step_id, slots, slots_np, views, slot,
+            imm, older = self.scheduling.register(WriteSchedule.JOIN_NEXT_STEP, step_id, slots, slots_np, views, slot,
                                         req_ids, registered, sigs)
             if imm is not None:
                 imm.copy_event = copy_event
-            deferred, older_deferred = self._register(
+            deferred, older_deferred = self.scheduling.register(
                 WriteSchedule.JOIN_ON_FINISH, step_id, slots, slots_np, deferred_dev, None, req_ids, registered, sigs)
             if deferred is not None:
                 deferred.copy_event = self.copies.record_compute_event()  # after the clones
@@ -339,11 +332,10 @@ class OmniPrefixCacheManager:
             planned: dict[ReqId, PlannedRead] = {}
             if hit_keys:
                 for req_id, (_, blocks) in hits.items():
-                    planned[req_id] = self.tenancy.plan(list(hit_keys), self._hits.slots_of(blocks))
+                    planned[req_id] = self.tenancy.plan(list(hit_keys), self.hits.slots_of(blocks))
                     plans.append(planned[req_id])
-            ctx = StepContext(step_id, slot, saved_at, step_rows, planned, tuple(split.immediate), imm,
-                              deferred_host, leftover, hit_keys, policy.hidden_key is not None, host_events,
-                              slots_np)
+            ctx = StepContext(step_id, slot, saved_at, step_rows, planned, tuple(split.immediate), imm, deferred_host,
+                              leftover, hit_keys, policy.hidden_key is not None, host_events, slots_np)
             self.staging.save(slot, step_id, saved_at)
         except BaseException as exc:
             if registered:  # versions may be published: not undoable, so fail for good (I8)
@@ -355,7 +347,7 @@ class OmniPrefixCacheManager:
             for plan in plans:
                 self.tenancy.unplan(plan)
             with self._lock:
-                self._hits.restore(hits)
+                self.hits.restore(hits)
             if slot is not None and slot.state == "claimed":
                 self.staging.abort(slot)
             raise
@@ -365,13 +357,11 @@ class OmniPrefixCacheManager:
                 self._scheduled = {}
             self._num_saved += 1
             self.counters["saved"] += 1
+            self.counters["saved_rows"] += n
             if imm is not None:
                 self._last_immediate = imm
             if deferred is not None:
-                for key in split.deferred:
-                    self._deferred_sigs.setdefault(key, sigs[key])
-                self._deferred_open[deferred.tid] = deferred
-                self._deferred_bytes += deferred.nbytes
+                self.scheduling.open_deferred_locked(deferred, split.deferred, sigs)
                 for req_id in req_ids:
                     request = self._requests.get(req_id)
                     if request is None:  # a request the engine never announced
@@ -379,12 +369,12 @@ class OmniPrefixCacheManager:
                     request.open_deferred.append(deferred)
                     if len(request.open_deferred) > 64:
                         request.open_deferred = [w for w in request.open_deferred if w.state == "pending"]
-        self._after_save(imm, older | older_deferred, plans)
+        self.scheduling.after_save(imm, older | older_deferred, plans)
         return step_id
 
     def materialize(self, step_id: StepId, req_ids: Sequence[ReqId]) -> StageCacheOutputs:
         """Per request: cached prefix rows then this step's rows (consumes the step id once)."""
-        self._check_usable("materialize")
+        self.check_usable("materialize")
         try:
             req_ids = tuple(req_ids)  # a tuple passes through as itself: no per-request copy
         except TypeError as exc:
@@ -397,7 +387,7 @@ class OmniPrefixCacheManager:
         with self._lock:
             ctx = self._contexts.get(step_id) if issued else None
         if ctx is not None and req_ids != ctx.rows.req_ids:  # the usual call names every request in order
-            outside = [r for r in req_ids if not _held(r, ctx.rows.by_req)]
+            outside = [r for r in req_ids if ctx.rows.write_of(r) is None]
             if outside:
                 raise OmniPrefixCacheUnmatchError(
                     f"materialize step {step_id}: requests {outside} are {PHRASE_OUTSIDE_SNAPSHOT} "
@@ -411,40 +401,37 @@ class OmniPrefixCacheManager:
         try:
             return self.reader.build_outputs(ctx, req_ids)
         finally:
-            self._finish_consume(ctx, slot)
+            self.reader.release(ctx, slot)
 
     def trim_step(self, step_id: StepId, keep: Mapping[ReqId, int]) -> None:
-        """A verify step's verdict (speculative decoding), before its step id is handed out: request
-        ``r`` keeps its first ``keep[r]`` rows of the step; the rest (rejected draft tokens') are
-        never returned by materialize, and their KV slots are vacated (I14, contract 4.11)."""
-        self._check_usable("trim_step")
-        issued = isinstance(step_id, int) and not isinstance(step_id, bool)
+        """A verify step's verdict (speculative decoding, contract 4.14), before its step id is handed on:
+        request ``r`` keeps its first ``keep[r]`` rows of the step; materialize never returns the rest
+        (rejected draft tokens' rows), and their KV slots are vacated (I14). A refusal changes nothing."""
+        self.check_usable("trim_step")
         with self._lock:
-            ctx = self._contexts.get(step_id) if issued else None
+            ctx = self._contexts.get(step_id) if isinstance(step_id, int) and not isinstance(step_id, bool) else None
         if ctx is None:
-            raise OmniPrefixCacheUnmatchError(f"trim_step: step {step_id!r} was {PHRASE_NOT_SAVED} by this "
-                                              "manager; nothing was trimmed (I1)")
-        trimmed = trim_rows(ctx.rows, keep, what=f"trim_step {step_id} (saved at {ctx.saved_at})")
-        if trimmed is None:
+            raise OmniPrefixCacheUnmatchError(f"trim_step: step {step_id!r} was {PHRASE_NOT_SAVED} by this manager; "
+                                              "nothing was trimmed (I1)")
+        if (trimmed := trim_rows(ctx.rows, keep, what=f"trim_step {step_id} (saved at {ctx.saved_at})")) is None:
             return
-        rows, dropped = trimmed
         with self._lock:
             if self._contexts.get(step_id) is not ctx:  # consumed meanwhile: its output is out already
                 raise OmniPrefixCacheUnmatchError(
                     f"trim_step: step {step_id} was consumed while it was trimmed ({PHRASE_NOT_SAVED}): a verdict "
                     "must come before the step id is handed to a consumer; nothing was trimmed (I14)")
-            ctx.rows = rows
+            ctx.rows, dropped = trimmed
             self.counters["trimmed_rows"] += len(dropped)
-        self._vacate(ctx.slots_np[dropped])
+        self.scheduling.vacate(ctx.slots_np[dropped])
 
     def discard_step(self, step_id: StepId) -> None:
         """Consume ``step_id`` without building outputs (payload built from live outputs, or error)."""
-        self._check_usable("discard_step")
+        self.check_usable("discard_step")
         slot = self.staging.consume(step_id, caller="discard_step")
         with self._lock:
             ctx = self._contexts.pop(step_id)
             self.counters["discarded"] += 1
-        self._finish_consume(ctx, slot)
+        self.reader.release(ctx, slot)
 
     def shutdown(self) -> dict[StepId, str]:
         """Refuse saves that have not claimed a page, let the ones that have finish, drain the
@@ -469,7 +456,7 @@ class OmniPrefixCacheManager:
         """Staging occupancy and waits, unconsumed ids, writes in flight, pool bytes, hits and misses."""
         with self._lock:
             counters = dict(self.counters)
-            deferred_open, deferred_bytes = len(self._deferred_open), self._deferred_bytes
+            deferred_open, deferred_bytes = self.scheduling.deferred_stats_locked()
             live = len(self._requests)
         p50, p99 = self.staging.wait_percentiles((0.5, 0.99))  # a fixed-size histogram: O(1) in run length
         return {
@@ -480,6 +467,7 @@ class OmniPrefixCacheManager:
             "writes_in_flight": len(self.book.live()),
             "write_queue": self.book.queue_length(),
             "writes_written": self.book.num_written,
+            "writes_failed": self.book.num_failed,
             "deferred_open": deferred_open,
             "deferred_bytes_on_device": deferred_bytes,
             "pool_bytes": self.pool.nbytes(),
@@ -489,109 +477,47 @@ class OmniPrefixCacheManager:
             **counters,
         }
 
+    def wrap_locks(self, wrap: LockWrap) -> Callable[[], None]:
+        """Instrumentation seam (``omni-cache bench --profile`` times lock waits with it): guard the
+        state lock, the staging pool, the write book, the block pool's leaf lock and the committer's
+        drain lock with ``wrap(lock)`` (a lock-like proxy) until the returned undo runs. Only on an
+        idle manager: no call in flight and no committer thread (``eager=True``)."""
+        undos = [self._lock.wrap_lock(wrap), self.staging.wrap_lock(wrap), self.book.wrap_lock(wrap)]
+        inner_pool_lock = self.pool.lock
+        self.pool.lock = wrap(inner_pool_lock)
+        undos.append(lambda: setattr(self.pool, "lock", inner_pool_lock))
+        undos.append(self.committer.wrap_lock(wrap))
+
+        def undo() -> None:
+            for step in reversed(undos):
+                step()
+
+        return undo
+
+    def take_staging_waits(self) -> tuple[float, ...]:
+        """Each save's wait for a staging slot, in seconds (0.0: a slot was free), since the last
+        call: the observations behind a wait histogram (contract 4.13)."""
+        return self.staging.take_claim_waits()
+
     def state_lock_held_by_current_thread(self) -> bool:
         """For I11 tests: does the calling thread hold the state lock?"""
         return self._lock.held_by_current_thread()
 
     # ------------------------------------------------------------- helpers --
-    def _check_usable(self, what: str) -> None:
+    def check_usable(self, what: str) -> None:
+        """Raise the contract error that every entry point raises for ``what`` once the manager
+        cannot take it: a write failed (I8), ``shutdown`` began, or the committer thread died."""
         self.book.check_failed(what)  # I8
         if self._shut_down:
             raise OmniPrefixCacheUnmatchError(f"cannot {what}: {PHRASE_SHUT_DOWN}")
         if not self.committer.alive:
             raise OmniPrefixCacheUnmatchError(f"cannot {what}: the committer thread is not running")
 
+    def _count(self, counter: str) -> None:
+        with self._lock:
+            self.counters[counter] += 1
+
     def _issue_step_id(self) -> StepId:
         with self._lock:
             self._ids_issued += 1
             return next(_STEP_IDS)
-
-    def _register_restored(self, slots: torch.Tensor, slots_np: np.ndarray, source: dict[str, torch.Tensor],
-                           sigs: dict[str, RowSig]) -> StepId:
-        """``TierPort.register_restored_write``: ``source`` (host rows, checked against the pool's
-        signatures by the caller) as one immediate write on ``slots``, queued like a save's."""
-        held = [k for k in sigs if k in self._deferred_sigs]
-        check_held_sigs("deferred key", self._deferred_sigs, sigs, held)
-        self.tenancy.prepare_keys(sigs.keys())
-        step_id = self._issue_step_id()
-        with self._lock:
-            self.counters["tier_restores"] += 1
-        # an older tenant's open (deferred) write on these slots lands first, then is skipped there (I7)
-        write, older = self._register(WriteSchedule.JOIN_NEXT_STEP, step_id, slots, slots_np, source, None, (),
-                                      [], sigs, scan_older=True)
-        self._after_save(write, older, [])
-        return step_id
-
-    def _vacate(self, slots_np: np.ndarray) -> StepId:
-        """``TierPort.vacate``: a new tenant that wrote nothing on ``slots``."""
-        step_id = self._issue_step_id()
-        self.tenancy.take_slots(slots_np, step_id=step_id)
-        return step_id
-
-    def _register(self, schedule: WriteSchedule, step_id: StepId, slots: torch.Tensor, slots_np: np.ndarray,
-                  source: dict[str, torch.Tensor], staging_slot: Any,
-                  req_ids: tuple[ReqId, ...], registered: list[PoolWrite],
-                  sigs: dict[str, RowSig], *, scan_older: bool | None = None) -> tuple[PoolWrite | None, set[int]]:
-        """Register one write for ``source``'s keys; also return older unlanded tids on its slots
-        (scanned for deferred writes, or when ``scan_older`` says so).
-
-        The write is appended to ``registered`` as soon as the write book holds it, so a
-        failure later in registration fails it (sticky, I8) instead of leaking it in flight.
-        """
-        if not source:
-            return None, set()
-        write = self.book.register(schedule, step_id, slots, source, staging_slot=staging_slot, req_ids=req_ids,
-                                   slots_np=slots_np, sigs=sigs)
-        registered.append(write)
-        if staging_slot is not None:
-            self.staging.hold(staging_slot)
-        # Immediate writes of saves land in order (each save waits for the previous one), so only
-        # deferred writes (and tier restores, which no save waits for) can leave an older tenant
-        # unlanded behind them.
-        if scan_older is None:
-            scan_older = schedule is WriteSchedule.JOIN_ON_FINISH
-        return write, self.tenancy.register(list(source), slots_np, write.tid, step_id=step_id,
-                                            scan_older=scan_older)
-
-    def _after_save(self, imm: PoolWrite | None, older: set[int], plans: list[PlannedRead]) -> None:
-        """Queue what must land: older tenants first, writes a planned read needs, this step, budget."""
-        if older or plans:
-            needed = set(older)
-            for plan in plans:
-                for versions in plan.expected.values():
-                    needed.update(np.unique(versions).tolist())
-            front = [w for t in sorted(needed) if (w := self.book.get(t)) is not None and w.state == "pending"]
-            if front:
-                self._flush(front, front=True, why="writes a planned read or a new tenant needs first")
-        if imm is not None:
-            self.book.enqueue([imm])
-            self.committer.kick()
-        if not self._deferred_open:  # only this (engine) thread adds to it: nothing over budget
-            return
-        with self._lock:
-            over = self._deferred_bytes - self.config.gpu_staging_bytes
-            oldest: list[PoolWrite] = []
-            for write in self._deferred_open.values():
-                if over <= 0:
-                    break
-                oldest.append(write)
-                over -= write.nbytes
-        if oldest:
-            with self._lock:
-                self.counters["budget_flushes"] += 1
-            self._flush(oldest, front=False, why="gpu_staging_bytes budget")
-
-    def _flush(self, writes: list[PoolWrite], *, front: bool, why: str) -> None:
-        """Queue pending writes (no state lock held: I11) and make progress."""
-        self.faults.on_blocking(f"flush: {why}")
-        moved = self.book.enqueue(writes, front=front)
-        with self._lock:
-            for write in moved:
-                if self._deferred_open.pop(write.tid, None) is not None:
-                    self._deferred_bytes -= write.nbytes
-        self.committer.kick()
-
-    def _finish_consume(self, ctx: StepContext, slot: Any) -> None:
-        for plan in ctx.planned_reads():
-            self.tenancy.unplan(plan)
-        self.staging.done_reading(slot)

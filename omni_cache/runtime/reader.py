@@ -71,6 +71,12 @@ class StepReader:
         self.faults = faults
         self._push_front = push_front
 
+    def release(self, ctx: StepContext, slot: Any) -> None:
+        """A consumed step is done with: drop its planned reads (their pins) and its page's read."""
+        for plan in ctx.planned_reads():
+            self.tenancy.unplan(plan)
+        self.staging.done_reading(slot)
+
     def build_outputs(self, ctx: StepContext, req_ids: tuple[ReqId, ...]) -> StageCacheOutputs:
         imm = ctx.immediate_write
         if imm is not None and imm.state not in ("host_ready", "written"):
@@ -82,6 +88,7 @@ class StepReader:
         if not req_ids:
             return StageCacheOutputs({} if ctx.caches_hidden else None, {})
         step_rows = ctx.rows
+        wanted: Sequence[PrefixCacheWrite]
         if req_ids == step_rows.req_ids and step_rows.tiles:  # every request, in row order: rows [0, n)
             wanted, sizes, contiguous = step_rows.writes, step_rows.sizes, True
             lo, hi = 0, step_rows.ends[-1]
@@ -144,11 +151,11 @@ class StepReader:
         the pool rows are gathered straight into its head (one copy per row, no ``cat``)."""
         cached = len(hit.slots_np)
         merged = torch.empty((cached + rows.shape[0], *rows.shape[1:]), dtype=rows.dtype)
-        self._read_hit(ctx, req_id, hit, key, out=merged[:cached])
+        self.read_hit(ctx, req_id, hit, key, out=merged[:cached])
         merged[cached:].copy_(rows)
         return merged
 
-    def _read_hit(self, ctx: StepContext, req_id: str, hit: PlannedRead, key: str,
+    def read_hit(self, ctx: StepContext, req_id: str, hit: PlannedRead, key: str,
                   out: torch.Tensor | None = None) -> torch.Tensor:
         what = f"materialize step {ctx.step_id} (saved at {ctx.saved_at}) request {req_id!r}"
         return self.read_planned(hit, key, what=what, out=out)

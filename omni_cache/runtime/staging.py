@@ -3,7 +3,8 @@
 Owns: the page storage (``_pages``; no other module may touch it -- a test scans
 the package for that), the staging slots, the map of unconsumed step ids, the
 claim-wait history (a fixed-size ``WaitHistogram``: bounded however long the
-run), and the pool lock with its condition variable. ``abort`` drops the pages
+run), every claim's wait since the last ``take_claim_waits`` (a bounded ``ObservationLog``, for
+metrics), and the pool lock with its condition variable. ``abort`` drops the pages
 its claimed slot allocated for new keys, so a refused save fixes no row shape.
 
 The staging-slot machine (``states.STAGING_TABLE``) is the only door: a page is
@@ -40,12 +41,15 @@ from omni_cache.runtime.errors import (
     OmniPrefixCacheStagingTimeoutError,
     OmniPrefixCacheUnmatchError,
 )
-from omni_cache.runtime.histogram import WaitHistogram
+from omni_cache.runtime.histogram import ObservationLog, WaitHistogram
 from omni_cache.runtime.interface import StepId, TensorName
+from omni_cache.runtime.locks import LockWrap
 from omni_cache.runtime.states import STAGING_TABLE, TableMachine
 from omni_cache.runtime.trace import TraceRecorder
 from omni_cache.runtime.validation import RowSig, check_capacity, check_held_sigs, check_sig, row_sig
 
+# Claim waits kept for a reader between two ``take_claim_waits`` (older ones are dropped and counted).
+CLAIM_WAIT_LOG = 4096
 # Slot states through which a page may be read (the step's consumer, or its pool write).
 _READABLE = ("saved", "materialized")
 
@@ -124,6 +128,8 @@ class StagingPool:
         self.num_claims = 0
         # Claims that had to wait, and how long: a fixed-size histogram (bounded however long the run).
         self._waits = WaitHistogram()
+        # Every claim's wait (0.0 when a slot was free), until a reader takes them (metrics).
+        self._claim_log = ObservationLog(CLAIM_WAIT_LOG)
         self._note(None, "open", None)  # trace validation reads the configured depth here
 
     # ---- lifecycle (the machine's triggers) ---------------------------------
@@ -144,7 +150,11 @@ class StagingPool:
                     slot.num_rows = num_rows
                     self.num_claims += 1
                     if start is not None:
-                        self._waits.record(time.perf_counter() - start)
+                        waited = time.perf_counter() - start
+                        self._waits.record(waited)
+                        self._claim_log.record(waited)
+                    else:
+                        self._claim_log.record(0.0)
                     return slot
                 if start is None:
                     start = time.perf_counter()
@@ -380,6 +390,7 @@ class StagingPool:
     def stats(self) -> dict[str, Any]:
         with self._lock:
             num_waits, max_wait = self._waits.count, self._waits.max_s
+            dropped = self._claim_log.dropped(self.num_claims)
             states = [s.state for s in self._slots]
         return {
             "depth": self.depth,
@@ -388,6 +399,7 @@ class StagingPool:
             "claims": self.num_claims,
             "claim_waits": num_waits,
             "claim_wait_s_max": max_wait,
+            "claim_waits_dropped": dropped,
             "page_bytes": self.page_bytes(),
         }
 
@@ -406,9 +418,28 @@ class StagingPool:
         with self._lock:
             return self._waits.percentiles(qs)
 
+    def take_claim_waits(self) -> tuple[float, ...]:
+        """Each claim's wait in seconds (0.0: a slot was free) since the last call, oldest first;
+        at most the log's capacity (older ones are dropped and counted in ``claim_waits_dropped``)."""
+        with self._lock:
+            return self._claim_log.take()
+
     def wait_history_footprint(self) -> int:
         with self._lock:
             return self._waits.footprint()
+
+    def wrap_lock(self, wrap: LockWrap) -> Callable[[], None]:
+        """Instrumentation seam (``locks.LockWrap``): guard the pool with ``wrap(lock)`` until the
+        returned undo runs; the condition is rebuilt on it. Only while no call is in flight."""
+        inner = self._lock
+        self._lock = wrap(inner)
+        self._cond = threading.Condition(self._lock)
+
+        def undo() -> None:
+            self._lock = inner
+            self._cond = threading.Condition(inner)
+
+        return undo
 
     def close(self) -> None:
         """Shutdown began (contract 4.6): refuse every claim not yet made, and wake the waiting ones."""

@@ -132,6 +132,13 @@ LIBRARY_TRIGGERS_ENV = "OMNI_CACHE_LIBRARY_TRIGGERS"
 """Set to 1 to fire every trigger through ``transitions``' ``Event.trigger`` (slow path)."""
 
 
+def _dest(trigger: str, source: str, dest: str | None) -> str:
+    """A compiled transition's destination; the tables have no internal (destination-less) ones."""
+    if dest is None:
+        raise ValueError(f"transition {trigger!r} from {source!r} has no destination")
+    return dest
+
+
 class TableMachine:
     """One ``transitions.Machine(model=None)`` built from a ``StateTable``.
 
@@ -178,7 +185,7 @@ class TableMachine:
         self.library_triggers = library_triggers
         # (source, trigger) -> dest, read off the library's compiled transitions.
         self.dispatch: dict[tuple[str, str], str] = {
-            (source, name): transitions[0].dest
+            (source, name): _dest(name, source, transitions[0].dest)
             for name, event in self._events.items()
             for source, transitions in event.transitions.items()
         }

@@ -96,22 +96,22 @@ def host_copy(value: Any) -> Any:
         items = [host_copy(v) for v in value]
         if type(value) is list:
             return items
-        out = copy.copy(value)  # keeps the subclass and its attributes
-        out[:] = items
-        return out
+        same_list = copy.copy(value)  # keeps the subclass and its attributes
+        same_list[:] = items
+        return same_list
     if isinstance(value, dict):
-        items = {k: host_copy(v) for k, v in value.items()}
+        entries = {k: host_copy(v) for k, v in value.items()}
         if type(value) is dict:
-            return items
-        out = copy.copy(value)  # keeps OrderedDict / defaultdict(default_factory) / subclasses
-        out.clear()
-        out.update(items)
-        return out
+            return entries
+        same_dict = copy.copy(value)  # keeps OrderedDict / defaultdict(default_factory) / subclasses
+        same_dict.clear()
+        same_dict.update(entries)
+        return same_dict
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        out = copy.copy(value)
+        same = copy.copy(value)
         for f in dataclasses.fields(value):
-            object.__setattr__(out, f.name, host_copy(getattr(value, f.name)))  # frozen ones too
-        return out
+            object.__setattr__(same, f.name, host_copy(getattr(value, f.name)))  # frozen ones too
+        return same
     return copy.deepcopy(value)
 
 

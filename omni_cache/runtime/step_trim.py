@@ -4,7 +4,7 @@ Owns: ``trim_rows``, the pure half of ``OmniPrefixCacheManager.trim_step``. Give
 step's ``StepRows`` and, per request, how many of its rows the step keeps (a prefix of the
 request's rows in the step), it returns the step's new ``StepRows`` and the step-row indices
 of the rows dropped; the manager swaps the rows into the step context and vacates the dropped
-rows' KV slots (contract section 4.11).
+rows' KV slots (contract section 4.14).
 
 Why a step has rows to drop: with speculative decoding a verify step's forward computes a row
 for every scheduled token, draft tokens included, before sampling decides which drafts the
@@ -43,14 +43,9 @@ def trim_rows(rows: StepRows, keep: Mapping[ReqId, Any], *, what: str) -> tuple[
     except (AttributeError, TypeError) as exc:
         raise OmniPrefixCacheUnmatchError(f"{what}: the verdict must be a {{req_id: rows kept}} mapping, "
                                           f"got {keep!r}; nothing was trimmed") from exc
-    by_req = rows.by_req
     counts: dict[ReqId, int] = {}
     for req_id, n in items:
-        try:
-            write = by_req.get(req_id)
-        except TypeError:  # an unhashable id is never one of the step's
-            write = None
-        if write is None:
+        if (write := rows.write_of(req_id)) is None:
             raise OmniPrefixCacheUnmatchError(
                 f"{what}: request {req_id!r} is {PHRASE_OUTSIDE_SNAPSHOT} (the step holds "
                 f"{sorted(map(str, rows.req_ids))}); nothing was trimmed (I4)")

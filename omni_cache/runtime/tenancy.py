@@ -274,8 +274,8 @@ class SlotTenancy:
             if sig is None:
                 sig = row_sig(rows)
             known = self._keys.get(key)
-            tensor = known.tensor if known is not None else None
-            if tensor is None or known.sig != sig:  # type: ignore[union-attr]
+            tensor = known.tensor if known is not None and known.sig == sig else None
+            if tensor is None:
                 tensor = self.pool.ensure_key(key, rows)  # allocates outside the lock; checks shapes
             tensors[key] = (tensor, sig, known)
         all_slots, all_np = slots, (slots.numpy() if slots_np is None else slots_np)
@@ -287,11 +287,11 @@ class SlotTenancy:
                 slots, slots_np = all_slots, all_np
                 current = None if v.newest_landed < tid else v.landed[slots_np]
                 newer = None if current is None or _all_below(current, tid) else current < tid
-                if newer is not None:  # never let an older write overwrite a newer one
+                if newer is not None and current is not None:  # never let an older write overwrite a newer one
                     if v.num_pins:  # ...but keep its rows for a planned read of this version (I7)
                         self._preserve_late_locked(key, v, rows, slots_np, ~newer, tid)
                     mask = torch.from_numpy(newer)
-                    slots, rows, slots_np, current = slots[mask], rows[mask], slots_np[newer], current[newer]  # type: ignore[index]
+                    slots, rows, slots_np, current = slots[mask], rows[mask], slots_np[newer], current[newer]
                 if v.num_pins:
                     self._preserve_locked(key, v, tensor, slots, slots_np,
                                           v.landed[slots_np] if current is None else current)
@@ -393,6 +393,13 @@ class SlotTenancy:
             if self.recorder is not None:
                 self._note("read", None, plan=read.plan_id, key=key, served=tuple(served.tolist()))
         return rows
+
+    def nbytes(self) -> int:
+        """Host bytes of the version vectors: the slots' tenant and, per key, registered/tenant/landed
+        and the pin counts (``omni-cache bench --memory`` reports it)."""
+        with self.pool.lock:
+            return int(self._tenant.nbytes) + sum(
+                int(v.registered.nbytes + v.tenant.nbytes + v.landed.nbytes + v.pins.nbytes) for v in self._keys.values())
 
     def num_preserved(self) -> int:
         with self.pool.lock:

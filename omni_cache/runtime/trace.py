@@ -10,13 +10,18 @@ Besides the fired triggers (``kind="fire"``), owners log *notes*
 (``kind="note"``): bookkeeping that moves no machine but that the TLA+ trace
 specs map to an action or a variable (a staging page's write holds and its
 reader, a rejected consume, a write's queue position, a tenancy version).
-A note's ``data`` carries the values the runtime holds after the event.
+A note's ``data`` carries the values the runtime holds after the event; ``int_of``,
+``ints_of``, ``strs_of`` and ``versions_of`` read them back typed (trace validation's readers).
+
+Upholds: nothing (a record of what happened).
 """
 
 from __future__ import annotations
 
+import operator
 import threading
 from dataclasses import dataclass
+from typing import SupportsIndex
 
 
 @dataclass(frozen=True)
@@ -35,6 +40,39 @@ class TraceEvent:
     def get(self, name: str, default: object = None) -> object:
         """The value ``name`` of ``data`` (or ``default``)."""
         return next((v for k, v in self.data if k == name), default)
+
+    def int_of(self, name: str, default: int | None = None) -> int:
+        """``name``'s value, an integer (a tid, plan id, slot, depth), or ``default`` when absent;
+        ``TypeError`` otherwise."""
+        return _as_int(self, name, self.get(name, default))
+
+    def ints_of(self, name: str) -> tuple[int, ...]:
+        """``name``'s value, a sequence of integers (slots, tids, versions); empty when absent."""
+        return tuple(_as_int(self, name, v) for v in _as_sequence(self, name, self.get(name, ())))
+
+    def strs_of(self, name: str) -> tuple[str, ...]:
+        """``name``'s value, a sequence of names (keys); empty when absent."""
+        return tuple(str(v) for v in _as_sequence(self, name, self.get(name, ())))
+
+    def versions_of(self, name: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        """``name``'s value, ``(key, versions)`` pairs (a planned read's expected versions)."""
+        pairs = []
+        for pair in _as_sequence(self, name, self.get(name, ())):
+            key, versions = _as_sequence(self, name, pair)
+            pairs.append((str(key), tuple(_as_int(self, name, v) for v in _as_sequence(self, name, versions))))
+        return tuple(pairs)
+
+
+def _as_int(event: TraceEvent, name: str, value: object) -> int:
+    if isinstance(value, SupportsIndex) and not isinstance(value, bool):
+        return operator.index(value)
+    raise TypeError(f"trace note {event.trigger!r}: {name} holds {value!r}, not an integer")
+
+
+def _as_sequence(event: TraceEvent, name: str, value: object) -> tuple[object, ...]:
+    if isinstance(value, (tuple, list)):
+        return tuple(value)
+    raise TypeError(f"trace note {event.trigger!r}: {name} holds {value!r}, not a sequence")
 
 
 class TraceRecorder:

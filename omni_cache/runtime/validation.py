@@ -12,6 +12,9 @@ the layout was built (``events.StepRows``: row order, tiling, unique requests), 
 checks those facts and compares the scheduled counts as lists or dicts (C loops). Only an input
 that fails the fast checks takes the per-write walk, which names the first bad write in the
 error, or (for writes that tile the rows out of order) returns them sorted.
+
+Upholds I5 (``validate_hit``), I10 (``check_capacity``) and I4 (``check_slot_mapping``: the save's
+private copy of the slot mapping): an input that fails here has changed nothing.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable
 from operator import itemgetter
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -134,7 +137,8 @@ def check_slot_mapping(slots: Any, n: int) -> torch.Tensor:
             f"save_outputs: the {PHRASE_SLOT_MAPPING} the step's {n} rows only as a 1-D integer CPU "
             f"tensor of at least {n} KV slots; slots_cpu {problem}"
         )
-    return slots.clone() if shape[0] == n else slots[:n].clone()
+    # a 1-D int64 CPU tensor: every check above passed
+    return cast(torch.Tensor, slots).clone() if shape[0] == n else cast(torch.Tensor, slots)[:n].clone()
 
 
 def validate_save(

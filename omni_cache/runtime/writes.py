@@ -23,7 +23,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -31,6 +31,7 @@ import torch
 
 from omni_cache.runtime.errors import PHRASE_WRITE_FAILED, OmniPrefixCacheUnmatchError
 from omni_cache.runtime.interface import ReqId, StepId, TensorName, Tid, WriteSchedule
+from omni_cache.runtime.locks import LockWrap
 from omni_cache.runtime.states import WRITE_TABLE, TableMachine
 from omni_cache.runtime.trace import TraceRecorder
 from omni_cache.runtime.validation import RowSig
@@ -279,6 +280,19 @@ class WriteBook:
     def failure(self) -> str | None:
         with self._lock:
             return self._failure
+
+    def wrap_lock(self, wrap: LockWrap) -> Callable[[], None]:
+        """Instrumentation seam (``locks.LockWrap``): guard the book with ``wrap(lock)`` until the
+        returned undo runs; the condition is rebuilt on it. Only while no call is in flight."""
+        inner = self._lock
+        self._lock = wrap(inner)
+        self._cond = threading.Condition(self._lock)
+
+        def undo() -> None:
+            self._lock = inner
+            self._cond = threading.Condition(inner)
+
+        return undo
 
     def close(self) -> None:
         with self._lock:

@@ -79,7 +79,7 @@ def printed_edges(output: str, operator: str) -> set[tuple[str, str, str]] | Non
         return None
     end = output.find("} >>", start)
     block = output[start : end if end > 0 else len(output)]
-    return {tuple(t) for t in _TRIPLE_RE.findall(block)}  # type: ignore[misc]
+    return {tuple(t) for t in _TRIPLE_RE.findall(block)}
 
 
 def compare_graph(

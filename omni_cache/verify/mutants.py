@@ -172,15 +172,15 @@ def generate(model: Model, text: str) -> list[Mutant]:
             m = _CONJ_RE.match(line)
             conj = m.group(2) if m else None
             single = _is_single(lines, i, end) and _balanced(line)
-            if conj is not None and single and not conj.startswith("UNCHANGED"):
+            if m is not None and conj is not None and single and not conj.startswith("UNCHANGED"):
                 assign = _PRIMED_ASSIGN_RE.match(conj)
                 if assign:  # skip an update: the variable keeps its value
                     out.append(Mutant(model, action, "skip-update", i, line,
-                                      f"{m.group(1)}/\\ UNCHANGED {assign.group(1)}"))  # type: ignore[union-attr]
+                                      f"{m.group(1)}/\\ UNCHANGED {assign.group(1)}"))
                 elif "'" not in conj and "LET" not in conj and not _ASSIGNING.search(conj):  # a guard
                     out.append(Mutant(model, action, "drop-guard", i, line, None))
                     out.append(Mutant(model, action, "negate-guard", i, line,
-                                      f"{m.group(1)}/\\ ~({conj})"))  # type: ignore[union-attr]
+                                      f"{m.group(1)}/\\ ~({conj})"))
             if "'" not in line or (conj is not None and not _PRIMED_ASSIGN_RE.match(conj)):
                 for a, b in _CMP:
                     if a in line:

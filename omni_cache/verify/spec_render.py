@@ -80,6 +80,7 @@ def mermaid(table: StateTable) -> str:
         # transitions writes the title as the whole front matter; "title: X" makes it valid YAML.
         title=f"title: {table.name}",
     )
+    # transitions adds get_graph to the model at run time: its stubs cannot declare it
     source = model.get_graph().draw(None)  # type: ignore[attr-defined]
     return "\n".join(line.rstrip() for line in source.splitlines()) + "\n"
 

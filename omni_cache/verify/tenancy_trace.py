@@ -25,6 +25,8 @@ reads. So is a hit on a slot whose newest tenant registered no write (a step tha
 per-token key: ``SlotTenancy.take_slots``, a ``tenant`` note): in the model that tenant's
 ``reuse`` leaves the slot unregistered, where ``plan`` is not enabled, and the runtime refuses
 such a hit with "is not readable" (I6/I7).
+
+Upholds nothing itself: TLC checks I6 and I7 along a recorded trace.
 """
 
 from __future__ import annotations
@@ -51,6 +53,13 @@ def _record(ev: str, slot: int, ver: int = 0, keys: Iterable[int] = (), r: int =
             f"r |-> {r}, key |-> {key}, got |-> {got}]")
 
 
+def _step_id(e: TraceEvent) -> int:
+    """The step that registered a write (every register note carries one)."""
+    if e.step_id is None:
+        raise ValueError(f"tenancy note {e.trigger!r} on {e.obj!r} carries no step id")
+    return e.step_id
+
+
 def tenancy_trace_data(events: Sequence[TraceEvent], name: str = "TenancyTraceData") -> tuple[str, dict[str, int]]:
     """The generated module (``Trace``) and Tenancy's constants for the tenancy notes of a trace."""
     slot_ix: dict[int, int] = {}
@@ -72,24 +81,24 @@ def tenancy_trace_data(events: Sequence[TraceEvent], name: str = "TenancyTraceDa
         if e.machine != MACHINE or e.kind != "note":
             continue
         if e.trigger == "register":
-            tid, keys = int(e.get("tid")), [k_of(k) for k in e.get("keys")]  # type: ignore[arg-type,union-attr]
-            for slot in e.get("slots"):  # type: ignore[union-attr]
+            tid, keys = e.int_of("tid"), [k_of(k) for k in e.strs_of("keys")]
+            for slot in e.ints_of("slots"):
                 blank.discard(slot)
                 steps = tenants.setdefault(slot, [])
                 if not steps or steps[-1] != e.step_id:  # a new tenant; else the step's second write
-                    steps.append(e.step_id)  # type: ignore[arg-type]
+                    steps.append(_step_id(e))
                 version[(slot, tid)] = len(steps)
                 records.append(_record("register", s_of(slot), len(steps), keys))
         elif e.trigger == "tenant":  # a tenant without a write: hits on these slots leave the model
-            blank.update(e.get("slots"))  # type: ignore[arg-type]
+            blank.update(e.ints_of("slots"))
         elif e.trigger == "land":
-            tid, keys = int(e.get("tid")), [k_of(k) for k in e.get("keys")]  # type: ignore[arg-type,union-attr]
-            for slot in e.get("slots"):  # type: ignore[union-attr]
+            tid, keys = e.int_of("tid"), [k_of(k) for k in e.strs_of("keys")]
+            for slot in e.ints_of("slots"):
                 records.append(_record("land", s_of(slot), version.get((slot, tid), _UNKNOWN), keys))
         elif e.trigger == "plan":
-            pid, slots = int(e.get("plan")), tuple(e.get("slots"))  # type: ignore[arg-type,arg-type]
+            pid, slots = e.int_of("plan"), e.ints_of("slots")
             plans[pid] = slots
-            for key, expected in e.get("expected"):  # type: ignore[union-attr]
+            for key, expected in e.versions_of("expected"):
                 for j, (slot, tid) in enumerate(zip(slots, expected, strict=True)):
                     if slot not in tenants or slot in blank:  # outside the model: see the module docstring
                         reader[(pid, j, key)] = None
@@ -98,17 +107,17 @@ def tenancy_trace_data(events: Sequence[TraceEvent], name: str = "TenancyTraceDa
                     ver = 0 if tid == 0 else version.get((slot, tid), _UNKNOWN)
                     records.append(_record("plan", s_of(slot), ver, r=r, key=k_of(key)))
         elif e.trigger == "read":
-            pid, key = int(e.get("plan")), str(e.get("key"))  # type: ignore[arg-type]
+            pid, key = e.int_of("plan"), str(e.get("key"))
             slots = plans.get(pid, ())
             if e.get("raised"):
-                j = slots.index(e.get("slot"))
-                if (r := reader[(pid, j, key)]) is not None:
-                    records.append(_record("read", s_of(slots[j]), r=r, got=RAISED))
+                j = slots.index(e.int_of("slot"))
+                if (reader_no := reader[(pid, j, key)]) is not None:
+                    records.append(_record("read", s_of(slots[j]), r=reader_no, got=RAISED))
                 continue
-            for j, (slot, tid) in enumerate(zip(slots, e.get("served"), strict=True)):  # type: ignore[arg-type]
-                if (r := reader[(pid, j, key)]) is not None:
+            for j, (slot, tid) in enumerate(zip(slots, e.ints_of("served"), strict=True)):
+                if (reader_no := reader[(pid, j, key)]) is not None:
                     got = 0 if tid == 0 else version.get((slot, tid), _UNKNOWN)
-                    records.append(_record("read", s_of(slot), r=r, got=got))
+                    records.append(_record("read", s_of(slot), r=reader_no, got=got))
     body = ",\n    ".join(records)
     text = f"""---- MODULE {name} ----
 \\* Generated by omni_cache.verify.tenancy_trace from a recorded runtime trace
@@ -142,7 +151,7 @@ def split_writes(events: TraceRecorder | Iterable[TraceEvent]) -> int:
     writes: dict[tuple[int | None, int], int] = {}
     for e in evs:
         if e.machine == MACHINE and e.kind == "note" and e.trigger == "register":
-            for slot in e.get("slots"):  # type: ignore[union-attr]
+            for slot in e.ints_of("slots"):
                 writes[(e.step_id, slot)] = writes.get((e.step_id, slot), 0) + 1
     return sum(1 for n in writes.values() if n > 1)
 

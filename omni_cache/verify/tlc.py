@@ -45,7 +45,7 @@ EXIT_INVARIANT = 12
 EXIT_PROPERTY = 13
 EXIT_PARSE = (150, 151, 152, 153)
 
-_EXPECT_EXIT = {"ok": EXIT_OK, "deadlock": EXIT_DEADLOCK, "invariant": EXIT_INVARIANT, "property": EXIT_PROPERTY}
+EXPECT_EXIT = {"ok": EXIT_OK, "deadlock": EXIT_DEADLOCK, "invariant": EXIT_INVARIANT, "property": EXIT_PROPERTY}
 TIERS = ("ci", "nightly")
 _EXPECT_RE = re.compile(r"^(ok|deadlock|(invariant|property):[A-Za-z_][A-Za-z0-9_]*)$")
 
@@ -155,12 +155,12 @@ class ManifestEntry:
         return f"{self.model}/{Path(self.cfg).stem}"
 
 
-def _check_expect(expect: str, exit_code: int, where: str) -> None:
+def check_expect(expect: str, exit_code: int, where: str) -> None:
     if not _EXPECT_RE.match(expect):
         raise ManifestError(f"{where}: expect {expect!r} is not ok, deadlock, invariant:<Name> or property:<Name>")
     kind = expect.split(":", 1)[0]
-    if _EXPECT_EXIT[kind] != exit_code:
-        raise ManifestError(f"{where}: expect {expect!r} goes with TLC exit {_EXPECT_EXIT[kind]}, not {exit_code}")
+    if EXPECT_EXIT[kind] != exit_code:
+        raise ManifestError(f"{where}: expect {expect!r} goes with TLC exit {EXPECT_EXIT[kind]}, not {exit_code}")
 
 
 def load_manifest(tla_dir: Path | None = None) -> list[ManifestEntry]:
@@ -183,7 +183,7 @@ def load_manifest(tla_dir: Path | None = None) -> list[ManifestEntry]:
             )
         except KeyError as exc:
             raise ManifestError(f"{where}: missing field {exc}") from exc
-        _check_expect(entry.expect, entry.exit, where)
+        check_expect(entry.expect, entry.exit, where)
         if entry.tier not in TIERS:
             raise ManifestError(f"{where}: tier {entry.tier!r} is not one of {TIERS}")
         for name in (entry.spec, entry.cfg):
@@ -382,17 +382,17 @@ def run_entry(
     cfg_path = Path(entry.cfg) if Path(entry.cfg).is_absolute() else folder / entry.cfg
     with tempfile.TemporaryDirectory(prefix="omni-tlc-") as tmp:
         workdir = Path(tmp)
-        dump = workdir / "graph" if entry.conformance else None
+        graph = workdir / "graph"  # the state graph TLC dumps for a conformance run
         run = run_tlc(
             folder / entry.spec, cfg_path, workdir=workdir, check_deadlock=entry.check_deadlock,
-            dump_dot=dump, timeout_s=timeout_s, java=java, jar=jar, pool=pool, short=entry.tier == "ci",
+            dump_dot=graph if entry.conformance else None, timeout_s=timeout_s, java=java, jar=jar, pool=pool, short=entry.tier == "ci",
         )
         outcome = parse_tlc_output(run.output, run.exit_code, cfg_path.read_text())
         problems = judge(entry, run.exit_code, outcome)
         if entry.conformance and run.exit_code == EXIT_OK:
             from omni_cache.verify.conformance import check_conformance
 
-            problems += check_conformance(entry.conformance, dump.with_suffix(".dot"), run.output)
+            problems += check_conformance(entry.conformance, graph.with_suffix(".dot"), run.output)
     return RunResult(
         entry=entry, exit_code=run.exit_code, result=outcome.result,
         distinct_states=outcome.distinct_states, generated_states=outcome.generated_states,

@@ -116,13 +116,12 @@ def _slot_index(obj: str) -> int:
 
 
 def _staging_record(e: TraceEvent) -> str:
-    holds = e.get("holds", -1)
     reading = e.get("reading", None)
     return (
         f"[ev |-> {_tla_string(e.trigger)}, slot |-> {_slot_index(e.obj)}, "
         f"src |-> {_tla_string(e.source)}, dst |-> {_tla_string(e.dest)}, "
         f"step |-> {_NO_STEP if e.step_id is None else int(e.step_id)}, "
-        f"holds |-> {int(holds) if e.kind == 'note' else -1}, "  # type: ignore[call-overload]
+        f"holds |-> {e.int_of('holds', -1) if e.kind == 'note' else -1}, "
         f"reading |-> {-1 if e.kind != 'note' or reading is None else int(bool(reading))}]"
     )
 
@@ -145,7 +144,7 @@ def staging_trace_constants(events: Sequence[TraceEvent]) -> dict[str, int]:
     """Staging's constants for a trace: the configured depth (the pool's "open" note), enough
     save attempts for every claim (and one spare id for a rejected never-saved id), and as many
     misbehaving calls as rejected consumes."""
-    depths = {int(e.get("depth")) for e in events if e.trigger == "open" and e.kind == "note"}  # type: ignore[arg-type]
+    depths = {e.int_of("depth") for e in events if e.trigger == "open" and e.kind == "note"}
     if len(depths) > 1:
         raise TraceReplayError(0, events[0], f"one trace, several staging pools (depths {sorted(depths)})")
     slots = {_slot_index(e.obj) for e in events if _slot_index(e.obj) >= 0}
@@ -178,11 +177,11 @@ def writes_trace_data(events: Sequence[TraceEvent], name: str = "WritesTraceData
     fronts = 0
     for e in events:
         if e.kind == "note" and e.trigger == "register":
-            tid = int(e.get("tid"))  # type: ignore[arg-type]
+            tid = e.int_of("tid")
             records.append(f'[ev |-> "register", tid |-> {tid}, dst |-> "-", '
                            f'deferred |-> {"TRUE" if e.get("deferred") else "FALSE"}, tids |-> <<>>]')
         elif e.kind == "note" and e.trigger in ("enqueue_back", "enqueue_front"):
-            tids = [int(t) for t in e.get("tids", ())]  # type: ignore[union-attr]
+            tids = list(e.ints_of("tids"))
             if not tids:
                 continue
             if e.trigger == "enqueue_back":
@@ -198,7 +197,7 @@ def writes_trace_data(events: Sequence[TraceEvent], name: str = "WritesTraceData
         elif e.kind == "fire":
             records.append(f"[ev |-> {_tla_string(e.trigger)}, tid |-> {_tid(e.obj)}, "
                            f"dst |-> {_tla_string(e.dest)}, deferred |-> FALSE, tids |-> <<>>]")
-    num_writes = max([int(e.get("tid")) for e in events if e.trigger == "register"] or [1])  # type: ignore[arg-type]
+    num_writes = max([e.int_of("tid") for e in events if e.trigger == "register"] or [1])
     # Requests: one per front batch (in order), then one per write never pushed to the front.
     numbering: dict[int, int] = {}
     for tid in range(1, num_writes + 1):

@@ -1,6 +1,7 @@
 ------------------------------- MODULE Staging -------------------------------
 (***************************************************************************)
-(* The staging / step-id protocol of the omni prefix cache (DESIGN 2-4).   *)
+(* The staging / step-id protocol of the omni prefix cache                 *)
+(* (spec/protocol.md).                                                     *)
 (*                                                                         *)
 (* Processes:                                                              *)
 (*  - the engine: a save claims a free page, copies into it and issues a   *)

@@ -1,6 +1,6 @@
 ----------------------------- MODULE TenancyDraft -----------------------------
 (***************************************************************************)
-(* Speculative decoding over KV-slot tenancy (contract section 4.11, I14): *)
+(* Speculative decoding over KV-slot tenancy (contract section 4.14, I14): *)
 (* a slot rewritten within one tenancy.                                    *)
 (*                                                                         *)
 (* Tenancy (Tenancy.tla) models a KV slot's tenants, one write per key     *)

@@ -1,7 +1,8 @@
 -------------------------------- MODULE Writes --------------------------------
 (***************************************************************************)
 (* Pool writes of the omni prefix cache: the write lifecycle, the copy     *)
-(* queue, request identity and the sticky failure (DESIGN 3-4, I8, I9).    *)
+(* queue, request identity and the sticky failure (I8, I9; sections 5      *)
+(* and 6 of spec/contract.md).                                             *)
 (*                                                                         *)
 (* A request id is admitted (STARTED), and may be admitted again by a new  *)
 (* admission (REPLACED): gen[r] is its current admission.  Each write is   *)

@@ -15,8 +15,11 @@ Owns nothing at run time; ``omni-cache bench`` (``omni_cache.cli.bench``) drives
   machine, locks, staging slots, tenancy, write book, copies, output assembly).
 - ``sweep``: bookkeeping per decode step over requests x num_blocks, plotted.
 - ``memory``: pool + staging + tenancy bytes vs the formula vs peak RSS.
-- ``perfcli``: the ``--preset`` / ``--sweep`` / ``--memory`` options (and the
-  breakdown ``--profile`` prints).
+
+Their command-line options (``--preset`` / ``--sweep`` / ``--memory``, and the breakdown
+``--profile`` prints) are ``omni_cache.cli.bench_workloads``.
+
+Upholds nothing itself: the runs check I1, I2, I4, I6 and I7 from outside.
 """
 
 from __future__ import annotations

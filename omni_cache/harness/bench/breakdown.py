@@ -10,10 +10,11 @@ Categories (what is timed, on the instance or for the measured pass only):
 
   validation        ``validate_save``, ``check_scheduled``, ``validate_hit``,
                     ``classify_outputs``, ``copy_leftovers``, slot/row/capacity checks,
-                    ``_check_usable``
+                    ``check_usable``
   state machine     ``TableMachine.fire`` of the staging and the write machine
   locks             acquire + release of every runtime lock (state, staging,
                     write book, pool leaf lock, drain lock), via timing proxies
+                    installed through the manager's ``wrap_locks`` seam
   staging slots     claim/save/consume/done_reading/hold/unhold/page views
   tenancy           register/plan/unplan/land_all/read (versions and pins)
   write book        register/enqueue/pop/fire/get/wait and the committer's
@@ -24,8 +25,10 @@ Categories (what is timed, on the instance or for the measured pass only):
   output views      ``Tensor.split_with_sizes`` and ``reader.per_request``: the one
                     tensor per request and key that materialize returns (views of the
                     step's private copy) and its entry in the key's dict
-  output assembly   ``StepReader.build_outputs`` / ``_read_hit`` themselves
-  manager glue      the rest of ``new_step_starts``/``save_outputs``/``materialize``
+  output assembly   ``StepReader.build_outputs`` / ``read_hit`` themselves
+  manager glue      the rest of ``new_step_starts``/``save_outputs``/``materialize``, the
+                    write scheduling (``WriteScheduler.register``/``after_save``/``flush``),
+                    the pending hits and ``StepReader.release``
 
 Each timer costs about a microsecond, part of which lands in its caller's
 exclusive time; that part is calibrated (a timed no-op called from a timed
@@ -36,7 +39,7 @@ with them), so the reader sees how well they agree. Upholds nothing.
 
 from __future__ import annotations
 
-import threading
+import functools
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -58,7 +61,7 @@ NOT_BOOKKEEPING: frozenset[str] = frozenset({"copies", "output views"})
 
 # (category, path from the manager, attributes)
 _METHODS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
-    ("validation", "", ("_check_usable",)),
+    ("validation", "", ("check_usable",)),
     ("validation", "pool", ("check_slots", "check_sigs")),
     ("validation", "staging", ("check_sigs", "check_capacity")),
     ("state machine", "staging.machine", ("fire",)),
@@ -69,10 +72,11 @@ _METHODS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("write book", "book", ("register", "enqueue", "start_next", "fire", "get", "wait", "check_failed",
                             "queue_length")),
     ("write book", "committer", ("kick", "drain", "process")),
-    ("output assembly", "reader", ("build_outputs", "_read_hit")),
-    ("manager glue", "", ("new_step_starts", "save_outputs", "materialize", "_register",
-                          "_after_save", "_flush", "_finish_consume")),
-    ("manager glue", "_hits", ("take", "hit_keys", "slots_of")),
+    ("output assembly", "reader", ("build_outputs", "read_hit")),
+    ("manager glue", "", ("new_step_starts", "save_outputs", "materialize")),
+    ("manager glue", "scheduling", ("register", "after_save", "flush")),
+    ("manager glue", "reader", ("release",)),
+    ("manager glue", "hits", ("take", "hit_keys", "slots_of")),
 )
 # Module globals of omni_cache.runtime.manager, patched for the pass only.
 _MANAGER_GLOBALS: tuple[tuple[str, str], ...] = (
@@ -180,8 +184,15 @@ def _resolve(manager: Any, path: str) -> Any:
     return owner
 
 
-def _instrument(manager: Any, clock: _Clock) -> Callable[[], None]:
-    """Wrap the instance's methods, swap its locks, patch globals and torch; return the undo."""
+def _drop_instance_attr(owner: Any, attr: str) -> None:
+    """Undo a wrapper set on the instance: the class's method shows through again."""
+    if attr in vars(owner):
+        delattr(owner, attr)
+
+
+def _instrument(manager: Any, clock: _Clock) -> tuple[Callable[[], None], Callable[[], None]]:
+    """Wrap the instance's methods, swap its locks, patch globals and torch; return the undo of
+    all but the locks, and the undo of the locks (run after it)."""
     import omni_cache.runtime.manager as manager_module
     import omni_cache.runtime.reader as reader_module
 
@@ -191,34 +202,29 @@ def _instrument(manager: Any, clock: _Clock) -> Callable[[], None]:
         for attr in attrs:
             fn = getattr(owner, attr)
             setattr(owner, attr, clock.wrap(fn, category))
-            undo.append(lambda o=owner, a=attr: delattr(o, a) if a in vars(o) else None)
+            undo.append(functools.partial(_drop_instance_attr, owner, attr))
     for module, names in ((manager_module, _MANAGER_GLOBALS), (reader_module, _READER_GLOBALS)):
         for category, name in names:
             fn = getattr(module, name)
             setattr(module, name, clock.wrap(fn, category))
-            undo.append(lambda m=module, n=name, f=fn: setattr(m, n, f))
+            undo.append(functools.partial(setattr, module, name, fn))
     # Locks: the state lock's inner lock, the staging and write-book locks with their
     # conditions, the pool's leaf lock and the committer's drain lock.
-    manager._lock._lock = _TimedLock(manager._lock._lock, clock)
-    for owner in (manager.staging, manager.book):
-        owner._lock = _TimedLock(owner._lock, clock)
-        owner._cond = threading.Condition(owner._lock)  # type: ignore[arg-type]
-    manager.pool.lock = _TimedLock(manager.pool.lock, clock)
-    manager.committer._drain_lock = _TimedLock(manager.committer._drain_lock, clock)
-    for names, category in ((_TENSOR_COPIES, "copies"), (_TENSOR_VIEWS, "output views")):
-        for name in names:
+    undo_locks = manager.wrap_locks(lambda lock: _TimedLock(lock, clock))
+    for tensor_methods, category in ((_TENSOR_COPIES, "copies"), (_TENSOR_VIEWS, "output views")):
+        for name in tensor_methods:
             original = getattr(torch.Tensor, name)
             setattr(torch.Tensor, name, clock.wrap(original, category))
-            undo.append(lambda n=name, f=original: setattr(torch.Tensor, n, f))
+            undo.append(functools.partial(setattr, torch.Tensor, name, original))
     original_cat = torch.cat
-    torch.cat = clock.wrap(original_cat, "copies")  # type: ignore[assignment]
-    undo.append(lambda: setattr(torch, "cat", original_cat))
+    setattr(torch, "cat", clock.wrap(original_cat, "copies"))  # noqa: B010 (patched for the pass only)
+    undo.append(functools.partial(setattr, torch, "cat", original_cat))
 
     def restore() -> None:
         for fn in reversed(undo):
             fn()
 
-    return restore
+    return restore, undo_locks
 
 
 @dataclass
@@ -281,12 +287,12 @@ def step_breakdown(
             run_manager_once(manager, pass_of(prefill, nothing))
             clock = _Clock()
             clock.calibrate()
-            restore = _instrument(manager, clock)
+            restore, restore_locks = _instrument(manager, clock)
             try:
                 times = run_manager_once(manager, pass_of(decode, nothing), check=False)
             finally:
                 restore()
-                _uninstrument_locks(manager)
+                restore_locks()
             run_manager_once(manager, pass_of([], workload.finish))
             corrected = {cat: clock.corrected(cat) for cat in CATEGORIES}
             per_pass.append((corrected, dict(clock.calls), sum(map(sum, times.step_ns))))
@@ -302,15 +308,6 @@ def step_breakdown(
         calls = med(c.get(cat, 0) for _, c, _ in per_pass) / steps
         rows.append(BreakdownRow(cat, us, calls, us / total if total else 0.0))
     return Breakdown(spec.batch_size, steps, rows, total, med(plain) / steps / 1e3, instrumented)
-
-
-def _uninstrument_locks(manager: Any) -> None:
-    manager._lock._lock = manager._lock._lock._inner
-    for owner in (manager.staging, manager.book):
-        owner._lock = owner._lock._inner
-        owner._cond = threading.Condition(owner._lock)
-    manager.pool.lock = manager.pool.lock._inner
-    manager.committer._drain_lock = manager.committer._drain_lock._inner
 
 
 def _finish_nothing() -> Any:

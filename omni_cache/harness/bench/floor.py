@@ -39,7 +39,7 @@ class RawCopyFloor:
 
     def save(self, step: Step) -> None:
         n = step.num_tokens
-        slots = step.layout.slots_cpu
+        slots = step.slots
         for key in self.keys:
             page = self.staging[key][:n]
             page.copy_(step.outputs[key][:n])

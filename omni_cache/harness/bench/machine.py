@@ -1,4 +1,4 @@
-"""The state-machine cost benchmark (DESIGN section 8).
+"""The state-machine cost benchmark (docs/performance.md, "State machines").
 
 Owns: ``run_machine_bench`` and the plain-Python baseline it compares against.
 Measured in one run, interleaved, median over repeats:
@@ -139,7 +139,7 @@ def _bench_dict_cycle(n: int) -> None:
         pool.release(pool.consume(step_id))
 
 
-def _pairs(fire: Callable[[str], None], n: int) -> None:
+def _pairs(fire: Callable[[str], object], n: int) -> None:
     """``n`` triggers: claim/abort alternately (free <-> claimed, always legal)."""
     for _ in range(n // 2):
         fire("claim")

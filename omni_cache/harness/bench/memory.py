@@ -105,9 +105,7 @@ def _child(spec_json: str) -> None:
     peak = _status_kib("VmHWM") * 1024
     pool = sum(manager.pool.nbytes().values())
     staging = sum(manager.staging.page_bytes().values())
-    ten = manager.tenancy
-    tenancy = int(ten._tenant.nbytes) + sum(
-        int(v.registered.nbytes + v.tenant.nbytes + v.landed.nbytes + v.pins.nbytes) for v in ten._keys.values())
+    tenancy = manager.tenancy.nbytes()
     manager.shutdown()
     print(json.dumps({"pool": pool, "staging": staging, "tenancy": tenancy, "baseline": baseline, "peak": peak,
                       "reset": reset}))

@@ -33,10 +33,10 @@ from dataclasses import dataclass, replace
 from omni_cache.harness.bench.floor import RawCopyFloor
 from omni_cache.harness.bench.runner import (
     ManagerFactory,
-    _finish,
-    _floor_step,
-    _manager_step,
     default_manager_factory,
+    finish_workload,
+    floor_step,
+    manager_step,
 )
 from omni_cache.harness.bench.workload import (
     GroundTruthError,
@@ -69,12 +69,12 @@ class OutputFloor(RawCopyFloor):
             for key in self.keys}
         self._step = None
         hidden = out.pop(HIDDEN_KEY)
-        return StageCacheOutputs(hidden, out)  # type: ignore[arg-type]
+        return StageCacheOutputs(hidden, out)
 
 
 def _read_inputs(step: Step) -> None:
     """Read a step's inputs (outside the timers): its slots, scheduled counts and request ids."""
-    step.layout.slots_cpu.numpy().tolist()
+    step.slots.numpy().tolist()
     tuple(step.events.scheduled_tokens.items())
     tuple(step.req_ids)
 
@@ -147,12 +147,12 @@ def narrow_bookkeeping(
                         if warm_inputs:
                             _read_inputs(step)
                         if who == "omni":
-                            ns, out = _manager_step(manager, step)
+                            ns, out = manager_step(manager, step)
                             unchecked.append((step, out, "omni_cache"))
                             if p:
                                 omni_min[i] = min(omni_min[i], sum(ns))
                         else:
-                            ns, out = _floor_step(floor, step)
+                            ns, out = floor_step(floor, step)
                             unchecked.append((step, out, "output floor"))
                             if p:
                                 floor_min[i] = min(floor_min[i], sum(ns))
@@ -160,7 +160,7 @@ def narrow_bookkeeping(
                             _check_all(workload, unchecked)
                     del out
                     omni_first = not omni_first
-                _finish(manager, workload)
+                finish_workload(manager, workload)
             finally:
                 gc.enable()
             _check_all(workload, unchecked)

@@ -82,12 +82,13 @@ def profile_manager(
     steps = len(profiled.steps)
     stats = pstats.Stats(profiler)
     rows = []
+    # typeshed's pstats.Stats omits its ``stats`` dict (function -> call counts and times) and ``total_tt``
     for func, (_cc, ncalls, tottime, cumtime, _callers) in stats.stats.items():  # type: ignore[attr-defined]
         rows.append(ProfileRow(_name(func), ncalls / steps, tottime / steps * 1e6, cumtime / steps * 1e6))
     by_own = sorted(rows, key=lambda r: r.own_us_per_step, reverse=True)[:top]
     by_cum = sorted(rows, key=lambda r: r.cum_us_per_step, reverse=True)[:top]
     meta = {"batch_size": spec.batch_size, "steps": steps, "mode": "eager" if eager else "async",
-            "total_us_per_step": stats.total_tt / steps * 1e6}  # type: ignore[attr-defined]
+            "total_us_per_step": stats.total_tt / steps * 1e6}  # type: ignore[attr-defined]  # not in typeshed either
     return by_own, by_cum, meta
 
 
@@ -102,15 +103,13 @@ SECTIONS: tuple[tuple[str, str], ...] = (
     ("", "new_step_starts"),
     ("", "save_outputs"),
     ("", "materialize"),
-    ("", "_validate_save"),
-    ("", "_take_hits"),
-    ("", "_register"),
-    ("", "_after_save"),
-    ("", "_build_outputs"),
-    ("", "_finish_consume"),
-    ("", "_check_usable"),
+    ("hits", "take"),
+    ("scheduling", "register"),
+    ("scheduling", "after_save"),
+    ("reader", "release"),
+    ("", "check_usable"),
     ("reader", "build_outputs"),
-    ("reader", "_read_hit"),
+    ("reader", "read_hit"),
     ("staging", "claim"),
     ("staging", "save"),
     ("staging", "consume"),

@@ -21,6 +21,8 @@ Checks (every repeat, warm-up included): every materialized step equals the
 ground truth (I4, I6, I7 through ``check_outputs``), each step id is consumed
 exactly once by materialize (I1), and ``shutdown`` reports no unconsumed step
 ids (I2).
+
+Upholds nothing itself: it checks the invariants above from outside.
 """
 
 from __future__ import annotations
@@ -142,7 +144,7 @@ class BenchResult:
         }
 
 
-def _manager_step(manager: Any, step: Step) -> tuple[list[int], Any]:
+def manager_step(manager: Any, step: Step) -> tuple[list[int], Any]:
     clock = time.perf_counter_ns
     n = step.num_tokens
     t0 = clock()
@@ -157,7 +159,7 @@ def _manager_step(manager: Any, step: Step) -> tuple[list[int], Any]:
     return [t1 - t0, t2 - t1, t3 - t2], out
 
 
-def _floor_step(floor: RawCopyFloor, step: Step) -> tuple[list[int], Any]:
+def floor_step(floor: RawCopyFloor, step: Step) -> tuple[list[int], Any]:
     clock = time.perf_counter_ns
     t1 = clock()
     floor.save(step)
@@ -167,7 +169,7 @@ def _floor_step(floor: RawCopyFloor, step: Step) -> tuple[list[int], Any]:
     return [0, t2 - t1, t3 - t2], out
 
 
-def _finish(manager: Any, workload: Workload) -> int:
+def finish_workload(manager: Any, workload: Workload) -> int:
     t0 = time.perf_counter_ns()
     manager.new_step_starts(workload.finish)
     return time.perf_counter_ns() - t0
@@ -177,11 +179,11 @@ def run_manager_once(manager: Any, workload: Workload, *, check: bool = True) ->
     """One pass of the workload through the manager's public API (checked unless told)."""
     step_ns, rows = [], 0
     for step in workload.steps:
-        ns, out = _manager_step(manager, step)
+        ns, out = manager_step(manager, step)
         step_ns.append(ns)
         if check:
             rows += check_outputs(workload, step, out, who=OMNI)
-    return RepeatTimes(step_ns, _finish(manager, workload), rows)
+    return RepeatTimes(step_ns, finish_workload(manager, workload), rows)
 
 
 def run_interleaved(
@@ -200,17 +202,17 @@ def run_interleaved(
         for step in workload.steps:
             for impl in ((OMNI, FLOOR) if omni_first else (FLOOR, OMNI)):
                 if impl == OMNI:
-                    ns, out = _manager_step(manager, step)
+                    ns, out = manager_step(manager, step)
                     omni_ns.append(ns)
                     if check:
                         omni_rows += check_outputs(workload, step, out, who=OMNI)
                 else:
-                    ns, out = _floor_step(floor, step)
+                    ns, out = floor_step(floor, step)
                     floor_ns.append(ns)
                     if check:
                         floor_rows += check_outputs(workload, step, out, who=FLOOR)
             omni_first = not omni_first
-        finish_ns = _finish(manager, workload)
+        finish_ns = finish_workload(manager, workload)
     finally:
         gc.enable()
     return RepeatTimes(omni_ns, finish_ns, omni_rows), RepeatTimes(floor_ns, 0, floor_rows)

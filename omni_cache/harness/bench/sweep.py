@@ -23,7 +23,7 @@ per decode step unless named otherwise:
   decode steps. **bookkeeping = narrow omni - narrow outputs**: what a decode step costs beyond
   its copies and its outputs, read in one run, robust to load bursts (the minimum).
 * ``runtime Python lines / step``: a count no load can move, the Python lines of the runtime
-  (the package minus its drivers: bench, cli, sim, vllm_sim) one decode step runs, counted with
+  (the package minus its drivers: harness and cli) one decode step runs, counted with
   ``sys.settrace``. It is the same at every number of requests when no loop over the step's
   requests is left in the runtime (``tests/test_step_cost.py`` holds that at 2 and 64 requests).
 
@@ -111,7 +111,7 @@ def python_lines_per_decode_step(spec: WorkloadSpec, *, manager_factory: Manager
     import sys
 
     import omni_cache
-    from omni_cache.harness.bench.runner import _manager_step, default_manager_factory
+    from omni_cache.harness.bench.runner import default_manager_factory, manager_step
     from omni_cache.harness.bench.workload import build_workload
     from omni_cache.runtime.interface import ModelCachePolicy
 
@@ -134,11 +134,11 @@ def python_lines_per_decode_step(spec: WorkloadSpec, *, manager_factory: Manager
     try:
         manager.register_policy(ModelCachePolicy())
         for step in workload.steps[: workload.steps.index(decode[1])]:
-            _manager_step(manager, step)
+            manager_step(manager, step)
         previous = sys.gettrace()  # a coverage tracer, if any: restored after
         sys.settrace(tracer)
         try:
-            _manager_step(manager, decode[1])
+            manager_step(manager, decode[1])
         finally:
             sys.settrace(previous)
     finally:

@@ -20,6 +20,8 @@ the right answer. ``check_outputs`` compares every row of every key of every
 request that materialize returns, so it catches I4 (a snapshot that changed),
 I6 (hit rows served as zeros) and I7 (a newer tenant's rows) violations, as
 well as any plain bug in the merge.
+
+Upholds nothing itself: ``check_outputs`` checks I4, I6 and I7 from outside.
 """
 
 from __future__ import annotations
@@ -148,6 +150,8 @@ class Step:
     expect: dict[ReqId, tuple[int, int, int]]
     # The KV slots of a hit (first step after it) -- what the raw-copy floor reads.
     hit_slots: dict[ReqId, torch.Tensor] = field(default_factory=dict)
+    # The layout's slot mapping (``layout.slots_cpu``, never None here), for the floor.
+    slots: torch.Tensor = field(kw_only=True)
 
     @property
     def num_tokens(self) -> int:
@@ -212,6 +216,8 @@ def build_workload(spec: WorkloadSpec) -> Workload:
         names = [(req_ids[r], s, e) for r, s, e in spans]
         slots = torch.tensor([x for r, s, e in spans for x in _slots(tables[r], s, e, bs)], dtype=torch.int64)
         layout = PrefixCacheWriteLayout.packed(names, slots)
+        if layout.slots_cpu is None:
+            raise ValueError("a bench layout without its slot mapping")
         outputs = {key: torch.cat([t[r, s:e] for r, s, e in spans]) for key, t in truth.items()}
         expect = {req_ids[r]: (r, 0 if r in first_after_hit else s, e) for r, s, e in spans}
         hit_slots = {
@@ -220,7 +226,7 @@ def build_workload(spec: WorkloadSpec) -> Workload:
         }
         scheduled = {req_ids[r]: e - s for r, s, e in spans}
         return Step(index, phase, PrefixCacheStep(tuple(events), scheduled), layout, outputs,
-                    tuple(n for n, _, _ in names), expect, hit_slots)
+                    tuple(n for n, _, _ in names), expect, hit_slots, slots=layout.slots_cpu)
 
     started = PrefixCacheEventKind.STARTED
     if spec.staggered:
@@ -270,6 +276,15 @@ def _first_bad_row(got: torch.Tensor, want: torch.Tensor) -> int:
     return int(bad[0]) if bad.numel() else -1
 
 
+def _served(out: StageCacheOutputs, key: TensorName, req_id: ReqId) -> Any:
+    """What ``out`` holds for ``req_id`` under ``key``; KeyError or TypeError when it holds nothing."""
+    if key == HIDDEN_KEY:
+        if out.hidden_states is None:
+            raise TypeError("materialize returned no hidden states")
+        return out.hidden_states[req_id]
+    return out.mm_outputs[key][req_id]
+
+
 def check_outputs(workload: Workload, step: Step, out: StageCacheOutputs, *, who: str = "omni_cache") -> int:
     """Compare every row ``out`` holds for ``step`` with the ground truth; return rows checked.
 
@@ -281,7 +296,7 @@ def check_outputs(workload: Workload, step: Step, out: StageCacheOutputs, *, who
         for key in workload.spec.keys:
             where = f"{who}: step {step.index} ({step.phase}) request {req_id!r} key {key!r}"
             try:
-                got = out.hidden_states[req_id] if key == HIDDEN_KEY else out.mm_outputs[key][req_id]
+                got = _served(out, key, req_id)
             except (KeyError, TypeError) as exc:
                 raise GroundTruthError(f"{where}: missing from the materialized outputs ({exc!r})") from exc
             want = workload.truth[key][r, start:end]

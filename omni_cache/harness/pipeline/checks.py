@@ -10,10 +10,13 @@ A control is caught when the comparison flags every request it changed, so a
 check that cannot fail would show here as an uncaught control. Pure torch;
 no vLLM. Checks the end-to-end consequence of I4, I6 and I7 (the served
 prefix rows are the rows the prefix's tokens produce).
+
+Upholds nothing itself: it checks I4, I6 and I7 from outside (a wrong row changes the talker).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -102,7 +105,7 @@ class Verdict:
         return sum(not c.tokens_equal for c in self.comparisons)
 
 
-def compare_all(truth: dict[str, TalkerResult], got: dict[str, TalkerResult], tolerance: float,
+def compare_all(truth: Mapping[str, TalkerResult], got: Mapping[str, TalkerResult], tolerance: float,
                 names: dict[str, str] | None = None) -> Verdict:
     """Compare ``got[k]`` with ``truth[names.get(k, k)]`` for every ``k`` in ``got``; a request
     missing from the ground truth is a difference."""

@@ -33,13 +33,14 @@ from omni_cache.harness.pipeline import worker_stage
 from omni_cache.harness.pipeline.stages import StageOptions, ThinkerStage
 from omni_cache.harness.sim_engine.checker import Mismatch
 from omni_cache.harness.vllm_engine import worker_probe
+from omni_cache.harness.vllm_engine.consumer import absorb_worker_replies
 from omni_cache.harness.vllm_engine.engine import BLOCK_SIZE
 from omni_cache.harness.vllm_engine.truth import ForwardCapture
 from omni_cache.integration.ranks import output_rank_index
 
 __all__ = ["ParallelThinkerStage", "make_thinker_stage"]
 
-_TIMED = ("forward_s", "save_s", "materialize_s", "steps")  # the output rank's timers the report reads
+_TIMED = ("forward_s", "begin_s", "save_s", "model_outputs_s", "materialize_s", "steps")  # the output rank's timers the report reads
 
 
 def make_thinker_stage(llm: Any, opts: StageOptions, *, cached: bool, tier_truth: Any = None) -> ThinkerStage:
@@ -71,28 +72,25 @@ class ParallelThinkerStage(ThinkerStage):
         self._absorb(self.llm.collective_rpc(worker_probe.settle))
 
     def _absorb(self, replies: list[dict[str, Any]]) -> None:
-        for rank, reply in enumerate(replies):
-            for engine_step, step_id, error in reply["errors"]:
-                self.published += int(rank == self.output_rank)
-                self.mismatches.append(Mismatch(engine_step, step_id, None, None, None,
-                                                f"rank {rank}: materialize raised {error}"))
-        out = replies[self.output_rank]
+        """The workers' drained reports (``consumer.absorb_worker_replies``): the output rank's forwards
+        count prefill tokens, its served rows are what the talker gets."""
+        self.published += len(replies[self.output_rank]["errors"])  # a refused step id was published too
         c0, cpu = time.perf_counter(), time.process_time()
-        for rec in out["records"]:
+
+        def record(rec: Any) -> None:
             for rid, start, end in rec.spans:
                 self.prefill_tokens += max(0, min(end, self.prompt_len.get(rid, 0)) - start)
-            self.capture.observe(rec)
-        for engine_step, step_id, spans, served in out["served"]:
+
+        def served(rank: int, engine_step: int, step_id: int, spans: Any, out: Any) -> None:
+            if rank != self.output_rank:
+                return
             self.published += 1
             self.materialized += 1
             if self._first_step_id is None:
                 self._first_step_id = step_id
-            self._keep_served(spans, served)
-            try:
-                self.capture.check_step(engine_step, step_id, spans, served)
-            except Exception as exc:  # a finding, reported with the step
-                self.mismatches.append(Mismatch(engine_step, step_id, None, None, None,
-                                                f"check (a) raised {type(exc).__name__}: {exc}"))
+            self._keep_served(spans, out)
+
+        absorb_worker_replies(replies, self.output_rank, self.capture, self.mismatches, record=record, served=served)
         self.timers.checker_s += time.perf_counter() - c0
         self.timers.checker_cpu_s += time.process_time() - cpu
 

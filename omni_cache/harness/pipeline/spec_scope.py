@@ -9,7 +9,9 @@ mismatches).
 The ground truth stays the thinker with prefix caching off and no speculative decoding: the
 talker's tokens and logprobs with the cache must equal the talker's fed from that thinker,
 and every row served under speculation is checked against the requests' final tokens
-(``SpecCapture``). Invariants: none enforced here (checks I14 from outside).
+(``SpecCapture``).
+
+Upholds (by checking): I14 from outside (the talker's identity and the draft counts).
 """
 
 from __future__ import annotations

@@ -1,51 +1,44 @@
-"""The two stages of ``omni-cache pipeline`` and how their engines are built.
+"""The thinker stage of ``omni-cache pipeline`` and how its engines are built.
 
-Owns: the engines' ``LLM(...)`` arguments (``thinker_kwargs``,
-``talker_kwargs``: every engine option is set there from ``StageOptions``: the
-thinker's model, its ``tp x pp`` grid, its KV connector), the talker's seeded
-random checkpoint (``talker_checkpoint``: written with ``transformers``
-``save_pretrained`` into a temporary directory removed on exit), the stage
-timers (``StageTimers``, ``install_stage_timers``), the thinker stage
-(``ThinkerStage``: a tiny dummy-weight model of ``vllm_sim.models`` as
-``simulate --engine vllm`` builds it; with prefix caching on, the omni cache is installed through
-``worker_cls`` and every saved step id is materialized right after the step
-that saved it, check (a) of ``vllm_sim.truth`` runs on every served row, and
-each request's full-prompt rows are assembled from the served rows; with prefix
-caching off, the full-prompt rows are read from the forward itself by
-``ForwardTap``; with a KV connector, ``TierTruth`` checks the tier's rows and
-one ``TIER_FLUSH`` request ends the stage) and the talker stage
-(``TalkerStage``: prompts given as ``prompt_embeds``). The projection between the stages is the identity (both
-widths are ``TINY_LLAMA``'s 128); ``project`` refuses other widths.
+Owns: the thinker engines' ``LLM(...)`` arguments (``thinker_kwargs``: every engine option
+is set there from ``StageOptions``: the thinker's model, its ``tp x pp`` grid, its KV
+connector; with or without prefix caching, with or without the cache), the stage timers
+(``StageTimers``, ``install_stage_timers``) and the thinker stage (``ThinkerStage``: a
+dummy-weight model of ``vllm_sim.models`` as ``simulate --engine vllm`` builds it; with
+prefix caching on, the omni cache is installed through ``worker_cls`` and every saved step
+id is materialized right after the step that saved it, check (a) of ``vllm_sim.truth`` runs
+on every served row, and each request's full-prompt rows are assembled from the served rows;
+without the cache (prefix caching off, or on without the cache: the upper bound) the rows
+are read from the forward itself by ``ForwardTap``; with a KV connector, ``TierTruth``
+checks the tier's rows and one ``TIER_FLUSH`` request ends the stage). The talker is
+``pipeline.talker``.
 
 Timers (seconds, written by the engine thread; in a worker process the probe's
-consumer thread writes materialize): forward (the runner's
+consumer thread writes materialize): begin (the bridge's ``begin_step``), forward (the runner's
 ``_model_forward`` without the bridge's ``after_forward_v1`` inside it), save
 (``after_forward_v1``: block-table view, stand-in per-token outputs, the
-cache's save; without the checker inside it), materialize, and the checker's
+cache's save; without the checker's ``observe_forward`` inside it), materialize, and the checker's
 own time (check (a), the forward capture, the ground truth's tap), kept apart
 so the measured stage times exclude it.
 vLLM is imported only inside functions. Checks I1 (every saved step id
 materialized exactly once, a second refused), I4, I6 and I7 from outside.
+
+Upholds nothing itself: it checks I1, I4, I6 and I7 from outside.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import queue
-import shutil
-import tempfile
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
 from omni_cache.harness.sim_engine.checker import Mismatch
+from omni_cache.harness.vllm_engine.consumer import StepConsumer, second_materialize_refused
 from omni_cache.harness.vllm_engine.engine import (
     BLOCK_SIZE,
-    TINY_LLAMA,
     VllmSimConfig,
     VllmSimulation,
     engine_kwargs,
@@ -61,11 +54,9 @@ from omni_cache.integration.block_table import BlockTableView
 from omni_cache.integration.vllm_bridge import bridge_of, runner_of
 from omni_cache.runtime.errors import OmniPrefixCacheUnmatchError
 
-__all__ = ["ForwardTap", "StageOptions", "StageTimers", "TalkerStage", "ThinkerStage", "install_stage_timers",
-           "project", "talker_checkpoint", "talker_kwargs", "thinker_kwargs"]
+__all__ = ["ForwardTap", "StageOptions", "StageTimers", "ThinkerStage", "install_stage_timers", "thinker_kwargs"]
 
 TIER_FLUSH = "tier-flush"  # the request that carries a stage's last tier stores (ThinkerStage._flush_tier_stores)
-TALKER_INIT_STD = 0.2  # the talker's weight init (std); larger than the usual 0.02, so small input changes show
 
 
 @dataclass(frozen=True)
@@ -90,10 +81,12 @@ class StageOptions:
         return self.tp * self.pp
 
 
-def thinker_kwargs(model_dir: str, opts: StageOptions, *, prefix_caching: bool) -> dict[str, Any]:
+def thinker_kwargs(model_dir: str, opts: StageOptions, *, prefix_caching: bool, cache: bool = True) -> dict[str, Any]:
     """The thinker: with prefix caching, the cache via ``worker_cls`` (as ``simulate --engine vllm``);
-    without, vLLM's own worker and no cache. With ``tp x pp`` workers: vLLM's ``mp`` executor and
-    each worker's KV bytes for ``kv_blocks`` blocks of its own layers (``vllm_sim.parallel``)."""
+    without, vLLM's own worker and no cache; ``cache=False`` with prefix caching: vLLM's own worker
+    with prefix caching and no cache (the upper bound, which serves the next stage wrong rows). With
+    ``tp x pp`` workers: vLLM's ``mp`` executor and each worker's KV bytes for ``kv_blocks`` blocks
+    of its own layers (``vllm_sim.parallel``)."""
     model = sim_model(opts.model)
     kwargs = engine_kwargs(model_dir, kv_blocks=opts.kv_blocks, max_batched_tokens=opts.max_batched_tokens,
                            max_model_len=opts.max_model_len, eager=True, **model.engine_options)
@@ -101,8 +94,8 @@ def thinker_kwargs(model_dir: str, opts: StageOptions, *, prefix_caching: bool) 
     if opts.workers > 1:
         kwargs.update(tensor_parallel_size=opts.tp, pipeline_parallel_size=opts.pp, distributed_executor_backend="mp",
                       kv_cache_memory_bytes=worker_kv_bytes(opts.kv_blocks, opts.pp))
-    if not prefix_caching:
-        kwargs.update(enable_prefix_caching=False, worker_cls="auto", additional_config={})
+    if not prefix_caching or not cache:
+        kwargs.update(enable_prefix_caching=prefix_caching, worker_cls="auto", additional_config={})
     elif opts.kv_transfer_config is not None:
         kwargs["kv_transfer_config"] = opts.kv_transfer_config
     if prefix_caching and opts.speculative is not None:
@@ -111,47 +104,12 @@ def thinker_kwargs(model_dir: str, opts: StageOptions, *, prefix_caching: bool) 
     return kwargs
 
 
-def talker_kwargs(model_dir: str, opts: StageOptions) -> dict[str, Any]:
-    """The talker: a real (seeded) checkpoint fed ``prompt_embeds``; no prefix caching, no cache."""
-    kwargs = engine_kwargs(model_dir, kv_blocks=opts.kv_blocks, max_batched_tokens=opts.max_batched_tokens,
-                           max_model_len=opts.max_model_len, load_format="auto", enable_prompt_embeds=True,
-                           enable_prefix_caching=False, worker_cls="auto", additional_config={}, seed=opts.seed)
-    kwargs.update(dict(opts.extra))
-    return kwargs
-
-
-@contextlib.contextmanager
-def talker_checkpoint(seed: int) -> Iterator[str]:
-    """A tiny Llama (``TINY_LLAMA``) with weights drawn from ``seed``, saved with ``save_pretrained``;
-    the directory is removed on exit."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    path = tempfile.mkdtemp(prefix="omni-cache-talker-")
-    try:
-        config = LlamaConfig(**{k: v for k, v in TINY_LLAMA.items() if k not in ("architectures", "model_type")},
-                             initializer_range=TALKER_INIT_STD)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            model = LlamaForCausalLM(config)
-        model.save_pretrained(path)
-        del model
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
-
-
-def project(rows: torch.Tensor, talker_width: int) -> torch.Tensor:
-    """The thinker-to-talker projection: the identity, float32 ``[prompt_len, hidden]``."""
-    if rows.shape[-1] != talker_width:
-        raise ValueError(f"thinker rows are {rows.shape[-1]} wide, the talker takes {talker_width}: "
-                         "only the identity projection (equal widths) is defined")
-    return rows.to(torch.float32).contiguous()
-
-
 @dataclass
 class StageTimers:
     forward_s: float = 0.0
+    begin_s: float = 0.0  # the bridge's begin_step (top of execute_model: the adapter and new_step_starts)
     save_s: float = 0.0
+    model_outputs_s: float = 0.0  # the model's per-token mm outputs (the stand-in ``derive_mm``): not the cache's
     materialize_s: float = 0.0
     checker_s: float = 0.0  # check (a), the forward capture and the tap's bookkeeping: excluded from stage times
     step_s: float = 0.0  # engine step() calls, handoff included
@@ -162,11 +120,30 @@ class StageTimers:
 
 
 def install_stage_timers(runner: Any, bridge: Any, t: StageTimers, observe: Any) -> None:
-    """forward = the runner's ``_model_forward`` minus the bridge's ``after_forward_v1`` inside it;
-    save = ``after_forward_v1`` minus ``observe`` (the checker, installed as the bridge's observer)
-    inside it. Instance attributes: ``ThinkerStage.finish`` pops ``_model_forward`` again."""
-    real_forward, real_after = runner._model_forward, bridge.after_forward_v1
-    inner = {"after": 0.0, "observer": 0.0}
+    """begin = the bridge's ``begin_step``; forward = the runner's ``_model_forward`` minus the
+    bridge's ``after_forward_v1`` inside it;
+    save = ``after_forward_v1`` minus the bridge's ``observe_forward`` inside it (the checker: the
+    ``ForwardRecord`` built for ``observe``, installed as the bridge's observer, and ``observe``) and
+    minus the model's per-token outputs (``mm_outputs_fn``, timed as ``model_outputs_s``). Instance attributes: ``ThinkerStage.finish`` pops ``_model_forward`` again."""
+    real_forward, real_after, real_begin = runner._model_forward, bridge.after_forward_v1, bridge.begin_step
+    real_mm = bridge.mm_outputs_fn
+    inner = {"after": 0.0, "observer": 0.0, "mm": 0.0}
+
+    def mm_outputs_fn(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return real_mm(*args, **kwargs)
+        finally:
+            dt = time.perf_counter() - start
+            inner["mm"] += dt
+            t.model_outputs_s += dt
+
+    def begin_step(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return real_begin(*args, **kwargs)
+        finally:
+            t.begin_s += time.perf_counter() - start
 
     def model_forward(*args: Any, **kwargs: Any) -> Any:
         start, after0 = time.perf_counter(), inner["after"]
@@ -176,32 +153,43 @@ def install_stage_timers(runner: Any, bridge: Any, t: StageTimers, observe: Any)
             t.forward_s += time.perf_counter() - start - (inner["after"] - after0)
 
     def after_forward_v1(*args: Any, **kwargs: Any) -> Any:
-        start, obs0 = time.perf_counter(), inner["observer"]
+        start, obs0, mm0 = time.perf_counter(), inner["observer"], inner["mm"]
         try:
             return real_after(*args, **kwargs)
         finally:
             total = time.perf_counter() - start
             inner["after"] += total
-            t.save_s += total - (inner["observer"] - obs0)
+            t.save_s += total - (inner["observer"] - obs0) - (inner["mm"] - mm0)
 
-    def observer(rec: Any) -> None:
+    real_observe_forward = bridge.observe_forward
+
+    def observe_forward(*args: Any, **kwargs: Any) -> None:
         start, cpu = time.perf_counter(), time.process_time()
         try:
-            observe(rec)
+            real_observe_forward(*args, **kwargs)  # builds the ForwardRecord, then calls ``observe``
         finally:
             dt = time.perf_counter() - start
             inner["observer"] += dt
             t.checker_s += dt
             t.checker_cpu_s += time.process_time() - cpu
 
-    runner._model_forward, bridge.after_forward_v1, bridge.observer = model_forward, after_forward_v1, observer
+    runner._model_forward, bridge.after_forward_v1, bridge.begin_step = model_forward, after_forward_v1, begin_step
+    bridge.observer, bridge.observe_forward = observe, observe_forward
+    if real_mm is not None:
+        bridge.mm_outputs_fn = mm_outputs_fn
+
+
+class PromptLengths(Protocol):
+    """Request -> prompt length, as ``ForwardTap`` reads it (a dict, or the runner's request states)."""
+
+    def get(self, rid: str, default: int, /) -> int: ...
 
 
 class ForwardTap:
     """Prefix caching off: each request's prompt rows read straight from the forward (batch order and
     computed counts from the runner's input batch, like the cache's own view)."""
 
-    def __init__(self, runner: Any, prompt_len: dict[str, int], timers: StageTimers) -> None:
+    def __init__(self, runner: Any, prompt_len: PromptLengths, timers: StageTimers) -> None:
         self.rows: dict[str, dict[int, torch.Tensor]] = {}  # written by the engine thread (this process)
         self.computed = 0  # prompt positions the forward computed, recomputations included
         self._prompt_len = prompt_len
@@ -253,14 +241,22 @@ class ForwardTap:
 class ThinkerStage:
     """One thinker engine, driven step by step; ``cached``: prefix caching on with the omni cache."""
 
-    def __init__(self, llm: Any, *, cached: bool, tier_truth: TierTruth | None = None) -> None:
+    timers: StageTimers  # set by ``_init_state``, which both stages' constructors call first
+
+    def __init__(self, llm: Any, *, cached: bool, tier_truth: TierTruth | None = None, partial: bool = False) -> None:
         """``cached``: ``llm`` runs the omni cache (a fresh one is attached: its prefix cache is emptied).
+        ``partial`` (not ``cached``; ``llm`` runs prefix caching without the cache): the next stage gets
+        the rows the forward computed and zeros for the cached prefix -- wrong rows of the right shape,
+        so its work is the same; the upper bound of what prefix caching buys, never a talker check.
         ``tier_truth``: ``llm`` runs ``OmniKVConnector``; the tier's ground truth, kept across the
         stages on one engine (what an earlier run stored comes back in a later one), checks every
         row the tier restores as check (a) checks local hits."""
         self._init_state(llm, cached)
+        self.partial = partial and not cached
         runner = runner_of(llm)
         if not cached:
+            if self.partial and not llm.llm_engine.reset_prefix_cache():
+                raise RuntimeError("reset_prefix_cache refused: the engine is not idle")
             self.tap = ForwardTap(runner, self.prompt_len, self.timers)
             return
         bridge_of(llm)  # refuses an engine without the cache
@@ -271,6 +267,8 @@ class ThinkerStage:
         self.capture = SpecCapture(BLOCK_SIZE) if self.bridge.speculative else ForwardCapture(BLOCK_SIZE)
         self.bridge.mm_outputs_fn = derive_mm
         self.tier_truth = tier_truth
+        self.consumer = StepConsumer(self.bridge, served=self._serve, failed=self._fail,
+                                     catch=(OmniPrefixCacheUnmatchError,), timed=self._time_materialize)
         if tier_truth is not None:
             bridge = self.bridge
             tier_truth.capture, tier_truth.engine_step = self.capture, lambda: bridge.engine_step
@@ -280,6 +278,7 @@ class ThinkerStage:
     def _init_state(self, llm: Any, cached: bool) -> None:
         """The stage's bookkeeping (engine thread only), shared with ``pipeline.parallel``'s stage."""
         self.llm, self.cached = llm, cached
+        self.partial = False  # the upper bound (prefix caching without the cache): zeros for cached rows
         self.ranks: list[dict[str, Any]] = []  # each worker's place and host bytes (workers only)
         self.kv_groups = 0  # the engine's KV-cache groups (above 1: a hybrid layout); prefix caching on
         self.kv_blocks_engine = 0  # the KV blocks the engine got (the output rank's); prefix caching on
@@ -344,32 +343,26 @@ class ThinkerStage:
         self.prefill_tokens = self.tap.computed
 
     def _handoff(self) -> None:
+        """Materialize every step id the step published (``consumer.StepConsumer``, inline)."""
+        self.consumer.take_waiting()
+        self.published, self._first_step_id = self.consumer.taken, self.consumer.first_step_id
+
+    def _serve(self, ps: Any, out: Any) -> None:
         t = self.timers
-        while True:
-            try:
-                ps = self.bridge.step_ids.get_nowait()
-            except queue.Empty:
-                return
-            self.published += 1
-            if self._first_step_id is None:
-                self._first_step_id = ps.step_id
-            start = time.perf_counter()
-            try:
-                out = self.bridge.hooks.materialize(ps.step_id)
-            except OmniPrefixCacheUnmatchError as exc:
-                self.mismatches.append(Mismatch(ps.engine_step, ps.step_id, None, None, None,
-                                                f"materialize raised {type(exc).__name__}: {exc}"))
-                continue
-            finally:
-                t.materialize_s += time.perf_counter() - start
-                self.bridge.step_ids.task_done()
-            self.materialized += 1
-            t.saved_steps += 1
-            self._keep_served(ps.spans, out)
-            c0, cpu = time.perf_counter(), time.process_time()
-            self.capture.check_step(ps.engine_step, ps.step_id, ps.spans, out)
-            t.checker_s += time.perf_counter() - c0
-            t.checker_cpu_s += time.process_time() - cpu
+        self.materialized += 1
+        t.saved_steps += 1
+        self._keep_served(ps.spans, out)
+        c0, cpu = time.perf_counter(), time.process_time()
+        self.capture.check_step(ps.engine_step, ps.step_id, ps.spans, out)
+        t.checker_s += time.perf_counter() - c0
+        t.checker_cpu_s += time.process_time() - cpu
+
+    def _fail(self, ps: Any, exc: Exception) -> None:
+        self.mismatches.append(Mismatch(ps.engine_step, ps.step_id, None, None, None,
+                                        f"materialize raised {type(exc).__name__}: {exc}"))
+
+    def _time_materialize(self, seconds: float) -> None:
+        self.timers.materialize_s += seconds
 
     def _flush_tier_stores(self) -> None:
         """The connector sends a finished request's stores with the next scheduled step; a serving
@@ -405,6 +398,9 @@ class ThinkerStage:
         got = self._received(rid)
         n = self.prompt_len[rid]
         missing = [p for p in range(n) if p not in got]
+        if missing and self.partial and got:  # the upper bound: zeros for the cached prefix
+            zero = torch.zeros_like(next(iter(got.values())))
+            return torch.stack([got.get(p, zero) for p in range(n)])
         if missing:
             raise OmniPrefixCacheUnmatchError(
                 f"request {name!r} ({rid}) finished but the next stage never received prompt rows "
@@ -436,10 +432,7 @@ class ThinkerStage:
         first = self._first_step_id
         manager = self.bridge.hooks.manager
         if manager is not None and self.capture.rows_verified and first is not None:
-            try:
-                manager.materialize(first, [])
-            except OmniPrefixCacheUnmatchError:
-                self.double_materialize_refused = True
+            self.double_materialize_refused = second_materialize_refused(manager, first)
             if not self.double_materialize_refused:
                 self.mismatches.append(Mismatch(None, first, None, None, None,
                                                 "a second materialize of a consumed step id was not refused"))
@@ -447,54 +440,6 @@ class ThinkerStage:
         if self.unconsumed:
             self.mismatches.append(Mismatch(None, None, None, None, None,
                                             f"unconsumed step ids at shutdown: {self.unconsumed}"))
-
-
-@dataclass
-class TalkerOutput:
-    tokens: tuple[int, ...]
-    logprobs: tuple[float, ...]  # of each sampled token
-
-
-@dataclass
-class TalkerStage:
-    """The talker engine: requests are ``prompt_embeds``; greedy, ``logprobs`` of the sampled tokens."""
-
-    llm: Any
-    max_tokens: int
-    width: int = TINY_LLAMA["hidden_size"]
-    step_s: float = 0.0
-    outputs: dict[str, TalkerOutput] = field(default_factory=dict)
-
-    def add(self, name: str, rows: torch.Tensor) -> None:
-        from vllm import SamplingParams
-
-        sp = SamplingParams(max_tokens=self.max_tokens, temperature=0.0, detokenize=False, ignore_eos=True,
-                            logprobs=0)
-        self.llm.llm_engine.add_request(name, {"prompt_embeds": project(rows, self.width)}, sp)
-
-    def busy(self) -> bool:
-        return bool(self.llm.llm_engine.has_unfinished_requests())
-
-    def step(self) -> list[str]:
-        t = time.perf_counter()
-        outs = self.llm.llm_engine.step()
-        self.step_s += time.perf_counter() - t
-        done = []
-        for out in outs:
-            if out.finished:
-                co = out.outputs[0]
-                lps = tuple(float(lp[tok].logprob) for tok, lp in zip(co.token_ids, co.logprobs or (), strict=True))
-                self.outputs[out.request_id] = TalkerOutput(tuple(co.token_ids), lps)
-                done.append(out.request_id)
-        return done
-
-    def run_all(self, requests: dict[str, torch.Tensor]) -> dict[str, TalkerOutput]:
-        """Run ``requests`` to completion (the controls); their outputs."""
-        for name, rows in requests.items():
-            self.add(name, rows)
-        while self.busy():
-            self.step()
-        return {name: self.outputs[name] for name in requests}
 
 
 def build_llm(kwargs: dict[str, Any]) -> Any:

@@ -12,7 +12,7 @@ Shapes: ``system`` (requests behind two shared system prompts, arriving in
 waves whose pairs share a prompt: hits within a step and across steps),
 ``multiturn`` (conversations: each turn's prompt extends the previous turn's
 prompt and answer, hits across steps) and ``mix`` (both, arrivals over time).
-Pure Python; no torch or vLLM. Invariants: none (input generation only).
+Pure Python; no torch or vLLM. Upholds nothing (input generation only).
 """
 
 from __future__ import annotations

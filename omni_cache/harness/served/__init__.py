@@ -2,6 +2,7 @@
 and ``omni-cache check-server`` (a running server checked over HTTP against the ground truth).
 
 Owns: ``launch`` (the server's command line, the built-in ``tiny-llama`` model with its small
-tokenizer) and ``check`` (the HTTP workload, the file checks and the negative control).
+tokenizer), ``check`` (the HTTP workload, the file checks and the negative control) and
+``scrape`` (the server's ``/metrics`` read over HTTP and parsed by prometheus_client).
 Upholds: nothing itself; ``check`` verifies what the runtime and the delivery uphold.
 """

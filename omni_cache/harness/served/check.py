@@ -13,7 +13,9 @@ differ from the recomputation's; a prompt row computed in a prefill chunk is exa
 check (every cached prefix row is bit for bit the row that another request of its family
 computed at that position: a hit serves copies, never recomputations, never another tenant's
 rows) and the negative control (one prefix row of a checked file perturbed: the same checks
-must catch it, or the checker proves nothing). Works against any server the omni cache serves, the
+must catch it, or the checker proves nothing). The server's ``/metrics`` is read before and
+after the run, and the report carries the cache's series (their totals and their change during
+the run) beside what it checked, or says why there are none. Works against any server the omni cache serves, the
 built-in ``tiny-llama`` or a real model (text prompts, the model name read from ``/v1/models``).
 
 Upholds: nothing itself; it is the outside view of I4/I6/I7 for a served engine: what a client
@@ -31,6 +33,8 @@ import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from omni_cache.harness.served.scrape import metrics_section, scrape_settled
 
 __all__ = ["CheckConfig", "CheckReport", "ServerCheck"]
 
@@ -84,6 +88,7 @@ class CheckReport:
     problems: list[str] = field(default_factory=list)
     seconds: float = 0.0
     reader: str = ""
+    metrics: dict[str, Any] = field(default_factory=dict)  # the cache's /metrics: scrape.metrics_section
 
     @property
     def ok(self) -> bool:
@@ -204,6 +209,7 @@ class ServerCheck:
         t0 = time.perf_counter()
         report = CheckReport(c.url, tolerance=c.tolerance, output_tolerance=c.output_tolerance)
         models = _get(self.base + "/v1/models", c.timeout_s)
+        before = scrape_settled(self.base, c.timeout_s)
         report.model = model = models["data"][0]["id"]
         reader_name, load, cleanup = _reader()
         report.reader = reader_name
@@ -245,6 +251,7 @@ class ServerCheck:
                     report.problems.append(f"{check.name}: {problem}")
         report.max_output_rel_diff = self._output_diff
         report.control_caught = self._control(checks, loaded, report)
+        report.metrics = metrics_section(before, scrape_settled(self.base, c.timeout_s))
         if not c.keep_files:
             for path in to_clean:
                 cleanup(path)

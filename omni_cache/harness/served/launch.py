@@ -3,9 +3,11 @@
 Owns: ``serve_command`` (the ``python -m vllm.entrypoints.openai.api_server`` command line for a
 model plus the user's own vLLM options: the omni worker class, prefix caching, and
 ``OmniKVConnector`` with ``delivery_dir`` -- a connector the user configured is wrapped, not
-replaced), ``tiny_llama_dir`` (the built-in ``tiny-llama``: a 2-layer Llama with dummy weights
-and a 259-token byte-level tokenizer, built once into a cache directory, so a try-out needs no
-download) and ``default_delivery_dir`` (a directory of the server's user only). vLLM is not
+replaced), the built-in models (``BUILTIN``: ``tiny-llama``, a 2-layer Llama of width 128, and
+``wide-llama``, a 16-layer Llama of width 1024 whose forward dominates a step; dummy weights and a
+259-token byte-level tokenizer, built once into a cache directory by ``builtin_model_dir``, so a
+try-out needs no download), ``plain_server_command`` (the same server without the cache, for
+comparisons) and ``default_delivery_dir`` (a directory of the server's user only). vLLM is not
 imported here; the launcher execs the server, so signals reach it directly.
 
 Upholds: the command never carries a configuration the cache refuses silently: a
@@ -24,20 +26,26 @@ import tempfile
 from collections.abc import Sequence
 from typing import Any
 
-from omni_cache.integration.ranks import prepare_parallel_env
-
-__all__ = ["TINY_LLAMA", "WORKER_CLS", "default_delivery_dir", "serve_command", "tiny_llama_dir"]
+__all__ = ["BUILTIN", "TINY_LLAMA", "WORKER_CLS", "builtin_model_dir", "default_delivery_dir", "plain_server_command",
+           "serve_command", "tiny_llama_dir"]
 
 WORKER_CLS = "omni_cache.integration.vllm_worker.OmniCPUWorker"
 CONNECTOR = {"kv_connector": "OmniKVConnector", "kv_connector_module_path": "omni_cache.integration.kv_tier",
              "kv_role": "kv_both"}
 TINY_LLAMA = "tiny-llama"
-# The tiny model's engine options (every one can be overridden by the user's own flags).
-TINY_OPTIONS: tuple[tuple[str, str | None], ...] = (
+WIDE_LLAMA = "wide-llama"
+_COMMON_OPTIONS: tuple[tuple[str, str | None], ...] = (
     ("--load-format", "dummy"), ("--dtype", "float32"), ("--block-size", "32"), ("--enforce-eager", None),
     ("--max-model-len", "2048"), ("--max-num-batched-tokens", "1024"), ("--seed", "0"),
-    ("--kv-cache-memory-bytes", str(32 << 20)), ("--served-model-name", TINY_LLAMA),
 )
+# A built-in model: its config key in ``harness.vllm_engine.models.MODELS`` and its engine options
+# (every one can be overridden by the user's own flags).
+BUILTIN: dict[str, tuple[str, tuple[tuple[str, str | None], ...]]] = {
+    TINY_LLAMA: ("llama", (*_COMMON_OPTIONS, ("--kv-cache-memory-bytes", str(32 << 20)),
+                           ("--served-model-name", TINY_LLAMA))),
+    WIDE_LLAMA: ("wide", (*_COMMON_OPTIONS, ("--kv-cache-memory-bytes", str(256 << 20)),
+                          ("--served-model-name", WIDE_LLAMA))),
+}
 
 
 def _uid_dir(name: str) -> str:
@@ -56,16 +64,21 @@ def default_delivery_dir() -> str:
 
 
 def tiny_llama_dir() -> str:
-    """The built-in model's directory (config, tokenizer), built on first use and reused."""
-    from omni_cache.harness.vllm_engine.models import TINY_LLAMA as CONFIG
+    return builtin_model_dir(TINY_LLAMA)
 
-    tag = hashlib.sha256(json.dumps(CONFIG, sort_keys=True).encode()).hexdigest()[:12]
-    path = _uid_dir(f"tiny-llama-{tag}")
+
+def builtin_model_dir(name: str) -> str:
+    """A built-in model's directory (config, tokenizer), built on first use and reused."""
+    from omni_cache.harness.vllm_engine.models import sim_model
+
+    config = sim_model(BUILTIN[name][0]).config
+    tag = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:12]
+    path = _uid_dir(f"{name}-{tag}")
     if os.path.exists(os.path.join(path, "tokenizer.json")):
         return path
-    tmp = tempfile.mkdtemp(prefix="tiny-llama-", dir=os.path.dirname(path))
+    tmp = tempfile.mkdtemp(prefix=f"{name}-", dir=os.path.dirname(path))
     with open(os.path.join(tmp, "config.json"), "w") as f:
-        json.dump(CONFIG, f)
+        json.dump(config, f)
     _write_tokenizer(tmp)
     try:
         os.rename(tmp, path)
@@ -136,23 +149,48 @@ def serve_command(model: str, vllm_args: Sequence[str], *, delivery: dict[str, A
     if user_config is not None:
         del args[user_config[0] : user_config[0] + (1 if "=" in args[user_config[0]] else 2)]
     transfer = omni_transfer_config(user_config[1] if user_config else None, delivery)
-    extra: list[str] = []
-    if model == TINY_LLAMA:
-        path = tiny_llama_dir()
-        model = path
-        for name, value in TINY_OPTIONS:
-            if _option_value(args, name) is None:
-                extra += [name] if value is None else [name, value]
-    if _option_value(args, "--host") is None:
-        extra += ["--host", "127.0.0.1"]  # the files encode prompts: listen on loopback unless told otherwise
+    model, extra = _model_options(model, args)
     if worker is None:
         extra += ["--worker-cls", WORKER_CLS]
     if "--enable-prefix-caching" not in args:
         extra.append("--enable-prefix-caching")
     argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, *extra,
             "--kv-transfer-config", json.dumps(transfer), *args]
+    world_size = _world_size(args)  # the last refusal: a -tp/-pp that is not an integer
+    # NOTE: imported only now: the integration package imports torch, and a user's mistake is one
+    # line before torch
+    from omni_cache.integration.ranks import prepare_parallel_env
+
     env = {"VLLM_USE_V2_MODEL_RUNNER": os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0")}
     # several CPU workers: each gets its own CPUs (vLLM's automatic binding wants a NUMA node per worker)
+    env.update(prepare_parallel_env(world_size, dict(os.environ)))
+    return argv, env
+
+
+def _model_options(model: str, args: Sequence[str]) -> tuple[str, list[str]]:
+    """The model path and the options the launcher adds: a built-in model's, and the loopback host."""
+    extra: list[str] = []
+    if model in BUILTIN:
+        for name, value in BUILTIN[model][1]:
+            if _option_value(args, name) is None:
+                extra += [name] if value is None else [name, value]
+        model = builtin_model_dir(model)
+    if _option_value(args, "--host") is None:
+        extra += ["--host", "127.0.0.1"]  # the files encode prompts: listen on loopback unless told otherwise
+    return model, extra
+
+
+def plain_server_command(model: str, vllm_args: Sequence[str], *, prefix_caching: bool,
+                         python: str = sys.executable) -> tuple[list[str], dict[str, str]]:
+    """vLLM's own server for ``model`` with the same built-in options and no cache (for comparisons):
+    prefix caching on or off."""
+    args = list(vllm_args)
+    model, extra = _model_options(model, args)
+    extra.append("--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching")
+    argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, *extra, *args]
+    from omni_cache.integration.ranks import prepare_parallel_env  # torch: only once nothing is refused
+
+    env = {"VLLM_USE_V2_MODEL_RUNNER": os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0")}
     env.update(prepare_parallel_env(_world_size(args), dict(os.environ)))
     return argv, env
 

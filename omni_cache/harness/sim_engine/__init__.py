@@ -15,6 +15,8 @@ Owns nothing itself; the modules each own one part:
 
 Everything the cache returns is checked against the ground truth, so a run
 that exits 0 has exercised I1, I2, I4-I7 and I9 on a realistic workload.
+
+Upholds nothing itself: it checks the runtime from outside.
 """
 
 from __future__ import annotations

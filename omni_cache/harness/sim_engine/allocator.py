@@ -11,10 +11,12 @@ chained block hash to cached block. Mirrors vLLM's ``BlockPool`` /
   that at least one token is still computed (``num_tokens - 1``).
 - A freed block keeps its hash: it stays findable in the free queue (LRU,
   evicted from the front) until ``allocate`` hands it to a new tenant -- that
-  reuse *is* the cache's eviction (DESIGN section 1), and it is what the omni
+  reuse *is* the cache's eviction (README.md), and it is what the omni
   cache must follow (I7 no stale tenant).
 - Requests free their blocks in reverse order, so a request's tail blocks are
   evicted before its shared head.
+
+Upholds nothing (the engine's allocator, simulated).
 """
 
 from __future__ import annotations

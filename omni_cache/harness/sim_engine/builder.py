@@ -11,6 +11,8 @@ Every step id is consumed exactly once (I1): a step that cannot be checked is
 still materialized. A contract error from the manager is recorded as a
 ``Mismatch`` naming the step and the builder keeps draining, so the engine's
 next ``save_outputs`` never waits on a dead consumer (I2, I11).
+
+Upholds nothing itself: it checks I1 from outside and keeps I2's consumer alive.
 """
 
 from __future__ import annotations

@@ -13,6 +13,8 @@ STARTED/RESUMED, else the step's ``token_start``), with the right dtype and
 shape, and every row equals the truth (I6 no silent miss / zeros, I7 no stale
 tenant, I4 snapshot: the thinker's buffers have moved on by then); leftovers
 equal the step's own value; no unexpected keys.
+
+Upholds nothing itself: it checks I4, I6 and I7 from outside.
 """
 
 from __future__ import annotations

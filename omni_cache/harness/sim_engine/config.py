@@ -5,6 +5,8 @@ preset plus overrides) and its translation to the cache's
 ``PrefixCacheConfig``. The staging page holds a whole padded step
 (``staging_capacity_tokens`` >= the thinker's capacity) so I10 never fires on a
 legal step; ``staging_depth`` bounds the builder's lag (I2).
+
+Upholds nothing (configuration).
 """
 
 from __future__ import annotations

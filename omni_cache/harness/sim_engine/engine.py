@@ -16,6 +16,8 @@ terminal events). At the end, the last terminal events are delivered (their
 deferred writes land, I9), the builder drains, and ``shutdown`` must report no
 unconsumed step id (I1). Any contract error from the manager becomes a
 ``Mismatch`` naming the step; the run stops at the first failure.
+
+Upholds nothing itself: it checks I1 and I9 from outside.
 """
 
 from __future__ import annotations

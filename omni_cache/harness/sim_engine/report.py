@@ -4,7 +4,7 @@ Owns: ``summarize`` (``SimResult`` -> dict) and ``render`` (the table and, on
 failure, the mismatch report naming step, request, key and position). The
 table and ``--json`` carry the same numbers.
 
-Invariants: none enforced here; it reports the staging waits behind I2 (claim
+Upholds nothing (a report); it reports the staging waits behind I2 (claim
 waits from ``manager.stats()``, the builder's lag) and every I1-I10 finding.
 """
 

@@ -6,6 +6,8 @@ adds tokens, and it keeps the chained block hashes (allocator side) and the
 rolling prefix hashes (ground-truth side) in step with the token ids. Token ids
 are never removed, so rows of any position ``< num_tokens`` are fixed for the
 request's lifetime -- the property every cache check relies on (I6, I7).
+
+Upholds nothing (a simulated request).
 """
 
 from __future__ import annotations

@@ -21,9 +21,9 @@ progress and block table. Per step (``schedule``):
 ``update_from_output`` advances progress, samples the next token of requests
 whose known tokens are all computed (``truth.next_token``), and finishes the
 ones that reached ``max_tokens`` (``FINISHED`` is reported at the next step,
-before any new request of that step: the terminal-first order of DESIGN s.2).
+before any new request of that step: the terminal-first order of spec/protocol.md).
 
-Invariants: produces the inputs of I5 (hits are whole blocks and carry the
+Upholds nothing itself: it produces the inputs of I5 (hits are whole blocks and carry the
 request's block table) and of I7/I9 (preemption frees blocks that other
 tenants then reuse; aborted requests' blocks are freed while their rows are
 still in flight).
@@ -190,7 +190,7 @@ class Scheduler:
     def schedule(self, step: int) -> SchedulerOutput:
         out = SchedulerOutput(step)
         # Blocks published during this call: a hit on one is a same-step hit.
-        self._published_now: set[int] = set()
+        self._published_now = set()
         for req in [r for r in (*self.running, *self.waiting) if r.abort_at_step is not None and r.abort_at_step <= step]:
             self.abort(req)
         out.terminal, self._terminal = self._terminal, []

@@ -16,6 +16,8 @@ request's block table, ``-1`` for padded rows as vLLM's slot mapping pads).
 
 Because the buffers are overwritten by the next forward, any cache result that
 still aliases them is caught by the checker (I4 snapshot).
+
+Upholds nothing itself: its reused buffers let the checker catch an I4 violation.
 """
 
 from __future__ import annotations

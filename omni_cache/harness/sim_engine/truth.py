@@ -14,6 +14,8 @@ differs in (almost) every element, so a wrong tenant's row is detected
 
 Values are small multiples of 1/8 in [-16, 16): exact in float32 and bfloat16,
 so the check is an exact equality.
+
+Upholds nothing (ground truth).
 """
 
 from __future__ import annotations

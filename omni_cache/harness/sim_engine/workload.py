@@ -16,7 +16,7 @@ Every preset aborts a fraction of requests at a random later step. All
 randomness comes from ``random.Random(seed)``; follow-up turns depend only on
 the (deterministic) answers, so a run is a function of its seed.
 
-Invariants: none enforced here; the presets are shaped to reach I2 (builder
+Upholds nothing (input generation only); the presets are shaped to reach I2 (builder
 lag), I7 (slot reuse under eviction and preemption) and the deferred-key
 budget path (``audio``).
 """

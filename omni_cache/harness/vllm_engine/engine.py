@@ -3,7 +3,7 @@
 Owns: ``VllmSimConfig``, ``VllmSimulation`` (builds a tiny dummy-weight engine
 -- the model of ``--model``, ``omni_cache.harness.vllm_engine.models`` -- in this process with ``OmniCPUWorker`` installed through vLLM's
 ``worker_cls``, drives the planned workload step by step, runs the consumer
-thread that materializes every step id, then the recomputation run) and
+thread that materializes every step id (``consumer.StepConsumer``), then the recomputation run) and
 ``VllmSimResult``. vLLM is imported only inside functions.
 
 Checks, each counted: (a) every served row, bit for bit, against the forward's
@@ -13,13 +13,14 @@ recomputed alone after ``reset_prefix_cache`` (asserted: no token served from
 the KV cache), within ``tolerance``; (c) every published step id consumed
 exactly once, none left at shutdown, a second materialize refused, no contract
 error. I1, I4, I6, I7, I9 are checked from outside.
+
+Upholds nothing itself: it checks I1, I4, I6, I7 and I9 from outside.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import queue
 import sys
 import threading
 import time
@@ -30,6 +31,7 @@ from typing import Any
 
 from omni_cache.harness.sim_engine.checker import Mismatch
 from omni_cache.harness.vllm_engine import promises
+from omni_cache.harness.vllm_engine.consumer import StepConsumer, exactly_once, second_materialize_refused
 from omni_cache.harness.vllm_engine.models import (
     BLOCK_SIZE,
     DEFAULT_MODEL,
@@ -42,7 +44,6 @@ from omni_cache.harness.vllm_engine.models import (
 from omni_cache.harness.vllm_engine.truth import DEFERRED_KEY, ForwardCapture, derive_mm
 from omni_cache.harness.vllm_engine.workload import PRESETS, PlannedRequest, plan_requests
 from omni_cache.integration.vllm_bridge import runner_of
-from omni_cache.runtime.errors import OmniPrefixCacheUnmatchError
 
 __all__ = ["DEFAULT_TOLERANCE", "TINY_LLAMA", "VllmSimConfig", "VllmSimResult", "VllmSimulation", "tiny_llama_dir"]
 
@@ -180,7 +181,7 @@ class VllmSimulation:
         self.plan: list[PlannedRequest] = plan if plan is not None else plan_requests(
             preset, seed=config.seed, requests=config.requests, block_size=BLOCK_SIZE)
         self.capture = ForwardCapture(BLOCK_SIZE)
-        self._consumed: Counter[int] = Counter()
+        self.consumer: StepConsumer | None = None  # the next stage's side, built per run
         self._published: list[int] = []
         self._stop = threading.Event()
 
@@ -201,23 +202,14 @@ class VllmSimulation:
         return runner_of(llm)
 
     # ------------------------------------------------------------------ consumer
-    def _consume(self, bridge: Any, res: VllmSimResult) -> None:
-        while True:
-            try:
-                ps = bridge.step_ids.get(timeout=0.05)
-            except queue.Empty:
-                if self._stop.is_set():
-                    return
-                continue
-            self._consumed[ps.step_id] += 1
-            try:
-                out = bridge.hooks.materialize(ps.step_id)
-                self.capture.check_step(ps.engine_step, ps.step_id, ps.spans, out)
-            except Exception as exc:  # a contract error is a finding, reported with the step
-                res.mismatches.append(Mismatch(ps.engine_step, ps.step_id, None, None, None,
-                                               f"materialize or its check raised {type(exc).__name__}: {exc}"))
-            finally:
-                bridge.step_ids.task_done()
+    def _consumer_for(self, bridge: Any, res: VllmSimResult) -> StepConsumer:
+        """Check (a) on every served step; a materialize or check error is a finding with its step."""
+        def failed(ps: Any, exc: Exception) -> None:
+            res.mismatches.append(Mismatch(ps.engine_step, ps.step_id, None, None, None,
+                                           f"materialize or its check raised {type(exc).__name__}: {exc}"))
+
+        return StepConsumer(bridge, failed=failed,
+                            served=lambda ps, out: self.capture.check_step(ps.engine_step, ps.step_id, ps.spans, out))
 
     def attach(self, llm: Any) -> Any:
         """A fresh cache for ``llm``'s runner (on an idle engine with an emptied KV prefix cache)."""
@@ -259,7 +251,8 @@ class VllmSimulation:
             bridge.mm_outputs_fn = derive_mm
             bridge.observer = self._observe_with(bridge)
             self.bridge = bridge
-            consumer = threading.Thread(target=self._consume, args=(bridge, res), name="omni-consumer", daemon=True)
+            self.consumer = self._consumer_for(bridge, res)
+            consumer = threading.Thread(target=self.consumer.run, args=(self._stop,), name="omni-consumer", daemon=True)
             consumer.start()
             try:
                 if promises.kv_block_problem(self.config, res.kv_blocks_engine, res, getattr(self, "kv_blocks", None)):
@@ -398,24 +391,11 @@ class VllmSimulation:
                 return
 
     def _check_exactly_once(self, bridge: Any, res: VllmSimResult) -> None:
-        res.published, res.consumed = len(self._published), sum(self._consumed.values())
-        res.saved = res.published
-        twice = sorted(s for s, n in self._consumed.items() if n > 1)
-        never = sorted(set(self._published) - set(self._consumed))
-        if twice:
-            res.mismatches.append(Mismatch(None, twice[0], None, None, None, f"step ids consumed twice: {twice[:5]}"))
-        if never:
-            res.mismatches.append(Mismatch(None, never[0], None, None, None, f"step ids never consumed: {never[:5]}"))
+        consumed = self.consumer.consumed if self.consumer is not None else Counter()
         manager = bridge.hooks.manager
-        if manager is not None and self._published:
-            try:
-                manager.materialize(self._published[0], [])
-            except OmniPrefixCacheUnmatchError:
-                res.double_consume_refused = True
-            if not res.double_consume_refused:
-                res.mismatches.append(Mismatch(None, self._published[0], None, None, None,
-                                               "a second materialize of a consumed step id was not refused"))
-        res.unconsumed = {int(k): v for k, v in bridge.shutdown().items()}
-        if res.unconsumed:
-            res.mismatches.append(Mismatch(None, None, None, None, None,
-                                           f"unconsumed step ids at shutdown: {res.unconsumed}"))
+        refused = manager is not None and bool(self._published) and second_materialize_refused(
+            manager, self._published[0])
+        once = exactly_once(self._published, consumed, refused, {int(k): v for k, v in bridge.shutdown().items()})
+        res.published, res.consumed, res.saved = once.published, once.consumed, once.published
+        res.double_consume_refused, res.unconsumed = once.double_consume_refused, once.unconsumed
+        res.mismatches.extend(once.mismatches)

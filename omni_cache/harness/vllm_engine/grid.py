@@ -3,7 +3,7 @@
 Owns: ``MAX_WORKERS``, ``KV_CONNECTORS``, ``check_parallel_config`` and
 ``check_kv_connector`` (each a ``ValueError`` with one line for the CLI). Kept apart from ``vllm_sim.parallel`` so that the run's
 config (``vllm_sim.engine``) can validate itself without importing the
-worker-process run. Invariants: none enforced here.
+worker-process run. Upholds nothing (argument checks).
 """
 
 from __future__ import annotations

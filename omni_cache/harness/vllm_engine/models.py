@@ -1,17 +1,19 @@
-"""The tiny thinker models a real-engine run can use, built at run time.
+"""The dummy-weight thinker models a real-engine run can use, built at run time.
 
 Owns: ``SimModel`` (a model's ``config.json``, how its KV memory is sized and the
 engine options it needs), ``MODELS`` (``llama``: a 2-layer Llama, one KV-cache
-group; ``hybrid``: a 4-layer Gemma 3 text model, three sliding-window layers
+group; ``wide``: a 16-layer Llama of width 1024 whose forward dominates a step on a CPU;
+``hybrid``: a 4-layer Gemma 3 text model, three sliding-window layers
 with window 64 and one full-attention layer, which vLLM's hybrid KV-cache
 manager gives four KV-cache groups), ``sim_model`` (a name to its model, with
 one error line for a bad name), ``model_dir`` (a directory holding only the
 ``config.json``; weights are ``load_format="dummy"``) and
-``model_engine_kwargs`` (the ``LLM`` arguments a model needs). Every command
+``model_engine_kwargs`` (the ``LLM`` arguments a model needs), ``talker_config`` (the
+``pipeline``'s talker of a thinker: a 2-layer Llama of its width). Every command
 that builds a real thinker (``simulate --engine vllm``, and later ``pipeline``)
 takes ``--model`` through these. vLLM is not imported here.
 
-Invariants: none enforced here (input generation only); the ``hybrid`` model is
+Upholds nothing (input generation only); the ``hybrid`` model is
 what exercises the output KV-cache group of spec/contract.md section 7.1.
 """
 
@@ -25,7 +27,8 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["DEFAULT_MODEL", "MODELS", "SimModel", "model_dir", "model_engine_kwargs", "sim_model"]
+__all__ = ["DEFAULT_MODEL", "MODELS", "SimModel", "model_dir", "model_engine_kwargs", "sim_model", "talker_config",
+           "talker_kv_bytes_per_block"]
 
 BLOCK_SIZE = 32  # the CPU attention backend needs a multiple of 32
 _FP32 = 4
@@ -56,6 +59,15 @@ TINY_LLAMA: dict[str, Any] = {
     "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "bos_token_id": 1, "eos_token_id": 2,
 }
 
+# The realistic-width thinker: its forward dominates a step on a CPU (``omni-cache pipeline --model wide``).
+WIDE_LLAMA: dict[str, Any] = {
+    **TINY_LLAMA, "hidden_size": 1024, "num_attention_heads": 8, "num_key_value_heads": 2,
+    "intermediate_size": 2816, "num_hidden_layers": 16,
+}
+# The talker of a thinker of width ``w`` (``talker_config``): a 2-layer Llama of the same width, so the
+# projection between the stages stays the identity.
+_TALKER_LAYERS = 2
+
 SLIDING_WINDOW = 64
 TINY_GEMMA3: dict[str, Any] = {
     "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 128,
@@ -78,6 +90,13 @@ MODELS: dict[str, SimModel] = {
         "llama", "2-layer Llama (full attention only: one KV-cache group)", TINY_LLAMA,
         kv_bytes_per_block=_kv_bytes(2, 1, 64),
     ),
+    "wide": SimModel(
+        "wide",
+        "16-layer Llama of width 1024 (8 heads, 2 KV heads, MLP 2816): its forward, tens to hundreds of ms a "
+        "prefill step on 2 cores, dominates the step",
+        WIDE_LLAMA,
+        kv_bytes_per_block=_kv_bytes(16, 2, 128),
+    ),
     "hybrid": SimModel(
         "hybrid",
         f"4-layer Gemma 3 text model: 3 sliding-window layers (window {SLIDING_WINDOW}) and 1 "
@@ -90,6 +109,25 @@ MODELS: dict[str, SimModel] = {
     ),
 }
 DEFAULT_MODEL = "llama"
+
+
+def talker_config(name: str = DEFAULT_MODEL) -> dict[str, Any]:
+    """The talker of model ``name``'s thinker: a 2-layer Llama of the thinker's width (the tiny
+    Llama itself for the 128-wide thinkers)."""
+    width = int(sim_model(name).config["hidden_size"])
+    if width == TINY_LLAMA["hidden_size"]:
+        return dict(TINY_LLAMA)
+    heads = width // 128
+    return {**TINY_LLAMA, "hidden_size": width, "num_attention_heads": heads,
+            "num_key_value_heads": max(1, heads // 4), "intermediate_size": 2 * width,
+            "num_hidden_layers": _TALKER_LAYERS}
+
+
+def talker_kv_bytes_per_block(name: str = DEFAULT_MODEL) -> int:
+    """KV bytes of one block of model ``name``'s talker (``talker_config``)."""
+    c = talker_config(name)
+    head_dim = c["hidden_size"] // c["num_attention_heads"]
+    return _kv_bytes(c["num_hidden_layers"], c["num_key_value_heads"], head_dim)
 
 
 def sim_model(name: str) -> SimModel:

@@ -29,6 +29,7 @@ import torch
 
 from omni_cache.harness.sim_engine.checker import Mismatch
 from omni_cache.harness.vllm_engine import promises, worker_probe
+from omni_cache.harness.vllm_engine.consumer import absorb_worker_replies
 from omni_cache.harness.vllm_engine.engine import (
     KV_BLOCK_BYTES,
     TINY_LLAMA,
@@ -163,22 +164,13 @@ class ParallelVllmSimulation(VllmSimulation):
         self._absorb(llm.collective_rpc(worker_probe.settle), res)
 
     def _absorb(self, replies: list[dict[str, Any]], res: VllmSimResult) -> None:
-        out = replies[self.output_rank]
-        for rec in out["records"]:
-            self.capture.observe(rec)
-        for rank, reply in enumerate(replies):
-            for engine_step, step_id, error in reply["errors"]:
-                res.mismatches.append(Mismatch(engine_step, step_id, None, None, None,
-                                               f"rank {rank}: materialize raised {error}"))
-            for engine_step, step_id, spans, served in reply["served"]:
-                if rank == self.output_rank:
-                    try:
-                        self.capture.check_step(engine_step, step_id, spans, served)
-                    except Exception as exc:
-                        res.mismatches.append(Mismatch(engine_step, step_id, None, None, None,
-                                                       f"check (a) raised {type(exc).__name__}: {exc}"))
-                if self.config.check_ranks:
-                    self._pending.setdefault(rank, {})[engine_step] = (spans, served)
+        """The workers' drained reports (``consumer.absorb_worker_replies``); with ``--check-ranks``
+        every rank's served rows are kept for the comparison."""
+        def keep(rank: int, engine_step: int, step_id: int, spans: Any, out: Any) -> None:
+            self._pending.setdefault(rank, {})[engine_step] = (spans, out)
+
+        absorb_worker_replies(replies, self.output_rank, self.capture, res.mismatches,
+                              served=keep if self.config.check_ranks else None)
         if self.config.check_ranks:
             self._compare_ranks(res)
 

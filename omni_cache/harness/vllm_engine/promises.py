@@ -6,8 +6,8 @@ engine's KV-cache size, refused before the engine starts), ``kv_block_problem``
 sizing is what makes it preempt) and ``preemption_problem`` (a preset that
 promises preemptions, run as the preset, never reports OK without any). A
 problem is recorded on the result as ``incomplete`` (exit 3): the checks ran
-clean but the run did less than it said it would. Invariants: none enforced
-here.
+clean but the run did less than it said it would. Upholds nothing (what a
+run promises).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ engine's summary where they mean the same, plus ``engine``, ``vllm_version``,
 ``hit_tokens``, ``preemptions``, ``rows_verified``, ``model``, ``kv_groups``,
 ``output_group_id``, the three checks, the worker ``ranks`` with their host
 bytes and what the run did less than asked, ``incomplete``) and ``render``.
-Invariants: none enforced here.
+Upholds nothing (a report).
 """
 
 from __future__ import annotations

@@ -22,6 +22,8 @@ thinker rejects), then the checks:
 - the bridge's draft counts equal vLLM's own (``vllm:spec_decode_num_draft_tokens`` and
   ``..._num_accepted_tokens``), and the run promises rejected drafts and prefix hits (exit 3
   without them).
+
+Upholds (by checking): I14, and I1 (exactly once) as without speculation.
 """
 
 from __future__ import annotations
@@ -81,6 +83,8 @@ def vllm_draft_counts(llm: Any) -> dict[str, int]:
 
 class SpecSimulation(VllmSimulation):
     """See the module docstring."""
+
+    capture: SpecCapture  # the base's ForwardCapture, with the tokens' tentative state
 
     def __init__(self, config: VllmSimConfig, plan: list[PlannedRequest] | None = None) -> None:
         if config.speculative is None:

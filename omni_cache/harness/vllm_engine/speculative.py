@@ -17,7 +17,8 @@ generates ``a``, propose ``b z1 z2``: ``b`` is accepted, ``z1`` rejected; ``c d 
 the chain's cycle) gets ``y1`` proposed and rejected whenever the cycle comes round. The
 draft model (hidden size 64) is unrelated to the thinker: its drafts are rejected, nearly
 all. The runs count what happened (vLLM's own counters) and promise rejections.
-Invariants: none enforced here (inputs and engine options).
+
+Upholds nothing (inputs and engine options).
 """
 
 from __future__ import annotations

@@ -18,6 +18,8 @@ tier from the forward's own rows; the run also fails unless the scheduler
 allocated external tokens, the tier restored every one of them, and no load
 failed (unless ``expect_load_failures``). Check (b)'s recomputation skips
 every prefix cache (``skip_reading_prefix_cache``).
+
+Upholds nothing itself: it checks the tier's rows from outside.
 """
 
 from __future__ import annotations

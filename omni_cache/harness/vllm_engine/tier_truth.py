@@ -11,7 +11,7 @@ token prefix (so a row restored into the old slot, a stale version or another
 block's rows is caught). Counts ``external_tokens`` (tokens the scheduler
 allocated for connector-loaded blocks) and ``unstored_loads`` (loads of a hash
 never stored: the cache must then refuse the hit, never serve it). Checks
-contract section 4.10 from outside; upholds nothing itself.
+contract section 4.10 from outside. Upholds nothing itself.
 """
 
 from __future__ import annotations
@@ -46,9 +46,9 @@ class TierTruth:
                 self.stored[store.block_hash] = caps
         for load in plan.loads:
             self.external_tokens += self.bs
-            caps = self.stored.get(load.block_hash)
-            if caps is None:
+            stored = self.stored.get(load.block_hash)
+            if stored is None:
                 self.unstored_loads += 1
                 continue
-            for i, cap in enumerate(caps):
+            for i, cap in enumerate(stored):
                 self.capture.place(load.block_id * self.bs + i, step, cap)

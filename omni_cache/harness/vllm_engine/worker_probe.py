@@ -1,12 +1,12 @@
 """The worker-process half of a multi-process ``simulate --engine vllm`` run.
 
-Owns: ``exactly_once`` (check (c) on a worker's final report, shared by ``simulate`` and
-``pipeline``) and ``WorkerProbe`` -- installed on each worker's runner bridge through
+Owns: ``exactly_once`` (check (c), ``consumer.exactly_once``, on a worker's final report, shared
+by ``simulate`` and ``pipeline``) and ``WorkerProbe`` -- installed on each worker's runner bridge through
 ``LLM.collective_rpc`` (``install``), it does in the worker what the
 in-process run does in its own process: the observer copies every real
 forward of the output rank (``ForwardRecord``, tensors cloned, the scheduler
 output reduced to the fields check (a) reads) and a consumer thread (the
-talker) materializes every published step id. ``drain`` hands both to the
+talker, ``consumer.StepConsumer``) materializes every published step id. ``drain`` hands both to the
 driver, which runs checks (a), (b) and (c) on them exactly as on an
 in-process engine; ``finish`` ends the consumer and reports check (c)'s
 exactly-once facts and the rank's host bytes.
@@ -24,17 +24,15 @@ Upholds nothing itself: I1 and I4 are checked from outside.
 from __future__ import annotations
 
 import contextlib
-import queue
 import threading
 from collections import Counter
-from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
-from omni_cache.harness.sim_engine.checker import Mismatch
+from omni_cache.harness.vllm_engine.consumer import ExactlyOnce, StepConsumer, second_materialize_refused
+from omni_cache.harness.vllm_engine.consumer import exactly_once as exactly_once_of
 from omni_cache.harness.vllm_engine.truth import derive_mm
 from omni_cache.integration.vllm_bridge import ForwardRecord
-from omni_cache.runtime.errors import OmniPrefixCacheUnmatchError
 
 __all__ = ["ExactlyOnce", "WorkerProbe", "drain", "exactly_once", "finish", "install", "settle", "stats"]
 
@@ -66,12 +64,18 @@ class WorkerProbe:
         self._served: list[tuple[int, int, tuple[tuple[str, int, int], ...], Any]] = []
         self._errors: list[tuple[int, int, str]] = []
         self.published: list[int] = []  # step ids of the records, in order (engine thread)
-        self.consumed: Counter[int] = Counter()  # consumer thread
         self._stop = threading.Event()
         bridge.mm_outputs_fn = derive_mm
         bridge.observer = self.observe
-        self._consumer = threading.Thread(target=self._consume, name="omni-probe-consumer", daemon=True)
+        self.consumer = StepConsumer(bridge, served=self._serve, failed=self._fail)
+        self._consumer = threading.Thread(target=self.consumer.run, args=(self._stop,), name="omni-probe-consumer",
+                                          daemon=True)
         self._consumer.start()
+
+    @property
+    def consumed(self) -> Counter[int]:
+        """Step id -> times the consumer thread took it."""
+        return self.consumer.consumed
 
     # engine thread
     def observe(self, rec: ForwardRecord) -> None:
@@ -89,25 +93,13 @@ class WorkerProbe:
             self._records.append(copy)
 
     # consumer thread
-    def _consume(self) -> None:
-        step_ids = self.bridge.step_ids
-        while True:
-            try:
-                ps = step_ids.get(timeout=0.05)
-            except queue.Empty:
-                if self._stop.is_set():
-                    return
-                continue
-            self.consumed[ps.step_id] += 1
-            try:
-                out = self.bridge.hooks.materialize(ps.step_id)
-                with self._lock:
-                    self._served.append((ps.engine_step, ps.step_id, ps.spans, out))
-            except Exception as exc:  # a contract error is a finding, reported with the step
-                with self._lock:
-                    self._errors.append((ps.engine_step, ps.step_id, f"{type(exc).__name__}: {exc}"))
-            finally:
-                step_ids.task_done()
+    def _serve(self, ps: Any, out: Any) -> None:
+        with self._lock:
+            self._served.append((ps.engine_step, ps.step_id, ps.spans, out))
+
+    def _fail(self, ps: Any, exc: Exception) -> None:  # a contract error is a finding, reported with the step
+        with self._lock:
+            self._errors.append((ps.engine_step, ps.step_id, f"{type(exc).__name__}: {exc}"))
 
     def drain(self) -> dict[str, Any]:
         """Everything since the last drain. Served outputs are taken before
@@ -127,12 +119,8 @@ class WorkerProbe:
         self._stop.set()
         self._consumer.join(timeout=60)
         manager = self.bridge.hooks.manager
-        refused = False
-        if manager is not None and self.published:
-            try:
-                manager.materialize(self.published[0], [])
-            except OmniPrefixCacheUnmatchError:
-                refused = True
+        refused = manager is not None and bool(self.published) and second_materialize_refused(
+            manager, self.published[0])
         rank = self.bridge.hooks.rank_stats()  # before shutdown: the bytes the run held
         unconsumed = {int(k): str(v) for k, v in self.bridge.shutdown().items()}
         return {**self.drain(), "published": list(self.published), "consumed": dict(self.consumed),
@@ -184,33 +172,8 @@ def stats(worker: Any) -> dict[str, Any]:
     return _bridge(worker).hooks.rank_stats()
 
 
-@dataclass
-class ExactlyOnce:
-    """Check (c) on a worker's ``finish`` reply: every published step id consumed once (I1), a
-    second materialize refused, nothing unconsumed at shutdown; ``mismatches`` says what broke."""
-
-    published: int = 0
-    consumed: int = 0
-    double_consume_refused: bool = False
-    unconsumed: dict[int, str] = field(default_factory=dict)
-    mismatches: list[Mismatch] = field(default_factory=list)
-
-
 def exactly_once(final: dict[str, Any]) -> ExactlyOnce:
-    published = [int(s) for s in final["published"]]
-    consumed = Counter({int(k): int(v) for k, v in final["consumed"].items()})
-    out = ExactlyOnce(len(published), sum(consumed.values()), bool(final["double_consume_refused"]),
-                      dict(final["unconsumed"]))
-    twice = sorted(s for s, n in consumed.items() if n > 1)
-    never = sorted(set(published) - set(consumed))
-    if twice:
-        out.mismatches.append(Mismatch(None, twice[0], None, None, None, f"step ids consumed twice: {twice[:5]}"))
-    if never:
-        out.mismatches.append(Mismatch(None, never[0], None, None, None, f"step ids never consumed: {never[:5]}"))
-    if published and not out.double_consume_refused:
-        out.mismatches.append(Mismatch(None, published[0], None, None, None,
-                                       "a second materialize of a consumed step id was not refused"))
-    if out.unconsumed:
-        out.mismatches.append(Mismatch(None, None, None, None, None,
-                                       f"unconsumed step ids at shutdown: {out.unconsumed}"))
-    return out
+    """Check (c) on a worker's ``finish`` reply (``consumer.exactly_once``)."""
+    return exactly_once_of([int(s) for s in final["published"]],
+                           Counter({int(k): int(v) for k, v in final["consumed"].items()}),
+                           bool(final["double_consume_refused"]), dict(final["unconsumed"]))

@@ -10,7 +10,7 @@ prompts behind shared system prompts arriving together (same-step hits) and
 later (cross-step hits), an exact repeat of a prompt, a prompt longer than the
 token budget (chunked prefill), more concurrent decodes than the small KV cache
 holds (preemption and resume) and aborts mid-decode and while waiting.
-Invariants: none (input generation only).
+Upholds nothing (input generation only).
 """
 
 from __future__ import annotations

@@ -3,11 +3,12 @@
 Owns: their argument definitions (``add_arguments``) and their runs
 (``run_extra``, called by ``omni_cache.cli.bench.run`` before the default
 engine bench; it returns None when none of these options was given). Kept out
-of ``cli/bench.py`` so that module stays the default bench's. Upholds nothing;
+of ``cli/bench.py`` so that module stays the default bench's; the runs themselves are
+``omni_cache.harness.bench``'s. Upholds nothing;
 every run it starts checks the ground truth (runner).
 
   --preset decode13   the decode-heavy workload: ratios at 8 and 32 requests and at 8
-                      without hits against their targets (0.6 / 0.8 / 0.6)
+                      without hits against their targets (0.8 / 0.9 / 0.8)
   --sweep [FILE.png]  bookkeeping per decode step over requests 1/8/32/128 and
                       num_blocks 1k/4k/16k; plotted into FILE.png only when given
   --memory            pool + staging + tenancy bytes vs the formula vs peak RSS
@@ -43,7 +44,8 @@ def run_extra(args: argparse.Namespace, console: Any, sizes: list[int], repeats:
     """Run whichever of the options was given; None if none was."""
     if not (args.preset or args.sweep or args.memory):
         return None
-    eager, doc, rc = not args.async_, {}, 0
+    eager, rc = not args.async_, 0
+    doc: dict[str, Any] = {}
     mode = "eager" if eager else "async"
     say = None if args.json else (lambda line: console.print(f"[dim]{line}[/dim]"))
     steps = args.decode_steps

@@ -1,0 +1,22 @@
+"""The exit codes every ``omni-cache`` command shares, for the runs that decide them.
+
+Owns: ``EXIT_OK``, ``EXIT_FAILED``, ``EXIT_USAGE`` and ``EXIT_INCOMPLETE``. A harness run's report
+(``pipeline``'s ``exit_code``) decides which one its command returns, so they sit in the harness
+wing, below the command line; ``omni_cache.cli.args`` hands them to the subcommands.
+
+Upholds: nothing (a vocabulary).
+"""
+
+from __future__ import annotations
+
+__all__ = ["EXIT_FAILED", "EXIT_INCOMPLETE", "EXIT_OK", "EXIT_USAGE"]
+
+EXIT_OK = 0
+"""Everything asked for ran and was verified."""
+EXIT_FAILED = 1
+"""A check failed: a mismatch, a contract error, a ground-truth failure, a TLC surprise."""
+EXIT_USAGE = 2
+"""Bad arguments (argparse's own code): nothing ran."""
+EXIT_INCOMPLETE = 3
+"""It ran without a wrong result, but did less than asked or missed its target (simulate: requests
+dropped or steps cut; bench: a ratio below the target)."""
