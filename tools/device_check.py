@@ -322,6 +322,10 @@ def summarize(work: Path, mode: str, env: dict[str, Any] | None, started: float 
     return doc
 
 
+def _num(value: Any, spec: str = ".3f") -> str:
+    return "-" if not isinstance(value, (int, float)) else format(value, spec)
+
+
 def table(doc: dict[str, Any]) -> str:
     lines = [f"device check ({doc['mode']}): {doc['verdict']} (exit {doc['exit_code']}), {doc['seconds']} s"]
     for name, part in doc["parts"].items():
@@ -333,10 +337,12 @@ def table(doc: dict[str, Any]) -> str:
         elif "tools" in part:
             extra = ", ".join(f"{k} {v['verdict']}" for k, v in part["tools"].items())
         elif part.get("result"):
-            for c in part["result"]["cases"]:
-                extra += (f"\n    hidden {c['hidden']} x {c['tokens']}: save {c['save_ms']:.3f} ms (engine), copy "
-                          f"{c['copy_ms']:.3f} ms (stream, {c['copy_vs_floor']:.2f}x the D2H floor), overlap "
-                          f"{c['overlap_fraction']:.0%}, forward {c['forward_ms_base']:.2f} ms")
+            extra = f"pinned D2H {_num(part['result'].get('d2h_gbps_pinned'), '.1f')} GB/s"
+            for c in part["result"].get("cases", []):
+                extra += (f"\n    hidden {c.get('hidden')} x {c.get('tokens')}: save {_num(c.get('save_ms'))} ms "
+                          f"(engine thread), copy {_num(c.get('copy_ms'))} ms (side stream, "
+                          f"{_num(c.get('copy_vs_floor'), '.2f')}x the D2H floor), overlap "
+                          f"{_num(c.get('overlap_fraction'), '.0%')}, forward {_num(c.get('forward_ms_base'), '.2f')} ms")
         if part.get("why"):
             extra += f" ({part['why']})"
         lines.append(f"  {name:<11} {part['verdict']:<10} {extra}")
