@@ -196,7 +196,7 @@ def test_the_check_passes_only_when_every_part_did(tmp_path: Path) -> None:
     (tmp_path / "not_selected").write_text(" bench")
     _write_runs(tmp_path, runs[1:])
     doc = device_check.summarize(tmp_path, "gpu", None, None)
-    assert doc["parts"]["bench"] == {"verdict": "not run", "why": "not selected (--only)"}
+    assert doc["parts"]["bench"] == {"verdict": "not run", "why": "not selected by --only"}
     assert doc["exit_code"] == 3
 
 
@@ -218,7 +218,7 @@ def test_a_cpu_dry_run_of_two_parts_writes_the_log_the_json_and_the_archive(tmp_
     if shutil.which("compute-sanitizer") is None:
         assert {parts["sanitizer"]["tools"][t]["verdict"] for t in device_check.SANITIZER_TOOLS} == {"not found"}
     for name in ("cuda_tests", "stateful", "simulate"):
-        assert parts[name] == {"verdict": "not run", "why": "not selected (--only)"}
+        assert parts[name] == {"verdict": "not run", "why": "not selected by --only"}
     log = (out / "device_check.log").read_text()
     assert "=== bench (exit 2" in log and "=== sanitizer:plain (exit 0" in log
     with tarfile.open(out / "device_check_parts.tar.gz") as tar:

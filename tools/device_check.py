@@ -305,7 +305,7 @@ def summarize(work: Path, mode: str, env: dict[str, Any] | None, started: float 
     }
     not_selected = (work / "not_selected").read_text().split() if (work / "not_selected").is_file() else []
     for name in not_selected:
-        parts[name] = {"verdict": "not run", "why": "not selected (--only)"}
+        parts[name] = {"verdict": "not run", "why": "not selected by --only"}
     verdicts = [p["verdict"] for p in parts.values()]
     if any(v in ("failed", "timed out") for v in verdicts):
         verdict, code = "failed", 1

@@ -361,6 +361,7 @@ def run_case(hidden: int, tokens: int, *, steps: int = 12, warmup: int = 3, repe
                 loop = _engine_loop(forward, x, steps, warmup, tokens, manager, builder, f"cache{r}")
                 builder.finish()
             finally:
+                builder.jobs.put(None)  # the builder thread ends, also when the loop raised
                 timer.close()
                 unconsumed = manager.shutdown()
             if unconsumed:
@@ -426,7 +427,6 @@ def run_gpu_bench(hidden_sizes: list[int], step_tokens: list[int], *, steps: int
                   progress: Callable[[str], None] | None = None) -> GpuBenchResult:
     """The pinned D2H ceiling first, then every (hidden, tokens) case."""
     _require_cuda()
-    torch.backends.cuda.matmul.allow_tf32 = False
     d2h = measure_d2h_bandwidth(REFERENCE_BYTES)
     if progress is not None:
         progress(f"pinned device-to-host: {d2h:,.1f} GB/s ({REFERENCE_BYTES >> 20} MiB, median of 10)")
