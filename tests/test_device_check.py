@@ -113,6 +113,14 @@ def test_a_sanitizer_is_clean_only_when_it_ran_and_found_nothing(rc: int, log: s
     assert device_check.sanitizer_verdict(rc, log)["verdict"] == verdict
 
 
+def test_a_sanitizer_log_tells_failing_calls_from_bad_accesses() -> None:
+    log = ("========= Program hit cudaErrorInvalidValue (error 1) due to \"invalid argument\" on CUDA API call\n"
+           "========= Invalid __global__ write of size 4 bytes\n========= Invalid __global__ read of size 2 bytes\n"
+           f"{OK_LINE}\n========= ERROR SUMMARY: 3 errors\n")
+    got = device_check.sanitizer_verdict(86, log)
+    assert (got["verdict"], got["errors"], got["api_errors"], got["access_errors"]) == ("errors", 3, 1, 2)
+
+
 def _junit(path: Path, outcomes: list[str]) -> Path:
     cases = "".join(f'<testcase classname="tests.t" name="t{i}" time="0.1">'
                     + ("" if o == "passed" else f"<{o} message='x'/>") + "</testcase>"

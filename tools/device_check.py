@@ -41,7 +41,7 @@ NVIDIA_FILES = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia/version")
 CUDA_MARK = re.compile(r"\bmark\.cuda\b")
 TIMED_OUT = (124, 137)  # timeout(1)'s codes: the box ran out (TERM), or it had to KILL
 SANITIZER_TOOLS = ("memcheck", "racecheck", "synccheck")
-REFUSED = re.compile(r"Device not supported|device is not supported|unsupported device|error 999", re.I)
+REFUSED = re.compile(r"Device not supported|device is not supported|unsupported device", re.I)
 DEVICE_HEADER = "omni-cache test device (OMNI_CACHE_TEST_DEVICE): "
 
 
@@ -251,7 +251,11 @@ def sanitizer_verdict(rc: int, log: str) -> dict[str, Any]:
     errors = [int(n) for n in re.findall(r"ERROR SUMMARY: (\d+) error", log)]
     hazards = [int(n) for n in re.findall(r"RACECHECK SUMMARY: (\d+) hazard", log)]
     out: dict[str, Any] = {"rc": rc, "errors": sum(errors) if errors else None,
-                           "hazards": sum(hazards) if hazards else None}
+                           "hazards": sum(hazards) if hazards else None,
+                           # what the errors are: a CUDA call that returned an error (torch's own
+                           # probing can be one: read the log) or a bad access by a kernel
+                           "api_errors": len(re.findall(r"Program hit \w+", log)),
+                           "access_errors": len(re.findall(r"Invalid __\w+__ (?:read|write)|Misaligned", log))}
     run_line = next((line for line in log.splitlines() if line.startswith("cuda_manager_run:")), None)
     out["run"] = run_line
     if rc == 127 and "not found" in log:
