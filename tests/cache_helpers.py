@@ -1,7 +1,9 @@
-"""Small builders shared by the lead's manager tests: ground-truth rows, slots, steps."""
+"""Small builders shared by the lead's manager tests: ground-truth rows, slots, steps, and the
+device the stateful machines build their step tensors on (``machine_device``)."""
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -21,6 +23,26 @@ from omni_cache.runtime.staging import StagingPool
 E = PrefixCacheEventKind
 WIDTH = 8
 BS = 4
+# Where the stateful machines (tests/test_manager_stateful.py, test_adapter_stateful.py,
+# test_tier_stateful.py) build the tensors they hand to the manager: "cpu" (the default) or
+# "cuda" (the manager's stream path; tools/device_check.sh sets it on a GPU machine).
+DEVICE_ENV = "OMNI_CACHE_TEST_DEVICE"
+
+
+def machine_device() -> torch.device:
+    """The device of ``$OMNI_CACHE_TEST_DEVICE`` (default cpu). Anything but cpu or cuda[:N] is
+    refused, and cuda where torch sees no CUDA device: a run asked to use the GPU never quietly
+    runs on the CPU (tests/conftest.py refuses it once, at start)."""
+    name = os.environ.get(DEVICE_ENV, "").strip() or "cpu"
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{DEVICE_ENV}={name}: must be cpu or cuda[:N]")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{DEVICE_ENV}={name}: no CUDA device (torch {torch.__version__} sees none)")
+    return device
 
 
 def truth(tag: str, positions: Sequence[int] | range, width: int = WIDTH) -> torch.Tensor:

@@ -14,6 +14,10 @@ Owns: the profile registry and which profile loads. Selected by the
   (and a longer soak, see tests/test_soak.py).
 * ``mutation``: ``ci`` without the shrink phase, for tools/mutation_check.py.
 
+It also checks ``$OMNI_CACHE_TEST_DEVICE`` (tests/cache_helpers.py's ``machine_device``: where the
+stateful machines build their tensors) once at start: a device torch cannot use ends the run
+with one line (pytest's usage error), and the report header names the device in use.
+
 Invariants touched: none directly; this sizes the property tests of I1..I13.
 """
 
@@ -71,5 +75,26 @@ PROFILE = os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if _in_ci() else "dev")
 settings.load_profile(PROFILE)
 
 
-def pytest_report_header() -> str:
-    return f"hypothesis profile: {PROFILE} ({settings.default})"
+def _device_setting() -> str:
+    return os.environ.get("OMNI_CACHE_TEST_DEVICE", "").strip() or "cpu"
+
+
+def pytest_configure(config: object) -> None:
+    if _device_setting() != "cpu":  # torch only when asked for a device (the default needs no check)
+        import pytest
+        from cache_helpers import machine_device
+
+        try:
+            machine_device()
+        except ValueError as exc:
+            raise pytest.UsageError(str(exc)) from None
+
+
+def pytest_report_header() -> list[str]:
+    lines = [f"hypothesis profile: {PROFILE} ({settings.default})"]
+    device = _device_setting()
+    if device != "cpu":
+        import torch
+
+        device += f" ({torch.cuda.get_device_name(torch.device(device))})"
+    return [*lines, f"omni-cache test device (OMNI_CACHE_TEST_DEVICE): {device}"]

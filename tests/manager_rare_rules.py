@@ -108,7 +108,7 @@ class RareStateRules:
 
         def probe() -> None:
             try:
-                outcome.append(m.save_outputs(torch.zeros(1, width), {}, num_tokens_unpadded=1,
+                outcome.append(m.save_outputs(torch.zeros(1, width, device=self.engine.device), {}, num_tokens_unpadded=1,
                                               num_tokens_padded=1, write_layout=layout))
             except BaseException as exc:
                 outcome.append(exc)

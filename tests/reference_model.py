@@ -23,6 +23,11 @@ send it again, which must change nothing; ``start_and_abort`` begins an admissio
 aborts it in one step. ``deliver`` is how a step reaches the manager: ``new_step_starts``
 itself, or tests/adapter_transport.py's scheduler outputs through the adapter.
 
+``Engine(..., device=...)`` builds every tensor it hands the manager (each step's rows, padding
+and leftovers) on that device, CPU by default; what a materialize must return stays on the CPU
+(the cache serves host rows). The stateful machines pass tests/cache_helpers.py's
+``machine_device()``, so ``OMNI_CACHE_TEST_DEVICE=cuda`` runs them with CUDA tensors.
+
 Used by tests/test_manager_stateful.py (Hypothesis), tests/test_soak.py
 (threads) and tests/test_faults.py (fault injection).
 """
@@ -203,6 +208,17 @@ class StepExpect:
         return any(r in self.not_readable for r in req_ids)
 
 
+def on_host(value: Any) -> Any:
+    """A deep copy of a leftover value with every tensor on the CPU (what materialize returns)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, (list, tuple)):
+        return type(value)(on_host(v) for v in value)
+    if isinstance(value, dict):
+        return {k: on_host(v) for k, v in value.items()}
+    return copy.deepcopy(value)
+
+
 def same_value(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
@@ -259,8 +275,10 @@ class Engine:
     """A random engine's bookkeeping around a real manager (engine thread only)."""
 
     def __init__(self, manager: Any, config: PrefixCacheConfig, policy: ModelCachePolicy,
-                 *, pass_hidden_when_opted_out: bool = True, mru: bool = False) -> None:
+                 *, pass_hidden_when_opted_out: bool = True, mru: bool = False,
+                 device: str | torch.device = "cpu") -> None:
         self.m = manager
+        self.device = torch.device(device)  # where the step tensors handed to the manager live
         self.cfg = config
         self.bs = config.block_size
         self.policy = policy
@@ -561,18 +579,19 @@ class Engine:
         total = len(slots)
         padded = total + pad
         computed = computed or {}
-        live = {k: torch.cat([computed.get(q.rid, q.rows)[k][s:s + n] for q, s, n, _ in sched])
+        dev = self.device
+        live = {k: torch.cat([computed.get(q.rid, q.rows)[k][s:s + n] for q, s, n, _ in sched]).to(dev)
                 for k in (HIDDEN_KEY, *PER_TOKEN_KEYS)}
-        junk = {k: torch.full((pad, *v.shape[1:]), -99, dtype=v.dtype) for k, v in live.items()}
+        junk = {k: torch.full((pad, *v.shape[1:]), -99, dtype=v.dtype, device=dev) for k, v in live.items()}
         hidden = torch.cat([live[HIDDEN_KEY], junk[HIDDEN_KEY]])
         keys = () if omit == 3 else tuple(k for i, k in enumerate(PER_TOKEN_KEYS) if i != omit - 1)
         mm: dict[str, Any] = {k: torch.cat([live[k], junk[k]]) if padded_mm else live[k]
                               for k in keys}
         if leftover:
             mm[META] = [total, "meta", [pad]]
-            mm[LENS] = torch.tensor([n for *_, n, _ in sched], dtype=torch.int64)
-            mm[GRID] = torch.arange(2 * (padded + 1), dtype=torch.float32).reshape(padded + 1, 2)
-            mm[INFO] = {"rows": torch.tensor([total, padded]), "ids": tuple(q.rid for q, *_ in sched)}
+            mm[LENS] = torch.tensor([n for *_, n, _ in sched], dtype=torch.int64, device=dev)
+            mm[GRID] = torch.arange(2 * (padded + 1), dtype=torch.float32, device=dev).reshape(padded + 1, 2)
+            mm[INFO] = {"rows": torch.tensor([total, padded], device=dev), "ids": tuple(q.rid for q, *_ in sched)}
         layout = PrefixCacheWriteLayout.packed(spans, slots)
         if order % 2:  # the writes' order is free; rows are what count
             layout = PrefixCacheWriteLayout(tuple(reversed(layout.writes)), layout.total_rows, layout.slots_cpu)
@@ -580,7 +599,7 @@ class Engine:
 
     def save(self, p: Prepared) -> StepExpect:
         """save_outputs of a prepared step; the engine's bookkeeping moves only if it succeeds."""
-        left = {k: copy.deepcopy(p.mm[k]) for k in LEFTOVER_KEYS if k in p.mm}
+        left = {k: on_host(p.mm[k]) for k in LEFTOVER_KEYS if k in p.mm}
         step_id = self.m.save_outputs(p.hidden if self.pass_hidden else None, p.mm,
                                       num_tokens_unpadded=p.total, num_tokens_padded=p.padded,
                                       write_layout=p.layout)

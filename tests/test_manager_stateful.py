@@ -39,6 +39,11 @@ transition trace passes ``omni_cache.verify.traces.validate_trace`` (legal edges
 of omni_cache.runtime.states, step ids issued and consumed once) ending with every page
 free and every write written.
 
+The engine builds every tensor it hands the manager on ``machine_device()``
+(tests/cache_helpers.py: ``$OMNI_CACHE_TEST_DEVICE``, CPU by default). With cuda the async and
+threaded machines run the manager's CUDA path (pinned pages, copies on a side stream ordered by
+events, deferred keys held on the device) and the eager one copies inline from the device.
+
 Two deterministic scenarios sit beside the machine: the I7 delayed read across
 a block's reuse, and a newer tenant's write pushed to the queue's front ahead
 of an older queued write that a pending hit planned -- the bug the threaded
@@ -55,6 +60,7 @@ from typing import ClassVar
 import hypothesis.strategies as st
 import pytest
 import torch
+from cache_helpers import machine_device
 from hypothesis import HealthCheck, Phase, event, settings
 from hypothesis.stateful import (
     Bundle,
@@ -166,7 +172,8 @@ class ManagerMachine(RareStateRules, VerifyStepRules, RuleBasedStateMachine):
         self.recorder = TraceRecorder()
         self.m = OmniPrefixCacheManager(self.cfg, eager=eager, recorder=self.recorder,
                                         faults=SlowCommitter() if slow and not eager else None)
-        self.engine = Engine(self.m, self.cfg, self.policy, pass_hidden_when_opted_out=pass_hidden, mru=mru)
+        self.engine = Engine(self.m, self.cfg, self.policy, pass_hidden_when_opted_out=pass_hidden, mru=mru,
+                             device=machine_device())
         self.expect: dict[int, StepExpect] = {}  # saved, not yet handed to the builder
 
     # ---- guard: teardown verifies only if every rule so far passed ----------
@@ -371,11 +378,11 @@ class ManagerMachine(RareStateRules, VerifyStepRules, RuleBasedStateMachine):
             n = CAPACITY + k
             layout = PrefixCacheWriteLayout.packed([("huge", 0, n)], torch.arange(n, dtype=torch.int64))
             self._rule(lambda: expect_error(PHRASE_CAPACITY, lambda: m.save_outputs(
-                torch.zeros(n, 4), {}, num_tokens_unpadded=n, num_tokens_padded=n, write_layout=layout)))
+                torch.zeros(n, 4, device=self.engine.device), {}, num_tokens_unpadded=n, num_tokens_padded=n, write_layout=layout)))
         elif self.MODE == "eager" and not self._can_save():  # I2: staging full, the save times out
             layout = PrefixCacheWriteLayout.packed([("probe", 0, 1)], torch.zeros(1, dtype=torch.int64))
             msg = self._rule(lambda: expect_error(PHRASE_UNCONSUMED, lambda: m.save_outputs(
-                torch.zeros(1, 4), {}, num_tokens_unpadded=1, num_tokens_padded=1, write_layout=layout),
+                torch.zeros(1, 4, device=self.engine.device), {}, num_tokens_unpadded=1, num_tokens_padded=1, write_layout=layout),
                 OmniPrefixCacheStagingTimeoutError))
             for step_id in self.expect:
                 assert f"step {step_id} saved at " in str(msg), msg

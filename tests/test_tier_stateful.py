@@ -13,7 +13,9 @@ KV slot's rows (``None``: absent for its tenant); a store of a block with an
 absent slot stores nothing. Stores are of blocks whose content a request
 computed or a load restored (as vLLM's ``request_finished`` reports them);
 ``store_unwritten`` tries the others. A fixed run reaches store, eviction, a
-served load and a refused one deterministically.
+served load and a refused one deterministically. The rows a step hands the manager are on
+``machine_device()`` (tests/cache_helpers.py: ``$OMNI_CACHE_TEST_DEVICE``, CPU by default); the
+model's rows stay on the CPU.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from collections import OrderedDict
 import hypothesis.strategies as st
 import pytest
 import torch
-from cache_helpers import BS, WIDTH, config, finished, settle, slots, started, truth
+from cache_helpers import BS, WIDTH, config, finished, machine_device, settle, slots, started, truth
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -49,6 +51,7 @@ class TierMachine(RuleBasedStateMachine):
     @initialize()
     def setup(self) -> None:
         self.m = OmniPrefixCacheManager(config(num_blocks=NUM_BLOCKS), eager=self.eager)
+        self.device = machine_device()  # where the step rows handed to the manager live
         self.applier = TierApplier(HiddenTier(CAP * ENTRY), BS)
         self.n = 0
         self.live: list[str] = []
@@ -64,7 +67,8 @@ class TierMachine(RuleBasedStateMachine):
     def _save(self, req: str, blocks: list[int], start: int, end: int, rows: torch.Tensor) -> int:
         layout = PrefixCacheWriteLayout.packed([(req, start, end)], slots(blocks, start, end))
         n = end - start
-        step = self.m.save_outputs(rows, {"audio.codes": -rows[:, :2].clone()}, num_tokens_unpadded=n,
+        dev_rows = rows.to(self.device)
+        step = self.m.save_outputs(dev_rows, {"audio.codes": -dev_rows[:, :2].clone()}, num_tokens_unpadded=n,
                                    num_tokens_padded=n, write_layout=layout)
         for i, slot in enumerate(slots(blocks, start, end).tolist()):
             self.rows[slot] = rows[i]

@@ -16,7 +16,7 @@ At each batch size ``--profile`` also prints the per-category breakdown of a dec
 step. ``--preset``, ``--sweep`` and ``--memory`` (decode-step cost) live in
 ``omni_cache.cli.bench_workloads``; a preset that misses its targets exits 3 too.
 ``--engine-step``, ``--width-sweep`` and ``--served`` (real vLLM engines) live in
-``omni_cache.cli.bench_engine``.
+``omni_cache.cli.bench_engine``; ``--device cuda`` (the GPU bench) in ``omni_cache.cli.bench_gpu``.
 
 Upholds nothing itself: it checks what the runtime upholds.
 """
@@ -32,6 +32,8 @@ from typing import Any, TypedDict
 
 from omni_cache.cli.args import EXIT_FAILED, EXIT_INCOMPLETE, int_list, int_range, non_negative_int, plot_path
 from omni_cache.cli.bench_engine import add_arguments as add_engine_arguments
+from omni_cache.cli.bench_gpu import add_arguments as add_gpu_arguments
+from omni_cache.cli.bench_gpu import run_gpu
 from omni_cache.cli.bench_workloads import add_arguments as add_perf_arguments
 
 
@@ -95,6 +97,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                         help="also profile the manager (cProfile + section timers) at the largest batch size")
     add_perf_arguments(parser)  # --preset, --sweep, --memory (omni_cache.cli.bench_workloads)
     add_engine_arguments(parser)  # --engine-step, --width-sweep, --served (omni_cache.cli.bench_engine)
+    add_gpu_arguments(parser)  # --device cuda and its sizes (omni_cache.cli.bench_gpu)
     parser.set_defaults(func=run, error=parser.error)
 
 
@@ -108,6 +111,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if (gpu := run_gpu(args)) is not None:  # --device cuda: refused without CUDA, before torch
+        return gpu
     if any(v is not None for v in (args.engine_step, args.width_sweep, args.served, args.num_prompts)):  # real engines: refused without vLLM, before torch
         from rich.console import Console
 

@@ -15,6 +15,8 @@ Owns nothing at run time; ``omni-cache bench`` (``omni_cache.cli.bench``) drives
   machine, locks, staging slots, tenancy, write book, copies, output assembly).
 - ``sweep``: bookkeeping per decode step over requests x num_blocks, plotted.
 - ``memory``: pool + staging + tenancy bytes vs the formula vs peak RSS.
+- ``gpu``: ``--device cuda``: the save's engine-thread time, the side-stream copy against the
+  pinned device-to-host bandwidth, its overlap with a stand-in forward (CUDA events).
 
 Their command-line options (``--preset`` / ``--sweep`` / ``--memory``, and the breakdown
 ``--profile`` prints) are ``omni_cache.cli.bench_workloads``.
