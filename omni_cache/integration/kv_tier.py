@@ -43,6 +43,7 @@ from omni_cache.integration.delivery import (
     RowDelivery,
 )
 from omni_cache.integration.delivery_sched import DeliveryScheduler
+from omni_cache.integration.kv_nesting import omni_connector
 from omni_cache.integration.metrics import CacheMetricsReporter
 from omni_cache.integration.tier_apply import TierApplier, TierLoad, TierPlan, TierStore
 from omni_cache.integration.vllm_logging import use_vllm_logging
@@ -315,7 +316,7 @@ def worker_tier_applier() -> TierApplier | None:
 
     if not has_kv_transfer_group():
         return None
-    return getattr(get_kv_transfer_group(), "omni_tier_applier", None)
+    return getattr(omni_connector(get_kv_transfer_group()), "omni_tier_applier", None)
 
 
 def worker_delivery() -> RowDelivery | None:
@@ -324,7 +325,7 @@ def worker_delivery() -> RowDelivery | None:
 
     if not has_kv_transfer_group():
         return None
-    return getattr(get_kv_transfer_group(), "omni_delivery", None)
+    return getattr(omni_connector(get_kv_transfer_group()), "omni_delivery", None)
 
 
 def __getattr__(name: str) -> Any:

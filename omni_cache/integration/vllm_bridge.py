@@ -56,6 +56,7 @@ import numpy as np
 import torch
 
 from omni_cache.integration.block_table import BlockTableView
+from omni_cache.integration.kv_nesting import omni_metadata
 from omni_cache.integration.runner_hooks import PrefixCacheRunnerHooks
 from omni_cache.integration.spec_decode import VerdictError, VerifySteps
 from omni_cache.integration.vllm_logging import use_vllm_logging
@@ -318,7 +319,8 @@ class VllmRunnerBridge:
         self.preemptions += len(getattr(scheduler_output, "preempted_req_ids", None) or ())
         self.zero_token_steps += int(not getattr(scheduler_output, "total_num_scheduled_tokens", 0))
         self._scheduler_output = scheduler_output
-        metadata = getattr(scheduler_output, "kv_connector_metadata", None)
+        # the OmniKVConnector metadata wherever vLLM nests it (MultiConnector: MultiKVConnectorMetadata.metadata)
+        metadata = omni_metadata(getattr(scheduler_output, "kv_connector_metadata", None))
         if self.failed is None:
             plan = getattr(metadata, "omni_tier", None)
             try:
