@@ -66,12 +66,12 @@ def test_a_plan_nested_in_multi_connector_metadata_restores_the_blocks_own_rows(
     bridge = VllmRunnerBridge(hooks=_Hooks(m))  # type: ignore[arg-type]
     bridge.tier_applier = applier
     bridge.begin_step(SimpleNamespace(kv_connector_metadata=meta, total_num_scheduled_tokens=1))
-    assert applier.restored_blocks == 1
     m.new_step_starts([started("c", hit_end=BS, blocks=[3, 5])])
     s2, _ = save(m, [("c", [3, 5], BS, BS + 1)])
     out = m.materialize(s2, ["c"])
     served = out.hidden_states["c"][:BS]
-    assert torch.equal(served, own["hidden"]) and not torch.equal(served, rows_a)
+    assert not torch.equal(served, rows_a), "the block's previous tenant's rows were served"
+    assert torch.equal(served, own["hidden"]) and applier.restored_blocks == 1
     m.shutdown()
 
 
