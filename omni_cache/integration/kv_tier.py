@@ -33,6 +33,8 @@ store names the full blocks a finished request computed (``num_computed_tokens
 from __future__ import annotations
 
 import functools
+import os
+from collections.abc import Mapping
 from typing import Any
 
 from omni_cache.integration.delivery import (
@@ -47,6 +49,7 @@ from omni_cache.integration.kv_nesting import omni_connector
 from omni_cache.integration.metrics import CacheMetricsReporter
 from omni_cache.integration.tier_apply import TierApplier, TierLoad, TierPlan, TierStore
 from omni_cache.integration.vllm_logging import use_vllm_logging
+from omni_cache.runtime.errors import OmniPrefixCacheUnmatchError
 
 __all__ = ["SETTINGS_KEY", "tier_settings", "worker_delivery", "worker_tier_applier"]
 
@@ -55,22 +58,43 @@ SETTINGS_KEY = "omni_cache"
 _DEFAULT_TIER_BYTES = 256 << 20
 
 
-def tier_settings(extra: dict[str, Any]) -> dict[str, Any]:
-    """The tier settings in ``kv_connector_extra_config`` (``tier_bytes``, ``tier_dir``), checked."""
-    settings = dict(extra.get(SETTINGS_KEY) or {})
+def _refuse(message: str) -> OmniPrefixCacheUnmatchError:
+    return OmniPrefixCacheUnmatchError(f"omni prefix cache cannot run on this stage: OmniKVConnector: {message}")
+
+
+def tier_settings(extra: Any) -> dict[str, Any]:
+    """The tier settings in ``kv_connector_extra_config`` (``tier_bytes``, ``tier_dir``), checked: a
+    malformed value is one ``OmniPrefixCacheUnmatchError`` naming its key."""
+    from omni_cache.integration.kv_capability import connector_configs
+
+    where = "kv_connector_extra_config"
+    if not isinstance(extra, Mapping):
+        raise _refuse(f"{where} must be a dict, got {type(extra).__name__} {extra!r}")
+    raw = extra.get(SETTINGS_KEY)
+    if raw is not None and not isinstance(raw, Mapping):
+        raise _refuse(f"{where}['{SETTINGS_KEY}'] must be a dict such as {{'tier_bytes': {_DEFAULT_TIER_BYTES}}}, "
+                      f"got {type(raw).__name__} {raw!r}")
+    settings = dict(raw or {})
     unknown = set(settings) - {"tier_bytes", "tier_dir"} - DELIVERY_KEYS
     if unknown:
-        raise ValueError(f"OmniKVConnector: unknown kv_connector_extra_config['{SETTINGS_KEY}'] keys {sorted(unknown)}")
+        raise _refuse(f"unknown {where}['{SETTINGS_KEY}'] keys {sorted(unknown)}")
     budget = settings.get("tier_bytes", _DEFAULT_TIER_BYTES)
     if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
-        raise ValueError(f"OmniKVConnector: tier_bytes must be a non-negative int, got {budget!r}")
-    delivery = DeliverySettings.from_settings(settings)
-    if not list(extra.get("connectors") or ()) and delivery is None:
-        raise ValueError(
-            "OmniKVConnector: kv_connector_extra_config['connectors'] must list the KV connector(s) it wraps, "
+        raise _refuse(f"{where}['{SETTINGS_KEY}']['tier_bytes'] must be a non-negative int, got {budget!r}")
+    tier_dir = settings.get("tier_dir")
+    if tier_dir is not None and (not isinstance(tier_dir, (str, os.PathLike)) or not os.fspath(tier_dir)):
+        raise _refuse(f"{where}['{SETTINGS_KEY}']['tier_dir'] must be a directory path (a non-empty str), "
+                      f"got {tier_dir!r}")
+    try:
+        delivery = DeliverySettings.from_settings(settings)
+    except ValueError as exc:
+        raise _refuse(str(exc)) from None
+    if not connector_configs(extra, where) and delivery is None:
+        raise _refuse(
+            f"{where}['connectors'] must list the KV connector(s) it wraps, "
             "e.g. [{'kv_connector': 'ExampleConnector', 'kv_role': 'kv_both', 'kv_connector_extra_config': {...}}], "
             "or omni_cache.delivery_dir must name where the hidden-state files go (or both)")
-    return {"tier_bytes": budget, "tier_dir": settings.get("tier_dir"), "delivery": delivery}
+    return {"tier_bytes": budget, "tier_dir": tier_dir, "delivery": delivery}
 
 
 def _without_hybrid_manager(vllm_config: Any, kv_cache_config: Any) -> Any:
