@@ -196,8 +196,11 @@ def _build() -> dict[str, type]:
 
         @classmethod
         def _get_connector_classes_and_configs(cls, vllm_config: Any) -> Any:
-            """No wrapped connector is fine here (delivery only): ``MultiConnector`` needs the key."""
+            """No wrapped connector is fine here (delivery only): ``MultiConnector`` needs the key. vLLM
+            calls this before it builds the connector (the KV-cache layout): malformed settings are
+            refused here first, naming the key."""
             extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+            tier_settings(extra)
             if extra.get("connectors") is None:
                 extra["connectors"] = []
             children = super()._get_connector_classes_and_configs(vllm_config)
