@@ -12,7 +12,10 @@ safetensors directory) that the runner bridge applies at the top of each step.
 Configure it with ``kv_transfer_config = {"kv_connector": "OmniKVConnector",
 "kv_connector_module_path": "omni_cache.integration.kv_tier", "kv_role": ...,
 "kv_connector_extra_config": {"connectors": [<the user's connector config>],
-"omni_cache": {"tier_bytes": N, "tier_dir": PATH}}}``. It is vLLM's
+"omni_cache": {"tier_bytes": N, "tier_dir": PATH}}}`` (or as one of the ``connectors`` of vLLM's
+``MultiConnector``). ``tier_settings`` checks that configuration wherever it is read (the
+connector's construction, vLLM's class-level calls before it, the config gate): a malformed one
+is one ``OmniPrefixCacheUnmatchError`` naming the key. It is vLLM's
 ``MultiConnector`` underneath, so every KV call (load, save, finished,
 load errors, handshakes, stats, HMA) is delegated to the wrapped connectors
 exactly as ``MultiConnector`` does; only ``get_num_new_matched_tokens``,

@@ -15,7 +15,7 @@ configuration fails at engine start, before any step; ``begin_step`` at the top
 of ``execute_model``, before vLLM drops finished requests (also for steps that
 schedule zero tokens: their finished ids still reach the cache);
 then, when the step's KV connector metadata carries an ``OmniKVConnector`` tier
-plan (``omni_cache.integration.kv_tier``), the plan is applied (stores, then
+plan (``omni_cache.integration.kv_tier``; found wherever vLLM nests it, ``kv_nesting``), the plan is applied (stores, then
 loads) so restored rows are registered before the forward's save;
 ``after_forward`` right after the model forward, with the forward's hidden
 states and the runner's block table of the output KV-cache group
