@@ -91,3 +91,10 @@ def test_two_wrappers_in_one_tree_are_refused_never_guessed() -> None:
     omni = SimpleNamespace(omni_tier_applier=None)
     with pytest.raises(OmniPrefixCacheUnmatchError, match="at most one OmniKVConnector"):
         omni_connector(SimpleNamespace(sub_connectors=[omni, omni]))
+
+
+def test_a_delivery_plan_alone_is_found_nested_too() -> None:
+    ours = SimpleNamespace(metadata=(), omni_delivery="plan")
+    assert omni_metadata(ours) is ours
+    assert omni_metadata(MultiMeta(metadata=(SimpleNamespace(requests=[]), ours))) is ours
+    assert omni_metadata(MultiMeta(metadata=(SimpleNamespace(requests=[]),))) is None and omni_metadata(None) is None

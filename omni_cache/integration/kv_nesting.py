@@ -48,8 +48,9 @@ def _meta_children(node: Any) -> Any:
 
 
 def omni_metadata(metadata: Any) -> Any:
-    """The node of ``metadata`` that carries the omni tier plan (``omni_tier``), or ``None``."""
-    return _one(list(_walk(metadata, lambda m: hasattr(m, "omni_tier"), _meta_children)), "metadata")
+    """The node of ``metadata`` that carries the omni plans (``omni_tier``, ``omni_delivery``), or ``None``."""
+    return _one(list(_walk(metadata, lambda m: hasattr(m, "omni_tier") or hasattr(m, "omni_delivery"),
+                           _meta_children)), "metadata")
 
 
 def omni_connector(connector: Any) -> Any:
