@@ -34,6 +34,7 @@ from omni_cache.integration.delivery import DeliveryPlan, DeliveryResult, Delive
 from omni_cache.integration.delivery_files import delivery_name
 from omni_cache.integration.delivery_sched import DeliveryScheduler
 from omni_cache.integration.kv_tier import tier_settings
+from omni_cache.runtime.errors import OmniPrefixCacheUnmatchError
 
 NONCE = "abcdefabcdef"
 
@@ -255,9 +256,9 @@ def test_tier_settings_accept_delivery_without_a_wrapped_connector(tmp_path: Pat
     settings = tier_settings({"omni_cache": {"delivery_dir": str(tmp_path)}})
     assert settings["delivery"].delivery_dir == os.path.realpath(tmp_path) and settings["tier_dir"] is None
     assert tier_settings({"connectors": [{"kv_connector": "X"}]})["delivery"] is None
-    with pytest.raises(ValueError, match="must list the KV connector"):
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="must list the KV connector"):
         tier_settings({"omni_cache": {"tier_bytes": 5}})
-    with pytest.raises(ValueError, match="unknown kv_connector_extra_config"):
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="unknown kv_connector_extra_config"):
         tier_settings({"omni_cache": {"delivery_dir": str(tmp_path), "delivery_dirr": 1}})
-    with pytest.raises(ValueError, match=r"omni_cache\.delivery_timeout_s must be"):
+    with pytest.raises(OmniPrefixCacheUnmatchError, match=r"omni_cache\.delivery_timeout_s must be"):
         tier_settings({"omni_cache": {"delivery_dir": str(tmp_path), "delivery_timeout_s": -1}})

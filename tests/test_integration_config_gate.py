@@ -150,13 +150,18 @@ def test_a_producer_whose_connector_still_loads_is_refused(connector: str) -> No
     vc = VllmConfig(kv_transfer_config=KVTransferConfig(kv_connector=connector, kv_role="kv_producer"))
     with pytest.raises(OmniPrefixCacheUnmatchError, match=rf"KV connector {connector} can load KV") as info:
         stage_prefix_cache_config(vc, kv_cache_config(8, 16))
-    assert "kv_connector='OmniKVConnector'" in str(info.value)  # the way out, named
-    assert f"'connector': '{connector}'" in str(info.value)
+    assert "'kv_connector': 'OmniKVConnector'" in str(info.value)  # the way out, named
+    assert f"'connectors': [{{'kv_connector': '{connector}'" in str(info.value)
 
 
 @pytest.mark.parametrize("role", ["kv_producer", "kv_consumer", "kv_both"])
 def test_the_omni_connector_wrapper_is_accepted_in_every_role(role: str) -> None:
-    vc = VllmConfig(kv_transfer_config=KVTransferConfig(kv_connector="OmniKVConnector", kv_role=role))
+    class Wrapped:
+        kv_connector = "OmniKVConnector"
+        kv_role = role
+        kv_connector_extra_config = {"connectors": [{"kv_connector": "ExampleConnector"}]}  # noqa: RUF012
+
+    vc = VllmConfig(kv_transfer_config=Wrapped())  # type: ignore[arg-type]
     assert stage_prefix_cache_config(vc, kv_cache_config(8, 16)) is not None
 
 
@@ -171,7 +176,8 @@ def test_a_multi_connector_loads_if_any_child_loads() -> None:
     mooncake = {"kv_connector": "MooncakeConnector", "kv_role": "kv_producer"}
     assert stage_prefix_cache_config(VllmConfig(kv_transfer_config=Multi([mooncake])),  # type: ignore[arg-type]
                                      kv_cache_config(8, 16)) is not None
-    wrapped = {"kv_connector": "OmniKVConnector"}
+    wrapped = {"kv_connector": "OmniKVConnector", "kv_connector_extra_config": {
+        "connectors": [{"kv_connector": "ExampleConnector"}]}}
     unwrapped = {"kv_connector": "OffloadingConnector"}
     for children in ([mooncake, unwrapped], [wrapped, unwrapped], [unwrapped, wrapped]):
         with pytest.raises(OmniPrefixCacheUnmatchError, match="MultiConnector child: OffloadingConnector loads"):

@@ -89,3 +89,26 @@ def test_a_load_the_connector_reports_failed_is_recomputed_and_served_exactly() 
     t = sim.tier_summary
     assert t["tier_hit_tokens"] == t["external_tokens"] > 0 and t["tier_load_failures"] == 0
     assert res.recompute_exact_rows == res.recompute_rows > 0
+
+
+def test_under_multi_connector_a_reloaded_block_is_served_with_exactly_its_own_rows() -> None:
+    """``kv_connector="MultiConnector"`` whose ``connectors`` hold ``OmniKVConnector`` (wrapping
+    ``ExampleConnector``): vLLM nests the wrapper's metadata in ``MultiKVConnectorMetadata``, and the
+    tier plan is still applied, so every block whose KV came back through the connector is served
+    with its own rows (check (a) models the tier; a previous tenant's row fails it)."""
+    require_vllm()
+    from omni_cache.harness.vllm_engine.engine import VllmSimConfig
+    from omni_cache.harness.vllm_engine.tier_run import TierSimulation
+
+    class UnderMulti(TierSimulation):
+        def kv_transfer_config(self):  # type: ignore[no-untyped-def]
+            wrapped = super().kv_transfer_config()
+            return {"kv_connector": "MultiConnector", "kv_role": "kv_both",
+                    "kv_connector_extra_config": {"connectors": [wrapped]}}
+
+    sim = UnderMulti(VllmSimConfig(kv_connector="example", seed=1))
+    res = sim.run()
+    assert res.ok, [m.detail for m in res.mismatches[:3]]
+    t = sim.tier_summary
+    assert t["tier_hit_tokens"] == t["external_tokens"] > 0 and t["tier_load_failures"] == 0, t
+    assert res.recompute_exact_rows == res.recompute_rows > 0

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from omni_cache.integration.kv_capability import OMNI_CONNECTOR, connector_verdict
+from omni_cache.integration.kv_capability import connector_verdict
 from omni_cache.integration.kv_groups import select_output_group
 from omni_cache.runtime.errors import OmniPrefixCacheUnmatchError
 from omni_cache.runtime.interface import PrefixCacheConfig
@@ -52,24 +52,24 @@ def _is_pooling(model_config: Any) -> bool:
 
 
 def _refuse_loading_connector(kv_transfer_config: Any) -> None:
-    """Refuse a KV connector that can load KV into this engine unless ``OmniKVConnector`` wraps it."""
+    """Refuse a KV connector that can load KV into this engine unless ``OmniKVConnector`` wraps it;
+    the way out it names is a whole ``kv_transfer_config`` the gate and the wrapper accept."""
     verdict = connector_verdict(kv_transfer_config)
     if not verdict.loads or verdict.wrapped:
         return
-    consumer = verdict.role in _CONSUMER_ROLES
-    if verdict.remote:
+    consumer = (f"; it is a KV-consumer stage (kv_transfer_config.kv_role={verdict.role!r})"
+                if verdict.role in _CONSUMER_ROLES else "")
+    if verdict.remote or verdict.suggestion is None:
         raise _refuse(
-            f"KV connector {verdict.name} can load KV into this engine's blocks ({verdict.why}): a hit on it "
-            "would name rows this cache never saw. Disable prefix caching on this stage, or hand the hidden "
+            f"KV connector {verdict.name} can load KV into this engine's blocks ({verdict.why}){consumer}: a hit on "
+            "it would name rows this cache never saw. Disable prefix caching on this stage, or hand the hidden "
             "states over with the prefill/decode transfer")
     raise _refuse(
-        f"KV connector {verdict.name} can load KV into this engine's blocks ({verdict.why})"
-        + (f"; it is a KV-consumer stage (kv_transfer_config.kv_role={verdict.role!r})" if consumer else "")
-        + ": tokens received through the KV connector cannot be told apart from locally cached ones, so a "
-        "hit could name rows this cache never saw. Wrap it in the omni-cache connector (kv_connector="
-        f"'{OMNI_CONNECTOR}', kv_connector_module_path='omni_cache.integration.kv_tier', "
-        f"kv_connector_extra_config={{'omni_cache': {{'connector': '{verdict.name}', ...}}}}), which brings the "
-        "hidden rows back with the KV (docs/kv-tier.md), or disable prefix caching on this stage"
+        f"KV connector {verdict.name} can load KV into this engine's blocks ({verdict.why}){consumer}: tokens "
+        "received through the KV connector cannot be told apart from locally cached ones, so a hit could name "
+        "rows this cache never saw. Wrap it in the omni-cache connector, which brings the hidden rows back with "
+        f"the KV (docs/kv-tier.md): kv_transfer_config={verdict.suggestion!r} (its other fields unchanged), or "
+        "disable prefix caching on this stage"
     )
 
 

@@ -25,6 +25,14 @@ sources, not from the role's name:
   assumed to load.
 - ``MultiConnector`` loads if any of its ``connectors`` does.
 
+The tree is walked at any depth (``MultiConnector`` and ``OmniKVConnector``
+children, each child's ``kv_role`` defaulting to its parent's): a transfer
+consumer anywhere, wrapped or not, is ``remote``; an unwrapped loader anywhere
+is refused with ``suggestion``, one ``OmniKVConnector`` over every leaf, which
+the gate and the wrapper's settings accept; more than one ``OmniKVConnector``
+is refused; a malformed tree (``connectors`` not a list of dicts naming their
+``kv_connector``, malformed wrapper settings) is refused naming the key.
+
 Upholds I5/I6 at their root for KV connectors: a hit whose KV came from a
 connector names blocks whose rows this cache never wrote, so the gate refuses
 every loading configuration that ``OmniKVConnector`` does not wrap.
@@ -32,13 +40,19 @@ every loading configuration that ``OmniKVConnector`` does not wrap.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["OMNI_CONNECTOR", "ConnectorVerdict", "connector_verdict"]
+from omni_cache.runtime.errors import OmniPrefixCacheUnmatchError
+
+__all__ = ["OMNI_CONNECTOR", "OMNI_MODULE", "ConnectorVerdict", "connector_configs", "connector_verdict"]
 
 OMNI_CONNECTOR = "OmniKVConnector"
 """``kv_transfer_config.kv_connector`` of the omni-cache wrapper."""
+OMNI_MODULE = "omni_cache.integration.kv_tier"
+"""Its ``kv_connector_module_path``."""
+SETTINGS_KEY = "omni_cache"  # kv_tier.SETTINGS_KEY: the wrapper's own settings in its extra config
 
 _PRODUCER_NEVER_LOADS = frozenset({
     "MooncakeConnector", "MoRIIOConnector", "NixlConnector", "NixlPullConnector", "NixlPushConnector",
@@ -52,7 +66,8 @@ _REMOTE_TRANSFER = _PRODUCER_NEVER_LOADS | {"P2pNcclConnector"}
 class ConnectorVerdict:
     """``loads``: KV may enter this engine's blocks through the connector; ``wrapped``: through
     ``OmniKVConnector``, which serves such hits; ``name``: the connector class that loads (or the
-    configured one); ``why``: one clause saying why it loads."""
+    configured one); ``why``: one clause saying why it loads; ``suggestion``: for an unwrapped
+    loader, the ``kv_transfer_config`` that wraps it (accepted by the gate and the wrapper)."""
 
     name: str | None
     role: str | None
@@ -60,10 +75,26 @@ class ConnectorVerdict:
     wrapped: bool
     why: str = ""
     remote: bool = False  # the KV comes from another engine: no tier of this engine holds its rows
+    suggestion: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class _Leaf:
+    """A connector that is neither ``MultiConnector`` nor the wrapper, where it sits in the tree."""
+
+    name: str
+    role: str | None
+    wrapped: bool  # under OmniKVConnector
+    nested: bool  # a MultiConnector's (or the wrapper's) child
+    config: dict[str, Any]  # its config as the suggestion repeats it (role resolved)
+
+
+def _refuse(message: str) -> OmniPrefixCacheUnmatchError:
+    return OmniPrefixCacheUnmatchError(f"omni prefix cache cannot run on this stage: {message}")
 
 
 def _get(config: Any, field: str) -> Any:
-    if isinstance(config, dict):
+    if isinstance(config, Mapping):
         return config.get(field)
     return getattr(config, field, None)
 
@@ -77,32 +108,105 @@ def _role_verdict(name: str, role: str | None) -> tuple[bool, str]:
                   "it: it reloads prefixes it stored)")
 
 
+def connector_configs(extra: Any, where: str) -> list[Mapping[str, Any]]:
+    """``extra['connectors']`` (``where`` names ``extra``): a list of connector configs, each a dict
+    naming its ``kv_connector``; ``[]`` when absent. Anything else is refused, naming the key."""
+    key = f"{where}['connectors']"
+    children = extra.get("connectors") if isinstance(extra, Mapping) else None
+    if children is None:
+        return []
+    if not isinstance(children, (list, tuple)):
+        raise _refuse(f"{key} must be a list of connector configs (dicts such as {{'kv_connector': "
+                      f"'ExampleConnector', 'kv_role': 'kv_both'}}), got {type(children).__name__} {children!r}")
+    for i, child in enumerate(children):
+        if not isinstance(child, Mapping) or not isinstance(child.get("kv_connector"), str):
+            raise _refuse(f"{key}[{i}] must be a dict naming its 'kv_connector' (a class name), got {child!r}")
+    return list(children)
+
+
+def _extra(config: Any, where: str) -> Mapping[str, Any]:
+    extra = _get(config, "kv_connector_extra_config")
+    if extra is None:
+        return {}
+    if not isinstance(extra, Mapping):
+        raise _refuse(f"{where}.kv_connector_extra_config must be a dict, got {type(extra).__name__} {extra!r}")
+    return extra
+
+
+def _as_dict(config: Any, role: str | None) -> dict[str, Any]:
+    out = dict(config) if isinstance(config, Mapping) else {
+        f: _get(config, f) for f in ("kv_connector", "kv_connector_module_path", "kv_connector_extra_config")
+        if _get(config, f)}
+    if role is not None:
+        out["kv_role"] = role
+    return out
+
+
+def _walk(config: Any, role: str | None, where: str, under_omni: bool, nested: bool,
+          leaves: list[_Leaf], omni: list[Mapping[str, Any]]) -> None:
+    """Every leaf connector of the tree at ``config`` (depth first, in ``connectors`` order)."""
+    name = str(_get(config, "kv_connector"))
+    role = _get(config, "kv_role") or role
+    if name in (OMNI_CONNECTOR, "MultiConnector"):
+        extra = _extra(config, where)
+        children = connector_configs(extra, f"{where}.kv_connector_extra_config")
+        if name == OMNI_CONNECTOR:
+            from omni_cache.integration.kv_tier import tier_settings
+
+            tier_settings(extra)  # the wrapper's own settings: a malformed one is refused here too
+            omni.append(extra)
+        for i, child in enumerate(children):
+            _walk(child, role, f"{where}.kv_connector_extra_config['connectors'][{i}]",
+                  under_omni or name == OMNI_CONNECTOR, True, leaves, omni)
+        return
+    leaves.append(_Leaf(name, role, under_omni, nested, _as_dict(config, role)))
+
+
+def _suggest(role: str | None, leaves: list[_Leaf], omni: list[Mapping[str, Any]]) -> dict[str, Any]:
+    """One ``OmniKVConnector`` over every leaf in order (a ``MultiConnector`` flattened: the first
+    loader still loads, every child still saves), keeping an existing wrapper's settings."""
+    extra: dict[str, Any] = {"connectors": [leaf.config for leaf in leaves]}
+    settings = next((o.get(SETTINGS_KEY) for o in omni if o.get(SETTINGS_KEY)), None)
+    if settings:
+        extra[SETTINGS_KEY] = dict(settings)
+    out: dict[str, Any] = {"kv_connector": OMNI_CONNECTOR, "kv_connector_module_path": OMNI_MODULE}
+    if role is not None:
+        out["kv_role"] = role
+    out["kv_connector_extra_config"] = extra
+    return out
+
+
 def connector_verdict(kv_transfer_config: Any) -> ConnectorVerdict:
-    """Whether the configured KV connector can load KV into this engine (see the module docstring)."""
+    """Whether the configured KV connector can load KV into this engine (see the module docstring).
+
+    Walks ``MultiConnector`` and ``OmniKVConnector`` children at any depth; raises
+    ``OmniPrefixCacheUnmatchError`` naming the key for a malformed tree (``connectors`` not a list of
+    dicts, ``kv_connector_extra_config`` or the wrapper's settings malformed) and for more than one
+    ``OmniKVConnector`` in it."""
     if kv_transfer_config is None:
         return ConnectorVerdict(None, None, False, False)
     name = _get(kv_transfer_config, "kv_connector")
     role = _get(kv_transfer_config, "kv_role")
     if name is None:
         return ConnectorVerdict(None, role, False, False)
-    name = str(name)
-    if name == OMNI_CONNECTOR:
-        extra = _get(kv_transfer_config, "kv_connector_extra_config") or {}
-        for child in list(_get(extra, "connectors") or ()):
-            child_name, child_role = _get(child, "kv_connector"), _get(child, "kv_role") or role
-            if child_name in _REMOTE_TRANSFER and child_role in _CONSUMER_ROLES:
-                return ConnectorVerdict(str(child_name), child_role, True, False, (
-                    f"as {child_role!r} it receives KV another engine computed, whose hidden rows no tier of this "
-                    f"engine stored, even under {OMNI_CONNECTOR}"), remote=True)
-        return ConnectorVerdict(name, role, True, True)
-    if name == "MultiConnector":
-        extra = _get(kv_transfer_config, "kv_connector_extra_config") or {}
-        children = [connector_verdict({**child, "kv_role": _get(child, "kv_role") or role})
-                    for child in list(_get(extra, "connectors") or ())]
-        loading = [v for v in children if v.loads]
-        if not loading:
-            return ConnectorVerdict(name, role, False, False)
-        worst = next((v for v in loading if not v.wrapped), loading[0])  # an unwrapped loader decides
-        return ConnectorVerdict(worst.name, worst.role, True, worst.wrapped, f"a MultiConnector child: {worst.why}")
-    loads, why = _role_verdict(name, role)
-    return ConnectorVerdict(name, role, loads, False, why)
+    leaves: list[_Leaf] = []
+    omni: list[Mapping[str, Any]] = []
+    _walk(kv_transfer_config, None, "kv_transfer_config", False, False, leaves, omni)
+    if len(omni) > 1:
+        raise _refuse(f"{len(omni)} {OMNI_CONNECTOR} connectors are configured (one inside another, or "
+                      f"several MultiConnector children): at most one may be; list every connector in one "
+                      f"{OMNI_CONNECTOR}'s kv_connector_extra_config['connectors']")
+    for leaf in leaves:  # KV another engine computed: no wrapper of this engine holds its rows
+        if leaf.name in _REMOTE_TRANSFER and leaf.role in _CONSUMER_ROLES:
+            return ConnectorVerdict(leaf.name, leaf.role, True, False, (
+                f"as {leaf.role!r} it receives KV another engine computed, whose hidden rows no tier of this "
+                f"engine stored" + (f", even under {OMNI_CONNECTOR}" if leaf.wrapped else "")), remote=True)
+    for leaf in leaves:
+        loads, why = _role_verdict(leaf.name, leaf.role)
+        if loads and not leaf.wrapped:
+            return ConnectorVerdict(leaf.name, leaf.role, True, False,
+                                    f"a MultiConnector child: {why}" if leaf.nested else why,
+                                    suggestion=_suggest(role, leaves, omni))
+    if omni:
+        return ConnectorVerdict(str(name) if name == OMNI_CONNECTOR else OMNI_CONNECTOR, role, True, True)
+    return ConnectorVerdict(str(name), role, False, False)

@@ -12,7 +12,10 @@ safetensors directory) that the runner bridge applies at the top of each step.
 Configure it with ``kv_transfer_config = {"kv_connector": "OmniKVConnector",
 "kv_connector_module_path": "omni_cache.integration.kv_tier", "kv_role": ...,
 "kv_connector_extra_config": {"connectors": [<the user's connector config>],
-"omni_cache": {"tier_bytes": N, "tier_dir": PATH}}}``. It is vLLM's
+"omni_cache": {"tier_bytes": N, "tier_dir": PATH}}}`` (or as one of the ``connectors`` of vLLM's
+``MultiConnector``). ``tier_settings`` checks that configuration wherever it is read (the
+connector's construction, vLLM's class-level calls before it, the config gate): a malformed one
+is one ``OmniPrefixCacheUnmatchError`` naming the key. It is vLLM's
 ``MultiConnector`` underneath, so every KV call (load, save, finished,
 load errors, handshakes, stats, HMA) is delegated to the wrapped connectors
 exactly as ``MultiConnector`` does; only ``get_num_new_matched_tokens``,
@@ -33,6 +36,8 @@ store names the full blocks a finished request computed (``num_computed_tokens
 from __future__ import annotations
 
 import functools
+import os
+from collections.abc import Mapping
 from typing import Any
 
 from omni_cache.integration.delivery import (
@@ -43,9 +48,11 @@ from omni_cache.integration.delivery import (
     RowDelivery,
 )
 from omni_cache.integration.delivery_sched import DeliveryScheduler
+from omni_cache.integration.kv_nesting import omni_connector
 from omni_cache.integration.metrics import CacheMetricsReporter
 from omni_cache.integration.tier_apply import TierApplier, TierLoad, TierPlan, TierStore
 from omni_cache.integration.vllm_logging import use_vllm_logging
+from omni_cache.runtime.errors import OmniPrefixCacheUnmatchError
 
 __all__ = ["SETTINGS_KEY", "tier_settings", "worker_delivery", "worker_tier_applier"]
 
@@ -54,22 +61,43 @@ SETTINGS_KEY = "omni_cache"
 _DEFAULT_TIER_BYTES = 256 << 20
 
 
-def tier_settings(extra: dict[str, Any]) -> dict[str, Any]:
-    """The tier settings in ``kv_connector_extra_config`` (``tier_bytes``, ``tier_dir``), checked."""
-    settings = dict(extra.get(SETTINGS_KEY) or {})
+def _refuse(message: str) -> OmniPrefixCacheUnmatchError:
+    return OmniPrefixCacheUnmatchError(f"omni prefix cache cannot run on this stage: OmniKVConnector: {message}")
+
+
+def tier_settings(extra: Any) -> dict[str, Any]:
+    """The tier settings in ``kv_connector_extra_config`` (``tier_bytes``, ``tier_dir``), checked: a
+    malformed value is one ``OmniPrefixCacheUnmatchError`` naming its key."""
+    from omni_cache.integration.kv_capability import connector_configs
+
+    where = "kv_connector_extra_config"
+    if not isinstance(extra, Mapping):
+        raise _refuse(f"{where} must be a dict, got {type(extra).__name__} {extra!r}")
+    raw = extra.get(SETTINGS_KEY)
+    if raw is not None and not isinstance(raw, Mapping):
+        raise _refuse(f"{where}['{SETTINGS_KEY}'] must be a dict such as {{'tier_bytes': {_DEFAULT_TIER_BYTES}}}, "
+                      f"got {type(raw).__name__} {raw!r}")
+    settings = dict(raw or {})
     unknown = set(settings) - {"tier_bytes", "tier_dir"} - DELIVERY_KEYS
     if unknown:
-        raise ValueError(f"OmniKVConnector: unknown kv_connector_extra_config['{SETTINGS_KEY}'] keys {sorted(unknown)}")
+        raise _refuse(f"unknown {where}['{SETTINGS_KEY}'] keys {sorted(unknown)}")
     budget = settings.get("tier_bytes", _DEFAULT_TIER_BYTES)
     if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
-        raise ValueError(f"OmniKVConnector: tier_bytes must be a non-negative int, got {budget!r}")
-    delivery = DeliverySettings.from_settings(settings)
-    if not list(extra.get("connectors") or ()) and delivery is None:
-        raise ValueError(
-            "OmniKVConnector: kv_connector_extra_config['connectors'] must list the KV connector(s) it wraps, "
+        raise _refuse(f"{where}['{SETTINGS_KEY}']['tier_bytes'] must be a non-negative int, got {budget!r}")
+    tier_dir = settings.get("tier_dir")
+    if tier_dir is not None and (not isinstance(tier_dir, (str, os.PathLike)) or not os.fspath(tier_dir)):
+        raise _refuse(f"{where}['{SETTINGS_KEY}']['tier_dir'] must be a directory path (a non-empty str), "
+                      f"got {tier_dir!r}")
+    try:
+        delivery = DeliverySettings.from_settings(settings)
+    except ValueError as exc:
+        raise _refuse(str(exc)) from None
+    if not connector_configs(extra, where) and delivery is None:
+        raise _refuse(
+            f"{where}['connectors'] must list the KV connector(s) it wraps, "
             "e.g. [{'kv_connector': 'ExampleConnector', 'kv_role': 'kv_both', 'kv_connector_extra_config': {...}}], "
             "or omni_cache.delivery_dir must name where the hidden-state files go (or both)")
-    return {"tier_bytes": budget, "tier_dir": settings.get("tier_dir"), "delivery": delivery}
+    return {"tier_bytes": budget, "tier_dir": tier_dir, "delivery": delivery}
 
 
 def _without_hybrid_manager(vllm_config: Any, kv_cache_config: Any) -> Any:
@@ -171,8 +199,11 @@ def _build() -> dict[str, type]:
 
         @classmethod
         def _get_connector_classes_and_configs(cls, vllm_config: Any) -> Any:
-            """No wrapped connector is fine here (delivery only): ``MultiConnector`` needs the key."""
+            """No wrapped connector is fine here (delivery only): ``MultiConnector`` needs the key. vLLM
+            calls this before it builds the connector (the KV-cache layout): malformed settings are
+            refused here first, naming the key."""
             extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+            tier_settings(extra)
             if extra.get("connectors") is None:
                 extra["connectors"] = []
             children = super()._get_connector_classes_and_configs(vllm_config)
@@ -315,7 +346,7 @@ def worker_tier_applier() -> TierApplier | None:
 
     if not has_kv_transfer_group():
         return None
-    return getattr(get_kv_transfer_group(), "omni_tier_applier", None)
+    return getattr(omni_connector(get_kv_transfer_group()), "omni_tier_applier", None)
 
 
 def worker_delivery() -> RowDelivery | None:
@@ -324,7 +355,7 @@ def worker_delivery() -> RowDelivery | None:
 
     if not has_kv_transfer_group():
         return None
-    return getattr(get_kv_transfer_group(), "omni_delivery", None)
+    return getattr(omni_connector(get_kv_transfer_group()), "omni_delivery", None)
 
 
 def __getattr__(name: str) -> Any:

@@ -15,7 +15,7 @@ configuration fails at engine start, before any step; ``begin_step`` at the top
 of ``execute_model``, before vLLM drops finished requests (also for steps that
 schedule zero tokens: their finished ids still reach the cache);
 then, when the step's KV connector metadata carries an ``OmniKVConnector`` tier
-plan (``omni_cache.integration.kv_tier``), the plan is applied (stores, then
+plan (``omni_cache.integration.kv_tier``; found wherever vLLM nests it, ``kv_nesting``), the plan is applied (stores, then
 loads) so restored rows are registered before the forward's save;
 ``after_forward`` right after the model forward, with the forward's hidden
 states and the runner's block table of the output KV-cache group
@@ -56,6 +56,7 @@ import numpy as np
 import torch
 
 from omni_cache.integration.block_table import BlockTableView
+from omni_cache.integration.kv_nesting import omni_metadata
 from omni_cache.integration.runner_hooks import PrefixCacheRunnerHooks
 from omni_cache.integration.spec_decode import VerdictError, VerifySteps
 from omni_cache.integration.vllm_logging import use_vllm_logging
@@ -318,7 +319,8 @@ class VllmRunnerBridge:
         self.preemptions += len(getattr(scheduler_output, "preempted_req_ids", None) or ())
         self.zero_token_steps += int(not getattr(scheduler_output, "total_num_scheduled_tokens", 0))
         self._scheduler_output = scheduler_output
-        metadata = getattr(scheduler_output, "kv_connector_metadata", None)
+        # the OmniKVConnector metadata wherever vLLM nests it (MultiConnector: MultiKVConnectorMetadata.metadata)
+        metadata = omni_metadata(getattr(scheduler_output, "kv_connector_metadata", None))
         if self.failed is None:
             plan = getattr(metadata, "omni_tier", None)
             try:

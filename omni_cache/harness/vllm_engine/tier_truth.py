@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from omni_cache.harness.vllm_engine.truth import ForwardCapture
+from omni_cache.integration.kv_nesting import omni_metadata
 
 __all__ = ["TierTruth"]
 
@@ -35,7 +36,8 @@ class TierTruth:
         self.unstored_loads = 0
 
     def on_step(self, scheduler_output: Any) -> None:
-        plan = getattr(getattr(scheduler_output, "kv_connector_metadata", None), "omni_tier", None)
+        # the plan wherever vLLM nests the wrapper's metadata (MultiConnector: MultiKVConnectorMetadata.metadata)
+        plan = getattr(omni_metadata(getattr(scheduler_output, "kv_connector_metadata", None)), "omni_tier", None)
         if not plan:
             return
         step = int(self.engine_step())
