@@ -96,7 +96,7 @@ class TierApplier:
                 if not isinstance(e, cls):
                     raise OmniPrefixCacheUnmatchError(f"{where}: {type(e).__name__} is not a {cls.__name__}")
                 where += f" (request {e.req_id!r}, block {e.block_id!r})"
-                ints = [("block_id", e.block_id)] + ([("block_index", e.block_index)] if kind == "load" else [])
+                ints = [("block_id", e.block_id)] + ([("block_index", e.block_index)] if isinstance(e, TierLoad) else [])
                 for name, value in ints:
                     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                         raise OmniPrefixCacheUnmatchError(f"{where}: {name} must be an integer >= 0, got {value!r}")

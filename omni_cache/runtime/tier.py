@@ -74,14 +74,15 @@ def _nbytes(rows: Rows) -> int:
 
 def _budget(budget_bytes: object) -> int:
     """``budget_bytes`` as a non-negative integer, or one ValueError naming it."""
-    ok = isinstance(budget_bytes, int) and not isinstance(budget_bytes, bool)
-    if not ok and isinstance(budget_bytes, float) and math.isfinite(budget_bytes) \
-            and budget_bytes.is_integer():
-        budget_bytes, ok = int(budget_bytes), True
-    if not ok or budget_bytes < 0:  # type: ignore[operator]
+    value: int | None = None
+    if isinstance(budget_bytes, int) and not isinstance(budget_bytes, bool):
+        value = budget_bytes
+    elif isinstance(budget_bytes, float) and math.isfinite(budget_bytes) and budget_bytes.is_integer():
+        value = int(budget_bytes)
+    if value is None or value < 0:
         raise ValueError(f"HiddenTier: budget_bytes must be a non-negative whole number of bytes, "
                          f"got {budget_bytes!r}")
-    return int(budget_bytes)  # type: ignore[arg-type]
+    return value
 
 
 class HiddenTier:
