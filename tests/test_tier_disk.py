@@ -236,3 +236,39 @@ def test_a_block_its_tenant_wrote_only_partly_is_never_stored() -> None:
     applier.apply(TierPlan(stores=(TierStore("b", b"hb", 2),)), m)
     assert applier.tier.get(b"hb") is None and applier.store_skipped == 1 and applier.stored_blocks == 0
     m.shutdown()
+
+
+def test_concurrent_puts_spills_and_gets_never_serve_an_older_version(tmp_path: Path) -> None:
+    """One writer puts versions 1..N of one hash while others spill it (other hashes) and read it:
+    a get started after version v was put returns v or newer, never older, never nothing."""
+    tier = HiddenTier(ENTRY, directory=str(tmp_path))  # one entry in memory: every put spills
+    done = [0]
+    bad: list[str] = []
+
+    def version(rows: dict[str, torch.Tensor] | None) -> int:
+        return -1 if rows is None else int(rows["hidden"][0, 0].item())
+
+    def writer() -> None:
+        for v in range(1, 41):
+            tier.put(b"h", {"hidden": torch.full((4, 8), float(v))})
+            done[0] = v
+
+    def spiller() -> None:
+        for i in range(80):
+            tier.put(b"o%d" % (i % 3), _rows(f"o{i}"))
+
+    def reader() -> None:
+        for _ in range(80):
+            floor = done[0]
+            got = version(tier.get(b"h"))
+            if floor and got < floor:
+                bad.append(f"get after put {floor} returned {got}")
+
+    threads = [threading.Thread(target=f) for f in (writer, spiller, spiller, reader, reader)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30.0)
+    assert not bad, bad[:5]
+    assert version(tier.get(b"h")) == 40
+    assert tier.stats().spill_failures == 0 and tier.stats().load_failures == 0
