@@ -9,8 +9,9 @@ the next step reads as a hit. Every hit is checked against the model: exactly
 the rows stored for that content, or -- when the tier no longer holds it -- the
 "is not readable" contract error, never zeros nor the rows of the block's
 previous tenant (another content, still in the pool). The model keeps each
-KV slot's rows (``None``: absent for its tenant); a store of a block with an
-absent slot stores nothing. Stores are of blocks whose content a request
+KV slot's rows (``None``: absent for its tenant) and the order of the write
+that put them; a store of a block with an absent slot, or of a block its
+tenant wrote only partly (a later slot holds an older write), stores nothing. Stores are of blocks whose content a request
 computed or a load restored (as vLLM's ``request_finished`` reports them);
 ``store_unwritten`` tries the others. A fixed run reaches store, eviction, a
 served load and a refused one deterministically. The rows a step hands the manager are on
@@ -56,6 +57,8 @@ class TierMachine(RuleBasedStateMachine):
         self.n = 0
         self.live: list[str] = []
         self.rows: dict[int, torch.Tensor | None] = dict.fromkeys(range(NUM_BLOCKS * BS))  # per KV slot
+        self.ver: dict[int, int] = dict.fromkeys(range(NUM_BLOCKS * BS), 0)  # per KV slot: its write's order
+        self.clock = 0
         self.content: dict[int, int | None] = dict.fromkeys(range(NUM_BLOCKS))  # block -> content it holds
         self.tier: OrderedDict[int, torch.Tensor] = OrderedDict()  # content -> rows, LRU first
         self.stores = self.evictions = self.loads = self.refusals = self.skipped = 0
@@ -70,13 +73,18 @@ class TierMachine(RuleBasedStateMachine):
         dev_rows = rows.to(self.device)
         step = self.m.save_outputs(dev_rows, {"audio.codes": -dev_rows[:, :2].clone()}, num_tokens_unpadded=n,
                                    num_tokens_padded=n, write_layout=layout)
+        self.clock += 1
         for i, slot in enumerate(slots(blocks, start, end).tolist()):
             self.rows[slot] = rows[i]
+            self.ver[slot] = self.clock
         return step
 
     def _block_rows(self, b: int) -> torch.Tensor | None:
         got = [self.rows[b * BS + i] for i in range(BS)]
-        return None if any(r is None for r in got) else torch.stack(got)  # type: ignore[misc]
+        vers = [self.ver[b * BS + i] for i in range(BS)]
+        if any(r is None for r in got) or vers != sorted(vers):  # absent, or written only partly by its tenant
+            return None
+        return torch.stack(got)  # type: ignore[arg-type]
 
     @rule(b=st.integers(0, NUM_BLOCKS - 1), c=st.integers(0, CONTENTS - 1))
     def compute(self, b: int, c: int) -> None:
@@ -141,8 +149,10 @@ class TierMachine(RuleBasedStateMachine):
         if expected is not None:
             self.tier.move_to_end(c)
         assert len(self.applier.load_failures) == failures + (expected is None)
+        self.clock += 1
         for i in range(BS):
             self.rows[dst * BS + i] = None if expected is None else expected[i]
+            self.ver[dst * BS + i] = self.clock
         self.loads += 1
         self.m.new_step_starts([started(req, hit_end=BS, blocks=[dst, extra])])
         new_row = truth(f"tail/{self.n}", range(BS, BS + 1))

@@ -17,7 +17,14 @@ before its new rows are placed), a load places exactly the rows the tier holds
 for the block's hash into the block's *new* slots, and a load the tier cannot
 serve restores nothing and vacates the new block (its previous tenant's rows
 are of another content), so the hit's read raises "is not readable" (I6) --
-never zeros nor another block's rows; ``load_failures`` names each such block.
+never zeros nor another block's rows; ``load_failures`` names each such block
+(a damaged or foreign tier file is such a miss, counted by the tier, never raised).
+
+A plan the scheduler side never sends is refused whole before anything is
+applied (``OmniPrefixCacheUnmatchError`` naming the step, request, block and
+its KV slots, and what is wrong): an entry of the wrong type, a negative or
+non-integer block id or index, an empty block hash, two loads into one block,
+or two stores of one block under different hashes.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from omni_cache.runtime.errors import OmniPrefixCacheUnmatchError
 from omni_cache.runtime.tier import HiddenTier
 from omni_cache.runtime.tier_rows import block_rows, restore_rows, vacate_rows
 
@@ -76,8 +84,51 @@ class TierApplier:
         bs = self.block_size
         return torch.from_numpy(np.arange(block_id * bs, (block_id + 1) * bs, dtype=np.int64))
 
+    def check_plan(self, plan: TierPlan) -> None:
+        """Refuse a malformed plan (see the module docstring) before any of it is applied."""
+        if not isinstance(plan, TierPlan):
+            raise OmniPrefixCacheUnmatchError(f"tier plan refused: {type(plan).__name__} is not a TierPlan")
+        stored: dict[int, bytes] = {}
+        loaded: dict[int, bytes] = {}
+        for kind, entries, cls in (("store", plan.stores, TierStore), ("load", plan.loads, TierLoad)):
+            for i, e in enumerate(entries):
+                where = f"tier plan refused: {kind} #{i}"
+                if not isinstance(e, cls):
+                    raise OmniPrefixCacheUnmatchError(f"{where}: {type(e).__name__} is not a {cls.__name__}")
+                where += f" (request {e.req_id!r}, block {e.block_id!r})"
+                ints = [("block_id", e.block_id)] + ([("block_index", e.block_index)] if isinstance(e, TierLoad) else [])
+                for name, value in ints:
+                    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                        raise OmniPrefixCacheUnmatchError(f"{where}: {name} must be an integer >= 0, got {value!r}")
+                if not isinstance(e.req_id, str) or not isinstance(e.block_hash, bytes) or not e.block_hash:
+                    raise OmniPrefixCacheUnmatchError(f"{where}: needs a str request id and a non-empty bytes "
+                                                      f"block hash, got {e.req_id!r}, {e.block_hash!r}")
+                twice = kind == "load" and e.block_id in loaded
+                seen = stored if kind == "store" else loaded
+                prev = seen.setdefault(e.block_id, e.block_hash)
+                bs = self.block_size
+                slots = f"KV slots [{e.block_id * bs}, {(e.block_id + 1) * bs - 1}]"
+                if twice:
+                    raise OmniPrefixCacheUnmatchError(
+                        f"{where}: {slots} loaded twice in one step (state: contents {prev.hex()} and "
+                        f"{e.block_hash.hex()}); one block holds one content")
+                if kind == "store" and prev != e.block_hash:
+                    raise OmniPrefixCacheUnmatchError(
+                        f"{where}: {slots} stored twice in one step under two hashes "
+                        f"(state: {prev.hex()}, {e.block_hash.hex()})")
+
+    def tier_failures(self) -> dict[str, int]:
+        """What the tier lost or could not read back: ``spill_failures`` (evicted entries that could
+        not be written to disk), ``file_load_failures`` (damaged or foreign files, each a miss) and
+        ``misses`` (loads the tier could not serve, listed in ``load_failures``)."""
+        stats = self.tier.stats()
+        with self._lock:
+            return {"spill_failures": stats.spill_failures, "file_load_failures": stats.load_failures,
+                    "misses": len(self.load_failures)}
+
     def apply(self, plan: TierPlan, manager: Any) -> None:
         """Stores, then loads (see the module docstring); engine thread, before the forward."""
+        self.check_plan(plan)
         for store in plan.stores:
             rows = block_rows(manager, self.slots_of(store.block_id))
             with self._lock:
@@ -111,4 +162,5 @@ class TierApplier:
                     "tier_stored_blocks": self.stored_blocks, "tier_store_skipped": self.store_skipped,
                     "tier_restored_blocks": self.restored_blocks,
                     "tier_load_failures": len(self.load_failures),
+                    "tier_spill_failures": stats.spill_failures, "tier_file_load_failures": stats.load_failures,
                     "tier_load_failure_blocks": list(self.load_failures[:8])}

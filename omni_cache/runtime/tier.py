@@ -6,22 +6,41 @@ the block's rows of every per-token key (hidden states and mm keys), each a
 private ``(block_size, ...)`` host tensor. Host memory is held under
 ``budget_bytes`` with least-recently-used eviction; with ``directory`` set, an
 entry evicted from memory is written there as one safetensors file (a second
-level, read back and promoted on a memory miss). Guarded by one lock: the
-worker thread that applies the KV connector's plan is the only caller in vLLM,
-but tests call from several threads.
+level, read back and promoted on a memory miss). Guarded by one lock, held
+across every file operation too: the worker thread that applies the KV
+connector's plan is the only caller in vLLM, but tests call from several threads.
 
 Upholds the tier half of contract section 4.10: ``get(h)`` returns exactly the
 rows the newest ``put(h, ...)`` stored (a put replaces an entry whole, never a
 mix of two versions), or ``None`` -- never zeros, never another block's rows.
 Rows of a block are never split: an entry that does not fit the budget is not
-stored (``put`` returns False).
+stored (``put`` returns False). On disk:
+
+- the newest put wins: a put removes the hash's older file before it returns;
+  a spill writes to a temporary name and renames it atomically, and a spill
+  that fails removes the older file and is counted (``spill_failures``), so a
+  lost entry is a counted miss, never an older version served; a promotion
+  from disk happens under the same lock hold as the read, so it never
+  overwrites a newer put.
+- a tier reads only its own files: each instance spills into its own fresh
+  subdirectory of ``directory`` (two engines or a restart sharing one
+  directory never read each other's rows); every file also carries the
+  instance id and block hash in its metadata and is served only when both match.
+- a damaged file (truncated, foreign, not safetensors) is a miss with
+  ``load_failures`` counted and the file removed -- never raised out of ``get``.
+- a removed ``directory`` is recreated by the next spill.
+- ``directory`` needs the ``safetensors`` package: refused at construction
+  when it is missing, never at the first spill.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import math
 import os
 import threading
+import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -45,26 +64,52 @@ class TierStats:
     spilled: int = 0
     disk_hits: int = 0
     refused: int = 0
+    spill_failures: int = 0  # evicted entries that could not be written (lost, counted)
+    load_failures: int = 0  # files that could not be read back (damaged, foreign): misses
 
 
 def _nbytes(rows: Rows) -> int:
     return sum(t.numel() * t.element_size() for t in rows.values())
 
 
+def _budget(budget_bytes: object) -> int:
+    """``budget_bytes`` as a non-negative integer, or one ValueError naming it."""
+    value: int | None = None
+    if isinstance(budget_bytes, int) and not isinstance(budget_bytes, bool):
+        value = budget_bytes
+    elif isinstance(budget_bytes, float) and math.isfinite(budget_bytes) and budget_bytes.is_integer():
+        value = int(budget_bytes)
+    if value is None or value < 0:
+        raise ValueError(f"HiddenTier: budget_bytes must be a non-negative whole number of bytes, "
+                         f"got {budget_bytes!r}")
+    return value
+
+
 class HiddenTier:
     """Host rows by block hash, LRU under a byte budget, optionally spilled to safetensors files."""
 
     def __init__(self, budget_bytes: int, directory: str | None = None) -> None:
-        if budget_bytes < 0:
-            raise ValueError(f"HiddenTier: budget_bytes must be >= 0, got {budget_bytes}")
-        self.budget_bytes = int(budget_bytes)
+        self.budget_bytes = _budget(budget_bytes)
+        self.instance = uuid.uuid4().hex
         self.directory = directory
+        self._spill_dir: str | None = None
         if directory is not None:
-            os.makedirs(directory, exist_ok=True)
+            try:
+                import safetensors.torch  # noqa: F401
+            except ImportError as exc:
+                raise ValueError("HiddenTier: a tier directory needs the 'safetensors' package "
+                                 "(pip install safetensors)") from exc
+            self._spill_dir = os.path.join(directory, f"tier-{self.instance}")
+            os.makedirs(self._spill_dir, exist_ok=True)
         self._lock = threading.Lock()
         # block hash -> rows, least recently used first; guarded by _lock.
         self._entries: OrderedDict[bytes, Rows] = OrderedDict()
         self._stats = TierStats()
+
+    @property
+    def spill_directory(self) -> str | None:
+        """This instance's own subdirectory of ``directory`` (None without one)."""
+        return self._spill_dir
 
     # ------------------------------------------------------------------ API
     def put(self, block_hash: bytes, rows: Rows) -> bool:
@@ -75,22 +120,8 @@ class HiddenTier:
         if len(lengths) != 1:
             raise ValueError(f"HiddenTier.put: keys have different row counts {sorted(lengths)}")
         copy = {k: t.detach().to("cpu", copy=True).contiguous() for k, t in rows.items()}
-        size = _nbytes(copy)
         with self._lock:
-            old = self._entries.pop(block_hash, None)
-            if old is not None:
-                self._stats.bytes -= _nbytes(old)
-            if size > self.budget_bytes and self.directory is None:
-                self._stats.refused += 1
-                self._sync_locked()
-                return False
-            self._entries[block_hash] = copy
-            self._stats.bytes += size
-            self._stats.puts += 1
-            spill = self._evict_locked()
-        for h, evicted in spill:
-            self._write_file(h, evicted)
-        return True
+            return self._put_locked(block_hash, copy)
 
     def get(self, block_hash: bytes) -> Rows | None:
         """The rows stored for ``block_hash`` (private copies), or ``None``."""
@@ -100,24 +131,22 @@ class HiddenTier:
                 self._entries.move_to_end(block_hash)
                 self._stats.hits += 1
                 return {k: t.clone() for k, t in rows.items()}
-        rows = self._read_file(block_hash)
-        if rows is None:
-            with self._lock:
+            rows = self._read_file_locked(block_hash)
+            if rows is None:
                 self._stats.misses += 1
-            return None
-        with self._lock:
+                return None
             self._stats.hits += 1
             self._stats.disk_hits += 1
-        if _nbytes(rows) <= self.budget_bytes:  # promote
-            self.put(block_hash, rows)
-        return rows
+            if _nbytes(rows) <= self.budget_bytes:  # promote, in the same hold as the read
+                self._put_locked(block_hash, {k: t.clone() for k, t in rows.items()})
+            return rows
 
     def __contains__(self, block_hash: bytes) -> bool:
         with self._lock:
             if block_hash in self._entries:
                 return True
-        path = self._path(block_hash)
-        return path is not None and os.path.exists(path)
+            path = self._path(block_hash)
+            return path is not None and os.path.exists(path)
 
     def stats(self) -> TierStats:
         with self._lock:
@@ -128,39 +157,83 @@ class HiddenTier:
     def _sync_locked(self) -> None:
         self._stats.entries = len(self._entries)
 
+    def _put_locked(self, block_hash: bytes, copy: Rows) -> bool:
+        old = self._entries.pop(block_hash, None)
+        if old is not None:
+            self._stats.bytes -= _nbytes(old)
+        self._remove_file_locked(block_hash)  # an older spilled version never outlives this put
+        size = _nbytes(copy)
+        if size > self.budget_bytes and self._spill_dir is None:
+            self._stats.refused += 1
+            self._sync_locked()
+            return False
+        self._entries[block_hash] = copy
+        self._stats.bytes += size
+        self._stats.puts += 1
+        for h, evicted in self._evict_locked():
+            self._write_file_locked(h, evicted)
+        return True
+
     def _evict_locked(self) -> list[tuple[bytes, Rows]]:
         spill: list[tuple[bytes, Rows]] = []
         while self._stats.bytes > self.budget_bytes and self._entries:
             h, rows = self._entries.popitem(last=False)
             self._stats.bytes -= _nbytes(rows)
             self._stats.evictions += 1
-            if self.directory is not None:
+            if self._spill_dir is not None:
                 spill.append((h, rows))
-                self._stats.spilled += 1
         self._sync_locked()
         return spill
 
     def _path(self, block_hash: bytes) -> str | None:
-        if self.directory is None:
+        if self._spill_dir is None:
             return None
-        return os.path.join(self.directory, hashlib.sha256(block_hash).hexdigest() + ".safetensors")
+        return os.path.join(self._spill_dir, hashlib.sha256(block_hash).hexdigest() + ".safetensors")
 
-    def _write_file(self, block_hash: bytes, rows: Rows) -> None:
+    def _remove_file_locked(self, block_hash: bytes) -> None:
+        path = self._path(block_hash)
+        if path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+
+    def _save(self, rows: Rows, path: str, metadata: dict[str, str]) -> None:
         from safetensors.torch import save_file
 
-        path = self._path(block_hash)
-        assert path is not None, "spill without a directory: tier bug"
-        tmp = path + ".tmp"
-        save_file(rows, tmp, metadata={"block_hash": block_hash.hex()})
-        os.replace(tmp, path)  # a reader sees the old file or the whole new one
+        save_file(rows, path, metadata=metadata)
 
-    def _read_file(self, block_hash: bytes) -> Rows | None:
+    def _write_file_locked(self, block_hash: bytes, rows: Rows) -> None:
+        path = self._path(block_hash)
+        assert path is not None and self._spill_dir is not None, "spill without a directory: tier bug"
+        tmp = path + ".tmp"
+        try:
+            os.makedirs(self._spill_dir, exist_ok=True)  # recreated if removed while running
+            self._save(rows, tmp, {"block_hash": block_hash.hex(), "tier": self.instance})
+            os.replace(tmp, path)  # a reader sees no file or the whole new one
+        except Exception:
+            self._stats.spill_failures += 1
+            for stale in (tmp, path):
+                with contextlib.suppress(OSError):
+                    os.remove(stale)
+            return
+        self._stats.spilled += 1
+
+    def _read_file_locked(self, block_hash: bytes) -> Rows | None:
         path = self._path(block_hash)
         if path is None or not os.path.exists(path):
             return None
-        from safetensors import safe_open
+        try:
+            from safetensors import safe_open
 
-        with safe_open(path, framework="pt") as f:
-            if (f.metadata() or {}).get("block_hash") != block_hash.hex():
-                return None  # another block's file (a digest collision): never served
-            return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+            with safe_open(path, framework="pt") as f:
+                meta = f.metadata() or {}
+                if meta.get("block_hash") != block_hash.hex() or meta.get("tier") != self.instance:
+                    raise ValueError("another tier's or another block's file")
+                rows = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (no __iter__)
+            if not rows or len({int(t.shape[0]) for t in rows.values()}) != 1:
+                raise ValueError("no rows or ragged rows")
+            return rows
+        except Exception:
+            self._stats.load_failures += 1
+            with contextlib.suppress(OSError):
+                os.remove(path)
+            return None

@@ -2,7 +2,8 @@
 
 Owns: ``TierPort`` (the type of the manager's door for the tier), ``block_rows(manager, slots)`` (the rows of one KV block at the versions its
 slots' tenant wrote, for every key the pool holds, or ``None`` when any key is
-absent there), ``restore_rows(manager, slots, rows)`` (rows that came back
+absent there, or when a later slot of the block holds an older version than an
+earlier one: a tenant that wrote only part of it), ``restore_rows(manager, slots, rows)`` (rows that came back
 from the tier, registered as a new write on the block's new slots) and
 ``vacate_rows(manager, slots)`` (a load the tier cannot serve: the new block's
 slots get a new tenant that wrote nothing, so every key is absent there). All run on
@@ -77,6 +78,11 @@ def block_rows(manager: TierHost, slots: torch.Tensor) -> dict[str, torch.Tensor
     plan = manager.tenancy.plan(keys, slots)
     try:
         if any((expected == 0).any() for expected in plan.expected.values()):
+            return None
+        # a block is written in token order, each write newer than the last: a version that falls
+        # along the block means its tenant wrote only its first slots and a later slot still holds
+        # an older tenant's row -- never stored (never half a block, never another tenant's rows)
+        if any(len(e) > 1 and bool((np.diff(e.astype(np.int64)) < 0).any()) for e in plan.expected.values()):
             return None
         what = f"tier store of KV slots [{int(slots[0])}, {int(slots[-1])}]"
         return {key: manager.reader.read_planned(plan, key, what=what) for key in keys}
