@@ -118,10 +118,11 @@ class VllmSimConfig:
             raise ValueError(f"--max-batched-tokens must be at least 32, got {self.max_batched_tokens}")
         if not self.tolerance >= 0:
             raise ValueError(f"tolerance must be >= 0, got {self.tolerance}")
-        from omni_cache.harness.vllm_engine.grid import check_parallel_config
+        from omni_cache.harness.vllm_engine.grid import check_kv_connector, check_parallel_config
         from omni_cache.harness.vllm_engine.speculative import check_speculative
 
         check_parallel_config(self)
+        check_kv_connector(self)
         check_speculative(self)
 
     def as_dict(self) -> dict[str, Any]:
