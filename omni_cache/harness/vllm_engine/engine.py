@@ -139,6 +139,7 @@ class VllmSimResult:
     requests_created: int = 0
     finished: int = 0
     aborted: int = 0
+    failed_requests: list[str] = field(default_factory=list)  # ended by vLLM with an error (a failed KV load)
     preemptions: int = 0
     steps: int = 0
     saved: int = 0
@@ -333,7 +334,10 @@ class VllmSimulation:
             for out in le.step():
                 self._on_output(out)
                 if out.finished and out.request_id in by_name and out.request_id not in aborted:
-                    self._finished.append(by_name[out.request_id])
+                    if any(getattr(o, "finish_reason", None) == "error" for o in out.outputs):
+                        res.failed_requests.append(out.request_id)  # no row of it is owed to the next stage
+                    else:
+                        self._finished.append(by_name[out.request_id])
             self._after_step(llm, res)
             step += 1
             if step >= self.config.steps_limit:
