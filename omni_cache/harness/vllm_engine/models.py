@@ -40,9 +40,9 @@ class SimModel:
     engine's pool; ``window_pool_blocks``: pool blocks added to the blocks the workload preset
     asks for (``pool_blocks``). A hybrid layout's groups share one pool: the full-attention
     group gets the preset's blocks, and the sliding-window groups hold their window's blocks
-    (``window / block_size + 1`` each) of one running request beside them, so a request of the
-    model's full length fits exactly when it fits the preset's blocks, and the preset's pressure
-    (its preemptions) stays. Sized per preset block instead (4 pool blocks each), the pool held
+    (``window / block_size + 1`` each) of one running request beside them, so the preset's
+    pressure (its preemptions) stays; ``min_pool_blocks`` is the floor vLLM checks at engine start
+    (one request of the model's full length with its sliding-window reservations). Sized per preset block instead (4 pool blocks each), the pool held
     the windows of every running request with room to spare and ``mixed`` never preempted."""
 
     name: str
@@ -50,11 +50,13 @@ class SimModel:
     config: dict[str, Any]
     kv_bytes_per_block: int
     window_pool_blocks: int = 0
+    min_pool_blocks: int = 0
     engine_options: dict[str, Any] = field(default_factory=dict)
 
     def pool_blocks(self, kv_blocks: int) -> int:
-        """The engine's pool blocks for ``kv_blocks`` blocks of a workload preset."""
-        return kv_blocks + self.window_pool_blocks
+        """The engine's pool blocks for ``kv_blocks`` blocks of a workload preset (never below
+        ``min_pool_blocks``, what vLLM needs to start with the presets' 512-token model length)."""
+        return max(kv_blocks + self.window_pool_blocks, self.min_pool_blocks)
 
     def kv_cache_memory_bytes(self, kv_blocks: int) -> int:
         return self.pool_blocks(kv_blocks) * self.kv_bytes_per_block
@@ -114,6 +116,11 @@ MODELS: dict[str, SimModel] = {
         kv_bytes_per_block=_kv_bytes(1, 1, 64),
         # 3 sliding-window groups x (a 64-token window: 2 blocks, + 1 being filled) of one request
         window_pool_blocks=3 * (SLIDING_WINDOW // BLOCK_SIZE + 1),
+        # vLLM's engine-start check: one 512-token request (16 full-attention blocks) plus what it
+        # reserves for each sliding-window group, about (window - 1 + a 256-token step) / block size
+        # + 1 = 11 blocks; 49 in all was refused (an estimated 480-token limit), so one block more
+        # per group: 52 (measured, vLLM 0.32)
+        min_pool_blocks=512 // BLOCK_SIZE + 3 * (-(-(SLIDING_WINDOW - 1 + 256) // BLOCK_SIZE) + 2),
         engine_options={"disable_hybrid_kv_cache_manager": False},
     ),
 }
