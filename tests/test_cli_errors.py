@@ -274,3 +274,42 @@ def test_bench_names_its_timing_difference_for_what_it_is() -> None:
     assert "bookkeeping (omni_cache - floor)" not in text and "bookkeeping growth" not in text
     assert "decode step time omni_cache - floor -108.7 µs" in lines[0]
     assert "not the bookkeeping" in text and "--sweep FILE.png" in text
+
+
+_PARSE_NO_VLLM = """
+import sys
+if sys.argv[1] == "hide-vllm":
+    sys.modules["vllm"] = None  # importlib.util.find_spec("vllm") is None: as if vLLM were not installed
+from omni_cache.cli import main
+try:
+    code = main(sys.argv[2:])
+except SystemExit as exc:
+    code = exc.code
+print(code, "torch" in sys.modules, "vllm" in sys.modules and sys.modules["vllm"] is not None)
+"""
+
+
+@pytest.mark.parametrize("hide", ["hide-vllm", "keep-vllm"])
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--kv-connector", "example", "--tp", "2"], "--kv-connector runs the thinker in this process: not with --tp 2"),
+    (["--model", "hybrid", "--pp", "2"], "--model hybrid runs on one worker: --tp and --pp take the llama model only"),
+    (["--kv-connector", "example", "--model", "hybrid"],
+     "--kv-connector runs the llama thinker (one KV-cache group): not --model hybrid"),
+    (["--speculative", "ngram", "--kv-connector", "example"], "--speculative does not combine with --kv-connector"),
+])
+def test_simulate_vllm_refuses_a_grid_before_torch_and_without_vllm(argv: list[str], says: str, hide: str) -> None:
+    """``simulate --engine vllm`` answers a combination the real thinker does not run as ``pipeline``
+    does: one line naming the flags, exit 2, before torch is imported, installed vLLM or not."""
+    done = subprocess.run([sys.executable, "-c", _PARSE_NO_VLLM, hide, "simulate", "--engine", "vllm", *argv],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.stdout.split("\n")[0] == "2 False False", (done.stdout, done.stderr[-800:])
+    err = done.stderr.strip().splitlines()
+    assert err[0].startswith("usage: omni-cache simulate") and "not installed" not in done.stderr, err
+    assert err[-1].startswith("omni-cache simulate: error: ") and says in err[-1], err
+
+
+def test_the_real_thinker_config_refuses_the_connector_with_another_model() -> None:
+    from omni_cache.harness.vllm_engine.engine import VllmSimConfig
+
+    with pytest.raises(ValueError, match="--kv-connector runs the llama thinker"):
+        VllmSimConfig(kv_connector="example", model="hybrid")

@@ -259,3 +259,29 @@ def test_explicit_write_layout_and_counts() -> None:
         hooks.after_forward(torch.zeros(1, 4), {}, num_tokens_unpadded=1, num_tokens_padded=1)
     with pytest.raises(OmniPrefixCacheUnmatchError, match="no manager"):
         PrefixCacheRunnerHooks(is_last_pp_rank=True).discard(1)
+
+
+def test_a_request_withheld_after_a_failed_kv_load_is_resumed_on_its_prefix() -> None:
+    """``withhold`` leaves a request out of its step's materialize (its KV load failed: vLLM fails it
+    or recomputes it from the first failed block); its next EXTENDED (the cut ``num_computed_tokens``)
+    becomes RESUMED on the prefix's blocks, so the cut hit is served again -- never the vacated block."""
+    from fakes_vllm import CachedRequestData
+
+    from omni_cache.runtime.events import PrefixCacheEventKind as K
+
+    hooks = _hooks(is_last_pp_rank=True)
+    step_id = _run(hooks, _so(NewRequestData("r", PROMPT, ([1, 2, 3],), 0), NewRequestData("s", PROMPT[:8], ([4, 5],), 0)))
+    assert step_id is not None
+    hooks.withhold(step_id, {"r": (1, 2, 3)})
+    out = hooks.materialize(step_id)
+    assert set(out.hidden_states) == {"s"}
+    so = OmniSchedulerOutput.make_empty()
+    so.scheduled_cached_reqs = CachedRequestData(["r"], set(), [[]], {}, [None], [BS], [0])
+    so.num_scheduled_tokens = {"r": len(PROMPT) - BS}
+    so.total_num_scheduled_tokens = len(PROMPT) - BS
+    step = hooks.begin_step(so)
+    assert step is not None
+    (event,) = [e for e in step.events if e.req_id == "r"]
+    assert event.kind is K.RESUMED and event.hit_end == BS and event.block_ids == ((1,),)
+    assert hooks.reloaded_req_ids == {"r"}
+    hooks.manager.shutdown()

@@ -269,7 +269,7 @@ def test_a_thinker_grid_the_model_cannot_run_is_one_line_and_exit_2(argv: list[s
 
 def test_the_thinker_engine_arguments_follow_model_and_grid() -> None:
     """Each worker of a ``tp x pp`` thinker gets the KV bytes of its own layers; the hybrid model its
-    hybrid KV manager and a pool of ``pool_blocks_per_block`` blocks per preset block; the truth
+    hybrid KV manager and a pool of ``pool_blocks`` (the preset's blocks plus the windows'); the truth
     thinker (prefix caching off) vLLM's own worker and no cache, in every case."""
     from omni_cache.harness.pipeline.stages import StageOptions, thinker_kwargs
     from omni_cache.harness.pipeline.talker import talker_kwargs

@@ -183,3 +183,15 @@ def test_the_command_extraction_sees_blocks_and_spans() -> None:
     assert any(c.endswith("omni-cache selfcheck") for c in _inline_commands())
     assert _parse_problem(["simulate", "--no-such-flag"]) is not None
     assert _variants(["--eager|--async", "x"]) == [["--eager", "x"], ["--async", "x"]]
+
+
+_MAKING = re.compile(r"\b(this|the previous|the last|the next|an earlier|other) sessions?\b|\bsessions'", re.I)
+
+
+def test_the_docs_describe_the_product_not_its_making() -> None:
+    """The README and docs/ speak of the product (its runs, commits, measurements), never of the
+    sessions that made it ("this session", "the previous session's runs")."""
+    found = [f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
+             for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+             for n, line in enumerate(path.read_text().splitlines(), 1) if _MAKING.search(line)]
+    assert not found, "\n".join(found)

@@ -149,3 +149,18 @@ def test_the_applier_stores_before_it_loads_and_counts_a_miss() -> None:
     got = applier.tier.get(b"h2")
     assert got is not None and torch.equal(got["hidden"], rows_a)
     m.shutdown()
+
+
+def test_a_load_the_tier_cannot_serve_is_handed_to_vllm_as_a_failed_load_once() -> None:
+    """The block of a load the tier cannot serve is returned by ``apply`` and held for
+    ``take_load_errors`` (``OmniKVConnector.get_block_ids_with_load_errors``), once."""
+    m = manager(True)
+    m.new_step_starts([started("a")])
+    s1, _ = save(m, [("a", [2], 0, 4)])
+    m.materialize(s1, ["a"])
+    applier = TierApplier(HiddenTier(1 << 20), BS)
+    failed = applier.apply(TierPlan(stores=(TierStore("a", b"h2", 2),),
+                                    loads=(TierLoad("b", 0, b"h2", 5), TierLoad("b", 1, b"unknown", 3))), m)
+    assert failed == {3}
+    assert applier.take_load_errors() == {3} and applier.take_load_errors() == set()
+    m.shutdown()

@@ -105,3 +105,23 @@ def test_a_sliding_window_only_model_is_refused_at_engine_start() -> None:
     assert line.startswith("REFUSED OmniPrefixCacheUnmatchError steps 0"), line
     assert "none is a prefix-cacheable full-attention group" in line
     assert "group 0: SlidingWindowSpec(block_size=32, sliding_window=64)" in line
+
+
+def test_the_readme_hybrid_command_runs_as_printed() -> None:
+    """The README's ``omni-cache simulate --engine vllm --model hybrid --json``, exactly, in a fresh
+    process: the ``mixed`` preset as the preset, so its promise applies (the engine must preempt; exit
+    3 otherwise). The CLI test above runs its own sizes (``--requests``, ``--num-blocks``), where the
+    promise does not apply: it passed while this command exited 3 (the pool then held the sliding
+    windows of every running request with room to spare, and nothing was preempted)."""
+    import os
+    import subprocess
+    import sys
+
+    require_vllm()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)}
+    proc = subprocess.run([sys.executable, "-m", "omni_cache.cli", "simulate", "--engine", "vllm", "--model", "hybrid",
+                           "--json"], capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    s = json.loads(proc.stdout)
+    assert s["ok"] is True and s["num_mismatches"] == 0 and s["kv_groups"] == 4 and s["hit_tokens"] > 0
+    assert s["preemptions"] > 0 and not s["incomplete"], s["incomplete"]

@@ -18,7 +18,9 @@ import json
 from typing import Any
 
 from omni_cache.cli.args import EXIT_INCOMPLETE, float_range, int_range
+from omni_cache.harness.vllm_engine.grid import check_kv_connector, check_parallel_config
 from omni_cache.harness.vllm_engine.models import DEFAULT_MODEL, MODELS
+from omni_cache.harness.vllm_engine.speculative import check_speculative
 from omni_cache.harness.vllm_engine.workload import PRESETS
 
 __all__ = ["PRESETS", "add_arguments", "add_model_argument", "run_vllm"]
@@ -75,15 +77,26 @@ def add_model_argument(parser: argparse.ArgumentParser, scope: str = "") -> None
 
 
 def run_vllm(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
-    err = Console(stderr=True)
     given = [f"--{name.replace('_', '-')}" for name in _SIM_ONLY if getattr(args, name, None) is not None]
     if given:
         args.error(f"{', '.join(given)} only apply to --engine sim")
     if args.preset is not None and args.preset not in PRESETS:
         args.error(f"--preset {args.preset} is a preset of the simulated engine; --engine vllm takes "
                    f"{', '.join(sorted(PRESETS))}")
+    # The thinker's grid, model, connector and speculative method, checked before torch or vLLM is
+    # imported (and whether or not vLLM is installed): one line naming the flags, exit 2.
+    grid = argparse.Namespace(tp=args.tp or 1, pp=args.pp or 1, model=args.model or DEFAULT_MODEL,
+                              check_ranks=bool(args.check_ranks), kv_connector=getattr(args, "kv_connector", None),
+                              speculative=args.speculative)
+    try:
+        check_parallel_config(grid)
+        check_kv_connector(grid)
+        check_speculative(grid)
+    except ValueError as exc:
+        args.error(str(exc))
+    from rich.console import Console
+
+    err = Console(stderr=True)
     if importlib.util.find_spec("vllm") is None:
         err.print("omni-cache simulate --engine vllm: vLLM is not installed; see the README's third command "
                   "(pip install -e '.[vllm]', then remove torchvision)", markup=False)
@@ -105,8 +118,6 @@ def run_vllm(args: argparse.Namespace) -> int:
         if getattr(args, "kv_connector", None) is not None:
             kwargs["kv_connector"] = args.kv_connector
         cfg = VllmSimConfig(**kwargs)
-        if cfg.kv_connector is not None and cfg.tp * cfg.pp > 1:
-            raise ValueError("--kv-connector runs the engine in this process: it does not combine with --tp/--pp")
     except (ValueError, TypeError) as exc:
         args.error(str(exc))  # the subcommand's usage, one line, exit 2
     refusal = kv_space_override()

@@ -294,6 +294,16 @@ def _build() -> dict[str, type]:
             super().update_connector_output(connector_output)
 
         # ---------------------------------------------------------- worker side
+        def get_block_ids_with_load_errors(self) -> set[int]:
+            """The wrapped connectors' failed blocks plus the blocks whose rows this worker's tier
+            could not restore this step (evicted, damaged, foreign): a failed KV load to vLLM, whose
+            ``kv_load_failure_policy`` recomputes them (the forward computes the rows) or fails the
+            request -- never zeros, never the rows of the block's previous tenant."""
+            failed = set(super().get_block_ids_with_load_errors())
+            if self.omni_tier_applier is not None:
+                failed |= self.omni_tier_applier.take_load_errors()
+            return failed
+
         def wait_for_save(self) -> None:
             super().wait_for_save()
             if self.omni_delivery is not None:

@@ -5,7 +5,10 @@ lazily built ``OmniPrefixCacheManager`` (on the output rank only: TP rank 0 of
 the last pipeline stage, see ``omni_cache.integration.ranks``; every other rank's
 hooks allocate nothing and do nothing), the
 scheduler adapter, this step's scheduled-token counts between ``begin_step``
-and ``after_forward``, and the save-time request ids of every unconsumed step.
+and ``after_forward``, the save-time request ids of every unconsumed step, and
+the requests withheld after a failed KV load (``withhold_failed_loads``: their
+rows of that step are never served; their next EXTENDED event becomes RESUMED
+on their prefix's blocks, the hit vLLM cut to before the first failed block).
 
 Call order (spec/protocol.md), all on the engine thread except the output path:
 
@@ -31,6 +34,8 @@ save-time requests); the rest is the manager's.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import logging
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -39,13 +44,15 @@ from omni_cache.integration.adapter import PrefixCacheSchedulerAdapter
 from omni_cache.integration.config_gate import stage_prefix_cache_config
 from omni_cache.integration.ranks import WorkerRank, cache_bytes, vllm_worker_rank
 from omni_cache.runtime.errors import OmniPrefixCacheUnmatchError
-from omni_cache.runtime.events import PrefixCacheStep, PrefixCacheWriteLayout
+from omni_cache.runtime.events import PrefixCacheEventKind, PrefixCacheStep, PrefixCacheWriteLayout
 from omni_cache.runtime.interface import ModelCachePolicy, PrefixCacheConfig, ReqId, StageCacheOutputs, StepId
 
 if TYPE_CHECKING:
     from omni_cache.runtime.manager import OmniPrefixCacheManager
 
 __all__ = ["PrefixCacheRunnerHooks", "vllm_is_last_pp_rank"]
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -105,6 +112,10 @@ class PrefixCacheRunnerHooks:
         self._step_scheduled: dict[ReqId, int] | None = None
         self._lock = threading.Lock()  # guards _save_req_ids (output path may be another thread)
         self._save_req_ids: dict[StepId, tuple[ReqId, ...]] = {}
+        # Requests withheld after a failed KV load -> their prefix's block ids (output group), until
+        # their next event: vLLM recomputes from its first failed block, which is their new hit.
+        self._reloads: dict[ReqId, tuple[int, ...]] = {}
+        self.reloaded_req_ids: frozenset[ReqId] = frozenset()  # this step's such RESUMED events
 
     # ------------------------------------------------------------- set-up
     def on_model_loaded(self, model: Any) -> ModelCachePolicy:
@@ -204,6 +215,9 @@ class PrefixCacheRunnerHooks:
         if is_dummy or not self._active():
             return None
         step = self.adapter.translate_step(scheduler_output)
+        self.reloaded_req_ids = frozenset()
+        if self._reloads:
+            step = self._resume_reloads(step)
         self._step_scheduled = None
         self._manager.new_step_starts(step)
         self._step_scheduled = dict(step.scheduled_tokens)
@@ -263,6 +277,57 @@ class PrefixCacheRunnerHooks:
         manager itself, not through ``materialize``/``discard``); returns them."""
         with self._lock:
             return self._save_req_ids.pop(step_id, None)
+
+    def withhold_failed_loads(self, step_id: StepId, view: Any, spans: tuple[tuple[ReqId, int, int], ...],
+                              failed_blocks: set[int], engine_step: int) -> dict[ReqId, tuple[int, ...]]:
+        """``withhold`` the requests of ``spans`` whose cached prefix ``[0, start)`` (``view``: a
+        ``BlockTableView``) holds one of ``failed_blocks`` -- blocks whose KV load failed this step
+        (the tier could not restore their rows: vLLM recomputes or fails those requests, so their rows
+        of this step, computed over KV that never came, are not served, and their hit would read the
+        vacated block: "is not readable"). Returns them with their prefix's block ids."""
+        bs = self._require_manager().config.block_size
+        withheld: dict[ReqId, tuple[int, ...]] = {}
+        for rid, start, _ in spans:
+            if start:
+                blocks = tuple(int(b) for b in view.slots_for_spans([(rid, 0, start)])[::bs] // bs)
+                if not failed_blocks.isdisjoint(blocks):
+                    log.warning("omni-cache: engine step %d: request %s reads a block whose KV load failed; "
+                                "its rows of this step are not served (vLLM recomputes or fails it)", engine_step, rid)
+                    withheld[rid] = blocks
+        if withheld:
+            self.withhold(step_id, withheld)
+        return withheld
+
+    def withhold(self, step_id: StepId, prefixes: dict[ReqId, tuple[int, ...]]) -> None:
+        """Leave the requests of ``prefixes`` (id -> the block ids of its cached prefix) out of
+        ``step_id``'s save-time requests: a KV load of theirs failed this step, so vLLM fails them or
+        recomputes them from the first failed block. Their next event (EXTENDED, with the cut
+        ``num_computed_tokens``) becomes RESUMED on those blocks: the cut prefix is their new hit."""
+        with self._lock:
+            kept = self._save_req_ids.get(step_id)
+            if kept is not None:
+                self._save_req_ids[step_id] = tuple(r for r in kept if r not in prefixes)
+        self._reloads.update(prefixes)
+
+    def _resume_reloads(self, step: PrefixCacheStep) -> PrefixCacheStep:
+        events = []
+        config = self._manager.config if self._manager is not None else None
+        bs, group = (config.block_size, config.output_group_id) if config is not None else (1, 0)
+        resumed = set()
+        for event in step.events:
+            blocks = self._reloads.pop(event.req_id, None)
+            if blocks is not None and event.kind is PrefixCacheEventKind.EXTENDED:
+                n = -(-event.hit_end // bs)
+                if n > len(blocks):
+                    raise OmniPrefixCacheUnmatchError(
+                        f"request {event.req_id!r}: after a failed KV load its hit [0, {event.hit_end}) is longer "
+                        f"than the prefix it was withheld with ({len(blocks)} blocks)")
+                event = dataclasses.replace(event, kind=PrefixCacheEventKind.RESUMED,
+                                            block_ids=((),) * group + (blocks[:n],))
+                resumed.add(event.req_id)
+            events.append(event)
+        self.reloaded_req_ids = frozenset(resumed)
+        return dataclasses.replace(step, events=tuple(events))
 
     def materialize(self, step_id: StepId) -> StageCacheOutputs:
         """Merged outputs of the save-time requests; a failed materialize

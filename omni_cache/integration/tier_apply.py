@@ -16,9 +16,15 @@ by a finished request and handed to a new request in the same step is read
 before its new rows are placed), a load places exactly the rows the tier holds
 for the block's hash into the block's *new* slots, and a load the tier cannot
 serve restores nothing and vacates the new block (its previous tenant's rows
-are of another content), so the hit's read raises "is not readable" (I6) --
-never zeros nor another block's rows; ``load_failures`` names each such block
-(a damaged or foreign tier file is such a miss, counted by the tier, never raised).
+are of another content) -- never zeros nor another block's rows; ``load_failures``
+names each such block (a damaged or foreign tier file is such a miss, counted
+by the tier, never raised). Such a block is also a failed KV load to vLLM: its id is
+held until ``take_load_errors`` (``OmniKVConnector.get_block_ids_with_load_errors``,
+the same step's forward) hands it to the scheduler, whose ``kv_load_failure_policy``
+recomputes the block (the forward computes its rows) or fails the request; ``apply``
+returns such blocks' ids too, and the runner bridge serves no row of this step to a
+request whose cached prefix holds one (its hit would read the vacated block: "is not
+readable", I6; its rows were computed over KV that never came).
 
 A plan the scheduler side never sends is refused whole before anything is
 applied (``OmniPrefixCacheUnmatchError`` naming the step, request, block and
@@ -79,6 +85,15 @@ class TierApplier:
     tier_hit_tokens: int = 0
     load_failures: list[dict[str, Any]] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    # block ids of loads the tier could not serve, not yet reported to vLLM; guarded by _lock
+    _load_errors: set[int] = field(default_factory=set, repr=False)
+
+    def take_load_errors(self) -> set[int]:
+        """The block ids of the loads this tier could not serve since the last call (vLLM's
+        ``invalid_block_ids``: the scheduler recomputes or fails their requests)."""
+        with self._lock:
+            errors, self._load_errors = self._load_errors, set()
+        return errors
 
     def slots_of(self, block_id: int) -> torch.Tensor:
         bs = self.block_size
@@ -126,9 +141,11 @@ class TierApplier:
             return {"spill_failures": stats.spill_failures, "file_load_failures": stats.load_failures,
                     "misses": len(self.load_failures)}
 
-    def apply(self, plan: TierPlan, manager: Any) -> None:
-        """Stores, then loads (see the module docstring); engine thread, before the forward."""
+    def apply(self, plan: TierPlan, manager: Any) -> set[int]:
+        """Stores, then loads (see the module docstring); engine thread, before the forward.
+        Returns the block ids of the loads the tier could not serve (also held for ``take_load_errors``)."""
         self.check_plan(plan)
+        failed: set[int] = set()
         for store in plan.stores:
             rows = block_rows(manager, self.slots_of(store.block_id))
             with self._lock:
@@ -144,6 +161,8 @@ class TierApplier:
                 with self._lock:
                     self.load_failures.append({"req_id": load.req_id, "block_index": load.block_index,
                                                "block_id": load.block_id, "block_hash": load.block_hash.hex()})
+                    self._load_errors.add(load.block_id)
+                failed.add(load.block_id)
                 # the new block's previous tenant (another content) must not serve the hit: it
                 # raises "is not readable" (I6), never zeros nor another block's rows
                 vacate_rows(manager, self.slots_of(load.block_id))
@@ -152,6 +171,7 @@ class TierApplier:
             with self._lock:
                 self.restored_blocks += 1
                 self.tier_hit_tokens += self.block_size
+        return failed
 
     def summary(self) -> dict[str, Any]:
         stats = self.tier.stats()

@@ -15,8 +15,10 @@ configuration fails at engine start, before any step; ``begin_step`` at the top
 of ``execute_model``, before vLLM drops finished requests (also for steps that
 schedule zero tokens: their finished ids still reach the cache);
 then, when the step's KV connector metadata carries an ``OmniKVConnector`` tier
-plan (``omni_cache.integration.kv_tier``; found wherever vLLM nests it, ``kv_nesting``), the plan is applied (stores, then
-loads) so restored rows are registered before the forward's save;
+plan (``omni_cache.integration.kv_tier``; found wherever vLLM nests it, ``kv_nesting``), the plan is
+applied (stores, then loads) so restored rows are registered before the forward's save (a block
+the tier could not restore is a failed KV load: the requests that read it are not served that
+step, ``PrefixCacheRunnerHooks.withhold_failed_loads``);
 ``after_forward`` right after the model forward, with the forward's hidden
 states and the runner's block table of the output KV-cache group
 (``PrefixCacheConfig.output_group_id``; V1: ``runner.input_batch``; Model Runner
@@ -99,6 +101,8 @@ class ForwardRecord:
     mm_outputs: dict[str, Any]
     block_ids: dict[ReqId, tuple[int, ...]] = field(default_factory=dict)
     scheduler_output: Any = field(repr=False, default=None)
+    # requests served from position 0 again although vLLM did not resume them (after a failed KV load)
+    resumed: frozenset[ReqId] = frozenset()
 
 
 def runner_of(llm: Any) -> Any:
@@ -241,6 +245,9 @@ class VllmRunnerBridge:
         self.v2_mirror: V2BlockTableMirror | None = None
         # The hidden-state tier of this worker's OmniKVConnector (found on first use; tests may set it).
         self.tier_applier: Any = None
+        # This step's blocks whose rows the tier could not restore (vLLM's load errors): a request whose
+        # cached prefix holds one is not served this step (vLLM recomputes or fails it).
+        self._unrestorable: set[int] = set()
         # Sees every step's scheduler output at the top of begin_step (the simulation's tier truth).
         self.step_observer: Callable[[Any], None] | None = None
         # Speculative decoding (set at KV-cache initialisation): a verify step waits for its verdict.
@@ -319,6 +326,7 @@ class VllmRunnerBridge:
         self.preemptions += len(getattr(scheduler_output, "preempted_req_ids", None) or ())
         self.zero_token_steps += int(not getattr(scheduler_output, "total_num_scheduled_tokens", 0))
         self._scheduler_output = scheduler_output
+        self._unrestorable = set()
         # the OmniKVConnector metadata wherever vLLM nests it (MultiConnector: MultiKVConnectorMetadata.metadata)
         metadata = omni_metadata(getattr(scheduler_output, "kv_connector_metadata", None))
         if self.failed is None:
@@ -341,7 +349,9 @@ class VllmRunnerBridge:
             self.delivery.begin_step(getattr(metadata, "omni_delivery", None), prompts)
 
     def _apply_tier(self, plan: Any) -> None:
-        """The ``OmniKVConnector`` tier plan of this step (stores, then loads), before the forward."""
+        """The ``OmniKVConnector`` tier plan of this step (stores, then loads), before the forward;
+        the blocks it could not restore are this step's ``_unrestorable`` (the connector reports them
+        to vLLM as failed loads)."""
         if self.tier_applier is None:
             from omni_cache.integration.kv_tier import worker_tier_applier
 
@@ -350,7 +360,7 @@ class VllmRunnerBridge:
             raise OmniPrefixCacheUnmatchError(
                 f"engine step {self.engine_step}: the KV connector metadata carries an omni-cache tier plan "
                 "but this worker has no OmniKVConnector; the hidden rows of its external KV cannot be restored")
-        self.tier_applier.apply(plan, self.hooks.manager)
+        self._unrestorable = set(self.tier_applier.apply(plan, self.hooks.manager))
 
     def after_forward_v1(
         self, runner: Any, hidden_states: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor
@@ -446,6 +456,9 @@ class VllmRunnerBridge:
         if self.observer is not None:
             self.observe_forward(so, view, spans, step_id, mm, hidden_states[:num_unpadded],
                                  input_ids[:num_unpadded], positions[:num_unpadded], slot_mapping[:num_unpadded])
+        if self._unrestorable and step_id is not None:  # a failed KV load's requests: not served this step
+            withheld = self.hooks.withhold_failed_loads(step_id, view, spans, self._unrestorable, self.engine_step)
+            spans = tuple(span for span in spans if span[0] not in withheld)
         if step_id is not None:
             held = self.speculative and self.verify_steps.hold(step_id, self.engine_step, spans, so)
             if not held:  # a step with draft rows awaits sampling's verdict (after_sample)
@@ -514,6 +527,7 @@ class VllmRunnerBridge:
                 mm_outputs=mm,
                 block_ids={rid: view.blocks_of(rid) for rid, _, _ in spans},
                 scheduler_output=so,
+                resumed=self.hooks.reloaded_req_ids,
             )
         )
 

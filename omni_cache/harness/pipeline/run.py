@@ -196,7 +196,7 @@ class Pipeline:
                                  model=config.model, tp=config.tp, pp=config.pp, speculative=config.speculative)
         self.talker_tokens = config.talker_tokens or p.talker_tokens
         # The engine reports pool blocks: a hybrid layout's groups share one pool (vllm_sim.models).
-        self.asked_kv_blocks = p.kv_blocks * sim_model(config.model).pool_blocks_per_block
+        self.asked_kv_blocks = sim_model(config.model).pool_blocks(p.kv_blocks)
 
     @property
     def measures_apc_alone(self) -> bool:

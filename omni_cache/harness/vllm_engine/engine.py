@@ -118,10 +118,11 @@ class VllmSimConfig:
             raise ValueError(f"--max-batched-tokens must be at least 32, got {self.max_batched_tokens}")
         if not self.tolerance >= 0:
             raise ValueError(f"tolerance must be >= 0, got {self.tolerance}")
-        from omni_cache.harness.vllm_engine.grid import check_parallel_config
+        from omni_cache.harness.vllm_engine.grid import check_kv_connector, check_parallel_config
         from omni_cache.harness.vllm_engine.speculative import check_speculative
 
         check_parallel_config(self)
+        check_kv_connector(self)
         check_speculative(self)
 
     def as_dict(self) -> dict[str, Any]:
@@ -138,6 +139,7 @@ class VllmSimResult:
     requests_created: int = 0
     finished: int = 0
     aborted: int = 0
+    failed_requests: list[str] = field(default_factory=list)  # ended by vLLM with an error (a failed KV load)
     preemptions: int = 0
     steps: int = 0
     saved: int = 0
@@ -332,7 +334,10 @@ class VllmSimulation:
             for out in le.step():
                 self._on_output(out)
                 if out.finished and out.request_id in by_name and out.request_id not in aborted:
-                    self._finished.append(by_name[out.request_id])
+                    if any(getattr(o, "finish_reason", None) == "error" for o in out.outputs):
+                        res.failed_requests.append(out.request_id)  # no row of it is owed to the next stage
+                    else:
+                        self._finished.append(by_name[out.request_id])
             self._after_step(llm, res)
             step += 1
             if step >= self.config.steps_limit:

@@ -37,8 +37,9 @@ def check_parallel_config(cfg: Any) -> None:
 
 
 def check_kv_connector(cfg: Any) -> None:
-    """Raise ``ValueError`` (one line) for a ``--kv-connector`` run of ``pipeline`` that cannot show
-    the tier: the connector needs the llama thinker in this process and a later run to load into."""
+    """Raise ``ValueError`` (one line) for a ``--kv-connector`` run (``simulate --engine vllm`` or
+    ``pipeline``) that cannot show the tier: the connector needs the llama thinker in this process and,
+    in ``pipeline``, a later run to load into (``repeats``; a config without it is one run with two phases)."""
     name = getattr(cfg, "kv_connector", None)
     if name is None:
         return

@@ -37,19 +37,29 @@ _FP32 = 4
 @dataclass(frozen=True)
 class SimModel:
     """A tiny dummy-weight model. ``kv_bytes_per_block``: bytes of one KV block id in the
-    engine's pool; ``pool_blocks_per_block``: pool blocks given per block the workload preset
-    asks for (a hybrid layout's groups share one pool, and each sliding-window group holds
-    its window's blocks beside the full-attention group's)."""
+    engine's pool; ``window_pool_blocks``: pool blocks added to the blocks the workload preset
+    asks for (``pool_blocks``). A hybrid layout's groups share one pool: the full-attention
+    group gets the preset's blocks, and the sliding-window groups hold their window's blocks
+    (``window / block_size + 1`` each) of one running request beside them, so the preset's
+    pressure (its preemptions) stays; ``min_pool_blocks`` is the floor vLLM checks at engine start
+    (one request of the model's full length with its sliding-window reservations). Sized per preset block instead (4 pool blocks each), the pool held
+    the windows of every running request with room to spare and ``mixed`` never preempted."""
 
     name: str
     description: str
     config: dict[str, Any]
     kv_bytes_per_block: int
-    pool_blocks_per_block: int = 1
+    window_pool_blocks: int = 0
+    min_pool_blocks: int = 0
     engine_options: dict[str, Any] = field(default_factory=dict)
 
+    def pool_blocks(self, kv_blocks: int) -> int:
+        """The engine's pool blocks for ``kv_blocks`` blocks of a workload preset (never below
+        ``min_pool_blocks``, what vLLM needs to start with the presets' 512-token model length)."""
+        return max(kv_blocks + self.window_pool_blocks, self.min_pool_blocks)
+
     def kv_cache_memory_bytes(self, kv_blocks: int) -> int:
-        return kv_blocks * self.pool_blocks_per_block * self.kv_bytes_per_block
+        return self.pool_blocks(kv_blocks) * self.kv_bytes_per_block
 
 
 TINY_LLAMA: dict[str, Any] = {
@@ -104,7 +114,13 @@ MODELS: dict[str, SimModel] = {
         TINY_GEMMA3,
         # One KV-cache tensor per layer slot shared by the groups: a block id is one layer's page.
         kv_bytes_per_block=_kv_bytes(1, 1, 64),
-        pool_blocks_per_block=4,
+        # 3 sliding-window groups x (a 64-token window: 2 blocks, + 1 being filled) of one request
+        window_pool_blocks=3 * (SLIDING_WINDOW // BLOCK_SIZE + 1),
+        # vLLM's engine-start check: one 512-token request (16 full-attention blocks) plus what it
+        # reserves for each sliding-window group, about (window - 1 + a 256-token step) / block size
+        # + 1 = 11 blocks; 49 in all was refused (an estimated 480-token limit), so one block more
+        # per group: 52 (measured, vLLM 0.32)
+        min_pool_blocks=512 // BLOCK_SIZE + 3 * (-(-(SLIDING_WINDOW - 1 + 256) // BLOCK_SIZE) + 2),
         engine_options={"disable_hybrid_kv_cache_manager": False},
     ),
 }

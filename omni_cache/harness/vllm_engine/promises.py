@@ -47,8 +47,8 @@ def kv_space_override(environ: Mapping[str, str] | None = None,
 def kv_block_problem(cfg: Any, got: int, res: Any, blocks: int | None = None) -> bool:
     """Record (and return True) when the engine's KV-block count is not the asked one
     (``blocks``: the run's own block count where it sizes the engine itself, else the preset's;
-    the engine reports pool blocks: ``pool_blocks_per_block`` of the model per asked block)."""
-    asked = (asked_kv_blocks(cfg) if blocks is None else blocks) * sim_model(getattr(cfg, "model", "llama")).pool_blocks_per_block
+    the engine reports pool blocks: the model's ``pool_blocks`` of the asked blocks)."""
+    asked = sim_model(getattr(cfg, "model", "llama")).pool_blocks(asked_kv_blocks(cfg) if blocks is None else blocks)
     if got == asked:
         return False
     cause = kv_space_override()

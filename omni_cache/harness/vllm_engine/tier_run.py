@@ -116,7 +116,7 @@ class TierSimulation(VllmSimulation):
     """See the module docstring. ``tier_bytes``/``tier_dir``: the tier's budget and second level."""
 
     def __init__(self, config: VllmSimConfig, *, tier_bytes: int = 64 << 20, tier_dir: str | None = None,
-                 expect_load_failures: bool = False) -> None:
+                 expect_load_failures: bool = False, load_failure_policy: str | None = None) -> None:
         if config.kv_connector not in CONNECTORS:
             raise ValueError(f"--kv-connector must be one of {list(CONNECTORS)}, got {config.kv_connector!r}")
         self.phase1, self.phase2 = tier_plan(config.seed, config.requests or 6)
@@ -125,12 +125,16 @@ class TierSimulation(VllmSimulation):
         self.kv_blocks = config.kv_blocks or TIER_KV_BLOCKS
         self.max_batched_tokens = config.max_batched_tokens or 512
         self.expect_load_failures = expect_load_failures
+        self.load_failure_policy = load_failure_policy  # vLLM's kv_load_failure_policy (None: its default)
         self.storage = tempfile.mkdtemp(prefix="omni-cache-example-connector-")
         self.tier_summary: dict[str, Any] = {}
         self.truth: TierTruth | None = None
 
     def kv_transfer_config(self) -> dict[str, Any]:
-        return example_transfer_config(self.storage, self.tier_bytes, self.tier_dir)
+        config = example_transfer_config(self.storage, self.tier_bytes, self.tier_dir)
+        if self.load_failure_policy is not None:
+            config["kv_load_failure_policy"] = self.load_failure_policy
+        return config
 
     def build_llm(self) -> Any:
         from omni_cache.harness.vllm_engine.engine import prepare_vllm_env

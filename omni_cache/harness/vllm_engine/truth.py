@@ -129,7 +129,7 @@ class ForwardCapture:
     # ------------------------------------------------------------ engine thread
     def observe(self, rec: ForwardRecord) -> None:
         so = rec.scheduler_output
-        fresh = _fresh_ids(so)
+        fresh = _fresh_ids(so) | rec.resumed  # resumed by the cache after a failed KV load too
         with self._lock:
             for r in getattr(so, "scheduled_new_reqs", None) or ():
                 self.hit_tokens += int(r.num_computed_tokens)
