@@ -9,9 +9,11 @@ nests each child's metadata in ``MultiKVConnectorMetadata.metadata`` (a tuple,
 in the order of its ``connectors``) and exposes its children as
 ``sub_connectors``. Duck-typed on those field names: no vLLM import.
 
-Invariant: a tree holds at most one ``OmniKVConnector`` (the config gate refuses
-more, ``kv_capability``); finding two here raises ``OmniPrefixCacheUnmatchError``,
-so a tier plan is never silently dropped nor applied by the wrong tier.
+Upholds contract section 4.10 where vLLM nests the wrapper: a tier plan is never
+silently dropped (a reloaded block would keep its previous tenant's rows, I7). A
+tree holds at most one ``OmniKVConnector`` (the config gate refuses more,
+``kv_capability``); finding two here raises ``OmniPrefixCacheUnmatchError``, so a
+plan is never applied by the wrong tier.
 """
 
 from __future__ import annotations
