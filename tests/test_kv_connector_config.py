@@ -140,6 +140,10 @@ MALFORMED = {
     "tier_dir-empty": (_omni(EXAMPLE, tier_dir=""), r"\['tier_dir'\] must be a directory path"),
     "tier_bytes-str": (_omni(EXAMPLE, tier_bytes="1G"), r"\['tier_bytes'\] must be a non-negative int"),
     "extra-str": (_omni() | {"kv_connector_extra_config": "big"}, r"kv_connector_extra_config must be a dict"),
+    "wrapped-child-extra-str": (_omni(EXAMPLE | {"kv_connector_extra_config": "x"}),
+                                r"\['connectors'\]\[0\]\.kv_connector_extra_config must be a dict"),
+    "multi-child-extra-str": (_multi(EXAMPLE | {"kv_connector_extra_config": "x"}),
+                              r"\['connectors'\]\[0\]\.kv_connector_extra_config must be a dict"),
 }
 
 
@@ -149,6 +153,17 @@ def test_a_malformed_configuration_is_one_refusal_naming_the_key(transfer: dict[
         _gate(transfer)
     assert str(info.value).startswith("omni prefix cache cannot run on this stage")
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(("budget", "accepted"), [(0, True), (1, True), (-1, False)])
+def test_a_tier_budget_of_zero_bytes_is_accepted_and_a_negative_one_refused(budget: int, accepted: bool) -> None:
+    """``tier_bytes`` 0 is a tier that keeps nothing (every reload recomputes); below 0 is refused."""
+    extra = {"connectors": [EXAMPLE], "omni_cache": {"tier_bytes": budget}}
+    if accepted:
+        assert tier_settings(extra)["tier_bytes"] == budget
+    else:
+        with pytest.raises(OmniPrefixCacheUnmatchError, match=r"\['tier_bytes'\] must be a non-negative int, got -1"):
+            tier_settings(extra)
 
 
 @pytest.mark.parametrize("extra", [{"connectors": "ExampleConnector"}, {"connectors": EXAMPLE},

@@ -109,3 +109,22 @@ def test_gpu_tier_connectors_expose_the_hooks_the_wrapper_builds_on(module: str,
         assert verdict.loads and not verdict.wrapped, (name, role)
     assert connector_verdict({"kv_connector": "MultiConnector", "kv_role": "kv_producer",
                               "kv_connector_extra_config": {"connectors": [{"kv_connector": name}]}}).loads
+
+
+def test_the_wrapped_connectors_get_each_steps_worker_output(base_kwargs, tmp_path) -> None:  # noqa: F811
+    """``update_connector_output`` reaches every wrapped connector (vLLM's MultiConnector hands it on):
+    the wrapper reads its own outcomes from the output and must not keep the children's from them."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.outputs import KVConnectorOutput
+
+    vllm_config = _vllm_config(base_kwargs, kv_transfer_config=_wrapped(str(tmp_path)))
+    cls = KVConnectorFactory.get_connector_class(vllm_config.kv_transfer_config)
+    conn = cls(vllm_config, KVConnectorRole.SCHEDULER, None)
+    seen: list[object] = []
+    for child in conn.sub_connectors:
+        child.update_connector_output = seen.append  # type: ignore[method-assign]
+    output = KVConnectorOutput(finished_sending={"a"})
+    conn.update_connector_output(output)
+    assert len(seen) == len(conn.sub_connectors) == 1
+    assert seen[0].finished_sending == {"a"}  # type: ignore[attr-defined]

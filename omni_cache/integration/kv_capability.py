@@ -159,6 +159,7 @@ def _walk(config: Any, role: str | None, where: str, under_omni: bool, nested: b
             _walk(child, role, f"{where}.kv_connector_extra_config['connectors'][{i}]",
                   under_omni or name == OMNI_CONNECTOR, True, leaves, omni)
         return
+    _extra(config, where)  # a leaf's own settings: vLLM hands them to its constructor, which reads a dict
     leaves.append(_Leaf(name, role, under_omni, nested, _as_dict(config, role)))
 
 
