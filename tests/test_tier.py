@@ -40,6 +40,18 @@ def test_get_returns_exactly_the_newest_put_as_private_copies() -> None:
     assert tier.stats().entries == 1 and tier.stats().bytes == ENTRY
 
 
+def test_the_counters_start_at_zero_and_count_each_call_once() -> None:
+    """``stats()`` is what the worker's summary and the metrics report: exact counts, from zero."""
+    from dataclasses import asdict
+
+    tier = HiddenTier(10 * ENTRY)
+    assert set(asdict(tier.stats()).values()) == {0}
+    tier.put(b"h", _rows("a"))
+    assert tier.get(b"h") is not None and tier.get(b"h") is not None and tier.get(b"other") is None
+    s = asdict(tier.stats())
+    assert {k: v for k, v in s.items() if v} == {"entries": 1, "bytes": ENTRY, "puts": 1, "hits": 2, "misses": 1}
+
+
 def test_lru_eviction_under_the_byte_budget() -> None:
     tier = HiddenTier(2 * ENTRY)
     tier.put(b"1", _rows("1"))
