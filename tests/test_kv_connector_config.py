@@ -155,6 +155,10 @@ def test_a_malformed_configuration_is_one_refusal_naming_the_key(transfer: dict[
     assert "\n" not in str(info.value)
 
 
+def test_the_tier_budget_defaults_to_256_mib() -> None:
+    assert tier_settings({"connectors": [EXAMPLE]})["tier_bytes"] == 256 << 20
+
+
 @pytest.mark.parametrize(("budget", "accepted"), [(0, True), (1, True), (-1, False)])
 def test_a_tier_budget_of_zero_bytes_is_accepted_and_a_negative_one_refused(budget: int, accepted: bool) -> None:
     """``tier_bytes`` 0 is a tier that keeps nothing (every reload recomputes); below 0 is refused."""

@@ -128,3 +128,16 @@ def test_the_wrapped_connectors_get_each_steps_worker_output(base_kwargs, tmp_pa
     conn.update_connector_output(output)
     assert len(seen) == len(conn.sub_connectors) == 1
     assert seen[0].finished_sending == {"a"}  # type: ignore[attr-defined]
+
+
+def test_a_hybrid_layout_with_a_wrapped_connector_lacking_hma_is_refused(base_kwargs, tmp_path) -> None:  # noqa: F811
+    """With several KV-cache groups the hybrid manager matters: a wrapped connector without its
+    support (ExampleConnector) is refused at construction, naming the setting that turns it off."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    vllm_config = _vllm_config(base_kwargs, kv_transfer_config=_wrapped(str(tmp_path)))
+    assert not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
+    cls = KVConnectorFactory.get_connector_class(vllm_config.kv_transfer_config)
+    with pytest.raises(ValueError, match=r"2 KV-cache groups .* set disable_hybrid_kv_cache_manager=True"):
+        cls(vllm_config, KVConnectorRole.SCHEDULER, SimpleNamespace(kv_cache_groups=[object(), object()]))
