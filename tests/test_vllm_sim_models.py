@@ -39,7 +39,10 @@ def test_engine_kwargs_size_the_kv_memory_per_model() -> None:
     llama = model_engine_kwargs("llama", kv_blocks=48)
     assert llama["kv_cache_memory_bytes"] == 48 * KV_BLOCK_BYTES == 48 * 2 * 2 * 32 * 64 * 4
     hybrid = model_engine_kwargs("hybrid", kv_blocks=48)
-    assert hybrid["kv_cache_memory_bytes"] == 48 * 4 * (2 * 32 * 64 * 4)  # 192 one-layer pages
+    # one pool of one-layer pages: the preset's 48 blocks plus one running request's three windows
+    # (3 blocks each), never below the 52 vLLM needs to start a 512-token request
+    assert hybrid["kv_cache_memory_bytes"] == (48 + 9) * (2 * 32 * 64 * 4)
+    assert model_engine_kwargs("hybrid", kv_blocks=24)["kv_cache_memory_bytes"] == 52 * (2 * 32 * 64 * 4)
     assert hybrid["disable_hybrid_kv_cache_manager"] is False
     assert os.path.isfile(os.path.join(hybrid["model"], "config.json"))
     wide = model_engine_kwargs("wide", kv_blocks=48)  # 16 layers, 2 KV heads of 128
