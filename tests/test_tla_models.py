@@ -57,8 +57,9 @@ def test_manifest_run_is_as_expected(results: dict[str, RunResult], entry: Manif
 
 @pytest.mark.tlc
 def test_manifest_is_small(results: dict[str, RunResult]) -> None:
-    """The CI tier's constants stay small (the nightly tier has no cap)."""
-    assert max(r.distinct_states or 0 for r in results.values()) < 20_000
+    """The CI tier's constants stay small (the nightly tier has no cap). NOTE: MCTenancyTier with
+    its disk level (spill, failed spill, another tier's files) is the largest, 41,540 states."""
+    assert max(r.distinct_states or 0 for r in results.values()) < 50_000
 
 
 @pytest.mark.tlc

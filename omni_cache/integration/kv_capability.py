@@ -44,6 +44,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from omni_cache.integration.kv_nesting import connector_configs
 from omni_cache.runtime.errors import OmniPrefixCacheUnmatchError
 
 __all__ = ["OMNI_CONNECTOR", "OMNI_MODULE", "ConnectorVerdict", "connector_configs", "connector_verdict"]
@@ -106,22 +107,6 @@ def _role_verdict(name: str, role: str | None) -> tuple[bool, str]:
         return False, ""
     return True, (f"{name} loads KV into this engine's blocks in every role (kv_role={role!r} does not stop "
                   "it: it reloads prefixes it stored)")
-
-
-def connector_configs(extra: Any, where: str) -> list[Mapping[str, Any]]:
-    """``extra['connectors']`` (``where`` names ``extra``): a list of connector configs, each a dict
-    naming its ``kv_connector``; ``[]`` when absent. Anything else is refused, naming the key."""
-    key = f"{where}['connectors']"
-    children = extra.get("connectors") if isinstance(extra, Mapping) else None
-    if children is None:
-        return []
-    if not isinstance(children, (list, tuple)):
-        raise _refuse(f"{key} must be a list of connector configs (dicts such as {{'kv_connector': "
-                      f"'ExampleConnector', 'kv_role': 'kv_both'}}), got {type(children).__name__} {children!r}")
-    for i, child in enumerate(children):
-        if not isinstance(child, Mapping) or not isinstance(child.get("kv_connector"), str):
-            raise _refuse(f"{key}[{i}] must be a dict naming its 'kv_connector' (a class name), got {child!r}")
-    return list(children)
 
 
 def _extra(config: Any, where: str) -> Mapping[str, Any]:

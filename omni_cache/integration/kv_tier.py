@@ -48,7 +48,7 @@ from omni_cache.integration.delivery import (
     RowDelivery,
 )
 from omni_cache.integration.delivery_sched import DeliveryScheduler
-from omni_cache.integration.kv_nesting import omni_connector
+from omni_cache.integration.kv_nesting import connector_configs, omni_connector
 from omni_cache.integration.metrics import CacheMetricsReporter
 from omni_cache.integration.tier_apply import TierApplier, TierLoad, TierPlan, TierStore
 from omni_cache.integration.vllm_logging import use_vllm_logging
@@ -68,8 +68,6 @@ def _refuse(message: str) -> OmniPrefixCacheUnmatchError:
 def tier_settings(extra: Any) -> dict[str, Any]:
     """The tier settings in ``kv_connector_extra_config`` (``tier_bytes``, ``tier_dir``), checked: a
     malformed value is one ``OmniPrefixCacheUnmatchError`` naming its key."""
-    from omni_cache.integration.kv_capability import connector_configs
-
     where = "kv_connector_extra_config"
     if not isinstance(extra, Mapping):
         raise _refuse(f"{where} must be a dict, got {type(extra).__name__} {extra!r}")
