@@ -44,7 +44,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from omni_cache.integration.kv_nesting import connector_configs
+from omni_cache.integration.kv_nesting import STAGE_REFUSAL, connector_configs
 from omni_cache.runtime.errors import OmniPrefixCacheUnmatchError
 
 __all__ = ["OMNI_CONNECTOR", "OMNI_MODULE", "ConnectorVerdict", "connector_configs", "connector_verdict"]
@@ -91,7 +91,7 @@ class _Leaf:
 
 
 def _refuse(message: str) -> OmniPrefixCacheUnmatchError:
-    return OmniPrefixCacheUnmatchError(f"omni prefix cache cannot run on this stage: {message}")
+    return OmniPrefixCacheUnmatchError(f"{STAGE_REFUSAL}{message}")
 
 
 def _get(config: Any, field: str) -> Any:

@@ -73,9 +73,11 @@ def connector_configs(extra: Any, where: str) -> list[Mapping[str, Any]]:
     if children is None:
         return []
     if not isinstance(children, (list, tuple)):
-        raise OmniPrefixCacheUnmatchError(STAGE_REFUSAL + f"{key} must be a list of connector configs (dicts such as {{'kv_connector': "
-                      f"'ExampleConnector', 'kv_role': 'kv_both'}}), got {type(children).__name__} {children!r}")
+        raise OmniPrefixCacheUnmatchError(
+            f"{STAGE_REFUSAL}{key} must be a list of connector configs (dicts such as {{'kv_connector': "
+            f"'ExampleConnector', 'kv_role': 'kv_both'}}), got {type(children).__name__} {children!r}")
     for i, child in enumerate(children):
         if not isinstance(child, Mapping) or not isinstance(child.get("kv_connector"), str):
-            raise OmniPrefixCacheUnmatchError(STAGE_REFUSAL + f"{key}[{i}] must be a dict naming its 'kv_connector' (a class name), got {child!r}")
+            raise OmniPrefixCacheUnmatchError(
+                f"{STAGE_REFUSAL}{key}[{i}] must be a dict naming its 'kv_connector' (a class name), got {child!r}")
     return list(children)

@@ -48,7 +48,7 @@ from omni_cache.integration.delivery import (
     RowDelivery,
 )
 from omni_cache.integration.delivery_sched import DeliveryScheduler
-from omni_cache.integration.kv_nesting import connector_configs, omni_connector
+from omni_cache.integration.kv_nesting import STAGE_REFUSAL, connector_configs, omni_connector
 from omni_cache.integration.metrics import CacheMetricsReporter
 from omni_cache.integration.tier_apply import TierApplier, TierLoad, TierPlan, TierStore
 from omni_cache.integration.vllm_logging import use_vllm_logging
@@ -62,7 +62,7 @@ _DEFAULT_TIER_BYTES = 256 << 20
 
 
 def _refuse(message: str) -> OmniPrefixCacheUnmatchError:
-    return OmniPrefixCacheUnmatchError(f"omni prefix cache cannot run on this stage: OmniKVConnector: {message}")
+    return OmniPrefixCacheUnmatchError(f"{STAGE_REFUSAL}OmniKVConnector: {message}")
 
 
 def tier_settings(extra: Any) -> dict[str, Any]:
