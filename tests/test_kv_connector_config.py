@@ -177,3 +177,23 @@ def test_the_wrappers_own_settings_refuse_the_same(extra: Any) -> None:
     """``OmniKVConnector.__init__`` reads them first (vLLM builds the connector before the gate runs)."""
     with pytest.raises(OmniPrefixCacheUnmatchError, match=r"kv_connector_extra_config"):
         tier_settings(extra)
+
+
+# ----------------------------------------------------------------- the verdict itself
+@pytest.mark.parametrize(("transfer", "name", "loads", "wrapped"), [
+    (_omni(EXAMPLE), "OmniKVConnector", True, True),
+    (_multi(_omni(EXAMPLE)), "OmniKVConnector", True, True),
+    ({"kv_connector": "MooncakeConnector", "kv_role": "kv_producer"}, "MooncakeConnector", False, False),
+    (_multi({"kv_connector": "MooncakeConnector", "kv_role": "kv_producer"}, role="kv_producer"),
+     "MultiConnector", False, False),
+    (EXAMPLE, "ExampleConnector", True, False),
+], ids=["omni[example]", "multi[omni[example]]", "mooncake-producer", "multi[mooncake-producer]", "example"])
+def test_the_verdict_names_the_loader_and_whether_the_wrapper_serves_it(
+        transfer: dict[str, Any], name: str, loads: bool, wrapped: bool) -> None:
+    """``connector_verdict`` (public: ``ConnectorVerdict``) says whether KV can enter this engine's blocks
+    and whether it does so through ``OmniKVConnector``: a wrapped tree is a wrapped loader, a
+    send-only tree loads nothing and is not wrapped, an unwrapped loader is named unwrapped."""
+    from omni_cache.integration.kv_capability import connector_verdict
+
+    verdict = connector_verdict(transfer)
+    assert (verdict.name, verdict.loads, verdict.wrapped) == (name, loads, wrapped)

@@ -141,3 +141,32 @@ def test_a_hybrid_layout_with_a_wrapped_connector_lacking_hma_is_refused(base_kw
     cls = KVConnectorFactory.get_connector_class(vllm_config.kv_transfer_config)
     with pytest.raises(ValueError, match=r"2 KV-cache groups .* set disable_hybrid_kv_cache_manager=True"):
         cls(vllm_config, KVConnectorRole.SCHEDULER, SimpleNamespace(kv_cache_groups=[object(), object()]))
+
+
+def test_the_wrappers_records_go_out_through_vllms_log_handler(base_kwargs, tmp_path) -> None:  # noqa: F811
+    """In the engine-core process (where no worker bridge runs under vLLM's multiprocess engine) the
+    wrapper itself routes the cache's log records (logger ``omni_cache``) to vLLM's handler."""
+    import logging
+
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    ours, theirs = logging.getLogger("omni_cache"), logging.getLogger("vllm")
+    probe = logging.NullHandler()  # stands for the handler vLLM configures outside pytest
+    vllm_config = _vllm_config(base_kwargs, kv_transfer_config=_wrapped(str(tmp_path)))
+    cls = KVConnectorFactory.get_connector_class(vllm_config.kv_transfer_config)
+    saved, level = list(ours.handlers), ours.level
+    for handler in saved:
+        ours.removeHandler(handler)
+    theirs.addHandler(probe)
+    try:
+        cls(vllm_config, KVConnectorRole.SCHEDULER, None)
+        assert probe in ours.handlers
+        assert ours.level == theirs.level
+    finally:
+        theirs.removeHandler(probe)
+        for handler in list(ours.handlers):
+            ours.removeHandler(handler)
+        for handler in saved:
+            ours.addHandler(handler)
+        ours.setLevel(level)
