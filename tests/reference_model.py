@@ -28,8 +28,8 @@ and leftovers) on that device, CPU by default; what a materialize must return st
 (the cache serves host rows). The stateful machines pass tests/cache_helpers.py's
 ``machine_device()``, so ``OMNI_CACHE_TEST_DEVICE=cuda`` runs them with CUDA tensors.
 
-Used by tests/test_manager_stateful.py (Hypothesis), tests/test_soak.py
-(threads) and tests/test_faults.py (fault injection).
+Used by tests/manager/test_manager_stateful.py (Hypothesis), tests/manager/test_soak.py
+(threads) and tests/manager/test_faults.py (fault injection).
 """
 
 from __future__ import annotations

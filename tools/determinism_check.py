@@ -1,6 +1,6 @@
 """Run the suite's seed- and timing-sensitive tests many times: every run must pass.
 
-Owns the dynamic check of docs/testing-determinism.md (tests/test_determinism_guard.py is
+Owns the dynamic check of docs/testing-determinism.md (tests/project/test_determinism_guard.py is
 the static one). Two parts, each optional:
 
   --seeds N     the reachability tests (SEEDED below) once per Hypothesis seed 1..N plus a few
@@ -29,8 +29,8 @@ from pathlib import Path
 
 # Tests that assert a state was reached (or reached enough of it) after a random run.
 SEEDED = (
-    "tests/test_staging_stateful.py",
-    "tests/test_manager_stateful.py::test_tlc_validates_tenancy_traces_with_immediate_and_deferred_writes",
+    "tests/staging/test_staging_stateful.py",
+    "tests/manager/test_manager_stateful.py::test_tlc_validates_tenancy_traces_with_immediate_and_deferred_writes",
 )
 LARGE_SEEDS = (987654321, 2147483647, 4242424242)
 TESTS = Path(__file__).resolve().parent.parent / "tests"
