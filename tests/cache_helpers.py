@@ -15,6 +15,7 @@ from omni_cache import (
     PrefixCacheConfig,
     PrefixCacheEventKind,
     PrefixCacheRequestEvent,
+    PrefixCacheRequestOwner,
     PrefixCacheWriteLayout,
 )
 from omni_cache.runtime.manager import OmniPrefixCacheManager
@@ -23,8 +24,8 @@ from omni_cache.runtime.staging import StagingPool
 E = PrefixCacheEventKind
 WIDTH = 8
 BS = 4
-# Where the stateful machines (tests/manager/test_manager_stateful.py, test_adapter_stateful.py,
-# test_tier_stateful.py) build the tensors they hand to the manager: "cpu" (the default) or
+# Where the stateful machines (tests/manager_machine.py, tests/tier_machine.py; run by
+# tests/manager/, adapter/ and tier/test_*_stateful.py) build the tensors they hand to the manager: "cpu" (the default) or
 # "cuda" (the manager's stream path; tools/device_check.sh sets it on a GPU machine).
 DEVICE_ENV = "OMNI_CACHE_TEST_DEVICE"
 
@@ -76,8 +77,16 @@ def manager(eager: bool = True, **overrides: object) -> OmniPrefixCacheManager:
     return OmniPrefixCacheManager(config(**overrides), eager=eager)
 
 
+def event(req: str, kind: PrefixCacheEventKind, owner: PrefixCacheRequestOwner | None = None, *, hit: int | None = 0,
+          blocks: Sequence[int] = (), n: int = 0) -> PrefixCacheRequestEvent:
+    """One request event: a hit of ``hit`` tokens on ``blocks`` (group 0), ``n`` tokens scheduled,
+    of admission ``owner``; ``hit=None`` is a lookup not yet complete (``lookup_complete=False``)."""
+    return PrefixCacheRequestEvent(req, kind, 0, hit or 0, (tuple(blocks),) if blocks else (), n,
+                                   owner=owner, lookup_complete=hit is not None)
+
+
 def started(req: str, hit_end: int = 0, blocks: Sequence[int] = (), scheduled: int = 0) -> PrefixCacheRequestEvent:
-    return PrefixCacheRequestEvent(req, E.STARTED, 0, hit_end, (tuple(blocks),) if blocks else (), scheduled)
+    return event(req, E.STARTED, hit=hit_end, blocks=blocks, n=scheduled)
 
 
 def finished(req: str) -> PrefixCacheRequestEvent:

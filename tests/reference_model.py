@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from cache_helpers import slot_of
 
 from omni_cache import (
     HIDDEN_KEY,
@@ -533,7 +534,7 @@ class Engine:
         return out
 
     def slot_of(self, q: Req, pos: int) -> int:
-        return q.blocks[pos // self.bs] * self.bs + pos % self.bs
+        return slot_of(q.blocks, pos, self.bs)
 
     def step(self, picks: Sequence[tuple[int, int]], *, pad: int = 0, leftover: bool = False,
              padded_mm: bool = False, order: int = 0, forced: Any = None, omit: int = 0) -> StepExpect | None:

@@ -15,7 +15,7 @@ from collections import OrderedDict
 import hypothesis.strategies as st
 import pytest
 import torch
-from cache_helpers import BS, WIDTH, config, finished, machine_device, settle, slots, started, truth
+from cache_helpers import BS, WIDTH, config, finished, machine_device, settle, slot_of, slots, started, truth
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from omni_cache import PrefixCacheWriteLayout
@@ -68,8 +68,8 @@ class TierMachine(RuleBasedStateMachine):
         return step
 
     def _block_rows(self, b: int) -> torch.Tensor | None:
-        got = [self.rows[b * BS + i] for i in range(BS)]
-        vers = [self.ver[b * BS + i] for i in range(BS)]
+        got = [self.rows[slot_of([b], i)] for i in range(BS)]
+        vers = [self.ver[slot_of([b], i)] for i in range(BS)]
         if any(r is None for r in got) or vers != sorted(vers):  # absent, or written only partly by its tenant
             return None
         return torch.stack(got)  # type: ignore[arg-type]
@@ -139,8 +139,8 @@ class TierMachine(RuleBasedStateMachine):
         assert len(self.applier.load_failures) == failures + (expected is None)
         self.clock += 1
         for i in range(BS):
-            self.rows[dst * BS + i] = None if expected is None else expected[i]
-            self.ver[dst * BS + i] = self.clock
+            self.rows[slot_of([dst], i)] = None if expected is None else expected[i]
+            self.ver[slot_of([dst], i)] = self.clock
         self.loads += 1
         self.m.new_step_starts([started(req, hit_end=BS, blocks=[dst, extra])])
         new_row = truth(f"tail/{self.n}", range(BS, BS + 1))

@@ -82,8 +82,6 @@ FAST_TESTS = (
     "tests/manager/test_step_cost.py",  # the fast paths of a step (layout facts, scheduled counts, slot range, hit merges)
     "tests/manager/test_invariants.py",
     "tests/manager/test_behaviour.py",  # its shutdown test fails in ~11 s on a committer that never stops
-    "tests/test_manager_review_regressions.py",
-    "tests/test_manager_hardening.py",
     "tests/manager/test_door_checks.py",
     "tests/request_identity/test_identity_and_replay.py",
     "tests/request_identity/test_step_events.py",  # one step's events apply to the admission each names
@@ -104,7 +102,6 @@ FAST_TESTS = (
     "tests/integration/test_delivery_scheduler.py",  # DeliveryScheduler and the delivery settings
     "tests/integration/test_delivery_bridge.py",  # the bridge's consumer modes (deliver, discard, queue)
     "tests/integration/test_fake_engine_e2e.py",
-    "tests/test_sim_manager_regressions.py",
     "tests/staging/test_staging_stateful.py",
     "tests/adapter/test_adapter_stateful.py",
     "tests/manager/test_manager_stateful.py",

@@ -38,13 +38,13 @@ TESTS = Path(__file__).resolve().parent.parent / "tests"
 # engine thread: it runs the async manager (``MODES`` / ``eager=False``) or starts threads.
 THREAD_MARKS = re.compile(
     r"MODES|eager=False|eager = False|\[True, False\], ids=\[\"eager\", \"async\"\]|MODE = \"(async|threaded)\""
-    r"|threading|Thread\(|AsyncMachine|ThreadedMachine")
+    r"|threading|Thread\(|AsyncMachine|MachineAsync|ThreadedMachine")
 
 
 def threaded_files(tests: Path = TESTS) -> list[str]:
     """The test files the jitter runs cover, derived from their source (never a list that a new
     file is forgotten in); the ``vllm``/``cuda`` ones are deselected by the run's marker filter."""
-    return [str(p.relative_to(tests.parent)) for p in sorted(tests.glob("test_*.py"))
+    return [str(p.relative_to(tests.parent)) for p in sorted(tests.rglob("test_*.py"))
             if THREAD_MARKS.search(p.read_text())]
 
 

@@ -11,8 +11,8 @@
 #   then, side by side (correctness only; the GPU and 16 cores are shared):  box 240 s in all
 #   cuda_tests  every cuda-marked test (the files tools/device_check.py cuda-files names)   150 s
 #   stateful    the Hypothesis stateful machines with CUDA tensors (OMNI_CACHE_TEST_DEVICE=cuda,
-#               HYPOTHESIS_PROFILE=ci): tests/manager/test_manager_stateful.py, test_adapter_stateful.py,
-#               test_tier_stateful.py                                                       230 s
+#               HYPOTHESIS_PROFILE=ci): tests/manager/test_manager_stateful.py, adapter/test_adapter_stateful.py,
+#               tier/test_tier_stateful.py                                                     230 s
 #   simulate    omni-cache simulate --device cuda --json on every preset, eager and --async
 #               (45 s a run)                                                                230 s
 #   sanitizer   compute-sanitizer memcheck, racecheck and synccheck on tools/cuda_manager_run.py

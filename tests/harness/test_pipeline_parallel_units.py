@@ -7,7 +7,7 @@ materialize error on any rank, a step id consumed twice or never, a cache on a
 rank that is not the output rank, or a count the workers disagree on is a
 finding, never a silent pass. ``worker_stage``'s tap reads prompt rows from the
 forward on the output rank only and gives the runner its own methods back. The
-real worker processes run in ``test_vllm_pipeline_parallel.py``.
+real worker processes run in ``tests/integration/test_vllm_pipeline_parallel.py``.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ The checks are exercised on a stand-in talker (a fixed random torch function of
 the rows it is given, greedy): fed the right rows it agrees with itself, fed
 only the computed rows or one perturbed row it must be flagged -- so a
 comparison that cannot fail would fail here. The real engines are in
-``test_vllm_pipeline.py``.
+``tests/integration/test_vllm_pipeline.py``.
 """
 
 from __future__ import annotations
@@ -312,7 +312,7 @@ def test_missing_vllm_is_one_line_and_exit_2(monkeypatch: pytest.MonkeyPatch, ca
 
 def test_the_command_prints_what_it_verified_and_exits_with_its_code(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    """The subcommand's own path, on made-up results (the real engines run in test_vllm_pipeline.py)."""
+    """The subcommand's own path, on made-up results (the real engines run in tests/integration/test_vllm_pipeline.py)."""
     import json
 
     import omni_cache.harness.pipeline.run as run_mod

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from cache_helpers import slot_of
 from fakes_vllm import InputBatch
 
 from omni_cache import PrefixCacheSchedulerAdapter, PrefixCacheWriteLayout
@@ -42,7 +43,7 @@ def test_slots_match_the_scalar_formula_on_random_batches() -> None:
         for req_id, computed, blocks in rows:
             end = rng.randint(computed, len(blocks) * bs)
             spans.append((req_id, computed, end))
-            expected += [blocks[p // bs] * bs + p % bs for p in range(computed, end)]
+            expected += [slot_of(blocks, p, bs) for p in range(computed, end)]
         assert view.slots_for_spans(spans).tolist() == expected
 
 
@@ -68,7 +69,7 @@ def test_a_kernel_block_table_gives_the_managers_slots() -> None:
     kernel = [4 * b + j for b in manager_blocks for j in range(4)]
     view = BlockTableView.from_input_batch(_batch([("a", 0, kernel)], block_size=8, max_blocks=16), block_size=32)
     assert view.kernel_blocks_per_block == 4 and view.blocks_of("a") == tuple(manager_blocks)
-    expected = [manager_blocks[p // 32] * 32 + p % 32 for p in range(96)]
+    expected = [slot_of(manager_blocks, p, 32) for p in range(96)]
     assert view.slots_for_spans([("a", 0, 96)]).tolist() == expected
 
 

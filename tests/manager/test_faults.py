@@ -35,7 +35,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cache_helpers import MODES, manager, save, started, wait_for_waiter, wait_until
+from cache_helpers import MODES, manager, save, settle, started, wait_for_waiter, wait_until
 from reference_model import EMBEDS, Engine, check_outputs
 from thread_helpers import JOIN_S, Gate
 
@@ -101,15 +101,6 @@ def make(eager: bool, hooks: FaultHooks, *, depth: int = 3, timeout_s: float = 3
     m = OmniPrefixCacheManager(cfg, eager=eager, faults=hooks)
     policy = ModelCachePolicy(deferred_keys=frozenset({EMBEDS} if deferred else ()))
     return m, Engine(m, cfg, policy)
-
-
-def settle(m: OmniPrefixCacheManager) -> None:
-    """Every queued write landed and let go of its staging page (the unhold follows the landing)."""
-    deadline = time.monotonic() + BOUND_S
-    while (m.stats()["write_queue"] or any(w.state not in ("pending",) for w in m.book.live())
-           or any(s.num_write_holds for s in m.staging._slots)):
-        assert time.monotonic() < deadline, f"writes never landed: {m.book.describe_in_flight()}"
-        time.sleep(0.002)
 
 
 def in_thread(fn: Callable[[], object]) -> tuple[threading.Thread, dict[str, object]]:

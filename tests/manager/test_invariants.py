@@ -62,7 +62,7 @@ def test_I2_full_staging_times_out_naming_unconsumed_steps() -> None:
     assert time.perf_counter() - t0 >= 0.19
     msg = str(info.value)
     assert PHRASE_UNCONSUMED in msg and f"step {s1}" in msg and f"step {s2}" in msg
-    assert "cache_helpers.py" in msg or "test_manager_invariants.py" in msg  # where each was saved
+    assert "cache_helpers.py" in msg or "test_invariants.py" in msg  # where each was saved
     assert "in-flight writes" in msg
     # the failed save changed nothing: still two unconsumed, and a consume frees a page
     assert set(m.stats()["unconsumed_step_ids"]) == {s1, s2}

@@ -57,6 +57,7 @@ import time
 
 import pytest
 import torch
+from cache_helpers import event, slots
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 from manager_machine import (
@@ -75,7 +76,6 @@ from thread_helpers import HoldStep
 from omni_cache import (
     ModelCachePolicy,
     PrefixCacheConfig,
-    PrefixCacheRequestEvent,
     PrefixCacheWriteLayout,
     TraceRecorder,
 )
@@ -173,12 +173,9 @@ def test_newer_tenant_pushed_to_the_front_does_not_strand_a_planned_read(read: s
     a, c, z = (truth_rows(prefix_hashes(t)) for t in ([1, 2, 3, 4, 5, 6, 7, 8, 9], [4] * 8, [7] * 4))
 
     def save(rid: str, rows: dict[str, torch.Tensor], blocks: tuple[int, ...], s: int, e: int) -> int:
-        slots = torch.tensor([blocks[p // BS] * BS + p % BS for p in range(s, e)])
+        slot_ids = slots(blocks, s, e)
         return m.save_outputs(None, {k: rows[k][s:e].clone() for k in (CODES, EMBEDS)}, num_tokens_unpadded=e - s,
-                              num_tokens_padded=e - s, write_layout=PrefixCacheWriteLayout.packed([(rid, s, e)], slots))
-
-    def ev(rid: str, kind: E, hit_end: int = 0, blocks: tuple[int, ...] = ()) -> PrefixCacheRequestEvent:
-        return PrefixCacheRequestEvent(rid, kind, 0, hit_end, (blocks,) if blocks else ())
+                              num_tokens_padded=e - s, write_layout=PrefixCacheWriteLayout.packed([(rid, s, e)], slot_ids))
 
     def settle() -> None:
         for _ in range(500):
@@ -187,20 +184,20 @@ def test_newer_tenant_pushed_to_the_front_does_not_strand_a_planned_read(read: s
             time.sleep(0.01)
         raise AssertionError(f"writes never landed: {m.stats()}")
 
-    m.new_step_starts([ev("r0", E.STARTED)])
+    m.new_step_starts([event("r0", E.STARTED)])
     s0 = save("r0", z, (3,), 0, 4)  # r0's write W0 stays pending (deferred)
     m.materialize(s0, ["r0"])
-    m.new_step_starts([ev("r1", E.STARTED)])
+    m.new_step_starts([event("r1", E.STARTED)])
     s1 = save("r1", a, (0, 1), 0, 8)  # r1's write D1 on blocks 0, 1 stays pending
     m.materialize(s1, ["r1"])
     hooks.hold(s0)
     hooks.hold(s1)
-    m.new_step_starts([ev("r0", E.FINISHED), ev("r2", E.STARTED, 8, (0, 1, 2))])
+    m.new_step_starts([event("r0", E.FINISHED), event("r2", E.STARTED, hit=8, blocks=(0, 1, 2))])
     assert hooks.entered[s0].wait(5)  # the committer is busy with W0 from here on
     s2 = save("r2", a, (0, 1, 2), 8, 9)  # r2 hits r1's blocks: its read plans D1, which is queued
-    m.new_step_starts([ev("r1", E.FINISHED), ev("r2", E.FINISHED), ev("r3", E.STARTED)])
+    m.new_step_starts([event("r1", E.FINISHED), event("r2", E.FINISHED), event("r3", E.STARTED)])
     m.materialize(save("r3", c, (0, 1), 0, 8), ["r3"])  # r3: the new tenant of blocks 0, 1 (write D3)
-    m.new_step_starts([ev("r3", E.FINISHED)])  # D3 goes to the queue's front, ahead of D1
+    m.new_step_starts([event("r3", E.FINISHED)])  # D3 goes to the queue's front, ahead of D1
     hooks.release(s0)
     assert hooks.entered[s1].wait(5)  # D3 landed over blocks 0, 1; D1 is being copied, late
     if read == "after_all_landed":

@@ -30,6 +30,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from cache_helpers import slots
 
 
 def _install_shim() -> None:
@@ -269,8 +270,7 @@ class BlockView:
 
     def slots_for(self, req_id, start, end):
         blocks = self.req_blocks[req_id]
-        return torch.tensor([blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(start, end)],
-                            dtype=torch.long)
+        return slots(blocks, start, end, BLOCK_SIZE)
 
     def batch_req_ids(self):
         return list(self.order)

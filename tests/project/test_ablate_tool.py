@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from cache_helpers import BS, manager, save, started
+from cache_helpers import manager, save, slot_of, started
 
 import omni_cache.runtime.manager as manager_module
 from omni_cache.runtime.block_pool import PrefixBlockPool
@@ -55,7 +55,7 @@ def _tenants_after_a_step(spans: list[tuple[str, list[int], int, int]]) -> list[
     m.new_step_starts([started(r) for r, *_ in spans])
     step, _ = save(m, spans)
     m.materialize(step, [r for r, *_ in spans])
-    tenants = m.tenancy._tenant[[b[0] * BS + s for _, b, s, _ in spans]].tolist()
+    tenants = m.tenancy._tenant[[slot_of(b, s) for _, b, s, _ in spans]].tolist()
     m.shutdown()
     return tenants
 

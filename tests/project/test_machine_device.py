@@ -1,8 +1,8 @@
 """Protects the device setting of the stateful machines: ``$OMNI_CACHE_TEST_DEVICE`` reaches every
 tensor they hand the manager, and a device torch cannot use is refused, never run on the CPU.
 
-tools/device_check.sh runs tests/manager/test_manager_stateful.py, test_adapter_stateful.py and
-test_tier_stateful.py with ``OMNI_CACHE_TEST_DEVICE=cuda`` on a GPU machine. Here (no CUDA) the
+tools/device_check.sh runs tests/manager/test_manager_stateful.py, adapter/test_adapter_stateful.py and
+tier/test_tier_stateful.py with ``OMNI_CACHE_TEST_DEVICE=cuda`` on a GPU machine. Here (no CUDA) the
 chain is checked link by link: the setting is read by ``machine_device`` (cpu by default), the
 machines read it when they start, the reference engine builds every step tensor (rows, padding,
 leftovers) on its device, and pytest refuses a device it cannot use at start with one line. On a

@@ -15,12 +15,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from cache_helpers import WIDTH, manager, save, settle, slots, truth
+from cache_helpers import WIDTH, event, manager, save, settle, slots, truth
 
 from omni_cache import (
     OmniPrefixCacheUnmatchError,
     PrefixCacheEventKind,
-    PrefixCacheRequestEvent,
     PrefixCacheSchedulerAdapter,
     PrefixCacheStep,
 )
@@ -32,11 +31,6 @@ MODES = [True, False]
 EMBEDS = "audio.embeds"
 
 
-def ev(req: str, kind: K, owner: Owner | None = None, *, hit: int | None = 0, blocks=(), n: int = 0):
-    return PrefixCacheRequestEvent(req, kind, 0, hit or 0, (tuple(blocks),) if blocks else (), n,
-                                   owner=owner, lookup_complete=hit is not None)
-
-
 @pytest.mark.parametrize("eager", MODES)
 def test_I12_reused_id_is_a_new_admission_old_rows_land_and_no_inherited_hit(eager: bool) -> None:
     from omni_cache import ModelCachePolicy
@@ -45,7 +39,7 @@ def test_I12_reused_id_is_a_new_admission_old_rows_land_and_no_inherited_hit(eag
     m.register_policy(ModelCachePolicy(deferred_keys=frozenset({EMBEDS})))
     try:
         # "x" fills blocks 0,1; admission 1 of "a" writes blocks 2,3 with a deferred key (open write).
-        m.new_step_starts([ev("x", K.STARTED, Owner(1)), ev("a", K.STARTED, Owner(2))])
+        m.new_step_starts([event("x", K.STARTED, Owner(1)), event("a", K.STARTED, Owner(2))])
         rows_x = truth("x", range(8))
         rows_a = truth("a1", range(8))
         from omni_cache import PrefixCacheWriteLayout
@@ -60,14 +54,14 @@ def test_I12_reused_id_is_a_new_admission_old_rows_land_and_no_inherited_hit(eag
         # scheduler replaces it (admission 3, lookup pending). The admission-2 hit must not be served
         # to admission 3, and admission 1's deferred rows must still land (I9).
         assert m.stats()["deferred_open"] == 1
-        m.new_step_starts([ev("a", K.STARTED, Owner(3), hit=8, blocks=[0, 1])])
+        m.new_step_starts([event("a", K.STARTED, Owner(3), hit=8, blocks=[0, 1])])
         assert m.stats()["deferred_open"] == 0, "the replaced admission's open write was not pushed (I9)"
-        m.new_step_starts([ev("a", K.REPLACED, Owner(4), hit=None)])  # its lookup is still pending
+        m.new_step_starts([event("a", K.REPLACED, Owner(4), hit=None)])  # its lookup is still pending
         step, rows = save(m, [("a", [5], 0, 4)], tag_of={"a": "a4"}, mm={EMBEDS: truth("a4", range(4)) * 2})
         out = m.materialize(step, ["a"])
         assert torch.equal(out.hidden_states["a"], rows), "the new admission inherited an old pending hit"
         # A real hit on admission 1's blocks reads its rows, deferred key included: they landed.
-        m.new_step_starts([ev("b", K.STARTED, Owner(5), hit=8, blocks=[2, 3], n=1)])
+        m.new_step_starts([event("b", K.STARTED, Owner(5), hit=8, blocks=[2, 3], n=1)])
         step, new = save(m, [("b", [2, 3, 6], 8, 9)], mm={EMBEDS: truth("b", range(8, 9)) * 2})
         settle(m)
         out = m.materialize(step, ["b"])
@@ -82,20 +76,20 @@ def test_I12_reused_id_is_a_new_admission_old_rows_land_and_no_inherited_hit(eag
 def test_I12_late_terminal_of_the_old_owner_never_ends_the_new_admission(eager: bool) -> None:
     m = manager(eager)
     try:
-        m.new_step_starts([ev("x", K.STARTED, Owner(1))])
+        m.new_step_starts([event("x", K.STARTED, Owner(1))])
         step, rows_x = save(m, [("x", [0, 1], 0, 8)])
         m.discard_step(step)
-        m.new_step_starts([ev("a", K.STARTED, Owner(2))])
+        m.new_step_starts([event("a", K.STARTED, Owner(2))])
         m.discard_step(save(m, [("a", [4], 0, 2)])[0])
         # The id is reused by admission 3 (with a hit on x's blocks) before admission 2's FINISHED,
         # which arrives one step late, carrying the owner it ends.
-        m.new_step_starts([ev("a", K.STARTED, Owner(3), hit=8, blocks=[0, 1], n=2)])
-        m.new_step_starts([ev("a", K.FINISHED, Owner(2)), ev("a", K.EXTENDED, Owner(3), hit=8, blocks=[0, 1])])
+        m.new_step_starts([event("a", K.STARTED, Owner(3), hit=8, blocks=[0, 1], n=2)])
+        m.new_step_starts([event("a", K.FINISHED, Owner(2)), event("a", K.EXTENDED, Owner(3), hit=8, blocks=[0, 1])])
         step, new = save(m, [("a", [0, 1, 7], 8, 10)])
         out = m.materialize(step, ["a"])
         assert torch.equal(out.hidden_states["a"], torch.cat([rows_x, new])), "the late terminal ended the new admission"
         assert m.stats()["stale_events"] == 1
-        m.new_step_starts([ev("a", K.FINISHED, Owner(3))])
+        m.new_step_starts([event("a", K.FINISHED, Owner(3))])
         assert m.stats()["live_requests"] == 1  # only x
     finally:
         m.shutdown()
@@ -104,22 +98,22 @@ def test_I12_late_terminal_of_the_old_owner_never_ends_the_new_admission(eager: 
 def test_I12_identity_errors_change_nothing() -> None:
     m = manager()
     try:
-        m.new_step_starts([ev("a", K.REPLACED, Owner(1, 2), hit=0)])
+        m.new_step_starts([event("a", K.REPLACED, Owner(1, 2), hit=0)])
         bad = [
-            ([ev("a", K.REPLACED, None)], "carries no owner"),
-            ([ev("a", K.STARTED, Owner(1, 3))], "needs a REPLACED control"),
-            ([ev("a", K.EXTENDED, Owner(2))], "only STARTED or REPLACED may change"),
-            ([ev("a", K.REPLACED, Owner(1, 2), hit=4, blocks=[0])], "conflicting initial lookup"),
-            ([ev("b", K.STARTED), ev("b2", K.STARTED, hit=3, blocks=[0])], "not block aligned"),
+            ([event("a", K.REPLACED, None)], "carries no owner"),
+            ([event("a", K.STARTED, Owner(1, 3))], "needs a REPLACED control"),
+            ([event("a", K.EXTENDED, Owner(2))], "only STARTED or REPLACED may change"),
+            ([event("a", K.REPLACED, Owner(1, 2), hit=4, blocks=[0])], "conflicting initial lookup"),
+            ([event("b", K.STARTED), event("b2", K.STARTED, hit=3, blocks=[0])], "not block aligned"),
         ]
         for events, phrase in bad:
             before = m.stats()
             with pytest.raises(OmniPrefixCacheUnmatchError, match=phrase):
                 m.new_step_starts(events)
             assert m.stats() == before, phrase
-        m.new_step_starts([ev("b", K.STARTED)])
+        m.new_step_starts([event("b", K.STARTED)])
         with pytest.raises(OmniPrefixCacheUnmatchError, match="still live"):
-            m.new_step_starts([ev("b", K.STARTED)])
+            m.new_step_starts([event("b", K.STARTED)])
     finally:
         m.shutdown()
 
@@ -128,23 +122,23 @@ def test_I12_identity_errors_change_nothing() -> None:
 def test_I13_replayed_step_changes_nothing(eager: bool) -> None:
     m = manager(eager)
     try:
-        m.new_step_starts(PrefixCacheStep([ev("x", K.STARTED)], {"x": 8}, sequence=1))
+        m.new_step_starts(PrefixCacheStep([event("x", K.STARTED)], {"x": 8}, sequence=1))
         step, rows_x = save(m, [("x", [0, 1], 0, 8)])
         m.discard_step(step)
-        first = PrefixCacheStep([ev("a", K.STARTED, hit=8, blocks=[0, 1]), ev("x", K.FINISHED)], {"a": 2}, sequence=2)
+        first = PrefixCacheStep([event("a", K.STARTED, hit=8, blocks=[0, 1]), event("x", K.FINISHED)], {"a": 2}, sequence=2)
         m.new_step_starts(first)
         step, new = save(m, [("a", [0, 1, 2], 8, 10)])
         assert torch.equal(m.materialize(step, ["a"]).hidden_states["a"], torch.cat([rows_x, new]))
-        m.new_step_starts(PrefixCacheStep([ev("a", K.FINISHED)], {}, sequence=3))
+        m.new_step_starts(PrefixCacheStep([event("a", K.FINISHED)], {}, sequence=3))
         before = m.stats()
         m.new_step_starts(first)  # replayed: a must not come back live with its hit
-        m.new_step_starts(PrefixCacheStep([ev("y", K.STARTED)], {}, sequence=3))
+        m.new_step_starts(PrefixCacheStep([event("y", K.STARTED)], {}, sequence=3))
         after = m.stats()
         assert after["replayed_steps"] == 2 and after["live_requests"] == 0
         assert {k: after[k] for k in ("hits", "misses", "hit_tokens")} == {k: before[k] for k in ("hits", "misses", "hit_tokens")}
         # A new step (higher sequence) is applied again; a sequence-less step always is.
-        m.new_step_starts(PrefixCacheStep([ev("y", K.STARTED)], {}, sequence=4))
-        m.new_step_starts([ev("z", K.STARTED)])
+        m.new_step_starts(PrefixCacheStep([event("y", K.STARTED)], {}, sequence=4))
+        m.new_step_starts([event("z", K.STARTED)])
         assert m.stats()["live_requests"] == 2
     finally:
         m.shutdown()
@@ -156,7 +150,7 @@ def test_zero_row_request_gets_empty_rows_not_an_error(eager: bool) -> None:
 
     m = manager(eager)
     try:
-        m.new_step_starts([ev("a", K.STARTED), ev("idle", K.STARTED)])
+        m.new_step_starts([event("a", K.STARTED), event("idle", K.STARTED)])
         rows = truth("a", range(4))
         layout = PrefixCacheWriteLayout((PrefixCacheWrite("idle", 0, 0, 5, 5), PrefixCacheWrite("a", 0, 4, 0, 4)),
                                         4, slots([1], 0, 4))
