@@ -250,7 +250,13 @@ def test_layout_is_a_snapshot_of_the_view() -> None:
 
 # ---- the adapter: a new request without num_computed_tokens is a miss --------------------
 def test_a_new_request_without_num_computed_tokens_is_a_miss() -> None:
-    """Mutant: ``getattr(new_req, "num_computed_tokens", 0)`` -> default 1."""
+    """A new request that carries no ``num_computed_tokens`` is a miss: the adapter reads the default 0,
+    never a hit.
+
+    Kills the mutant: ``getattr(new_req, "num_computed_tokens", 0)`` -> default 1.
+
+    A new request that carries no ``num_computed_tokens`` is a miss: the adapter reads the default 0,
+    never a hit."""
 
     bare = SimpleNamespace(req_id="r", block_ids=([3, 4],))  # no num_computed_tokens at all
     output = SimpleNamespace(scheduled_new_reqs=[bare], scheduled_cached_reqs=None,
@@ -272,8 +278,14 @@ def _namespace_new(req: str) -> SimpleNamespace:
 
 @pytest.mark.parametrize("how", ["finished", "aborted"])
 def test_a_preempted_request_that_ends_is_no_longer_preempted(how: str) -> None:
-    """Mutant: ``adapter:...translate_scheduler_output:del_call:7c1a06ae`` (the terminal
-    ``self._preempted.discard(req_id)`` deleted: the ended id stays "preempted" forever)."""
+    """A preempted request that finishes or aborts leaves the adapter's preempted set: its id is never
+    resumed afterwards.
+
+    Kills the mutant: ``adapter:...translate_scheduler_output:del_call:7c1a06ae`` (the terminal
+    ``self._preempted.discard(req_id)`` deleted: the ended id stays "preempted" forever).
+
+    A preempted request that finishes or aborts leaves the adapter's preempted set: its id is never
+    resumed afterwards."""
     a = PrefixCacheSchedulerAdapter()
     a.translate_step(_namespace_so(new=[_namespace_new("v"), _namespace_new("w")], scheduled={"v": 4, "w": 4}))
     a.translate_step(_namespace_so(preempted_req_ids={"v", "w"}))

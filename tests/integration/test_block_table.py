@@ -141,7 +141,13 @@ def test_numpy_and_list_inputs() -> None:
 # ---- the adapter's view protocols ----------------------------------------------------------
 @pytest.mark.parametrize("present", ["req_ids", "slots_for_spans"])
 def test_a_view_with_half_of_the_block_table_protocol_is_refused_by_name(present: str) -> None:
-    """Mutant: ``adapter:_as_reference_view:boolop_swap:0b3f8f5a`` (either attribute was enough)."""
+    """A block-table view must offer the whole reference protocol: one that has only half of it is refused,
+    naming what is missing.
+
+    Kills the mutant: ``adapter:_as_reference_view:boolop_swap:0b3f8f5a`` (either attribute was enough).
+
+    A block-table view must offer the whole reference protocol: one that has only half of it is refused,
+    naming what is missing."""
     view = SimpleNamespace(**{present: ["A"] if present == "req_ids" else (lambda spans: torch.empty(0))},
                            num_computed_tokens=[0])
     with pytest.raises(TypeError, match=r"neither a reference group view .* nor a block-table view"):

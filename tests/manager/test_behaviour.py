@@ -1,4 +1,8 @@
-"""Manager behaviour beyond the invariants: merges, write paths, policies, resume, threads, errors."""
+"""Manager behaviour beyond the invariants: merges, write paths, policies, resume, threads, errors.
+
+Also: a zero-row write next to other requests' rows leaves a request's hit for the first step
+that schedules it (contract section 4.4).
+"""
 
 from __future__ import annotations
 
@@ -334,12 +338,18 @@ def test_eager_drain_is_one_thread_at_a_time_in_queue_order() -> None:
 # ---- budget_flushes is an exact count -----------------------------------------------------
 @pytest.mark.parametrize("eager", MODES)
 def test_budget_flushes_counts_each_flush_exactly_once(eager: bool) -> None:
-    """Mutants: ``counters["budget_flushes"] += 1`` deleted or off by one; the budget loop's bounds.
+    """The GPU staging budget flushes exactly the oldest open deferred write per save over it, and
+    ``budget_flushes`` counts each flush once.
 
     The budget is exactly one step's deferred bytes: the first save fits, and
     every later save pushes the total one write over, so exactly the oldest open
     write is flushed per save.
-    """
+
+    Kills the mutants: ``counters["budget_flushes"] += 1`` deleted or off by one; the budget loop's
+    bounds.
+
+    The GPU staging budget flushes exactly the oldest open deferred write per save over it, and
+    ``budget_flushes`` counts each flush once."""
     per_step = 4 * 3 * 4  # 4 rows x 3 float32 columns
     m = manager(eager, gpu_staging_bytes=per_step, staging_depth=8)
     m.register_policy(ModelCachePolicy(deferred_keys=frozenset({"audio"})))
@@ -357,7 +367,12 @@ def test_budget_flushes_counts_each_flush_exactly_once(eager: bool) -> None:
 
 
 def test_one_byte_over_the_budget_flushes() -> None:
-    """Mutant: ``if over <= 0`` -> ``if over <= 1`` (a write one byte over the budget stays on device)."""
+    """A deferred write one byte over the GPU staging budget is flushed; it never stays on the device.
+
+    Kills the mutant: ``if over <= 0`` -> ``if over <= 1`` (a write one byte over the budget stays on
+    device).
+
+    A deferred write one byte over the GPU staging budget is flushed; it never stays on the device."""
     per_step = 4 * 3 * 4
     m = manager(True, gpu_staging_bytes=2 * per_step - 1, staging_depth=8)
     m.register_policy(ModelCachePolicy(deferred_keys=frozenset({"audio"})))
@@ -387,7 +402,12 @@ def test_no_budget_flush_while_under_budget() -> None:
 # ---- stats() counters are exact -----------------------------------------------------------
 @pytest.mark.parametrize("eager", MODES)
 def test_stats_counters_count_each_event_once(eager: bool) -> None:
-    """Mutants: any counter increment deleted or off by one (saved, materialized, discarded, hits...)."""
+    """The manager's stats count each save, materialize, discard and hit exactly once.
+
+    Kills the mutants: any counter increment deleted or off by one (saved, materialized, discarded,
+    hits...).
+
+    The manager's stats count each save, materialize, discard and hit exactly once."""
     m = manager(eager)
     m.new_step_starts([started("a"), started("b")])
     s1, _ = save(m, [("a", [0, 1], 0, 8)])
@@ -407,7 +427,12 @@ def test_stats_counters_count_each_event_once(eager: bool) -> None:
 
 # ---- I2: an aborted claim wakes a waiting save --------------------------------------------
 def test_abort_wakes_a_save_waiting_for_a_page() -> None:
-    """Mutant: delete ``notify_all`` in ``StagingPool.abort`` (the waiter would sleep to its timeout)."""
+    """Aborting a staging claim wakes a save waiting for a page at once, not at its timeout (I2, I11).
+
+    Kills the mutant: delete ``notify_all`` in ``StagingPool.abort`` (the waiter would sleep to its
+    timeout).
+
+    Aborting a staging claim wakes a save waiting for a page at once, not at its timeout (I2, I11)."""
     pool = StagingPool(1, 4, 5.0)
     slot = pool.claim(1)
     got: list[object] = []
@@ -423,7 +448,14 @@ def test_abort_wakes_a_save_waiting_for_a_page() -> None:
 
 # ---- the on_blocking seam sees every blocking point of a save ------------------------------
 def test_on_blocking_sees_the_claim_and_the_wait_for_the_previous_write() -> None:
-    """Mutant: delete ``faults.on_blocking("save claims a staging slot")`` (an I11 check point lost)."""
+    """A save announces each of its blocking points (the staging claim, the wait for the previous write) to
+    the fault hooks before it waits (I11).
+
+    Kills the mutant: delete ``faults.on_blocking("save claims a staging slot")`` (an I11 check point
+    lost).
+
+    A save announces each of its blocking points (the staging claim, the wait for the previous write) to
+    the fault hooks before it waits (I11)."""
 
     class Seen(FaultHooks):
         def __init__(self) -> None:
@@ -448,7 +480,14 @@ def test_on_blocking_sees_the_claim_and_the_wait_for_the_previous_write() -> Non
 # ---- I9: shutdown closes the copy queue --------------------------------------------------
 @pytest.mark.parametrize("eager", MODES)
 def test_shutdown_closes_the_queue_so_a_blocking_pop_returns_at_once(eager: bool) -> None:
-    """Mutant: delete ``self.book.close()`` in ``Committer.stop`` (the committer would sleep out its poll)."""
+    """``shutdown`` closes the write queue, so a committer blocked on an empty queue returns at once
+    (contract 4.6).
+
+    Kills the mutant: delete ``self.book.close()`` in ``Committer.stop`` (the committer would sleep out
+    its poll).
+
+    ``shutdown`` closes the write queue, so a committer blocked on an empty queue returns at once
+    (contract 4.6)."""
     m = manager(eager)
     m.shutdown()
     t0 = time.perf_counter()
@@ -459,11 +498,17 @@ def test_shutdown_closes_the_queue_so_a_blocking_pop_returns_at_once(eager: bool
 # ---- a hit of one block when a block is one token ------------------------------------------
 @pytest.mark.parametrize("eager", MODES)
 def test_a_one_token_hit_with_block_size_one_is_served(eager: bool) -> None:
-    """Mutant: ``if event.hit_end > 0`` -> ``> 1`` in ``_install_lookup`` (the hit dropped as a miss).
+    """With ``block_size=1`` a one-token hit is aligned and real: it is served and counted, never dropped as
+    a miss (I5).
 
     With ``block_size=1`` a hit of one token is aligned and real: b must be served a's
     row at KV slot 5 before its own, and counted as one hit of one token.
-    """
+
+    Kills the mutant: ``if event.hit_end > 0`` -> ``> 1`` in ``_install_lookup`` (the hit dropped as a
+    miss).
+
+    With ``block_size=1`` a one-token hit is aligned and real: it is served and counted, never dropped as
+    a miss (I5)."""
     m = OmniPrefixCacheManager(config(block_size=1), eager=eager)
     m.new_step_starts([started("a")])
     rows_a = torch.arange(16, dtype=torch.float32).reshape(2, 8) + 1
@@ -484,8 +529,12 @@ def test_a_one_token_hit_with_block_size_one_is_served(eager: bool) -> None:
 
 # ---- I9: shutdown stops the committer once the queue is drained ---------------------------
 def test_shutdown_stops_the_committer_thread_after_draining() -> None:
-    """Mutant: ``copier:Committer._run:cmp_flip:419aef94`` (``queue_length() == 0`` -> ``!= 0``:
-    the closed committer spins on an empty queue forever and ``stop`` gives up after its timeout)."""
+    """``shutdown`` drains the write queue and then stops the committer thread (contract 4.6, I9).
+
+    Kills the mutant: ``copier:Committer._run:cmp_flip:419aef94`` (``queue_length() == 0`` -> ``!= 0``:
+    the closed committer spins on an empty queue forever and ``stop`` gives up after its timeout).
+
+    ``shutdown`` drains the write queue and then stops the committer thread (contract 4.6, I9)."""
     m = manager(False)
     assert m.committer.alive
     m.new_step_starts([started("a")])
@@ -502,8 +551,14 @@ def test_shutdown_stops_the_committer_thread_after_draining() -> None:
 # ---- I5/I12: an ended request's untaken hit is dropped ------------------------------------
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "async"])
 def test_an_ended_requests_untaken_hit_is_never_served(eager: bool) -> None:
-    """Mutant: ``manager:OmniPrefixCacheManager.new_step_starts:del_call:9103d72c`` (the ``end``
-    op's ``self.hits.drop(req_id)`` deleted: the hit stays pending after FINISHED)."""
+    """A request that ends (FINISHED or ABORTED) before its hit is read drops that hit: it is never served to
+    a later step (I12).
+
+    Kills the mutant: ``manager:OmniPrefixCacheManager.new_step_starts:del_call:9103d72c`` (the ``end``
+    op's ``self.hits.drop(req_id)`` deleted: the hit stays pending after FINISHED).
+
+    A request that ends (FINISHED or ABORTED) before its hit is read drops that hit: it is never served to
+    a later step (I12)."""
     m = manager(eager)
     try:
         m.new_step_starts([started("x")])

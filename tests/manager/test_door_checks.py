@@ -1,7 +1,5 @@
 """What the manager accepts at its door, and what it keeps: a refused call changes nothing.
 
-Each test was written first and seen failing on the code before its fix:
-
   I4  no autograd through the cache: inputs that require grad are stored detached;
       outputs never require grad nor keep an earlier step's graph alive.
   I4  leftovers round-trip by type (named tuples, dataclasses, dicts, lists, tuples);
@@ -11,6 +9,13 @@ Each test was written first and seen failing on the code before its fix:
   I1  step ids are ints issued by this manager: a bool, a float or another manager's id
       is "already consumed or never saved"; ``PrefixCacheWrite`` bounds are ints;
       ``from_vllm_config`` refuses a non-positive ``max_num_batched_tokens``.
+  --  the slot mapping covers the step's rows exactly, as a 1-D integer CPU mapping: a layout
+      whose writes leave rows to no request, or a malformed ``slots_cpu``, is refused before
+      anything is claimed; a scheduled request missing from the layout is refused too.
+  I5  a negative or start-only hit span is refused.
+  --  a key's width and dtype never change: a save that brings another width (immediate or
+      deferred, also while the first width's deferred write is pending) is refused at the
+      door and burns no step id.
 """
 
 from __future__ import annotations
@@ -174,7 +179,7 @@ def test_I4_leftover_round_trips_by_type(kind: str) -> None:
 @pytest.mark.parametrize("eager", MODES)
 def test_I4_uncopyable_leftover_refused_before_a_step_id(eager: bool) -> None:
     """A leftover that cannot be copied faithfully (a lock) is refused at save with nothing
-    claimed and no step id issued; today the id was issued and the claim aborted after it."""
+    claimed and no step id issued; unchecked, the id was issued and the claim aborted after it."""
     m = manager(eager=eager)
     m.new_step_starts([started("a")])
     issued, claims = m._ids_issued, m.stats()["staging"]["claims"]
@@ -281,7 +286,7 @@ def test_I1_step_id_must_be_an_int_issued_by_this_manager(via: str, bad: str, mo
     other.new_step_starts([started("a")])
     mine, _ = save(m, [("a", [0], 0, 3)])
     theirs, _ = save(other, [("a", [0], 0, 3)])
-    # True == 1 and 1.0 == 1 hash alike: today both consumed a manager's first step
+    # True == 1 and 1.0 == 1 hash alike: unchecked, both consumed a manager's first step
     assert mine == 1
     forged = {"bool": True, "float": float(mine), "other manager": theirs}[bad]
     call = m.materialize if via == "materialize" else m.discard_step
@@ -361,7 +366,11 @@ def test_I1_an_int_subclass_step_id_is_the_same_id(via: str) -> None:
 
 # ---- I3: abort refuses while a pool write holds the page ---------------------------------
 def test_abort_while_a_pool_write_holds_the_page_raises_and_changes_nothing() -> None:
-    """Mutant: delete the raise in ``StagingPool.abort`` (the page would be freed under a write)."""
+    """A staging page a pool write still reads cannot be aborted: the abort raises and changes nothing (I3).
+
+    Kills the mutant: delete the raise in ``StagingPool.abort`` (the page would be freed under a write).
+
+    A staging page a pool write still reads cannot be aborted: the abort raises and changes nothing (I3)."""
     pool = StagingPool(2, 4, 0.05)
     slot = pool.claim(2)
     pool.hold(slot)
@@ -384,12 +393,17 @@ def _wrong_width_save(m, deferred: bool) -> None:  # type: ignore[no-untyped-def
 @pytest.mark.parametrize("deferred", [False, True], ids=["immediate", "deferred"])
 @pytest.mark.parametrize("eager", MODES)
 def test_width_change_is_refused_before_the_claim_even_when_staging_is_full(eager: bool, deferred: bool) -> None:
-    """Mutant: delete the pre-claim ``check_sigs`` calls in ``save_outputs``.
+    """A key whose width changes is refused at the save door before any claim, even with staging full: no
+    wait, no timeout, no later failure.
 
     With every page held by an unconsumed step, a save that brings a key with a new
     width must be refused at once with the shape error -- not wait for a page and
     time out (the claim comes after the check), and not fail the manager later.
-    """
+
+    Kills the mutant: delete the pre-claim ``check_sigs`` calls in ``save_outputs``.
+
+    A key whose width changes is refused at the save door before any claim, even with staging full: no
+    wait, no timeout, no later failure."""
     m = manager(eager, staging_depth=2, staging_claim_timeout_s=1.5)
     m.register_policy(ModelCachePolicy(deferred_keys=frozenset({"audio"})))
     m.new_step_starts([started("x")])
@@ -418,12 +432,18 @@ def test_width_change_is_refused_before_the_claim_even_when_staging_is_full(eage
 
 
 def test_width_change_is_refused_by_the_staging_page_before_waiting_for_the_previous_write() -> None:
-    """Mutant: delete the pre-claim ``staging.check_sigs`` call (async: the pool has no tensor yet).
+    """A key whose width changes is refused by the staging page's shape before the save waits for the
+    previous write (async) or claims a page.
 
     The first step's write is held in the committer, so only the staging page knows
     hidden's width. A save with another width must be refused at once, not wait for
     that write (and time out) or claim a page.
-    """
+
+    Kills the mutant: delete the pre-claim ``staging.check_sigs`` call (async: the pool has no tensor
+    yet).
+
+    A key whose width changes is refused by the staging page's shape before the save waits for the
+    previous write (async) or claims a page."""
     hold = Gate("before_device_to_host")  # every device->host copy waits here until released
     m = OmniPrefixCacheManager(config(staging_claim_timeout_s=1.5), eager=False, faults=hold)
     try:
@@ -447,7 +467,11 @@ def test_width_change_is_refused_by_the_staging_page_before_waiting_for_the_prev
 
 # ---- slot range: the first and last legal KV slot, and one past each ----------------------
 def test_check_slots_accepts_exactly_zero_to_num_slots_minus_one() -> None:
-    """Mutants: ``low < 0`` -> ``low < -1`` / ``low < 1`` in ``PrefixBlockPool.check_slots``."""
+    """The block pool accepts exactly the KV slots ``0 .. num_slots - 1`` and refuses the rest.
+
+    Kills the mutants: ``low < 0`` -> ``low < -1`` / ``low < 1`` in ``PrefixBlockPool.check_slots``.
+
+    The block pool accepts exactly the KV slots ``0 .. num_slots - 1`` and refuses the rest."""
     pool = PrefixBlockPool(8)
     pool.check_slots(torch.tensor([0, 7]))
     pool.check_slots(torch.tensor([], dtype=torch.int64))
@@ -473,7 +497,12 @@ def test_a_negative_slot_is_refused_at_save_and_changes_nothing(eager: bool) -> 
 # ---- I5: hit block ids inside [0, num_blocks) ---------------------------------------------
 @pytest.mark.parametrize("blocks", [[31, 32], [-1, 0], [0, 32, 1]], ids=["past-end", "negative", "middle"])
 def test_a_hit_on_a_block_outside_the_pool_is_refused_and_changes_nothing(blocks: list[int]) -> None:
-    """Mutants: the "outside [0, num_blocks)" raise of ``validate_hit`` and its bounds (num_blocks 32)."""
+    """A hit on a block outside ``[0, num_blocks)`` is refused at the door and changes nothing (I5).
+
+    Kills the mutants: the "outside [0, num_blocks)" raise of ``validate_hit`` and its bounds (num_blocks
+    32).
+
+    A hit on a block outside ``[0, num_blocks)`` is refused at the door and changes nothing (I5)."""
     m = manager(True)
     before = m.stats()
     with pytest.raises(OmniPrefixCacheUnmatchError, match=r"are outside \[0, 32\) \(I5\)"):
@@ -538,7 +567,7 @@ def _assert_refused_and_usable(m, call, eager: bool) -> None:  # type: ignore[no
 @pytest.mark.parametrize("gap", ["middle", "tail", "head"])
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "async"])
 def test_slot_mapping_covers_layout_gap_refused(eager: bool, gap: str) -> None:
-    """Rows of the step that belong to no request are refused ("slot mapping covers"); today they
+    """Rows of the step that belong to no request are refused ("slot mapping covers"); unchecked, they
     were scattered into the pool over another request's cached block (X's block 1)."""
     from omni_cache.runtime.events import PrefixCacheWrite
 
@@ -572,7 +601,7 @@ def test_slot_mapping_covers_layout_gap_refused(eager: bool, gap: str) -> None:
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "async"])
 def test_slot_mapping_covers_malformed_slots_refused_before_claim(eager: bool, bad: str) -> None:
     """A 2-D, non-integer, too short or non-CPU ``slots_cpu`` is a precondition error raised before
-    anything is claimed; today a 2-D mapping passed validation, its scatter failed and the manager
+    anything is claimed; unchecked, a 2-D mapping passed validation, its scatter failed and the manager
     was failed for good (in async mode after the step id was returned)."""
     m = manager(eager=eager)
     m.new_step_starts([started("A")])

@@ -503,14 +503,20 @@ def test_rows_of_an_unannounced_request_still_land() -> None:
 def test_a_failure_after_registration_surfaces_as_itself_and_leaves_no_half_state(
     eager: bool, keys: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Mutants: delete ``registered.append(imm)`` / ``registered.append(deferred)`` in ``save_outputs``,
-    or the ``book.fail`` of the writes after the first (hidden+audio: the deferred one stays live).
+    """A failure inside a save after its writes are registered surfaces as itself and leaves the sticky
+    failure or nothing behind, never half (I8).
 
     A failure after the writes are registered (planning the hit runs out of memory)
     must raise that error (or one chained from it) and leave either the sticky
     failure set, or nothing behind: no claimed page, no live write. ``audio`` is a
     deferred key; "hidden" alone has only an immediate write, "audio" only a deferred one.
-    """
+
+    Kills the mutants: delete ``registered.append(imm)`` / ``registered.append(deferred)`` in
+    ``save_outputs``, or the ``book.fail`` of the writes after the first (hidden+audio: the deferred one
+    stays live).
+
+    A failure inside a save after its writes are registered surfaces as itself and leaves the sticky
+    failure or nothing behind, never half (I8)."""
     m = manager(eager)
     m.register_policy(ModelCachePolicy(needs_full_hidden_states="hidden" in keys, deferred_keys=frozenset({"audio"})))
     mm = (lambda n: {"audio": torch.ones(n, 3)}) if "audio" in keys else (lambda n: {})
@@ -548,10 +554,18 @@ class _HoldAndNoteWaits(Gate):
 
 
 def test_a_materialize_that_waits_for_its_copy_announces_the_wait_first() -> None:
-    """Mutant: ``reader:StepReader.build_outputs:del_call:4f7a216a``. Async: the committer is held
+    """A materialize that must wait for its step's device->host copy announces the wait to the fault hooks
+    first, then returns the rows (I11, contract 4.6).
+
+    Async: the committer is held
     inside the step's device->host copy, so ``materialize`` must wait for it; it calls the fault
     hooks' ``on_blocking`` first (where an injected interrupt or a test's gate acts, contract 4.6's
-    shutdown and the fault tests rely on every wait being announced), then returns the rows."""
+    shutdown and the fault tests rely on every wait being announced), then returns the rows.
+
+    Kills the mutant: ``reader:StepReader.build_outputs:del_call:4f7a216a``.
+
+    A materialize that must wait for its step's device->host copy announces the wait to the fault hooks
+    first, then returns the rows (I11, contract 4.6)."""
     hold = _HoldAndNoteWaits()
     m = manager(eager=False)
     m.faults = m.committer.faults = m.reader.faults = hold

@@ -62,12 +62,16 @@ _GUARDED = ("_requests", "_contexts", "counters")
 
 @pytest.mark.parametrize("eager", MODES)
 def test_manager_bookkeeping_is_only_touched_under_the_state_lock(eager: bool) -> None:
-    """Mutants: ``drop_with`` on any ``with self._lock:`` of the manager (bookkeeping read or written bare).
+    """The manager's bookkeeping is read and written only under its state lock (I11).
 
     A workload with hits, deferred writes, budget flushes, finishes, discards and
     stats runs with the manager's dicts replaced by ones that record any access
     from a thread that does not hold the state lock.
-    """
+
+    Kills the mutants: ``drop_with`` on any ``with self._lock:`` of the manager (bookkeeping read or
+    written bare).
+
+    The manager's bookkeeping is read and written only under its state lock (I11)."""
     m = manager(eager, gpu_staging_bytes=48, staging_depth=4, staging_claim_timeout_s=0.2)
     # Only the claim below must time out quickly; the waits on the committer (a save on the
     # previous step's write, a materialize on its copy) get a bound a loaded machine cannot outlast.
@@ -149,7 +153,12 @@ def _guard_attributes(m: OmniPrefixCacheManager) -> list[str]:
 
 @pytest.mark.parametrize("eager", MODES)
 def test_manager_scalars_are_only_touched_under_the_state_lock(eager: bool) -> None:
-    """Mutants: ``drop_with`` on the state lock in register_policy, save_outputs (step id, snapshot) and shutdown."""
+    """The manager's scalars (policy, step ids, shutdown flag) are touched only under its state lock (I11).
+
+    Kills the mutants: ``drop_with`` on the state lock in register_policy, save_outputs (step id,
+    snapshot) and shutdown.
+
+    The manager's scalars (policy, step ids, shutdown flag) are touched only under its state lock (I11)."""
     m = manager(eager, gpu_staging_bytes=48)
     misses = _guard_attributes(m)
     m.register_policy(ModelCachePolicy(deferred_keys=frozenset({"audio"})))
@@ -169,7 +178,11 @@ def test_manager_scalars_are_only_touched_under_the_state_lock(eager: bool) -> N
 # ---- I11: the block pool's reads take its leaf lock --------------------------------------
 @pytest.mark.parametrize("what", ["keys", "has_key", "nbytes", "rows", "write"])
 def test_block_pool_calls_wait_for_its_lock(what: str) -> None:
-    """Mutants: ``drop_with`` on ``PrefixBlockPool.keys`` / ``has_key`` (and siblings)."""
+    """The block pool's key queries wait for its lock (I11).
+
+    Kills the mutants: ``drop_with`` on ``PrefixBlockPool.keys`` / ``has_key`` (and siblings).
+
+    The block pool's key queries wait for its lock (I11)."""
     pool = PrefixBlockPool(8)
     pool.write("k", torch.tensor([1, 2]), torch.ones(2, 3))
     calls = {
@@ -183,9 +196,14 @@ def test_block_pool_calls_wait_for_its_lock(what: str) -> None:
 
 
 def test_block_pool_scatters_rows_under_its_lock() -> None:
-    """Mutant: ``block_pool:PrefixBlockPool.write:drop_with:a4e6786b`` (the scatter itself outside
+    """The block pool scatters rows under its lock: a reader never sees half a scatter (I11).
+
+    A reader's ``index_select`` must never see half of a scatter (I11).
+
+    Kills the mutant: ``block_pool:PrefixBlockPool.write:drop_with:a4e6786b`` (the scatter itself outside
     the lock: the tensor lookup before it takes the lock anyway, so the test above cannot see it).
-    A reader's ``index_select`` must never see half of a scatter (I11)."""
+
+    The block pool scatters rows under its lock: a reader never sees half a scatter (I11)."""
     pool = PrefixBlockPool(8)
     pool.write("k", torch.tensor([1, 2]), torch.ones(2, 3))
     real = pool._tensors["k"]
@@ -211,7 +229,12 @@ def test_block_pool_scatters_rows_under_its_lock() -> None:
 @pytest.mark.parametrize("what", ["claimed_pages", "pages_rows", "save", "unconsumed", "slot_states", "page_bytes",
                                   "wait_percentiles", "num_claim_waits", "wait_history_footprint"])
 def test_staging_calls_wait_for_the_pool_lock(what: str) -> None:
-    """Mutants: ``drop_with`` on ``StagingPool.claimed_pages`` (the slot's state read bare), ``save``, and siblings."""
+    """The staging pool's calls wait for its lock (I11).
+
+    Kills the mutants: ``drop_with`` on ``StagingPool.claimed_pages`` (the slot's state read bare),
+    ``save``, and siblings.
+
+    The staging pool's calls wait for its lock (I11)."""
     pool, claimed, saved = claimed_and_saved()
     calls = {
         "claimed_pages": lambda: pool.claimed_pages(claimed, {"k": torch.ones(2, 3)}),
@@ -229,7 +252,12 @@ def test_staging_calls_wait_for_the_pool_lock(what: str) -> None:
 
 # ---- I3: a page is read under the pool's lock ----------------------------------------------
 def test_page_rows_waits_for_the_staging_lock() -> None:
-    """Mutant: ``staging:StagingPool.page_rows:drop_with:9d4eea95`` (the state check without the lock)."""
+    """Reading a staging page's rows checks the slot's state under the staging lock (I11).
+
+    Kills the mutant: ``staging:StagingPool.page_rows:drop_with:9d4eea95`` (the state check without the
+    lock).
+
+    Reading a staging page's rows checks the slot's state under the staging lock (I11)."""
     m = manager()
     m.new_step_starts([started("A")])
     save(m, [("A", [0], 0, BS)])
@@ -248,7 +276,11 @@ def _tenancy() -> tuple[SlotTenancy, np.ndarray]:
 # ---- I11: tenancy bookkeeping under the pool's leaf lock ----------------------------------
 @pytest.mark.parametrize("what", ["unplan", "plan", "register", "read", "land_all", "num_preserved"])
 def test_tenancy_bookkeeping_waits_for_the_pool_lock(what: str) -> None:
-    """Mutants: ``unplan`` (and its siblings, and the stats count) without ``with self.pool.lock``."""
+    """Tenancy bookkeeping (plans, unplans, the preserved-rows count) waits for the block pool's lock (I11).
+
+    Kills the mutants: ``unplan`` (and its siblings, and the stats count) without ``with self.pool.lock``.
+
+    Tenancy bookkeeping (plans, unplans, the preserved-rows count) waits for the block pool's lock (I11)."""
     ten, slots = _tenancy()
     ten.register(["k"], slots, 1, step_id=11)
     ten.land_all({"k": torch.ones(2, 3)}, torch.from_numpy(slots), 1)

@@ -161,10 +161,11 @@ def test_delayed_hit_read_survives_block_reuse(mode: str) -> None:
 
 @pytest.mark.parametrize("read", ["after_all_landed", "while_the_late_write_is_in_flight"])
 def test_newer_tenant_pushed_to_the_front_does_not_strand_a_planned_read(read: str) -> None:
-    """Found by the threaded machine (nightly): a write pushed to the queue's front (FINISHED) overtook
-    an older queued write on the same KV slots, and a pending hit that planned the older version
-    raised I7 "no preserved copy". The late rows must be kept for the pinned read, and a read that
-    comes while the late write is still in flight must wait for it."""
+    """A newer tenant's write pushed to the queue's front ahead of an older queued write on the same
+    KV slots never strands a pending hit that planned the older version (I7): the late rows are kept
+    for the pinned read, and a read that comes while the late write is in flight waits for it.
+
+    The threaded machine (nightly) found the case: the read raised I7 "no preserved copy"."""
     hooks = HoldStep()
     cfg = PrefixCacheConfig(num_blocks=8, block_size=BS, staging_depth=4, staging_capacity_tokens=CAPACITY,
                             staging_claim_timeout_s=5.0)

@@ -113,10 +113,18 @@ def test_a_save_that_claimed_its_page_lands_before_shutdown_returns(eager: bool)
 
 @pytest.mark.parametrize("eager", MODES)
 def test_a_save_past_the_usable_check_when_shutdown_begins_is_refused_at_the_door(eager: bool) -> None:
-    """Mutant: ``manager:OmniPrefixCacheManager.save_outputs:del_raise:43130aa8``. The save passed
+    """A save that passed the usable check before ``shutdown`` began is refused at the save door, before any
+    claim or step id (contract 4.6).
+
+    The save passed
     ``check_usable`` before ``shutdown`` began and reaches the save door after it closed: it is
     refused there, before it claims anything or issues a step id (a save without a staging page,
-    e.g. only deferred keys, would otherwise register a write no committer lands)."""
+    e.g. only deferred keys, would otherwise register a write no committer lands).
+
+    Kills the mutant: ``manager:OmniPrefixCacheManager.save_outputs:del_raise:43130aa8``.
+
+    A save that passed the usable check before ``shutdown`` began is refused at the save door, before any
+    claim or step id (contract 4.6)."""
     m = manager(eager=eager)
     m.new_step_starts([started("a", scheduled=4)])
     real, passed, go = m.check_usable, threading.Event(), threading.Event()

@@ -362,8 +362,12 @@ def test_the_compiled_stand_in_files_are_not_reported_by_coverage() -> None:
 # ---- the staging calls whose trace notes are now built only for a recorder keep their lock ----
 @pytest.mark.parametrize("what", ["hold", "unhold", "done_reading"])
 def test_staging_hold_unhold_and_done_reading_wait_for_the_pool_lock(what: str) -> None:
-    """Mutants: ``drop_with`` on ``StagingPool.hold`` / ``unhold`` / ``done_reading`` (a write's hold
-    count or the reader flag changed while another thread holds the pool lock)."""
+    """A staging page's write holds and its reader flag change only under the staging lock (I3, I11).
+
+    Kills the mutants: ``drop_with`` on ``StagingPool.hold`` / ``unhold`` / ``done_reading`` (a write's
+    hold count or the reader flag changed while another thread holds the pool lock).
+
+    A staging page's write holds and its reader flag change only under the staging lock (I3, I11)."""
 
     from omni_cache.runtime.staging import StagingPool
 

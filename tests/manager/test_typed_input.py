@@ -200,9 +200,15 @@ def test_a_duck_typed_write_with_an_unhashable_request_id_is_refused() -> None:
 
 
 def test_a_layout_without_a_slot_mapping_is_refused_naming_it_missing() -> None:
-    """Mutant: ``validation:check_slot_mapping:del_assign:35af84af`` (no problem noted for a mapping
-    that is not a tensor). A layout built without ``slots_cpu`` (or whose mapping was replaced by
-    another object) is refused at the door, naming what it got, and nothing is claimed."""
+    """A layout without a slot mapping is refused at the door, naming what it got; nothing is claimed.
+
+    A layout built without ``slots_cpu`` (or whose mapping was replaced by
+    another object) is refused at the door, naming what it got, and nothing is claimed.
+
+    Kills the mutant: ``validation:check_slot_mapping:del_assign:35af84af`` (no problem noted for a
+    mapping that is not a tensor).
+
+    A layout without a slot mapping is refused at the door, naming what it got; nothing is claimed."""
     m = manager()
     try:
         m.new_step_starts(PrefixCacheStep((started("A"),), {"A": 2}))

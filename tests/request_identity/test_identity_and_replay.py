@@ -243,9 +243,15 @@ def test_adapter_replayed_step_yields_nothing_and_changes_nothing() -> None:
 @pytest.mark.parametrize("field", ["admission_id", "generation"])
 @pytest.mark.parametrize("bad", [-1, True, 1.0, "1", None])
 def test_a_malformed_owner_is_refused_where_it_is_built(field: str, bad: object) -> None:
-    """Mutant: ``events:PrefixCacheRequestOwner.__post_init__:del_raise:3a5afb80``. An owner's
+    """A malformed request owner is refused where it is built, never compared later (I12).
+
+    An owner's
     fields order admissions (I12): a negative, bool, float, string or missing one is refused at
-    construction with its name, never compared later."""
+    construction with its name, never compared later.
+
+    Kills the mutant: ``events:PrefixCacheRequestOwner.__post_init__:del_raise:3a5afb80``.
+
+    A malformed request owner is refused where it is built, never compared later (I12)."""
     kwargs: dict[str, object] = {"admission_id": 3, "generation": 0, field: bad}
     with pytest.raises(ValueError, match=rf"PrefixCacheRequestOwner\.{field} must be an int >= 0, got {bad!r}"):
         PrefixCacheRequestOwner(**kwargs)  # type: ignore[arg-type]
@@ -254,7 +260,11 @@ def test_a_malformed_owner_is_refused_where_it_is_built(field: str, bad: object)
 
 # ---- I12: a first admission is generation 0 ----------------------------------------------
 def test_a_first_admission_is_older_than_its_first_replacement() -> None:
-    """Mutant: ``events:PrefixCacheRequestOwner:int_off:ee162ae5`` (``generation`` default 0 -> 1)."""
+    """A request's first admission (generation 0 by default) is older than its first replacement (I12).
+
+    Kills the mutant: ``events:PrefixCacheRequestOwner:int_off:ee162ae5`` (``generation`` default 0 -> 1).
+
+    A request's first admission (generation 0 by default) is older than its first replacement (I12)."""
     first = PrefixCacheRequestOwner(5)
     replaced = PrefixCacheRequestOwner(5, 1)
     assert first.generation == 0, "a first admission must start at generation 0"

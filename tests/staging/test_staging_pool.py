@@ -140,7 +140,14 @@ def test_no_other_module_touches_the_page_storage() -> None:
 
 @pytest.mark.parametrize("read", ["pages_rows", "page_rows"])
 def test_reading_a_page_through_a_claimed_or_free_slot_is_refused(read: str) -> None:
-    """Mutant: delete the ``_require`` state check of ``StagingPool.pages_rows`` (or ``page_rows``)."""
+    """A staging page is read only through a saved (or materializing) slot; a claimed or free slot's read is
+    refused (I1, I3).
+
+    Kills the mutant: delete the ``_require`` state check of ``StagingPool.pages_rows`` (or
+    ``page_rows``).
+
+    A staging page is read only through a saved (or materializing) slot; a claimed or free slot's read is
+    refused (I1, I3)."""
     pool, claimed, saved = claimed_and_saved()
     calls = {
         "pages_rows": lambda slot: pool.pages_rows(slot, ("k",), 0, 2)["k"],
@@ -155,11 +162,16 @@ def test_reading_a_page_through_a_claimed_or_free_slot_is_refused(read: str) -> 
 
 # ---- I3: an aborted claim forgets the pages it created --------------------------------------
 def test_an_aborted_slot_does_not_drop_a_page_that_a_later_saved_step_holds() -> None:
-    """Mutant: delete ``slot.new_keys = []`` in ``StagingPool.abort``.
+    """Aborting a staging claim drops only the pages that claim created, never a page another saved step
+    holds (I3).
 
     The slot would remember "a" from its first, aborted claim; its second abort would
     then drop the page "a" that another slot's saved step created and still holds.
-    """
+
+    Kills the mutant: delete ``slot.new_keys = []`` in ``StagingPool.abort``.
+
+    Aborting a staging claim drops only the pages that claim created, never a page another saved step
+    holds (I3)."""
     pool = StagingPool(2, 4, 0.05)
     first = pool.claim(2)
     pool.claimed_pages(first, {"a": torch.ones(2, 3)})
@@ -177,9 +189,15 @@ def test_an_aborted_slot_does_not_drop_a_page_that_a_later_saved_step_holds() ->
 
 # ---- I3: a refused save gives back only its own pages --------------------------------------
 def test_a_refused_save_on_a_reused_staging_slot_keeps_the_saved_steps_pages(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """Mutant: ``staging:StagingPool.save:del_assign:7c518066`` (a saved slot kept the list of keys
-    whose pages its claim allocated, so a later refused save on that slot dropped those pages:
-    another saved step then read a page that no longer existed)."""
+    """A refused save on a reused staging slot drops only its own new pages, never one a saved step still
+    reads (I3).
+
+    Kills the mutant: ``staging:StagingPool.save:del_assign:7c518066`` (a saved slot kept the list of keys
+    whose pages its claim allocated, so a later refused save on that slot dropped those pages: another
+    saved step then read a page that no longer existed).
+
+    A refused save on a reused staging slot drops only its own new pages, never one a saved step still
+    reads (I3)."""
     m = manager(staging_depth=2)
     m.new_step_starts([started("A"), started("B")])
     step_a, _ = save(m, [("A", [0], 0, BS)], mm_key="codes")  # slot 0: allocates the pages

@@ -2,7 +2,9 @@
 
 Owns the direct test of ``SlotTenancy.land_all``'s order rule on both of its paths
 (a short write, checked without numpy reductions, and a long one): the newer
-tenant's rows and version stay in the pool, only the late write's own slots move.
+tenant's rows and version stay in the pool, only the late write's own slots move. Through the
+manager: an older write that lands after a newer tenant's keeps its rows for a pinned read
+(async), and a new tenant's deferred write first queues the older tenant's open one.
 """
 
 from __future__ import annotations
@@ -49,7 +51,12 @@ def test_a_late_older_write_never_overwrites_a_newer_tenant(num_rows: int) -> No
 
 # ---- I7: the preserved-rows counter counts rows --------------------------------------------
 def test_the_preserved_rows_total_counts_each_row_kept_for_a_pin() -> None:
-    """Mutant: ``tenancy:SlotTenancy._preserve_locked:int_off:d559aa41`` (the total grows by 2 a row)."""
+    """The preserved-rows total counts each row kept for a pinned read exactly once (I7's bound).
+
+    Kills the mutant: ``tenancy:SlotTenancy._preserve_locked:int_off:d559aa41`` (the total grows by 2 a
+    row).
+
+    The preserved-rows total counts each row kept for a pinned read exactly once (I7's bound)."""
     ten = SlotTenancy(PrefixBlockPool(8))
     slots_np = np.array([2, 3], dtype=np.int64)
     ten.register(["k"], slots_np, 1, step_id=11)
@@ -64,7 +71,12 @@ def test_the_preserved_rows_total_counts_each_row_kept_for_a_pin() -> None:
 
 # ---- I7: a late older write's preserved rows are counted per row ---------------------------
 def test_a_late_write_preserves_and_counts_each_pinned_row_once() -> None:
-    """Mutant: ``tenancy:SlotTenancy._preserve_late_locked:int_off:d559aa41`` (the total grows by 2 a row)."""
+    """A late write preserves each row a pinned read needs, and counts it once (I7).
+
+    Kills the mutant: ``tenancy:SlotTenancy._preserve_late_locked:int_off:d559aa41`` (the total grows by 2
+    a row).
+
+    A late write preserves each row a pinned read needs, and counts it once (I7)."""
     ten = SlotTenancy(PrefixBlockPool(8))
     slots_np = np.array([2, 3], dtype=np.int64)
     slots_t = torch.from_numpy(slots_np)
@@ -87,10 +99,16 @@ def _tenancy() -> tuple[SlotTenancy, np.ndarray]:
 
 @pytest.mark.parametrize("num_slots", [4, 8, 9, 24])
 def test_a_late_write_never_overwrites_newer_rows_on_short_or_long_slot_lists(num_slots: int) -> None:
-    """Mutants: ``tenancy:_all_below:cmp_flip:6543e02d`` (the reduction of a list over 8 slots,
-    ``< bound`` -> ``>= bound``) and the same flip of the short list's ``max``. A write of tid 1
+    """A late older write never overwrites a newer tenant's rows, on short and long slot lists alike (I7).
+
+    A write of tid 1
     lands late over every slot; a newer tid 2 already landed on the even slots only: the odd
-    slots take tid 1's rows, the even ones keep tid 2's (I7), on either side of the 8-slot switch."""
+    slots take tid 1's rows, the even ones keep tid 2's (I7), on either side of the 8-slot switch.
+
+    Kills the mutants: ``tenancy:_all_below:cmp_flip:6543e02d`` (the reduction of a list over 8 slots, ``<
+    bound`` -> ``>= bound``) and the same flip of the short list's ``max``.
+
+    A late older write never overwrites a newer tenant's rows, on short and long slot lists alike (I7)."""
     ten = SlotTenancy(PrefixBlockPool(2 * num_slots))
     slots = np.arange(0, 2 * num_slots, 2, dtype=np.int64)
     even = slots[::2].copy()
@@ -112,9 +130,15 @@ def test_a_late_write_never_overwrites_newer_rows_on_short_or_long_slot_lists(nu
 
 
 def test_an_empty_late_write_lands_as_nothing() -> None:
-    """Mutant: ``tenancy:_all_below:cmp_flip:a603cfb3`` (``len(values) <= 8`` -> ``> 8``: an empty
-    slot list would go to the numpy reduction, which refuses an empty array). A zero-row write
-    (a step whose requests have no rows for a key) that lands after a newer one changes nothing."""
+    """A zero-row write that lands after a newer one changes nothing (I7).
+
+    A zero-row write
+    (a step whose requests have no rows for a key) that lands after a newer one changes nothing.
+
+    Kills the mutant: ``tenancy:_all_below:cmp_flip:a603cfb3`` (``len(values) <= 8`` -> ``> 8``: an empty
+    slot list would go to the numpy reduction, which refuses an empty array).
+
+    A zero-row write that lands after a newer one changes nothing (I7)."""
     ten, slots = _tenancy()
     none = np.zeros(0, dtype=np.int64)
     ten.register(["k"], none, 1, step_id=11)
@@ -127,9 +151,13 @@ def test_an_empty_late_write_lands_as_nothing() -> None:
 
 # ---- land_all's row-shape check on the landing path itself ---------------------------------
 def test_land_all_lands_a_key_it_has_never_seen() -> None:
-    """Mutants: ``tenancy:SlotTenancy.land_all:cmp_flip:706dab0d`` (``known is not None`` ->
-    ``is None``) and ``boolop_swap:a25032de`` (``or`` -> ``and``): a key with no versions yet
-    (no register before the landing) must land, not crash on its missing versions."""
+    """Landing rows of a key the pool has never seen creates the key; it never crashes on missing versions.
+
+    Kills the mutants: ``tenancy:SlotTenancy.land_all:cmp_flip:706dab0d`` (``known is not None`` -> ``is
+    None``) and ``boolop_swap:a25032de`` (``or`` -> ``and``): a key with no versions yet (no register
+    before the landing) must land, not crash on its missing versions.
+
+    Landing rows of a key the pool has never seen creates the key; it never crashes on missing versions."""
     ten, slots_np = _tenancy()
     rows = torch.arange(6, dtype=torch.float32).reshape(2, 3)
     ten.land_all({"k": rows}, torch.from_numpy(slots_np), 1)
@@ -139,9 +167,15 @@ def test_land_all_lands_a_key_it_has_never_seen() -> None:
 
 @pytest.mark.parametrize("carried", [False, True], ids=["sig-read-at-landing", "sig-carried-by-the-write"])
 def test_land_all_refuses_rows_of_another_width_with_the_contract_error(carried: bool) -> None:
-    """Mutant: ``tenancy:SlotTenancy.land_all:boolop_swap:a25032de`` (``or`` -> ``and``): once a key's
-    tensor exists, a write of another width must be refused by the row check, naming the
-    contract ("width and dtype never change"), not by torch's ``index_copy_`` mid-landing."""
+    """Landing rows of another width for a known key is refused with the contract error ("width and dtype
+    never change"), never by torch mid-landing.
+
+    Kills the mutant: ``tenancy:SlotTenancy.land_all:boolop_swap:a25032de`` (``or`` -> ``and``): once a
+    key's tensor exists, a write of another width must be refused by the row check, naming the contract
+    ("width and dtype never change"), not by torch's ``index_copy_`` mid-landing.
+
+    Landing rows of another width for a known key is refused with the contract error ("width and dtype
+    never change"), never by torch mid-landing."""
     ten, slots_np = _tenancy()
     slots = torch.from_numpy(slots_np)
     ten.land_all({"k": torch.ones(2, 3)}, slots, 1)
@@ -187,11 +221,19 @@ def test_delayed_hit_survives_newer_tenant_pushed_ahead_async() -> None:
 
 
 def test_a_new_tenants_deferred_write_first_lands_the_older_tenants_open_one() -> None:
-    """Mutant: ``tenancy:SlotTenancy.register:negate_cond:f178e4b5`` (the older-tenant scan done for
-    the wrong schedule). A's deferred K on block 0 is still open (A is live: the engine preempted
+    """A new tenant's deferred write first queues the older tenant's open write on the same slots, so the
+    older one never lands last (I7, contract 4.6).
+
+    A's deferred K on block 0 is still open (A is live: the engine preempted
     it and gave block 0 to B). B's save registers its own deferred K there: the older tenant's open
     write is found and queued first (eager: it lands in the save), so a late landing of A's K can
-    never come after B's (contract 4.6's "older tenants first"); B's own K stays open."""
+    never come after B's (contract 4.6's "older tenants first"); B's own K stays open.
+
+    Kills the mutant: ``tenancy:SlotTenancy.register:negate_cond:f178e4b5`` (the older-tenant scan done
+    for the wrong schedule).
+
+    A new tenant's deferred write first queues the older tenant's open write on the same slots, so the
+    older one never lands last (I7, contract 4.6)."""
     m = manager()
     m.register_policy(ModelCachePolicy(deferred_keys=frozenset({K})))
     m.new_step_starts([started("A", scheduled=4), started("B", scheduled=4)])

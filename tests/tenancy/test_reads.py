@@ -2,7 +2,11 @@
 
 A read never returns newer rows than planned (I7), waits for a planned write that is still
 held, and reports a planned write that failed or has not landed as a contract error with its
-reason (I8), never as an internal assertion.
+reason (I8), never as an internal assertion. A KV slot has one tenant for all keys: a key
+its newest tenant did not write is absent there ("is not readable"), never served from an
+older tenant, also when the tenant's step carried no per-token key at all (I6, I7). A hit
+planned in the step that computes its rows (vLLM publishes a block's hash when it is
+scheduled) reads them from that step's own save.
 """
 
 from __future__ import annotations
@@ -54,12 +58,18 @@ K = "mm.k"  # a per-token key beside hidden
 
 # ---- I7: planned rows that are gone are "not readable" -------------------------------------
 def test_a_hit_whose_planned_rows_are_gone_is_not_readable() -> None:
-    """Mutant: ``reader:StepReader.read_planned:del_call:cf8df906`` (a landed planned write never counted
-    as settled: the read retried 10,000 times and ended in an AssertionError "tenancy bug").
+    """A hit whose planned rows are gone ends in the "is not readable" contract error naming key and slot,
+    never a retry loop (I6, I7).
 
     The planned version landed, a newer tenant overwrote its slots and the preserved copy is
     gone (removed here by hand: no correct runtime path loses it). The read must end in the
-    contract error naming the key and slot, not in a retry loop or an assertion."""
+    contract error naming the key and slot, not in a retry loop or an assertion.
+
+    Kills the mutant: ``reader:StepReader.read_planned:del_call:cf8df906`` (a landed planned write never
+    counted as settled: the read retried 10,000 times and ended in an AssertionError "tenancy bug").
+
+    A hit whose planned rows are gone ends in the "is not readable" contract error naming key and slot,
+    never a retry loop (I6, I7)."""
     m = manager()
     m.new_step_starts([started("A")])
     step, _ = save(m, [("A", [1], 0, BS)])
@@ -84,7 +94,13 @@ def _tenancy() -> tuple[SlotTenancy, np.ndarray]:
 
 
 def test_read_refuses_newer_rows_when_the_settled_planned_write_left_no_copy() -> None:
-    """Mutants: delete the "no preserved copy" raise, or the ``version not in settled`` guard."""
+    """A read whose settled planned write left no preserved copy refuses the newer rows instead of serving
+    them (I7).
+
+    Kills the mutants: delete the "no preserved copy" raise, or the ``version not in settled`` guard.
+
+    A read whose settled planned write left no preserved copy refuses the newer rows instead of serving
+    them (I7)."""
     ten, slots = _tenancy()
     ten.register(["k"], slots, 1, step_id=11)  # the planned version: tid 1, never lands (it failed)
     plan = ten.plan(["k"], torch.from_numpy(slots))
@@ -119,12 +135,15 @@ def _reader_for(book: WriteBook, tenancy: SlotTenancy) -> StepReader:
 
 
 def test_a_hit_whose_planned_write_failed_raises_write_failed_not_a_tenancy_bug() -> None:
-    """Mutant: delete ``self.book.check_failed(what)`` in ``StepReader.read_hit``.
+    """A hit whose planned write failed raises the sticky "write failed" at once (I8).
 
     The planned write failed (it is terminal, so the book no longer lists it) and its
     rows never landed: the read must raise the sticky "write failed" error at once,
     not retry 10,000 times and report a tenancy bug.
-    """
+
+    Kills the mutant: delete ``self.book.check_failed(what)`` in ``StepReader.read_hit``.
+
+    A hit whose planned write failed raises the sticky "write failed" at once (I8)."""
     ten, slots = _tenancy()
     book = WriteBook(1.0)
     write = book.register(WriteSchedule.JOIN_ON_FINISH, 1, torch.from_numpy(slots), {"k": torch.ones(2, 3)})
@@ -139,7 +158,12 @@ def test_a_hit_whose_planned_write_failed_raises_write_failed_not_a_tenancy_bug(
 
 
 def test_a_read_that_never_converges_raises_instead_of_returning_nothing() -> None:
-    """Mutant: delete the final ``raise AssertionError`` of ``read_hit`` (it would return None as rows)."""
+    """A hit read that never converges raises; it never returns no rows (I6).
+
+    Kills the mutant: delete the final ``raise AssertionError`` of ``read_hit`` (it would return None as
+    rows).
+
+    A hit read that never converges raises; it never returns no rows (I6)."""
 
     class NeverLands(SlotTenancy):
         def read(self, *args, **kwargs):  # type: ignore[no-untyped-def]
@@ -158,7 +182,12 @@ def test_a_read_that_never_converges_raises_instead_of_returning_nothing() -> No
 
 # ---- I7: a planned version that has not landed is waited for, never read early -------------
 def test_read_before_the_planned_write_lands_says_not_landed_yet() -> None:
-    """Mutant: delete ``raise NotLandedYet`` for rows behind the planned version (stale rows served)."""
+    """A read of rows behind its planned version says "not landed yet"; stale rows are never served (I7).
+
+    Kills the mutant: delete ``raise NotLandedYet`` for rows behind the planned version (stale rows
+    served).
+
+    A read of rows behind its planned version says "not landed yet"; stale rows are never served (I7)."""
     ten, slots = _tenancy()
     ten.register(["k"], slots, 1, step_id=11)
     ten.land_all({"k": torch.full((2, 3), 1.0)}, torch.from_numpy(slots), 1)
@@ -201,7 +230,7 @@ def test_I7_absent_key_not_served_from_older_tenant(eager: bool, deferred: bool)
     """C writes hidden and K on block 0; A reuses block 0 writing hidden only; B hits block 0 with K.
 
     B's hit must raise "is not readable" for K: block 0's tenant (A) never wrote K,
-    and C's K rows belong to an older tenant (I7, I6). Today B got A's hidden rows
+    and C's K rows belong to an older tenant (I7, I6). Without the rule B got A's hidden rows
     glued to C's K rows, silently.
     """
     m = manager(eager=eager)
@@ -288,9 +317,15 @@ def test_I7_hit_without_the_key_still_reads_hidden(eager: bool) -> None:
 
 
 def test_a_keyless_tenant_is_noted_for_the_tenancy_trace() -> None:
-    """Mutant: ``tenancy:SlotTenancy.take_slots:del_call:882653a7``. A step that writes no key on
+    """A step that writes no key on a slot still becomes its tenant, and the tenancy trace notes it (I6, I7).
+
+    A step that writes no key on
     block 0 still becomes its tenant (I6/I7); the trace notes it (``tenant``, its step and slots),
-    which is how TLC's tenancy check learns that the older rows there are no longer readable."""
+    which is how TLC's tenancy check learns that the older rows there are no longer readable.
+
+    Kills the mutant: ``tenancy:SlotTenancy.take_slots:del_call:882653a7``.
+
+    A step that writes no key on a slot still becomes its tenant, and the tenancy trace notes it (I6, I7)."""
     rec = TraceRecorder()
     m = OmniPrefixCacheManager(config(), eager=True, recorder=rec)
     m.register_policy(ModelCachePolicy(needs_full_hidden_states=False))
@@ -305,7 +340,10 @@ def test_a_keyless_tenant_is_noted_for_the_tenancy_trace() -> None:
 
 
 def test_a_planned_reads_pending_deferred_write_is_queued_by_the_save_that_plans_it() -> None:
-    """Mutant: ``scheduling:WriteScheduler.after_save:del_call:98f1dacc``. A is live, so its
+    """A save that plans a hit needing another request's open deferred write queues that write at once (I7,
+    I9), and the trace notes say so.
+
+    A is live, so its
     deferred K is still open (it lands at A's FINISHED); B's save plans a hit on A's blocks, which
     needs that write: the save queues it at once (eager: it lands inside the save), so B's
     materialize finds it landed instead of starting it then, and it leaves the open set
@@ -315,7 +353,12 @@ def test_a_planned_reads_pending_deferred_write_is_queued_by_the_save_that_plans
     09249d7e``, front and back swapped, and ``tenancy:SlotTenancy.read:del_call:bb1391f6``, reads
     not noted, which would leave the tenancy trace check nothing to check a read against): A's K
     is queued at the front, each immediate write at the back, and each key of B's hit is read at
-    the versions its plan named."""
+    the versions its plan named.
+
+    Kills the mutant: ``scheduling:WriteScheduler.after_save:del_call:98f1dacc``.
+
+    A save that plans a hit needing another request's open deferred write queues that write at once (I7,
+    I9), and the trace notes say so."""
     rec = TraceRecorder()
     m = OmniPrefixCacheManager(config(), eager=True, recorder=rec)
     m.register_policy(ModelCachePolicy(deferred_keys=frozenset({K})))

@@ -1,11 +1,10 @@
 """The committer takes the queue's front write and starts its copy atomically (I8, I9).
 
-Found by the stateful tenancy-trace test under load: the committer took write 5 off the
-queue, a finished request then pushed its deferred write 6 to the front, and only then did
-write 5's ``start_copy`` fire, so the trace showed a copy starting behind the queue's front
-and TLC rejected it (WritesTrace: ``start_copy`` needs ``First(queue) = i``). A write taken
-off the queue but not yet started was also invisible to ``fail`` (which ends the queued and
-pending writes, I8). Here the window is forced open: the copy path's first fault hook (it
+A write taken off the queue is already ``copying``: a finished request that pushes its deferred
+write to the front in between cannot put a copy start behind the queue's front (TLC's
+WritesTrace: ``start_copy`` needs ``First(queue) = i``), and ``fail`` (which ends the queued and
+pending writes, I8) never misses a write that is between the queue and its copy. The stateful
+tenancy-trace test once saw that window under load. Here the window is forced open: the copy path's first fault hook (it
 runs after the take) pushes a write to the front, as a finish on another thread would.
 """
 
@@ -81,8 +80,12 @@ def test_a_front_push_during_a_copy_passes_trace_validation() -> None:
 
 # ---- I11: a queued write wakes a committer that waits for one ------------------------------
 def test_enqueue_wakes_a_committer_waiting_for_work() -> None:
-    """Mutant: ``writes:WriteBook.enqueue:negate_cond:6d8245e3`` (no notify while a thread waits: the
-    committer slept out its whole wait before it saw the write)."""
+    """Enqueueing a write wakes a committer waiting for work at once (I9, I11).
+
+    Kills the mutant: ``writes:WriteBook.enqueue:negate_cond:6d8245e3`` (no notify while a thread waits:
+    the committer slept out its whole wait before it saw the write).
+
+    Enqueueing a write wakes a committer waiting for work at once (I9, I11)."""
     book = WriteBook(30.0)
     write = book.register(WriteSchedule.JOIN_NEXT_STEP, 1, torch.arange(2), {"hidden": torch.zeros(2, 2)})
     taken: list[object] = []

@@ -50,7 +50,11 @@ class _CopyLog(torch.Tensor):
 def test_chunked_copy_copies_every_row_in_slices_of_at_most_chunk_bytes(
     shape: tuple[int, ...], dtype: torch.dtype, chunk_bytes: int, slices: list[int]
 ) -> None:
-    """Mutants: the chunk loop's start, step and slice bounds; the one-copy shortcut's conditions."""
+    """A chunked copy copies every row once, in slices of at most the chunk size.
+
+    Kills the mutants: the chunk loop's start, step and slice bounds; the one-copy shortcut's conditions.
+
+    A chunked copy copies every row once, in slices of at most the chunk size."""
     src = torch.arange(1, 1 + max(1, int(np.prod(shape))), dtype=dtype).reshape(shape)
     engine = CopyEngine(use_cuda=False, chunk_bytes=chunk_bytes)
     _CopyLog.copies = []

@@ -77,11 +77,15 @@ def test_cuda_many_steps_with_a_late_builder() -> None:
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none here)")
 def test_the_compute_event_covers_work_queued_before_it() -> None:
-    """Mutant: ``copier:CopyEngine.record_compute_event:del_call:42299636`` (``event.record`` deleted).
+    """The compute event is recorded, so the copy stream waits for the forward queued before it (CUDA path).
 
     An event never recorded reports complete at once; one recorded behind a long kernel
     does not, so the copy stream waiting on it would not wait for the forward.
-    """
+
+    Kills the mutant: ``copier:CopyEngine.record_compute_event:del_call:42299636`` (``event.record``
+    deleted).
+
+    The compute event is recorded, so the copy stream waits for the forward queued before it (CUDA path)."""
     engine = CopyEngine(use_cuda=True, chunk_bytes=1 << 20)
     torch.cuda.synchronize()
     torch.cuda._sleep(2_000_000_000)  # ~1 s of spinning on the compute stream

@@ -104,7 +104,11 @@ def _book_with(n: int) -> WriteBook:
 
 
 def test_in_flight_list_says_none_when_no_write_is_live() -> None:
-    """Mutant: negate ``if not live`` in ``describe_in_flight`` (or drop its return)."""
+    """The in-flight description says "none" when no write is live.
+
+    Kills the mutant: negate ``if not live`` in ``describe_in_flight`` (or drop its return).
+
+    The in-flight description says "none" when no write is live."""
     assert _book_with(0).describe_in_flight() == "none"
     pool = StagingPool(1, 4, 0.05, describe_in_flight=_book_with(0).describe_in_flight)
     pool.save(pool.claim(1), 1, "engine.py:1")
@@ -114,7 +118,11 @@ def test_in_flight_list_says_none_when_no_write_is_live() -> None:
 
 @pytest.mark.parametrize(("n", "listed", "more"), [(1, 1, None), (16, 16, None), (17, 16, 1), (40, 16, 24)])
 def test_in_flight_list_names_at_most_16_writes_then_counts_the_rest(n: int, listed: int, more: int | None) -> None:
-    """Mutants: the cap of 16 off by one, its comparison flipped, the "... N more" count wrong."""
+    """The in-flight description names at most 16 writes, then counts the rest.
+
+    Kills the mutants: the cap of 16 off by one, its comparison flipped, the "... N more" count wrong.
+
+    The in-flight description names at most 16 writes, then counts the rest."""
     text = _book_with(n).describe_in_flight()
     assert text.count("write tid ") == listed, text
     assert [int(t) for t in re.findall(r"write tid (\d+)", text)] == list(range(1, listed + 1))
@@ -127,7 +135,12 @@ def test_in_flight_list_names_at_most_16_writes_then_counts_the_rest(n: int, lis
 # ---- a landed write keeps no rows --------------------------------------------------------
 @pytest.mark.parametrize("eager", MODES)
 def test_a_written_write_drops_its_rows(eager: bool) -> None:
-    """Mutants: delete ``write.host = None`` / ``write.source = {}`` after commit (rows kept per write)."""
+    """A written write drops its host rows and sources: rows are not kept per write after the commit.
+
+    Kills the mutants: delete ``write.host = None`` / ``write.source = {}`` after commit (rows kept per
+    write).
+
+    A written write drops its host rows and sources: rows are not kept per write after the commit."""
     seen: list[PoolWrite] = []
 
     class Keep(FaultHooks):

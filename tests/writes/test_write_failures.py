@@ -1,10 +1,13 @@
-"""I8 after the failure: no copy starts, and every open write ends failed.
+"""I8: a failure inside a save is undone or sticky, and after the failure no copy starts and
+every open write ends failed.
 
-Owns the regression tests of the late-write hole the TLA+ Writes model found:
-once the manager has failed, a write queued afterwards (an enqueue
+A failure inside ``save_outputs`` is either undone entirely (nothing claimed, no write in
+flight, no step id burned, no key's width fixed) or, once a pool write is registered, sticky
+and chained to its cause. Once the manager has failed, a write queued afterwards (an enqueue
 that raced with the committer's failure) must fail instead of being copied,
 and a deferred write still pending at the failure (its request never finishes:
-every later entry raises) must end failed instead of staying open for ever.
+every later entry raises) must end failed instead of staying open for ever (a hole the TLA+
+Writes model found).
 The failure is injected through the documented seam ``FaultHooks``; the
 recorded trace is checked against the model with TLC (tla/writes/WritesTrace.tla).
 
@@ -159,7 +162,7 @@ def test_I8_deferred_write_pending_at_the_failure_ends_failed() -> None:
 def test_I8_bookkeeping_memory_error_in_save_is_undone_and_surfaces_itself(eager: bool, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """``MemoryError`` from per-slot bookkeeping of a new key (a huge pool) surfaces as itself;
     the save leaves nothing claimed, no write in flight and no step id burned, and the manager
-    stays usable. Today: an unrelated "cannot abort staging slot" error, a leaked claimed page
+    stays usable. Without the undo: an unrelated "cannot abort staging slot" error, a leaked claimed page
     and a pool write that never lands, with ``failed`` still None."""
     from omni_cache.runtime import tenancy as tenancy_mod
 
@@ -209,7 +212,7 @@ def test_I8_failure_after_a_write_is_registered_is_sticky_and_chained(eager: boo
 def test_I8_refused_save_does_not_fix_a_keys_row_shape(eager: bool, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """A save that fails after its claim (here: the staging copy) is undone, and undone entirely:
     the staging page it allocated for a key no saved step ever carried is dropped, so a later
-    save may bring that key with another width. Today the refused save locked the width in."""
+    save may bring that key with another width. Without the undo the refused save locked the width in."""
     m = manager(eager=eager)
     m.new_step_starts([started("A")])
     real = m.copies.copy_all
