@@ -59,9 +59,12 @@ def _has_own_initialize(cls: ast.ClassDef) -> bool:
     return False
 
 
-def machine_runs_without_an_opening(tree: ast.Module) -> list[str]:
-    """``test:Machine`` for each test that asserts after running a machine with no ``initialize`` of its own."""
-    classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
+def machine_runs_without_an_opening(tree: ast.Module, shared: dict[str, ast.ClassDef] | None = None) -> list[str]:
+    """``test:Machine`` for each test that asserts after running a machine with no ``initialize`` of its own.
+
+    A machine is looked up in ``tree`` first, then in ``shared`` (the classes of the suite's helper
+    modules, e.g. tests/manager_machine.py, which the tests import)."""
+    classes = {**(shared or {}), **{n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}}
     found = []
     for fn in tree.body:
         if not (isinstance(fn, ast.FunctionDef) and fn.name.startswith("test")):
@@ -82,7 +85,9 @@ def test_no_fixed_sleep_stands_in_for_a_wait() -> None:
 
 
 def test_each_machine_run_that_asserts_a_reached_state_opens_on_it() -> None:
-    bad = {p.name: runs for p, tree in _modules() if (runs := machine_runs_without_an_opening(tree))}
+    modules = _modules()
+    shared = {n.name: n for p, tree in modules if p.parent == TESTS for n in tree.body if isinstance(n, ast.ClassDef)}
+    bad = {p.name: runs for p, tree in modules if (runs := machine_runs_without_an_opening(tree, shared))}
     assert not bad, f"a reachability assert after a machine run with no initialize rule of its own: {bad}"
 
 
