@@ -90,7 +90,7 @@ SETUP = dict(hidden=st.booleans(), defer=st.sampled_from([(), (EMBEDS,), (EMBEDS
 
 class ManagerMachine(RareStateRules, VerifyStepRules, RuleBasedStateMachine):
     MODE = "eager"
-    ADAPTER = False  # steps reach the manager through the adapter (tests/test_adapter_stateful.py)
+    ADAPTER = False  # steps reach the manager through the adapter (tests/adapter/test_adapter_stateful.py)
     CHECK_WITH_TLC = False  # the Python replay always runs; TLC only in TestManagerTracesWithTLC
     TLC_VERDICTS: ClassVar[list[TraceCheck] | None] = None  # with TLC: every verdict of every example
     pending = PENDING
