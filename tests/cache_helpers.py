@@ -15,6 +15,7 @@ from omni_cache import (
     PrefixCacheConfig,
     PrefixCacheEventKind,
     PrefixCacheRequestEvent,
+    PrefixCacheRequestOwner,
     PrefixCacheWriteLayout,
 )
 from omni_cache.runtime.manager import OmniPrefixCacheManager
@@ -23,8 +24,8 @@ from omni_cache.runtime.staging import StagingPool
 E = PrefixCacheEventKind
 WIDTH = 8
 BS = 4
-# Where the stateful machines (tests/test_manager_stateful.py, test_adapter_stateful.py,
-# test_tier_stateful.py) build the tensors they hand to the manager: "cpu" (the default) or
+# Where the stateful machines (tests/manager_machine.py, tests/tier_machine.py; run by
+# tests/manager/, adapter/ and tier/test_*_stateful.py) build the tensors they hand to the manager: "cpu" (the default) or
 # "cuda" (the manager's stream path; tools/device_check.sh sets it on a GPU machine).
 DEVICE_ENV = "OMNI_CACHE_TEST_DEVICE"
 
@@ -53,9 +54,15 @@ def truth(tag: str, positions: Sequence[int] | range, width: int = WIDTH) -> tor
     return base * 1000.0 + pos[:, None] * 10.0 + cols[None, :] + 1.0
 
 
+def slot_of(blocks: Sequence[int], position: int, bs: int = BS) -> int:
+    """The KV slot of token ``position`` of a request whose block table is ``blocks`` (vLLM's slot
+    mapping: the block's first slot plus the offset in the block). The tests' one copy of it."""
+    return int(blocks[position // bs]) * bs + position % bs
+
+
 def slots(blocks: Sequence[int], start: int, end: int, bs: int = BS) -> torch.Tensor:
     """KV slots of positions [start, end) of a request whose block table is ``blocks``."""
-    return torch.tensor([blocks[p // bs] * bs + p % bs for p in range(start, end)], dtype=torch.int64)
+    return torch.tensor([slot_of(blocks, p, bs) for p in range(start, end)], dtype=torch.int64)
 
 
 def config(**overrides: object) -> PrefixCacheConfig:
@@ -70,12 +77,24 @@ def manager(eager: bool = True, **overrides: object) -> OmniPrefixCacheManager:
     return OmniPrefixCacheManager(config(**overrides), eager=eager)
 
 
+def event(req: str, kind: PrefixCacheEventKind, owner: PrefixCacheRequestOwner | None = None, *, hit: int | None = 0,
+          blocks: Sequence[int] = (), n: int = 0) -> PrefixCacheRequestEvent:
+    """One request event: a hit of ``hit`` tokens on ``blocks`` (group 0), ``n`` tokens scheduled,
+    of admission ``owner``; ``hit=None`` is a lookup not yet complete (``lookup_complete=False``)."""
+    return PrefixCacheRequestEvent(req, kind, 0, hit or 0, (tuple(blocks),) if blocks else (), n,
+                                   owner=owner, lookup_complete=hit is not None)
+
+
 def started(req: str, hit_end: int = 0, blocks: Sequence[int] = (), scheduled: int = 0) -> PrefixCacheRequestEvent:
-    return PrefixCacheRequestEvent(req, E.STARTED, 0, hit_end, (tuple(blocks),) if blocks else (), scheduled)
+    return event(req, E.STARTED, hit=hit_end, blocks=blocks, n=scheduled)
 
 
 def finished(req: str) -> PrefixCacheRequestEvent:
     return PrefixCacheRequestEvent(req, E.FINISHED)
+
+
+def aborted(req: str) -> PrefixCacheRequestEvent:
+    return PrefixCacheRequestEvent(req, E.ABORTED)
 
 
 # The two manager modes most tests run in: inline copies, and the committer thread.
@@ -90,24 +109,32 @@ def save(
     padded: int = 0,
     tag_of: dict[str, str] | None = None,
     mm_key: str | None = None,
+    mm_keys: Sequence[str] = (),
+    hidden: bool = True,
+    width: int = WIDTH,
 ) -> tuple[int, torch.Tensor]:
     """Save one step of ``(req, blocks, token_start, token_end)`` spans; rows are ``truth(tag)``.
 
     Returns (step id, the packed hidden rows). ``mm_key`` adds a per-token mm key
-    whose rows are the hidden rows' first two columns times -1.
+    whose rows are the hidden rows' first two columns times -1; each of ``mm_keys`` adds one
+    whose rows are ``truth(req + key)``, 4 wide. ``hidden=False`` saves no hidden states (a
+    policy that opts hidden out); ``width`` is the hidden rows' width.
     """
     tag_of = tag_of or {}
-    rows = torch.cat([truth(tag_of.get(r, r), range(s, e)) for r, _, s, e in spans])
+    rows = torch.cat([truth(tag_of.get(r, r), range(s, e), width) for r, _, s, e in spans])
     slot_ids = torch.cat([slots(b, s, e) for _, b, s, e in spans])
     n = rows.shape[0]
-    hidden = rows
+    states = rows
     if padded > n:
-        hidden = torch.cat([rows, torch.full((padded - n, WIDTH), -7.0)])
+        states = torch.cat([rows, torch.full((padded - n, width), -7.0)])
     mm = dict(mm or {})
     if mm_key is not None:
-        mm[mm_key] = -hidden[:, :2].clone()
+        mm[mm_key] = -states[:, :2].clone()
+    for key in mm_keys:
+        mm[key] = torch.cat([truth(r + key, range(s, e), 4) for r, _, s, e in spans])
     layout = PrefixCacheWriteLayout.packed([(r, s, e) for r, _, s, e in spans], slot_ids)
-    step = m.save_outputs(hidden, mm, num_tokens_unpadded=n, num_tokens_padded=max(padded, n), write_layout=layout)
+    step = m.save_outputs(states if hidden else None, mm, num_tokens_unpadded=n,
+                          num_tokens_padded=max(padded, n), write_layout=layout)
     return step, rows
 
 
@@ -118,6 +145,11 @@ def save_without_hidden(m: OmniPrefixCacheManager, req: str, blocks: Sequence[in
     layout = PrefixCacheWriteLayout.packed([(req, start, end)], slots(blocks, start, end))
     n = end - start
     return m.save_outputs(None, mm, num_tokens_unpadded=n, num_tokens_padded=n, write_layout=layout)
+
+
+def staging_claims(m: OmniPrefixCacheManager) -> int:
+    """How many staging claims ``m`` made (a refused save must not have made one)."""
+    return int(m.stats()["staging"]["claims"])
 
 
 def settle(m: OmniPrefixCacheManager, timeout_s: float = 5.0) -> None:

@@ -11,7 +11,7 @@ Owns: the profile registry and which profile loads. Selected by the
 * ``dev``: the local default: random, with the local example database (so a
   failure found once is replayed first next time), a little more work than ci.
 * ``nightly``: random, no database, many more examples and longer stateful runs
-  (and a longer soak, see tests/test_soak.py).
+  (and a longer soak, see tests/manager/test_soak.py).
 * ``mutation``: ``ci`` without the shrink phase, for tools/mutation_check.py.
 
 It also checks ``$OMNI_CACHE_TEST_DEVICE`` (tests/cache_helpers.py's ``machine_device``: where the

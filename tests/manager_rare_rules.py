@@ -1,6 +1,6 @@
 """Rules of the manager's stateful test that drive two rare states on purpose.
 
-Owns ``RareStateRules``, mixed into tests/test_manager_stateful.py's ``ManagerMachine``
+Owns ``RareStateRules``, mixed into tests/manager/test_manager_stateful.py's ``ManagerMachine``
 (it uses the machine's manager, engine, expectations and helpers):
 
   rewrite_planned_blocks       an unconsumed step keeps its planned hit while new tenants

@@ -1,6 +1,6 @@
 """Rules of the manager's stateful test that run verify steps of speculative decoding (I14).
 
-Owns ``VerifyStepRules``, mixed into tests/test_manager_stateful.py's ``ManagerMachine`` (it
+Owns ``VerifyStepRules``, mixed into tests/manager/test_manager_stateful.py's ``ManagerMachine`` (it
 uses the machine's manager, reference engine, expectations and helpers):
 
   verify_step          decoding requests are scheduled with ``k`` draft tokens each, ``a`` of

@@ -28,8 +28,8 @@ and leftovers) on that device, CPU by default; what a materialize must return st
 (the cache serves host rows). The stateful machines pass tests/cache_helpers.py's
 ``machine_device()``, so ``OMNI_CACHE_TEST_DEVICE=cuda`` runs them with CUDA tensors.
 
-Used by tests/test_manager_stateful.py (Hypothesis), tests/test_soak.py
-(threads) and tests/test_faults.py (fault injection).
+Used by tests/manager/test_manager_stateful.py (Hypothesis), tests/manager/test_soak.py
+(threads) and tests/manager/test_faults.py (fault injection).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from cache_helpers import slot_of
 
 from omni_cache import (
     HIDDEN_KEY,
@@ -533,7 +534,7 @@ class Engine:
         return out
 
     def slot_of(self, q: Req, pos: int) -> int:
-        return q.blocks[pos // self.bs] * self.bs + pos % self.bs
+        return slot_of(q.blocks, pos, self.bs)
 
     def step(self, picks: Sequence[tuple[int, int]], *, pad: int = 0, leftover: bool = False,
              padded_mm: bool = False, order: int = 0, forced: Any = None, omit: int = 0) -> StepExpect | None:

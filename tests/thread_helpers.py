@@ -2,11 +2,12 @@
 
 Owns: ``Builder`` (runs materialize/discard tasks inline, or on a second thread
 fed by a queue, collecting failures for the engine thread to raise),
-``SlowCommitter`` and ``HoldStep`` (``omni_cache.runtime.faults.FaultHooks`` that pace
-the committer -- they inject no fault, they only widen or hold the windows in
-which the engine, the builder and the committer interleave) and
-``expect_error`` (a call must raise the documented phrase). Used by
-tests/test_manager_stateful.py; exercises I2/I3/I7/I11 from the outside.
+``SlowCommitter``, ``HoldStep`` and ``Gate`` (``omni_cache.runtime.faults.FaultHooks`` that
+pace the committer -- they inject no fault, they only widen or hold the windows in
+which the engine, the builder and the committer interleave; ``Gate`` is the one "enter,
+then wait for release" gate, on whichever hook a test names) and
+``expect_error`` (a call must raise the documented phrase). Used by the
+manager's stateful machine and the tests that hold a thread at a hook; exercises I2/I3/I7/I11 from the outside.
 """
 
 from __future__ import annotations
@@ -106,22 +107,52 @@ class HoldStep(FaultHooks):
             assert self.gates[step_id].wait(10), f"test gate of step {step_id} never opened"
 
 
-class HoldFirst(FaultHooks):
-    """``hold()`` from a fault hook: the first call sets ``entered`` and waits (bounded) until the
-    test sets ``gate``; later calls pass. A subclass names the hook that holds."""
+class Gate(FaultHooks):
+    """The tests' one "enter, then wait for release" fault gate.
 
-    def __init__(self) -> None:
-        self.entered, self.gate = threading.Event(), threading.Event()
+    When the hook named ``hook`` (``before_device_to_host``, ``before_pool_write``,
+    ``after_claim`` or ``committer_tick``) fires for a subject ``when`` accepts (the write, or
+    the claimed slot; every one by default), the calling thread -- the committer, or a save --
+    sets ``entered`` and waits, bounded by ``timeout_s``, until the test sets ``release``.
+    ``first_only`` holds only the first such call (later ones pass). ``hook=None`` gates
+    nothing by itself: a subclass calls ``hold()`` where it wants to stop.
+    """
+
+    HOOKS = ("before_device_to_host", "before_pool_write", "after_claim", "committer_tick")
+
+    def __init__(self, hook: str | None = "before_device_to_host", when: Callable[[object], bool] | None = None,
+                 *, first_only: bool = False, timeout_s: float = JOIN_S) -> None:
+        if hook is not None and hook not in self.HOOKS:
+            raise ValueError(f"no fault hook {hook!r} to gate (one of {self.HOOKS})")
+        self.hook, self.when, self.first_only, self.timeout_s = hook, when, first_only, timeout_s
+        self.entered, self.release = threading.Event(), threading.Event()
 
     def hold(self) -> None:
-        if not self.entered.is_set():
-            self.entered.set()
-            assert self.gate.wait(JOIN_S), "test gate never opened"
+        """Set ``entered``, then wait until ``release`` is set (bounded: a test that never
+        releases fails here instead of hanging)."""
+        self.entered.set()
+        assert self.release.wait(self.timeout_s), f"test gate on {self.hook} never opened"
 
-
-class HoldFirstCopy(HoldFirst):
-    """Holds the committer inside the first write's device->host copy until ``gate`` is set
-    (for a write whose step id is not known before its save: ``HoldStep`` holds chosen steps)."""
+    def _arrive(self, hook: str, subject: object) -> None:
+        if hook != self.hook or (self.first_only and self.entered.is_set()):
+            return
+        if self.when is None or self.when(subject):
+            self.hold()
 
     def before_device_to_host(self, write: object) -> None:
-        self.hold()
+        self._arrive("before_device_to_host", write)
+
+    def before_pool_write(self, write: object, key: str) -> None:
+        self._arrive("before_pool_write", write)
+
+    def after_claim(self, slot: object) -> None:
+        self._arrive("after_claim", slot)
+
+    def committer_tick(self) -> None:
+        self._arrive("committer_tick", None)
+
+
+def hold_first_copy() -> Gate:
+    """Holds the committer inside the first write's device->host copy until ``release`` is set
+    (for a write whose step id is not known before its save: ``HoldStep`` holds chosen steps)."""
+    return Gate("before_device_to_host", first_only=True)

@@ -68,51 +68,48 @@ CORE_MODULES = (
 # The fast subset: unit and behaviour tests first (they kill most mutants in a second or
 # two), the stateful and end-to-end tests last. No TLC, soak, bench or CLI subprocesses.
 FAST_TESTS = (
-    "tests/test_core_states.py",
-    "tests/test_core_staging.py",
-    "tests/test_core_writes_pool.py",
-    "tests/test_core_interface.py",
-    "tests/test_events.py",
-    "tests/test_locking.py",
-    "tests/test_copier.py",
-    "tests/test_tenancy_order.py",
-    "tests/test_tenancy_reads.py",
-    "tests/test_committer_start_atomic.py",
-    "tests/test_cuda.py",  # skips without a CUDA device
-    "tests/test_step_cost.py",  # the fast paths of a step (layout facts, scheduled counts, slot range, hit merges)
-    "tests/test_manager_invariants.py",
-    "tests/test_manager_behaviour.py",  # its shutdown test fails in ~11 s on a committer that never stops
-    "tests/test_manager_review_regressions.py",
-    "tests/test_manager_hardening.py",
-    "tests/test_manager_door_checks.py",
-    "tests/test_request_identity.py",
-    "tests/test_request_identity_steps.py",  # one step's events apply to the admission each names
-    "tests/test_manager_typed_input.py",
-    "tests/test_preserved_bounded.py",
-    "tests/test_shutdown_saves.py",
-    "tests/test_slot_mapping_snapshot.py",
-    "tests/test_output_group.py",
-    "tests/test_i8_late_writes.py",
-    "tests/test_reference_parity.py",
-    "tests/test_faults.py",
-    "tests/test_integration_adapter.py",
-    "tests/test_integration_block_table.py",
-    "tests/test_integration_config_gate.py",
-    "tests/test_integration_hooks.py",
-    "tests/test_delivery_files.py",  # served delivery: names, paths, atomic writes, locks, retention
-    "tests/test_delivery_worker.py",  # RowDelivery on a real manager: rows, I1, containment
-    "tests/test_delivery_scheduler.py",  # DeliveryScheduler and the delivery settings
-    "tests/test_delivery_bridge.py",  # the bridge's consumer modes (deliver, discard, queue)
-    "tests/test_integration_e2e.py",
-    "tests/test_sim_manager_regressions.py",
-    "tests/test_staging_stateful.py",
-    "tests/test_adapter_stateful.py",
-    "tests/test_manager_stateful.py",
+    "tests/manager/test_state_tables.py",
+    "tests/staging/test_staging_pool.py",
+    "tests/writes/test_write_book_and_pool.py",
+    "tests/manager/test_interface.py",
+    "tests/manager/test_events.py",
+    "tests/manager/test_locking.py",
+    "tests/writes/test_copier.py",
+    "tests/tenancy/test_landing_order.py",
+    "tests/tenancy/test_reads.py",
+    "tests/writes/test_committer.py",
+    "tests/writes/test_cuda.py",  # skips without a CUDA device
+    "tests/manager/test_step_cost.py",  # the fast paths of a step (layout facts, scheduled counts, slot range, hit merges)
+    "tests/manager/test_invariants.py",
+    "tests/manager/test_behaviour.py",  # its shutdown test fails in ~11 s on a committer that never stops
+    "tests/manager/test_door_checks.py",
+    "tests/request_identity/test_identity_and_replay.py",
+    "tests/request_identity/test_step_events.py",  # one step's events apply to the admission each names
+    "tests/manager/test_typed_input.py",
+    "tests/tenancy/test_preserved_rows.py",
+    "tests/manager/test_shutdown.py",
+    "tests/writes/test_slot_snapshot.py",
+    "tests/adapter/test_output_group.py",
+    "tests/writes/test_write_failures.py",
+    "tests/manager/test_reference_parity.py",
+    "tests/manager/test_faults.py",
+    "tests/adapter/test_scheduler_adapter.py",
+    "tests/integration/test_block_table.py",
+    "tests/integration/test_config_gate.py",
+    "tests/integration/test_runner_hooks.py",
+    "tests/integration/test_delivery_files.py",  # served delivery: names, paths, atomic writes, locks, retention
+    "tests/integration/test_delivery_worker.py",  # RowDelivery on a real manager: rows, I1, containment
+    "tests/integration/test_delivery_scheduler.py",  # DeliveryScheduler and the delivery settings
+    "tests/integration/test_delivery_bridge.py",  # the bridge's consumer modes (deliver, discard, queue)
+    "tests/integration/test_fake_engine_e2e.py",
+    "tests/staging/test_staging_stateful.py",
+    "tests/adapter/test_adapter_stateful.py",
+    "tests/manager/test_manager_stateful.py",
 )
 # TLC runs Java for seconds; the stateful TLC replay is covered by the full suite instead.
 # vLLM's reader imports vLLM (seconds); the other delivery-file tests kill the same mutants.
-FAST_DESELECT = ("tests/test_manager_stateful.py::TestManagerTracesWithTLC",
-                 "tests/test_delivery_files.py::test_vllms_reader_waits_for_the_lock_then_reads_the_complete_file")
+FAST_DESELECT = ("tests/manager/test_manager_stateful.py::TestManagerTracesWithTLC",
+                 "tests/integration/test_delivery_files.py::test_vllms_reader_waits_for_the_lock_then_reads_the_complete_file")
 
 _NEGATE = {
     ast.Lt: ast.GtE, ast.GtE: ast.Lt, ast.Gt: ast.LtE, ast.LtE: ast.Gt,

@@ -1,6 +1,6 @@
 """Run the suite's seed- and timing-sensitive tests many times: every run must pass.
 
-Owns the dynamic check of docs/testing-determinism.md (tests/test_determinism_guard.py is
+Owns the dynamic check of docs/testing-determinism.md (tests/project/test_determinism_guard.py is
 the static one). Two parts, each optional:
 
   --seeds N     the reachability tests (SEEDED below) once per Hypothesis seed 1..N plus a few
@@ -29,8 +29,8 @@ from pathlib import Path
 
 # Tests that assert a state was reached (or reached enough of it) after a random run.
 SEEDED = (
-    "tests/test_staging_stateful.py",
-    "tests/test_manager_stateful.py::test_tlc_validates_tenancy_traces_with_immediate_and_deferred_writes",
+    "tests/staging/test_staging_stateful.py",
+    "tests/manager/test_manager_stateful.py::test_tlc_validates_tenancy_traces_with_immediate_and_deferred_writes",
 )
 LARGE_SEEDS = (987654321, 2147483647, 4242424242)
 TESTS = Path(__file__).resolve().parent.parent / "tests"
@@ -38,13 +38,13 @@ TESTS = Path(__file__).resolve().parent.parent / "tests"
 # engine thread: it runs the async manager (``MODES`` / ``eager=False``) or starts threads.
 THREAD_MARKS = re.compile(
     r"MODES|eager=False|eager = False|\[True, False\], ids=\[\"eager\", \"async\"\]|MODE = \"(async|threaded)\""
-    r"|threading|Thread\(|AsyncMachine|ThreadedMachine")
+    r"|threading|Thread\(|AsyncMachine|MachineAsync|ThreadedMachine")
 
 
 def threaded_files(tests: Path = TESTS) -> list[str]:
     """The test files the jitter runs cover, derived from their source (never a list that a new
     file is forgotten in); the ``vllm``/``cuda`` ones are deselected by the run's marker filter."""
-    return [str(p.relative_to(tests.parent)) for p in sorted(tests.glob("test_*.py"))
+    return [str(p.relative_to(tests.parent)) for p in sorted(tests.rglob("test_*.py"))
             if THREAD_MARKS.search(p.read_text())]
 
 

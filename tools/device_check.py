@@ -102,7 +102,7 @@ def probe(require_cuda: bool) -> int:
 # ---- selections --------------------------------------------------------------------------------
 def cuda_files(root: Path = ROOT) -> list[str]:
     """Test files (relative to ``root``) whose text applies the ``cuda`` marker."""
-    return sorted(str(p.relative_to(root)) for p in (root / "tests").glob("test_*.py")
+    return sorted(str(p.relative_to(root)) for p in (root / "tests").rglob("test_*.py")
                   if CUDA_MARK.search(p.read_text(encoding="utf-8")))
 
 

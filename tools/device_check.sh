@@ -11,8 +11,8 @@
 #   then, side by side (correctness only; the GPU and 16 cores are shared):  box 240 s in all
 #   cuda_tests  every cuda-marked test (the files tools/device_check.py cuda-files names)   150 s
 #   stateful    the Hypothesis stateful machines with CUDA tensors (OMNI_CACHE_TEST_DEVICE=cuda,
-#               HYPOTHESIS_PROFILE=ci): tests/test_manager_stateful.py, test_adapter_stateful.py,
-#               test_tier_stateful.py                                                       230 s
+#               HYPOTHESIS_PROFILE=ci): tests/manager/test_manager_stateful.py, adapter/test_adapter_stateful.py,
+#               tier/test_tier_stateful.py                                                     230 s
 #   simulate    omni-cache simulate --device cuda --json on every preset, eager and --async
 #               (45 s a run)                                                                230 s
 #   sanitizer   compute-sanitizer memcheck, racecheck and synccheck on tools/cuda_manager_run.py
@@ -142,7 +142,7 @@ part_stateful() {
   # shellcheck disable=SC2046  # the optional flag
   run_boxed stateful 230 "$WORK/stateful.log" env OMNI_CACHE_TEST_DEVICE="$DEV" HYPOTHESIS_PROFILE=ci \
     "$PY" -m pytest -p no:cacheprovider -q -rA $(per_test 200) --junitxml "$WORK/stateful.xml" \
-    tests/test_manager_stateful.py tests/test_adapter_stateful.py tests/test_tier_stateful.py
+    tests/manager/test_manager_stateful.py tests/adapter/test_adapter_stateful.py tests/tier/test_tier_stateful.py
 }
 
 part_simulate() {

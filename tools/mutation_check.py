@@ -34,8 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-MINE = ("tests/test_manager_stateful.py", "tests/test_faults.py")
-LEAD_INVARIANTS = "tests/test_manager_invariants.py"
+MINE = ("tests/manager/test_manager_stateful.py", "tests/manager/test_faults.py")
+LEAD_INVARIANTS = "tests/manager/test_invariants.py"
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ the invariants its "Upholds" paragraph names ("none" for "Upholds nothing"; a mo
 is an error). The README holds the facts in one marked table (between ``<!-- facts:begin -->`` and
 ``<!-- facts:end -->``): tests collected, ``vllm``-marked tests, the mutation fast subset, TLC
 runs and pinned distinct states per tier, and runtime Python lines per decode step. Each row
-names the command that gives its number. ``tests/test_readme_facts.py`` runs ``--check``'s
+names the command that gives its number. ``tests/project/test_readme_facts.py`` runs ``--check``'s
 comparison in the suite, so a number cannot drift; after adding tests (or merging branches
 that did), regenerate with ``--write``.
 
@@ -127,7 +127,7 @@ def compute(*, slow: bool = True) -> dict[str, int]:
 
 def render(values: dict[str, int]) -> str:
     rows = "\n".join(f"| {f.label} | {values[f.label]:,} | {f.command} |" for f in FACTS)
-    return (f"{BEGIN}\n| fact (checked by `tests/test_readme_facts.py`) | count | from |\n|---|---|---|\n"
+    return (f"{BEGIN}\n| fact (checked by `tests/project/test_readme_facts.py`) | count | from |\n|---|---|---|\n"
             f"{rows}\n{END}")
 
 
@@ -146,7 +146,7 @@ def stated(text: str | None = None) -> dict[str, int]:
 
 
 WING_ORDER = ("omni_cache.runtime", "omni_cache.integration", "omni_cache", "omni_cache.harness", "omni_cache.verify",
-              "omni_cache.cli")  # the layers, bottom up (tests/test_layering.py)
+              "omni_cache.cli")  # the layers, bottom up (tests/project/test_layering.py)
 _INVARIANT = re.compile(r"\bI1[0-4]\b|\bI[1-9]\b")
 
 

@@ -4,7 +4,7 @@ Usage: ``python tools/tla_manifest_states.py [--tier ci|nightly|all] [--jobs 2] 
 Runs TLC on the selected entries (``-workers 1``: deterministic breadth-first
 search) and writes each run's ``{"distinct", "total", "depth"}`` into the
 manifest's ``states`` field, which ``omni-cache verify`` (and
-tests/test_tla_models.py) then require exactly: a drift is a surprise.
+tests/formal/test_tla_models.py) then require exactly: a drift is a surprise.
 Refuses to record a run whose result is not the expected one.
 """
 

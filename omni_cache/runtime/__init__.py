@@ -12,7 +12,7 @@ them (``manager``), with its narrow port for the tier (``tier_rows``).
 Layering: this package imports nothing of the project outside itself, and never vLLM. The
 vLLM integration (``omni_cache.integration``) sits on top of it, the harness
 (``omni_cache.harness``: simulated and real engines, the pipeline, the bench) on top of that,
-and the command line (``omni_cache.cli``) last. ``tests/test_layering.py`` checks it from the
+and the command line (``omni_cache.cli``) last. ``tests/project/test_layering.py`` checks it from the
 import graph. Importing this package costs nothing: its modules load when imported.
 
 Upholds: nothing itself; each module names the invariants it upholds.

@@ -7,7 +7,7 @@ Mermaid diagram drawn by ``transitions``' own
 
 Everything is read from ``omni_cache.runtime.states`` at call time (``STAGING_TABLE``,
 ``WRITE_TABLE``); nothing here repeats a state, a trigger or a description, so
-the spec cannot drift from the code: ``tests/test_spec_docs.py`` fails when the
+the spec cannot drift from the code: ``tests/formal/test_spec_docs.py`` fails when the
 file on disk is not what this module renders now (fix: ``omni-cache diagram
 --write``).
 

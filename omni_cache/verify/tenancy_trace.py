@@ -20,7 +20,7 @@ checks every key lands once). ``split_writes`` counts such (step, slot) pairs.
 Scope: the model plans hits only on slots some tenant registered a write for
 (a hit refers to a block its tenant computed); a runtime hit on a slot no write
 was ever registered for (a diverged KV cache, which the runtime refuses with "is
-not readable", I6: tests/test_manager_*) is left out of the trace, with its
+not readable", I6: tests/manager/) is left out of the trace, with its
 reads. So is a hit on a slot whose newest tenant registered no write (a step that carried no
 per-token key: ``SlotTenancy.take_slots``, a ``tenant`` note): in the model that tenant's
 ``reuse`` leaves the slot unregistered, where ``plan`` is not enabled, and the runtime refuses

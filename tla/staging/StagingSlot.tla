@@ -3,7 +3,7 @@
 (* The staging-slot machine of one page, as the TLA+ side states it.       *)
 (*                                                                         *)
 (* omni_cache/runtime/states.py STAGING_TABLE is the code's copy of this machine.  *)
-(* They are kept equal by tests, not by copying: tests/test_tla_conformance *)
+(* They are kept equal by tests, not by copying: tests/formal/test_tla_conformance *)
 (* compares (1) the action graph TLC explores for Staging.tla with one     *)
 (* page (-dump dot,actionlabels) and (2) SlotEdges itself with             *)
 (* STAGING_TABLE.edges().  Trace validation (omni_cache/verify/traces.py)   *)

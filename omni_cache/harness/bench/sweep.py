@@ -25,7 +25,7 @@ per decode step unless named otherwise:
 * ``runtime Python lines / step``: a count no load can move, the Python lines of the runtime
   (the package minus its drivers: harness and cli) one decode step runs, counted with
   ``sys.settrace``. It is the same at every number of requests when no loop over the step's
-  requests is left in the runtime (``tests/test_step_cost.py`` holds that at 2 and 64 requests).
+  requests is left in the runtime (``tests/manager/test_step_cost.py`` holds that at 2 and 64 requests).
 
 Flat means: the bookkeeping barely moves across the grid while the copies grow with the
 requests. ``growth_per_request`` puts a number on it per pool size: the least-squares slope

@@ -1,0 +1,239 @@
+"""``omni-cache serve``'s command line: the server is started the way the cache needs, or not at all.
+
+Protected first: ``serve_command`` never starts a server the cache would refuse or silently not
+feed -- a foreign ``--worker-cls``, ``--no-enable-prefix-caching`` and a ``--kv-transfer-config``
+that is not a JSON object are refused (one ``ValueError`` naming the option) -- and the server
+listens on loopback unless told otherwise (the files encode prompts). Then the configuration it
+builds: the omni worker and prefix caching are added once, a user's connector becomes the wrapped
+child of ``OmniKVConnector`` (their option replaced, not duplicated), a user's own
+``OmniKVConnector`` config keeps its settings and gains the delivery settings it lacks, the result
+is a configuration the cache's own settings check and vLLM's ``KVTransferConfig`` accept, and
+every tiny-llama option can be overridden. ``tiny_llama_dir`` builds the model directory once
+(a byte-level tokenizer that round-trips any text) in a directory of this user only. The CLI's
+argument errors (``serve`` and ``check-server``) exit 2 with one line, before torch is imported.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import stat
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from omni_cache.cli import main
+from omni_cache.harness.served import launch
+from omni_cache.harness.served.launch import TINY_LLAMA, WORKER_CLS, omni_transfer_config, serve_command
+from omni_cache.integration.kv_tier import tier_settings
+
+ROOT = Path(__file__).resolve().parents[2]
+DELIVERY = {"delivery_dir": "/srv/hidden-states"}
+
+
+@pytest.fixture(autouse=True)
+def private_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The launcher's per-user directories go under this test's own temporary directory."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    return tmp_path
+
+
+def _option(argv: list[str], name: str) -> list[str]:
+    """Every value of ``name`` in ``argv`` (``--x v`` and ``--x=v``)."""
+    values = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == name]
+    return values + [a.split("=", 1)[1] for a in argv if a.startswith(name + "=")]
+
+
+def _transfer(argv: list[str]) -> dict[str, Any]:
+    (config,) = _option(argv, "--kv-transfer-config")
+    return json.loads(config)
+
+
+# ------------------------------------------------------------------------------------ refusals
+@pytest.mark.parametrize(("args", "phrase"), [
+    (["--worker-cls", "vllm.v1.worker.cpu_worker.CPUWorker"], "--worker-cls vllm.v1.worker.cpu_worker.CPUWorker"),
+    (["--worker-cls=my.Worker"], "--worker-cls my.Worker"),
+    (["--no-enable-prefix-caching"], "--no-enable-prefix-caching"),
+    (["--kv-transfer-config", "{not json"], "--kv-transfer-config is not JSON"),
+    (["--kv-transfer-config=[1, 2]"], "--kv-transfer-config must be a JSON object"),
+])
+def test_a_configuration_the_cache_cannot_run_is_refused(args: list[str], phrase: str) -> None:
+    with pytest.raises(ValueError) as info:
+        serve_command("some/model", ["--port", "8011", *args], delivery=DELIVERY)
+    assert phrase in str(info.value) and len(str(info.value).splitlines()) == 1
+
+
+def test_the_omni_gpu_worker_is_accepted_and_kept() -> None:
+    gpu = "omni_cache.integration.vllm_worker.OmniGPUWorker"
+    argv, _ = serve_command("some/model", ["--worker-cls", gpu], delivery=DELIVERY)
+    assert _option(argv, "--worker-cls") == [gpu]
+
+
+# ----------------------------------------------------------------------------- what it builds
+def test_the_default_command_serves_on_loopback_with_the_cache_and_delivery() -> None:
+    argv, env = serve_command("some/model", ["--port", "8011"], delivery=DELIVERY, python="/py")
+    assert argv[:5] == ["/py", "-m", "vllm.entrypoints.openai.api_server", "--model", "some/model"]
+    assert _option(argv, "--host") == ["127.0.0.1"] and _option(argv, "--port") == ["8011"]
+    assert _option(argv, "--worker-cls") == [WORKER_CLS] and argv.count("--enable-prefix-caching") == 1
+    assert _transfer(argv) == {**launch.CONNECTOR, "kv_connector_extra_config": {"connectors": [],
+                                                                                  "omni_cache": DELIVERY}}
+    assert "--load-format" not in argv  # tiny-llama's options only for tiny-llama
+    assert env == {"VLLM_USE_V2_MODEL_RUNNER": os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0")}
+
+
+@pytest.mark.parametrize("host", [["--host", "0.0.0.0"], ["--host=::"]])
+def test_a_host_the_user_chose_is_kept(host: list[str]) -> None:
+    argv, _ = serve_command("some/model", host, delivery=DELIVERY)
+    assert _option(argv, "--host") == [host[-1].split("=")[-1]]
+
+
+def test_flags_the_user_gave_are_not_doubled() -> None:
+    argv, _ = serve_command("some/model", ["--enable-prefix-caching", "--worker-cls", WORKER_CLS], delivery=DELIVERY)
+    assert argv.count("--enable-prefix-caching") == 1 and _option(argv, "--worker-cls") == [WORKER_CLS]
+
+
+@pytest.mark.parametrize("form", ["separate", "equals"])
+def test_a_users_connector_becomes_the_wrapped_child(form: str) -> None:
+    theirs = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+              "kv_connector_extra_config": {"shared_storage_path": "/kv"}}
+    text = json.dumps(theirs)
+    option = ["--kv-transfer-config", text] if form == "separate" else [f"--kv-transfer-config={text}"]
+    argv, _ = serve_command("some/model", ["--port", "1", *option, "--seed", "3"], delivery=DELIVERY)
+    transfer = _transfer(argv)  # exactly one --kv-transfer-config: the user's was taken out
+    assert transfer["kv_connector"] == "OmniKVConnector"
+    assert transfer["kv_connector_extra_config"] == {"connectors": [theirs], "omni_cache": DELIVERY}
+    assert _option(argv, "--seed") == ["3"] and _option(argv, "--port") == ["1"]
+
+
+def test_a_users_omni_connector_keeps_its_settings_and_gains_delivery() -> None:
+    theirs = {**launch.CONNECTOR, "kv_role": "kv_producer", "kv_connector_extra_config": {
+        "connectors": [{"kv_connector": "ExampleConnector", "kv_role": "kv_producer"}],
+        "omni_cache": {"tier_bytes": 4096, "delivery_timeout_s": 3}}}
+    transfer = omni_transfer_config(json.dumps(theirs), {"delivery_dir": "/d", "delivery_timeout_s": 10})
+    assert transfer["kv_role"] == "kv_producer"
+    assert transfer["kv_connector_extra_config"] == {
+        "connectors": [{"kv_connector": "ExampleConnector", "kv_role": "kv_producer"}],
+        "omni_cache": {"delivery_dir": "/d", "delivery_timeout_s": 3, "tier_bytes": 4096}}
+
+
+@pytest.mark.parametrize("user", [None, '{"kv_connector": "ExampleConnector", "kv_role": "kv_both"}',
+                                  '{"kv_connector": "OmniKVConnector", "kv_connector_module_path": '
+                                  '"omni_cache.integration.kv_tier", "kv_role": "kv_both"}'])
+def test_the_built_configuration_is_one_the_cache_and_vllm_accept(user: str | None, tmp_path: Path) -> None:
+    transfer = omni_transfer_config(user, {"delivery_dir": str(tmp_path), "delivery_max_bytes": 1 << 20})
+    settings = tier_settings(transfer["kv_connector_extra_config"])
+    assert settings["delivery"].delivery_dir == os.path.realpath(tmp_path)
+    assert settings["delivery"].delivery_max_bytes == 1 << 20
+    if importlib.util.find_spec("vllm") is not None:
+        from vllm.config import KVTransferConfig
+
+        assert KVTransferConfig(**transfer).kv_connector == "OmniKVConnector"
+
+
+def test_every_tiny_llama_option_can_be_overridden() -> None:
+    argv, _ = serve_command(TINY_LLAMA, ["--block-size", "16", "--max-model-len=4096", "--served-model-name", "t"],
+                            delivery=DELIVERY)
+    assert argv[argv.index("--model") + 1] == launch.tiny_llama_dir()
+    assert _option(argv, "--block-size") == ["16"] and _option(argv, "--max-model-len") == ["4096"]
+    assert _option(argv, "--served-model-name") == ["t"]
+    for name, value in launch.BUILTIN[launch.TINY_LLAMA][1]:
+        if name not in ("--block-size", "--max-model-len", "--served-model-name"):
+            assert (_option(argv, name) == [value]) if value is not None else argv.count(name) == 1, name
+
+
+@pytest.mark.parametrize(("args", "workers"), [(["-tp", "2"], 2), (["--tensor-parallel-size=2", "-pp", "2"], 4)])
+def test_several_cpu_workers_get_their_own_cpus(args: list[str], workers: int,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    _, env = serve_command("some/model", args, delivery=DELIVERY)
+    assert env["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
+    assert len(env["VLLM_CPU_OMP_THREADS_BIND"].split("|")) == workers
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in serve_command("some/model", args, delivery=DELIVERY)[1]  # the user's
+
+
+# ----------------------------------------------------------------------------------- tiny-llama
+def test_the_tiny_llama_directory_is_built_once_in_a_directory_of_this_user(private_tmp: Path) -> None:
+    path = launch.tiny_llama_dir()
+    parent = private_tmp / f"omni-cache-{os.getuid()}"
+    assert os.path.dirname(path) == str(parent) and stat.S_IMODE(parent.stat().st_mode) == 0o700
+    assert sorted(os.listdir(path)) == ["config.json", "tokenizer.json", "tokenizer_config.json"]
+    built = os.stat(os.path.join(path, "tokenizer.json")).st_mtime_ns
+    assert launch.tiny_llama_dir() == path and os.stat(os.path.join(path, "tokenizer.json")).st_mtime_ns == built
+    assert [n for n in os.listdir(parent) if n.startswith("tiny-llama-") and n != os.path.basename(path)] == []
+    assert launch.default_delivery_dir() == str(parent / "hidden-states")
+
+
+def test_the_tiny_tokenizer_round_trips_any_text_one_token_per_byte() -> None:
+    from tokenizers import Tokenizer
+
+    path = launch.tiny_llama_dir()
+    tokenizer = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+    config = json.loads(Path(path, "config.json").read_text())
+    text = "omni thinker | question 1.2: héllo wörld ✓ \n\t{\"json\": [1, 2]}"
+    ids = tokenizer.encode(text).ids
+    assert len(ids) == len(text.encode()) and all(3 <= i < 259 <= config["vocab_size"] for i in ids)
+    assert tokenizer.decode(ids) == text
+    assert [tokenizer.token_to_id(t) for t in ("<unk>", "<s>", "</s>")] == [0, config["bos_token_id"],
+                                                                            config["eos_token_id"]]
+
+
+def test_a_per_user_directory_that_is_a_symlink_is_refused(private_tmp: Path) -> None:
+    elsewhere = private_tmp / "elsewhere"
+    elsewhere.mkdir()
+    os.symlink(elsewhere, private_tmp / f"omni-cache-{os.getuid()}")
+    with pytest.raises(ValueError, match="is not a directory of this user"):
+        launch.default_delivery_dir()
+
+
+# ------------------------------------------------------------------------------------------ CLI
+_PARSE_ONLY = """
+import sys
+from omni_cache.cli import main
+try:
+    main(sys.argv[1:])
+except SystemExit as exc:
+    print(exc.code, sorted(m for m in ("torch", "numpy", "vllm") if m in sys.modules))
+"""
+
+
+@pytest.mark.parametrize(("argv", "phrase"), [
+    (["serve", "tiny-llama", "--delivery-max-bytes", "0"], "argument --delivery-max-bytes: wants an integer >= 1"),
+    (["serve", "tiny-llama", "--delivery-timeout", "-1"], "argument --delivery-timeout: wants a number > 0"),
+    (["serve", "tiny-llama", "--worker-cls", "my.Worker"], "--worker-cls my.Worker: the cache runs in"),
+    (["serve", "tiny-llama", "--no-enable-prefix-caching"], "--no-enable-prefix-caching: the cache keeps"),
+    (["serve", "tiny-llama", "--kv-transfer-config", "{bad"], "--kv-transfer-config is not JSON"),
+    (["serve", "--port", "8011"], "unrecognized arguments: --port"),
+    (["serve", "tiny-llama", "--tensor-parallel-size", "two"], "--tensor-parallel-size wants an integer"),
+    (["check-server", "ftp://127.0.0.1:1"], "argument URL: wants http://HOST:PORT"),
+    (["check-server", "http://127.0.0.1:1", "--families", "0"], "argument --families: wants an integer from 1"),
+    (["check-server", "http://127.0.0.1:1", "--tolerance", "2"], "argument --tolerance: wants a number from 0 to 1"),
+])
+def test_an_argument_error_is_one_line_exit_2_before_torch(argv: list[str], phrase: str, tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-c", _PARSE_ONLY, *argv], capture_output=True, text=True, cwd=ROOT,
+                          timeout=120, env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert done.stdout.splitlines()[0] == "2 []", (done.stdout, done.stderr[-500:])
+    errors = [line for line in done.stderr.splitlines() if ": error: " in line]
+    assert len(errors) == 1 and phrase in errors[0], done.stderr
+    assert f"usage: omni-cache {argv[0]}" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_serve_dry_run_prints_the_server_command(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("omni-cache serve needs vLLM installed (the [vllm] extra)")
+    monkeypatch.chdir(tmp_path)
+    code = main(["serve", "tiny-llama", "--port", "8011", "--delivery-dir", "files", "--delivery-timeout", "2.5",
+                 "--include-output-tokens", "--dry-run"])
+    out = capsys.readouterr().out
+    assert code == 0 and out.startswith("VLLM_USE_V2_MODEL_RUNNER=")
+    argv = out.split()
+    assert _option(argv, "--port") == ["8011"] and _option(argv, "--host") == ["127.0.0.1"]
+    config = json.loads(out.split("--kv-transfer-config ", 1)[1].split(" --port")[0].strip("'"))
+    assert config["kv_connector_extra_config"]["omni_cache"] == {
+        "delivery_dir": str(tmp_path / "files"), "include_output_tokens": True, "delivery_timeout_s": 2.5}
