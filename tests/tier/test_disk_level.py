@@ -272,3 +272,48 @@ def test_concurrent_puts_spills_and_gets_never_serve_an_older_version(tmp_path: 
     assert not bad, bad[:5]
     assert version(tier.get(b"h")) == 40
     assert tier.stats().spill_failures == 0 and tier.stats().load_failures == 0
+
+
+def test_a_disk_hit_that_fits_is_promoted_to_memory(tmp_path: Path) -> None:
+    """A disk hit whose rows fit the budget moves back into memory (the next get is a memory hit)
+    and the entry it displaces spills in its place."""
+    tier = HiddenTier(ENTRY, directory=str(tmp_path))
+    tier.put(b"a", _rows("a"))
+    tier.put(b"b", _rows("b"))  # a spills
+    assert _same(tier.get(b"a"), "a")
+    first = tier.stats()
+    assert (first.disk_hits, first.entries, first.spilled) == (1, 1, 2)  # b spilled by the promotion
+    assert _same(tier.get(b"a"), "a")
+    assert tier.stats().disk_hits == 1  # served from memory this time
+    assert _same(tier.get(b"b"), "b")
+    assert tier.stats().disk_hits == 2
+
+
+def test_stats_is_one_snapshot_never_taken_inside_a_put(tmp_path: Path, monkeypatch) -> None:
+    """``stats()`` takes the tier's lock: while a put is still spilling what it evicted, a reader of
+    the counters waits for the put to end instead of reading its half-updated numbers."""
+    import safetensors.torch
+
+    tier = HiddenTier(ENTRY, directory=str(tmp_path))
+    tier.put(b"a", _rows("a"))
+    spilling, release = threading.Event(), threading.Event()
+    real = safetensors.torch.save_file
+
+    def slow_save(*args: object, **kwargs: object) -> object:
+        spilling.set()
+        release.wait(5.0)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", slow_save)
+    putter = threading.Thread(target=tier.put, args=(b"b", _rows("b")))
+    putter.start()
+    assert spilling.wait(2.0)
+    seen: list[Any] = []
+    reader = threading.Thread(target=lambda: seen.append(tier.stats()))
+    reader.start()
+    reader.join(0.3)
+    assert not seen, "stats() read the counters while a put held the tier"
+    release.set()
+    putter.join(5.0)
+    reader.join(5.0)
+    assert seen and (seen[0].puts, seen[0].spilled, seen[0].entries) == (2, 1, 1)

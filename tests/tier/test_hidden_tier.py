@@ -176,3 +176,16 @@ def test_a_load_the_tier_cannot_serve_is_handed_to_vllm_as_a_failed_load_once() 
     assert failed == {3}
     assert applier.take_load_errors() == {3} and applier.take_load_errors() == set()
     m.shutdown()
+
+
+def test_rows_larger_than_the_budget_without_a_disk_level_are_refused_and_counted() -> None:
+    """A put whose rows alone exceed the budget, with no disk level to spill to, stores nothing and
+    counts one refusal (``TierStats.refused``); a later put that fits is stored."""
+    small = {"hidden": torch.zeros(2, 4)}
+    tier = HiddenTier(small["hidden"].nbytes)
+    assert tier.put(b"big", {"hidden": torch.zeros(4, 4)}) is False
+    stats = tier.stats()
+    assert (stats.refused, stats.puts, stats.entries, stats.bytes) == (1, 0, 0, 0)
+    assert tier.get(b"big") is None
+    assert tier.put(b"ok", small) is True
+    assert (tier.stats().refused, tier.stats().puts) == (1, 1)
