@@ -317,3 +317,16 @@ def test_stats_is_one_snapshot_never_taken_inside_a_put(tmp_path: Path, monkeypa
     putter.join(5.0)
     reader.join(5.0)
     assert seen and (seen[0].puts, seen[0].spilled, seen[0].entries) == (2, 1, 1)
+
+
+def test_a_put_removes_the_older_spilled_version_of_its_hash(tmp_path: Path) -> None:
+    """A put replaces every older version of its hash, the spilled file included: the disk never
+    keeps a version that the memory level has replaced."""
+    tier = HiddenTier(ENTRY, directory=str(tmp_path))
+    tier.put(b"a", _rows("old"))
+    tier.put(b"b", _rows("b"))  # a (old) spills
+    assert len(list(tmp_path.rglob("*.safetensors"))) == 1
+    tier.put(b"a", _rows("new"))  # a (new) in memory, b spills: a's old file is gone
+    assert len(list(tmp_path.rglob("*.safetensors"))) == 1
+    assert _same(tier.get(b"b"), "b")  # b (the one file) promoted; a (new) spills
+    assert _same(tier.get(b"a"), "new")

@@ -189,3 +189,12 @@ def test_rows_larger_than_the_budget_without_a_disk_level_are_refused_and_counte
     assert tier.get(b"big") is None
     assert tier.put(b"ok", small) is True
     assert (tier.stats().refused, tier.stats().puts) == (1, 1)
+
+
+def test_a_put_of_no_rows_is_refused_and_stores_nothing() -> None:
+    """``put`` with no keys raises ValueError ("no rows to store"), never a ragged-rows message, and
+    the tier is unchanged."""
+    tier = HiddenTier(1 << 20)
+    with pytest.raises(ValueError, match="no rows to store"):
+        tier.put(b"h", {})
+    assert b"h" not in tier and tier.stats().puts == 0
