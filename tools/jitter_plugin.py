@@ -12,7 +12,7 @@ A test that asserts a state of another thread right after a call, or after a fix
 fails here where it would fail one run in fifty on a loaded machine; a test that waits on the
 condition (tests/cache_helpers.py ``settle`` and ``wait_until``) passes. Load it with
 
-    PYTHONPATH=$PWD python -m pytest -p tools.jitter_plugin tests/manager/test_x.py
+    PYTHONPATH=$PWD python -m pytest -p tools.jitter_plugin tests/manager/test_faults.py
 
 (tools/determinism_check.py does, over the files that start threads). ``OMNI_JITTER_MAX_MS``
 sets the largest delay (default 15), ``OMNI_JITTER_SEED`` the delays' seed (default: the pid).
