@@ -137,6 +137,8 @@ def _served(args: argparse.Namespace, console: Any, repeats: int, say: Any, doc:
                       f"{r['apc_alone_ttft_speedup']:.3f} without it (kept {r['kept_of_apc_ttft']:.1%}); the cache's "
                       f"share of TTFT {r['cache_share_of_ttft']:.1%}; throughput x{r['throughput_speedup']:.3f} "
                       f"(x{r['apc_alone_throughput_speedup']:.3f} without the cache); {result.seconds:.0f} s")
+        console.print(f"the three engines compute on the same CPUs (VLLM_CPU_NUM_OF_RESERVED_CPU="
+                      f"{result.reserved_cpus}): {', '.join(result.thread_binding) or 'no binding logged'}")
     return 0
 
 

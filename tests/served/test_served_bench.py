@@ -4,8 +4,11 @@ Protects: the benchmark starts the three real servers (prefix caching with the c
 ``omni-cache serve``, prefix caching off, prefix caching without the cache), drives each with
 vLLM's own serving benchmark (``vllm.benchmarks.serve``, prefix-repetition), completes every
 request, reports each setup's TTFT and throughput medians and the ratios computed from them, and
-stops every server. Figures are not judged here (a shared 2-core machine); docs/performance.md
-has the measured run. Also: ``--num-prompts`` without ``--served`` is refused before torch loads.
+stops every server; the three engines compute on the same CPUs (vLLM reserves one more core for
+its scheduler where a KV connector is configured, so without the bench's equal
+``VLLM_CPU_NUM_OF_RESERVED_CPU`` the cache's server would compute on more cores than the others on a
+small machine). Figures are not judged here (a shared 2-core machine); docs/performance.md has
+the measured run. Also: ``--num-prompts`` without ``--served`` is refused before torch loads.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import sys
 import pytest
 from vllm_support import require_vllm
 
-from omni_cache.harness.bench.served import SETUPS, ServedBenchConfig, ServedBenchResult
+from omni_cache.harness.bench.served import SETUPS, ServedBenchConfig, ServedBenchResult, thread_binding_lines
 
 
 @pytest.mark.vllm
@@ -31,6 +34,8 @@ def test_the_served_comparison_runs_three_real_servers_with_vllms_benchmark() ->
     for setup in SETUPS:
         m = doc["medians"][setup]
         assert m["mean_ttft_ms"] > 0 and m["request_throughput"] > 0, (setup, m)
+    # the same CPUs for the three engines, checked from each server's own log line
+    assert doc["reserved_cpus"] == "1" and any("core ids=" in line for line in doc["thread_binding"]), doc
     r = doc["ratios"]
     m = doc["medians"]
     assert r["ttft_speedup"] == pytest.approx(m["off"]["mean_ttft_ms"] / m["cache"]["mean_ttft_ms"])
@@ -56,3 +61,17 @@ def test_num_prompts_without_served_is_refused_before_torch() -> None:
     assert out.returncode == 2 and "--num-prompts goes with --served" in out.stderr
     assert "torch" not in {line.split("|")[-1].strip().split(".")[0] for line in out.stderr.splitlines()
                            if line.startswith("import time:")}
+
+
+def test_the_binding_is_read_from_vllms_log_lines() -> None:
+    """The lines vLLM's CPU backend logs at start (``ompmultiprocessing``), as a server writes them."""
+    log = "\n".join([
+        "(EngineCore pid=7865) INFO 12-05 15:15:59 [ompmultiprocessing.py:185] OpenMP thread binding info: ",
+        "(EngineCore pid=7865) INFO 12-05 15:15:59 [ompmultiprocessing.py:185] \tlocal_world_size=2, reserve_cpu_num=1",
+        "(EngineCore pid=7865) INFO 12-05 15:15:59 [ompmultiprocessing.py:185] \tlocal_rank=0, core ids=[0, 1]",
+        "(EngineCore pid=7865) INFO 12-05 15:15:59 [ompmultiprocessing.py:185] \tlocal_rank=1, core ids=[2]",
+        "(EngineCore pid=7865) INFO 12-05 15:15:59 [ompmultiprocessing.py:185] \treserved_cpus=[3]",
+        "(APIServer pid=7850) INFO 12-05 15:16:02 [api_server.py:140] Starting vLLM server"])
+    assert thread_binding_lines(log) == ["local_rank=0, core ids=[0, 1]", "local_rank=1, core ids=[2]",
+                                         "reserved_cpus=[3]"]
+    assert thread_binding_lines("(APIServer pid=1) INFO no binding here") == []

@@ -11,13 +11,24 @@ medians over repeats of TTFT (mean, median, p99) and throughput, the speedups ag
 caching off, how much of what prefix caching alone buys the cache keeps, and the cache's share
 of TTFT (the TTFT it adds over prefix caching without the cache, over its TTFT).
 
-Upholds nothing; every repeat's benchmark must complete all its requests, else the run fails.
+The three engines compute on the same CPUs. vLLM's CPU backend reserves cores for its scheduler
+process -- one, and one more when a KV connector is configured (the cache's server runs
+``OmniKVConnector`` for the delivery) -- and reserves none where that would leave no core to
+compute on; on a 2-core machine the cache's server would compute on both cores and the others on
+one. So every server gets the same ``VLLM_CPU_NUM_OF_RESERVED_CPU``: the environment's own value,
+else 1 (what vLLM reserves for a server without a connector).
+
+Upholds: every repeat's benchmark completes all its requests, and the three servers' OpenMP
+binding lines (their ``core ids``/``reserved_cpus``, as each logs them at INFO) are equal, and on
+vLLM's CPU platform each server logged one; else the run fails, naming what differed.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import os
+import re
 import statistics
 import sys
 import tempfile
@@ -27,7 +38,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SETUPS", "ServedBenchConfig", "run_served_bench"]
+__all__ = ["SETUPS", "ServedBenchConfig", "run_served_bench", "thread_binding_lines"]
 
 SETUPS: dict[str, str] = {
     "cache": "prefix caching with the cache (omni-cache serve; every request's file delivered)",
@@ -49,6 +60,7 @@ class ServedBenchConfig:
     output_len: int = 8
     max_concurrency: int = 2
     seed: int = 0
+    reserved_cpus: int = 1  # VLLM_CPU_NUM_OF_RESERVED_CPU of every server unless the environment sets it
 
 
 @dataclass
@@ -58,6 +70,8 @@ class ServedBenchResult:
     medians: dict[str, dict[str, float]] = field(default_factory=dict)
     seconds: float = 0.0
     load_average: list[float | None] = field(default_factory=list)
+    reserved_cpus: str = ""
+    thread_binding: list[str] = field(default_factory=list)  # the same for the three servers (checked)
 
     def ratios(self) -> dict[str, float]:
         m = self.medians
@@ -75,7 +89,17 @@ class ServedBenchResult:
 
     def to_json(self) -> dict[str, Any]:
         return {"config": asdict(self.config), "setups": SETUPS, "medians": self.medians, "runs": self.runs,
-                "ratios": self.ratios(), "seconds": self.seconds, "load_average": self.load_average}
+                "ratios": self.ratios(), "seconds": self.seconds, "load_average": self.load_average,
+                "reserved_cpus": self.reserved_cpus, "thread_binding": self.thread_binding}
+
+
+_BINDING = re.compile(r"\b(local_rank=\d+, core ids=\[[^\]]*\]|reserved_cpus=\[[^\]]*\])")
+
+
+def thread_binding_lines(log: str) -> list[str]:
+    """The OpenMP binding a vLLM CPU server logged (each rank's ``core ids`` and the
+    ``reserved_cpus``), in order; empty where it logged none (not a CPU engine)."""
+    return _BINDING.findall(log)
 
 
 def _benchmark(url: str, served_name: str, tokenizer: str, cfg: ServedBenchConfig, seed: int) -> dict[str, float]:
@@ -105,6 +129,8 @@ def _benchmark(url: str, served_name: str, tokenizer: str, cfg: ServedBenchConfi
 
 
 def run_served_bench(cfg: ServedBenchConfig, progress: Callable[[str], None] | None = None) -> ServedBenchResult:
+    from vllm.platforms import current_platform
+
     from omni_cache.harness.bench.provenance import load_average
     from omni_cache.harness.served.launch import (
         BUILTIN,
@@ -121,6 +147,10 @@ def run_served_bench(cfg: ServedBenchConfig, progress: Callable[[str], None] | N
         raise ValueError(f"--served takes a built-in model ({', '.join(BUILTIN)}), got {cfg.model!r}")
     tokenizer = builtin_model_dir(cfg.model)
     servers: dict[str, ServerProcess] = {}
+    # NOTE: the same reservation for all three: vLLM reserves one more core where a KV connector is
+    # configured, which on a small machine changes how many cores the model computes on
+    result.reserved_cpus = os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", str(cfg.reserved_cpus))
+    bindings: dict[str, list[str]] = {}
     with tempfile.TemporaryDirectory(prefix="omni-cache-served-bench-") as tmp:
         try:
             for setup in SETUPS:
@@ -134,7 +164,15 @@ def run_served_bench(cfg: ServedBenchConfig, progress: Callable[[str], None] | N
                                                      python=sys.executable)
                 say(f"starting the {setup} server ({SETUPS[setup]})")
                 servers[setup] = ServerProcess(argv, port=port, log_path=Path(tmp) / f"{setup}.log",
-                                               env={**env, "VLLM_ENABLE_V1_MULTIPROCESSING": None})
+                                               env={**env, "VLLM_ENABLE_V1_MULTIPROCESSING": None,
+                                                    "VLLM_CPU_NUM_OF_RESERVED_CPU": result.reserved_cpus,
+                                                    "VLLM_LOGGING_LEVEL": "INFO"})  # the binding is an INFO line
+                bindings[setup] = thread_binding_lines(servers[setup].log())
+            if (current_platform.is_cpu() and not all(bindings.values())) \
+                    or len({tuple(b) for b in bindings.values()}) != 1:
+                raise RuntimeError("the three servers' CPU bindings are not the same, so their times do not compare: "
+                                   + "; ".join(f"{s}: {', '.join(b) or 'no binding logged'}" for s, b in bindings.items()))
+            result.thread_binding = bindings["cache"]
             order = list(SETUPS)
             for setup in order:  # a first run warms each server up (its prefixes never come back)
                 say(f"warm-up: {setup}")
