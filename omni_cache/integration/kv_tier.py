@@ -339,8 +339,12 @@ def _build() -> dict[str, type]:
             try:
                 super().shutdown()
             finally:
-                if self.omni_delivery is not None:
-                    self.omni_delivery.shutdown()
+                try:
+                    if self.omni_delivery is not None:
+                        self.omni_delivery.shutdown()
+                finally:
+                    if self.omni_tier_applier is not None:  # its spill files die with this worker
+                        self.omni_tier_applier.close()
 
     classes = (OmniKVConnector, OmniTierMetadata, OmniWorkerMetadata)
     for cls in classes:  # picklable by name (module __getattr__ finds them)

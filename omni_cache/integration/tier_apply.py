@@ -88,6 +88,10 @@ class TierApplier:
     # block ids of loads the tier could not serve, not yet reported to vLLM; guarded by _lock
     _load_errors: set[int] = field(default_factory=set, repr=False)
 
+    def close(self) -> None:
+        """At the connector's shutdown: the tier drops its entries and removes its spill files."""
+        self.tier.close()
+
     def take_load_errors(self) -> set[int]:
         """The block ids of the loads this tier could not serve since the last call (vLLM's
         ``invalid_block_ids``: the scheduler recomputes or fails their requests)."""

@@ -31,14 +31,20 @@ stored (``put`` returns False). On disk:
 - a removed ``directory`` is recreated by the next spill.
 - ``directory`` needs the ``safetensors`` package: refused at construction
   when it is missing, never at the first spill.
+- ``close`` (the connector's shutdown) drops every entry and removes this
+  instance's subdirectory with its files (no other tier can read them), so a
+  restarted server leaves no spill files behind; a closed tier refuses ``put``
+  and ``get``. A subdirectory it cannot remove is logged with its path.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import math
 import os
+import shutil
 import threading
 import uuid
 from collections import OrderedDict
@@ -47,6 +53,8 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["HiddenTier", "TierStats"]
+
+log = logging.getLogger(__name__)
 
 Rows = dict[str, torch.Tensor]
 
@@ -105,6 +113,7 @@ class HiddenTier:
         # block hash -> rows, least recently used first; guarded by _lock.
         self._entries: OrderedDict[bytes, Rows] = OrderedDict()
         self._stats = TierStats()
+        self._closed = False  # guarded by _lock; set once by close()
 
     @property
     def spill_directory(self) -> str | None:
@@ -121,11 +130,13 @@ class HiddenTier:
             raise ValueError(f"HiddenTier.put: keys have different row counts {sorted(lengths)}")
         copy = {k: t.detach().to("cpu", copy=True).contiguous() for k, t in rows.items()}
         with self._lock:
+            self._check_open_locked("put")
             return self._put_locked(block_hash, copy)
 
     def get(self, block_hash: bytes) -> Rows | None:
         """The rows stored for ``block_hash`` (private copies), or ``None``."""
         with self._lock:
+            self._check_open_locked("get")
             rows = self._entries.get(block_hash)
             if rows is not None:
                 self._entries.move_to_end(block_hash)
@@ -143,6 +154,7 @@ class HiddenTier:
 
     def __contains__(self, block_hash: bytes) -> bool:
         with self._lock:
+            self._check_open_locked("__contains__")
             if block_hash in self._entries:
                 return True
             path = self._path(block_hash)
@@ -153,7 +165,36 @@ class HiddenTier:
             self._sync_locked()
             return TierStats(**vars(self._stats))
 
+    def close(self) -> None:
+        """Drop every entry and remove this instance's spill subdirectory (idempotent).
+
+        NOTE: under the lock, so a spill racing the close can neither recreate the
+        subdirectory nor leave a file in it; ``directory`` itself (the user's) stays.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._entries.clear()
+            self._stats.bytes = 0
+            self._sync_locked()
+            if self._spill_dir is not None and os.path.isdir(self._spill_dir):
+                try:
+                    shutil.rmtree(self._spill_dir)
+                except OSError as exc:
+                    log.warning("omni-cache: the hidden-state tier could not remove its spill directory %s: %s",
+                                self._spill_dir, exc)
+
+    @property
+    def closed(self) -> bool:
+        with self._lock:
+            return self._closed
+
     # ------------------------------------------------------------- internals
+    def _check_open_locked(self, what: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"HiddenTier.{what}: the tier is closed (its entries and files were removed)")
+
     def _sync_locked(self) -> None:
         self._stats.entries = len(self._entries)
 

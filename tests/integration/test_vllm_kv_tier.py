@@ -81,6 +81,8 @@ def test_the_safetensors_level_serves_what_memory_evicted(tmp_path) -> None:
     assert res.ok, [m.detail for m in res.mismatches[:3]]
     assert t["tier_spilled"] > 0 and t["tier_disk_hits"] > 0 and t["tier_load_failures"] == 0, t
     assert t["tier_hit_tokens"] == t["external_tokens"] > 0
+    # the engine's shutdown ran the connector's: its spill subdirectory is gone, the user's directory stays
+    assert (tmp_path / "tier").is_dir() and not list((tmp_path / "tier").iterdir())
 
 
 def test_a_load_the_connector_reports_failed_is_recomputed_and_served_exactly() -> None:

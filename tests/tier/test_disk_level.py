@@ -4,7 +4,8 @@
 damaged, foreign or non-safetensors file is a counted miss (never raised out of
 ``get`` nor out of the worker's apply); the newest put wins across a failed
 spill, a get during a spill and a promotion racing a put; a removed directory is
-recreated; a tier never reads another tier's files; a malformed plan is refused
+recreated; a tier never reads another tier's files; ``close`` removes the
+instance's own spill files (and only those); a malformed plan is refused
 at the worker and a partly written block is never stored.
 """
 
@@ -330,3 +331,40 @@ def test_a_put_removes_the_older_spilled_version_of_its_hash(tmp_path: Path) -> 
     _spilled_file(tmp_path)
     assert _same(tier.get(b"b"), "b")  # b (the one file) promoted; a (new) spills
     assert _same(tier.get(b"a"), "new")
+
+
+def test_close_removes_the_instances_spill_files_and_keeps_the_users_directory(tmp_path: Path) -> None:
+    """A restarted server must not leave its spill files behind: ``close`` (the connector's shutdown)
+    removes this instance's subdirectory; another tier's subdirectory and ``directory`` itself stay."""
+    other = HiddenTier(ENTRY, directory=str(tmp_path))
+    other.put(b"o1", _rows("o1"))
+    other.put(b"o2", _rows("o2"))  # o1 spills into the other tier's subdirectory
+    tier = HiddenTier(ENTRY, directory=str(tmp_path))
+    tier.put(b"1", _rows("1"))
+    tier.put(b"2", _rows("2"))  # 1 spills
+    mine = Path(tier.spill_directory or "")
+    assert list(mine.glob("*.safetensors")), "nothing spilled: the test checks nothing"
+    tier.close()
+    assert not mine.exists() and tmp_path.is_dir()
+    assert tier.closed and tier.stats().entries == 0 and tier.stats().bytes == 0
+    tier.close()  # idempotent
+    for call in (lambda: tier.get(b"2"), lambda: tier.put(b"3", _rows("3")), lambda: b"2" in tier):
+        with pytest.raises(RuntimeError, match="closed"):
+            call()
+    assert _same(other.get(b"o1"), "o1")  # the other tier's file is untouched
+
+
+def test_a_spill_directory_that_cannot_be_removed_is_logged_with_its_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    tier = HiddenTier(ENTRY, directory=str(tmp_path))
+    tier.put(b"1", _rows("1"))
+    tier.put(b"2", _rows("2"))
+
+    def refuse(path: str) -> None:
+        raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr(shutil, "rmtree", refuse)
+    with caplog.at_level("WARNING", logger="omni_cache.runtime.tier"):
+        tier.close()
+    assert tier.spill_directory in caplog.text and "could not remove" in caplog.text
