@@ -36,23 +36,46 @@ from omni_cache.runtime.interface import ReqId
 
 __all__ = ["BlockTableView"]
 
+_SMALL_STEP_TOKENS = 64
+"""Steps of up to this many tokens get their slots in Python (see ``BlockTableView._slots``)."""
+
 
 def _cpu_int64(values: Any, what: str, rows: int | None = None) -> np.ndarray:
     """A private int64 numpy copy of ``values`` (its first ``rows`` entries when given: the copy
     is taken of those only), read without a device synchronization."""
-    if isinstance(values, torch.Tensor):
-        if values.device.type != "cpu":
-            raise ValueError(
-                f"BlockTableView: {what} must be a CPU tensor (reading a {values.device} tensor "
-                "would synchronize with the device); pass the engine's CPU mirror"
-            )
-        values = values.detach().numpy()
-    array = np.asarray(values)
+    array = _cpu_array(values, what)
     if rows is not None and array.ndim:
         array = array[:rows]
     # NOTE: one copy, of the rows the view keeps (never of the engine's whole persistent table):
     # the engine's buffers change after this step, the view must not.
     return array.astype(np.int64, copy=True)
+
+
+def _cpu_ints(values: Any, what: str, rows: int) -> list[int]:
+    """The first ``rows`` entries of ``values`` (flattened) as Python ints: a private copy.
+
+    NOTE: a step reads these between forward passes, with numpy's machinery cold: an integer
+    array costs one slice and one ``tolist`` here, where a numpy int64 copy and the vectorized
+    arithmetic on it cost several times that (``omni-cache bench --engine-step``)."""
+    array = _cpu_array(values, what)
+    if array.ndim != 1:
+        array = array[:rows].reshape(-1)
+    if array.dtype.kind not in "iu":  # bool, float, object: as numpy's int64 cast reads them
+        array = array.astype(np.int64)
+    return array[:rows].tolist()
+
+
+def _cpu_array(values: Any, what: str) -> np.ndarray:
+    """``values`` as a numpy array sharing its memory; a device tensor is refused (reading it would
+    synchronize with the device)."""
+    if isinstance(values, torch.Tensor):
+        if not values.is_cpu:  # one attribute: ``device.type`` builds a device object
+            raise ValueError(
+                f"BlockTableView: {what} must be a CPU tensor (reading a {values.device} tensor "
+                "would synchronize with the device); pass the engine's CPU mirror"
+            )
+        return values.detach().numpy() if values.requires_grad else values.numpy()
+    return values if isinstance(values, np.ndarray) else np.asarray(values)
 
 
 class BlockTableView:
@@ -95,15 +118,14 @@ class BlockTableView:
         self._row_of = {rid: i for i, rid in enumerate(self.req_ids)}
         if len(self._row_of) != n:
             raise ValueError(f"BlockTableView: duplicate request ids in the batch {list(self.req_ids)}")
-        computed = _cpu_int64(num_computed_tokens, "num_computed_tokens", n).reshape(-1)
-        if computed.size < n:
+        computed = _cpu_ints(num_computed_tokens, "num_computed_tokens", n)
+        if len(computed) < n:
             raise ValueError(
-                f"BlockTableView: {computed.size} num_computed_tokens for a batch of {n} requests"
+                f"BlockTableView: {len(computed)} num_computed_tokens for a batch of {n} requests"
             )
-        self._computed = computed
-        self.num_computed_tokens: tuple[int, ...] = tuple(computed.tolist())
+        self.num_computed_tokens: tuple[int, ...] = tuple(computed)
         table = block_table_cpu
-        if isinstance(table, torch.Tensor) and table.device.type != "cpu":
+        if isinstance(table, torch.Tensor) and not table.is_cpu:
             raise ValueError(
                 f"BlockTableView: the block table must be the CPU mirror, got a {table.device} tensor "
                 "(reading it would synchronize with the device)"
@@ -114,10 +136,11 @@ class BlockTableView:
                 f"BlockTableView: block table of shape {tuple(np.shape(table))} cannot hold {n} rows"
             )
         self._table = table_np
-        if num_blocks_per_row is not None:
-            self._blocks_per_row = _cpu_int64(num_blocks_per_row, "num_blocks_per_row", n).reshape(-1)
-        else:
-            self._blocks_per_row = np.full(n, table_np.shape[1], dtype=np.int64)
+        # Each row's valid blocks (in the table's blocks), as Python ints.
+        self._limits: list[int] = (
+            _cpu_ints(num_blocks_per_row, "num_blocks_per_row", n) if num_blocks_per_row is not None
+            else [table_np.shape[1]] * n
+        )
         if self.kernel_blocks_per_block > 1:
             self._check_kernel_runs()
 
@@ -126,14 +149,15 @@ class BlockTableView:
         then ``kernel_block * kernel_size + offset`` is the manager slot ``b * block_size +
         offset`` the hits are addressed by. A packed layout (another stride) is refused."""
         k = self.kernel_blocks_per_block
+        limits = np.array(self._limits, dtype=np.int64)
         cols = np.arange(self._table.shape[1], dtype=np.int64)
-        valid = cols[None, :] < self._blocks_per_row[:, None]
-        partial = (self._blocks_per_row % k) != 0
+        valid = cols[None, :] < limits[:, None]
+        partial = (limits % k) != 0
         first = self._table[:, (cols // k) * k]
         bad = valid & ((self._table != first + cols % k) | (first % k != 0))
         if bool(bad.any()) or bool(partial.any()):
             row = int(np.flatnonzero(bad.any(axis=1) | partial)[0])
-            count = int(self._blocks_per_row[row])
+            count = self._limits[row]
             raise ValueError(
                 f"BlockTableView: the kernel block table row of request {self.req_ids[row]!r} "
                 f"({self._table[row, :count].tolist()[:16]}, {count} kernel blocks) does not hold each "
@@ -226,7 +250,7 @@ class BlockTableView:
         kernel-block table's runs read back as the manager blocks they split)."""
         row = self.row_of(req_id)
         k = self.kernel_blocks_per_block
-        return tuple(int(b) // k for b in self._table[row, : int(self._blocks_per_row[row]) : k].tolist())
+        return tuple(int(b) // k for b in self._table[row, : self._limits[row] : k].tolist())
 
     def slots_for_spans(self, spans: Sequence[tuple[ReqId, int, int]]) -> torch.Tensor:
         """KV slots of positions ``[start, end)`` of each request, concatenated
@@ -241,44 +265,65 @@ class BlockTableView:
             rows.append(self.row_of(req_id))
             starts.append(start)
             counts.append(end - start)
-        return self._slots(np.array(rows, dtype=np.int64), np.array(starts, dtype=np.int64),
-                           np.array(counts, dtype=np.int64))
+        return self._slots(rows, starts, counts)
 
     def slots_for_counts(self, counts: Sequence[int]) -> torch.Tensor:
         """KV slots of each row's next ``counts[i]`` positions (``[num_computed_tokens[i],
         num_computed_tokens[i] + counts[i])``), rows in batch order, concatenated (int64, CPU).
         ``counts`` has one non-negative count per row of the view (a row may be 0)."""
-        n = np.asarray(counts, dtype=np.int64).reshape(-1)
-        if n.size != len(self.req_ids):
-            raise ValueError(f"BlockTableView: {n.size} counts for a batch of {len(self.req_ids)} requests")
-        if n.size and int(n.min()) < 0:
-            row = int(np.flatnonzero(n < 0)[0])
-            raise ValueError(f"BlockTableView: negative token count {int(n[row])} for {self.req_ids[row]!r}")
-        return self._slots(np.arange(n.size, dtype=np.int64), self._computed, n)
+        per_row = _cpu_ints(counts, "counts", len(counts) + 1) if not isinstance(counts, list) else counts
+        if len(per_row) != len(self.req_ids):
+            raise ValueError(f"BlockTableView: {len(per_row)} counts for a batch of {len(self.req_ids)} requests")
+        for row, count in enumerate(per_row):
+            if operator.index(count) < 0:
+                raise ValueError(f"BlockTableView: negative token count {count} for {self.req_ids[row]!r}")
+        return self._slots(range(len(per_row)), self.num_computed_tokens, per_row)
 
-    def _slots(self, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray) -> torch.Tensor:
-        """Slots of positions ``[starts[j], starts[j] + counts[j])`` of view rows ``rows[j]``, in order:
-        one vectorized pass (no Python per request or per token)."""
-        total = int(counts.sum()) if counts.size else 0
+    def _slots(self, rows: Sequence[int], starts: Sequence[int], counts: Sequence[int]) -> torch.Tensor:
+        """Slots of positions ``[starts[j], starts[j] + counts[j])`` of view rows ``rows[j]``, in order.
+
+        Up to ``_SMALL_STEP_TOKENS`` tokens (a decode step, a short prefill) in Python, reading the
+        table with one fancy index; more in one vectorized numpy pass (no Python per token)."""
+        total = sum(counts)
         if total == 0:
             return torch.empty(0, dtype=torch.int64)
-        if total == counts.size and int(counts.min()) == 1:  # one token per entry (a decode step)
-            row_t, pos_t = rows, starts
-        else:
-            row_t = np.repeat(rows, counts)
-            # position of every token: its entry's start plus its offset within the entry
-            offsets = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
-            pos_t = np.repeat(starts, counts) + offsets
+        bs = self.block_size
+        if total > _SMALL_STEP_TOKENS:
+            return self._slots_vectorized(np.array(rows, dtype=np.int64), np.array(starts, dtype=np.int64),
+                                          np.array(counts, dtype=np.int64), total)
+        row_t: list[int] = []
+        pos_t: list[int] = []
+        for row, start, count in zip(rows, starts, counts, strict=True):
+            if count:
+                row_t.extend([row] * count)
+                pos_t.extend(range(start, start + count))
+        block_idx = [p // bs for p in pos_t]
+        limits = self._limits
+        for row, pos, block in zip(row_t, pos_t, block_idx, strict=True):
+            if block >= limits[row]:
+                raise self._past_row(row, pos, block)
+        block_ids = self._table[row_t, block_idx].tolist()
+        return torch.from_numpy(np.array([b * bs + p % bs for b, p in zip(block_ids, pos_t, strict=True)],
+                                         dtype=np.int64))
+
+    def _slots_vectorized(self, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray, total: int) -> torch.Tensor:
+        """``_slots`` of a large step: one vectorized pass."""
+        row_t = np.repeat(rows, counts)
+        # position of every token: its entry's start plus its offset within the entry
+        offsets = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+        pos_t = np.repeat(starts, counts) + offsets
         block_idx = pos_t // self.block_size
-        limit = self._blocks_per_row[row_t]
+        limit = np.array(self._limits, dtype=np.int64)[row_t]
         bad = block_idx >= limit
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
-            rid = self.req_ids[int(row_t[i])]
-            raise ValueError(
-                f"BlockTableView: position {int(pos_t[i])} of request {rid!r} needs block index "
-                f"{int(block_idx[i])} but its row holds {int(limit[i])} blocks; the view is stale or "
-                "the step's blocks were not appended yet"
-            )
+            raise self._past_row(int(row_t[i]), int(pos_t[i]), int(block_idx[i]))
         block_ids = self._table[row_t, block_idx]
         return torch.from_numpy(block_ids * self.block_size + pos_t % self.block_size)
+
+    def _past_row(self, row: int, pos: int, block: int) -> ValueError:
+        return ValueError(
+            f"BlockTableView: position {pos} of request {self.req_ids[row]!r} needs block index "
+            f"{block} but its row holds {self._limits[row]} blocks; the view is stale or "
+            "the step's blocks were not appended yet"
+        )

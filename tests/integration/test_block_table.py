@@ -1,7 +1,8 @@
 """BlockTableView: CPU slots of a step from a vLLM-style input batch.
 
 Checks slot = table[i, p // block_size] * block_size + p % block_size against a
-scalar reference over random batches, kernel-block tables (a manager block split
+scalar reference over random batches (both the Python path of small steps and the
+vectorized one of large steps), kernel-block tables (a manager block split
 into kernel blocks gives the manager's slots; any other split or size is refused,
 I5's input), positions past the row's
 blocks, device tensors refused (no sync), and that the view is a snapshot of the
@@ -20,7 +21,7 @@ from cache_helpers import slot_of
 from fakes_vllm import InputBatch
 
 from omni_cache import PrefixCacheSchedulerAdapter, PrefixCacheWriteLayout
-from omni_cache.integration import BlockTableView
+from omni_cache.integration import BlockTableView, block_table
 
 
 def _batch(rows, *, block_size=4, max_blocks=8) -> InputBatch:
@@ -30,7 +31,14 @@ def _batch(rows, *, block_size=4, max_blocks=8) -> InputBatch:
     return batch
 
 
-def test_slots_match_the_scalar_formula_on_random_batches() -> None:
+@pytest.fixture(params=["python", "vectorized"])
+def slot_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both ways a step's slots are computed: in Python (small steps) and vectorized (large)."""
+    monkeypatch.setattr(block_table, "_SMALL_STEP_TOKENS", 1 << 30 if request.param == "python" else 0)
+    return request.param
+
+
+def test_slots_match_the_scalar_formula_on_random_batches(slot_path: str) -> None:
     rng = random.Random(7)
     for _ in range(30):
         bs = rng.choice([1, 2, 4, 16])
@@ -45,6 +53,8 @@ def test_slots_match_the_scalar_formula_on_random_batches() -> None:
             spans.append((req_id, computed, end))
             expected += [slot_of(blocks, p, bs) for p in range(computed, end)]
         assert view.slots_for_spans(spans).tolist() == expected
+        counts = [end - start for _, start, end in spans]
+        assert view.slots_for_counts(counts).tolist() == expected  # the spans start at num_computed_tokens
 
 
 def test_from_input_batch_reads_order_and_computed_tokens() -> None:
@@ -82,7 +92,7 @@ def test_a_kernel_table_that_is_not_the_managers_split_is_refused(kernel) -> Non
         BlockTableView.from_input_batch(batch, block_size=32)
 
 
-def test_position_past_the_rows_blocks_raises() -> None:
+def test_position_past_the_rows_blocks_raises(slot_path: str) -> None:
     view = BlockTableView.from_input_batch(_batch([("a", 0, [3, 4])]), block_size=4)
     assert view.slots_for_spans([("a", 0, 8)]).tolist() == [12, 13, 14, 15, 16, 17, 18, 19]
     with pytest.raises(ValueError, match="position 8 of request 'a' needs block index 2 but its row holds 2"):
