@@ -79,15 +79,17 @@ class PrefixBlockPool:
         view = slots.numpy()
         if not len(view):
             return view
-        if view.dtype == np.int64:  # one pass: a negative slot read as unsigned is above any num_slots
-            unsigned = view.view(np.uint64)
-            # Up to 256 slots (a decode step of up to 256 requests): Python's max of the list. A
-            # step runs this between forward passes, with the ufunc machinery cold: measured in
-            # the narrow sweep, 7 µs less per step than the reduction below at 1 request.
+        if view.dtype == np.int64:
+            # Up to 256 slots (a decode step of up to 256 requests): Python's min and max of the list.
+            # A step runs this between forward passes, with numpy's machinery cold: one ``tolist``
+            # costs less than a reduction (measured in the narrow sweep: 7 µs less per step at 1
+            # request) and than the unsigned view the reduction below needs.
             if len(view) <= 256:
-                bad = max(unsigned.tolist()) >= self.num_slots
-            else:  # the ufunc's reduce directly: ndarray.max() adds a Python-level wrapper
-                bad = int(np.maximum.reduce(unsigned)) >= self.num_slots
+                values = view.tolist()
+                bad = min(values) < 0 or max(values) >= self.num_slots
+            else:  # one pass: a negative slot read as unsigned is above any num_slots; the ufunc's
+                # reduce directly (ndarray.max() adds a Python-level wrapper)
+                bad = int(np.maximum.reduce(view.view(np.uint64))) >= self.num_slots
         else:
             bad = int(view.min()) < 0 or int(view.max()) >= self.num_slots
         if bad:

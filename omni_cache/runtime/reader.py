@@ -132,6 +132,10 @@ class StepReader:
         # Small steps (decode): one clone per key, split into per-request views -- O(1) calls per
         # step. Large steps (prefill): one clone per request, which measured faster than one huge
         # allocation (``omni-cache bench``).
+        if len(req_ids) == 1 and not hits:  # ``src`` is rows [lo, hi): exactly the one request's
+            # NOTE: no split of a one-request step: its private copy is its whole output (one torch
+            # call fewer per key, and a step's calls run with torch's dispatch cold).
+            return {req_ids[0]: src if private else src.clone()}
         if shape.contiguous and (private or src.nbytes <= _ONE_CLONE_MAX_BYTES):
             parts: Any = (src if private else src.clone()).split_with_sizes(shape.sizes)
         else:
