@@ -75,8 +75,8 @@ class _KeyVersions:
 
     __slots__ = ("landed", "newest_landed", "num_pins", "pins", "preserved", "registered", "sig", "tenant", "tensor")
 
-    def __init__(self, num_slots: int, table: np.ndarray, column: int) -> None:
-        self.bind(table, column)
+    def __init__(self, num_slots: int, table: np.ndarray, index: int, num_keys: int) -> None:
+        self.bind(table, index, num_keys)
         # max(landed): the newest tid that ever landed for this key. A write above it is newer
         # than every slot's version, so ``land_all`` skips the per-slot order check (the common
         # case: immediate writes land in tid order).
@@ -89,12 +89,13 @@ class _KeyVersions:
         self.tensor: torch.Tensor | None = None
         self.sig: RowSig | None = None
 
-    def bind(self, table: np.ndarray, column: int) -> None:
-        """Make this key's version vectors the columns ``column .. column + 2`` of ``table``."""
-        self.registered = table[:, column]
+    def bind(self, table: np.ndarray, index: int, num_keys: int) -> None:
+        """Make this key's version vectors its columns of ``table`` (``SlotTenancy._table``), as the
+        ``index``-th of ``num_keys`` keys."""
+        self.registered = table[:, 1 + 2 * index]
         # The step id that registered ``registered`` (compared with the slot's tenant).
-        self.tenant = table[:, column + 1]
-        self.landed = table[:, column + 2]
+        self.tenant = table[:, 2 + 2 * index]
+        self.landed = table[:, 1 + 2 * num_keys + index]
 
 
 def _all_below(values: np.ndarray, bound: int) -> bool:
@@ -117,8 +118,10 @@ class SlotTenancy:
         self._plans: dict[int, PlannedRead] = {}
         # key -> versions; guarded by pool.lock.
         self._keys: dict[TensorName, _KeyVersions] = {}
-        # A row per KV slot: [tenant, then (registered, tenant, landed) per key in ``_keys``
-        # order]; the vectors are views of its columns. Replaced (copied) when a key is added.
+        # A row per KV slot: [tenant, (registered, tenant) per key, landed per key], keys in
+        # ``_keys`` order; the vectors are views of its columns. Replaced (copied) when a key is
+        # added. NOTE: a write of every key registers (and lands) with one numpy call on a
+        # contiguous column range instead of several per key: a step runs them with numpy cold.
         self._table = np.zeros((pool.num_slots, 1), dtype=np.int64)
         # slot -> step id of the newest write registered on it, whatever its keys (the tenant).
         self._tenant = self._table[:, 0]
@@ -127,13 +130,14 @@ class SlotTenancy:
     def _versions_locked(self, key: TensorName) -> _KeyVersions:
         versions = self._keys.get(key)
         if versions is None:  # a wider table; everything is allocated before anything changes
-            old = self._table
+            old, k = self._table, len(self._keys)
             table = np.zeros((old.shape[0], old.shape[1] + 3), dtype=np.int64)
-            versions = _KeyVersions(self.pool.num_slots, table, old.shape[1])
-            table[:, : old.shape[1]] = old
+            versions = _KeyVersions(self.pool.num_slots, table, k, k + 1)
+            table[:, : 1 + 2 * k] = old[:, : 1 + 2 * k]  # tenant, (registered, tenant) pairs
+            table[:, 3 + 2 * k : 3 + 3 * k] = old[:, 1 + 2 * k :]  # landed, after the new pair
             self._table, self._tenant = table, table[:, 0]
-            for column, v in enumerate(self._keys.values()):
-                v.bind(table, 1 + 3 * column)
+            for index, v in enumerate(self._keys.values()):
+                v.bind(table, index, k + 1)
             self._keys[key] = versions
         return versions
 
@@ -165,15 +169,20 @@ class SlotTenancy:
         with self.pool.lock:
             # may allocate (a key ``prepare_keys`` did not see): before any change
             versions = [self._keys.get(key) or self._versions_locked(key) for key in keys]
-            self._tenant[slots] = step_id
-            for v in versions:
-                if scan_older:
-                    older = v.registered[slots]
-                    behind = older > v.landed[slots]
-                    if behind.any():
-                        older_tids.update(np.unique(older[behind]).tolist())
-                v.registered[slots] = tid
-                v.tenant[slots] = step_id
+            num_keys = len(self._keys)
+            if not scan_older and len(versions) == num_keys and len(set(keys)) == num_keys:
+                # every key (the usual save): the tenant and each key's (registered, tenant) pair, in one call
+                self._table[slots, : 1 + 2 * num_keys] = [step_id] + [tid, step_id] * num_keys
+            else:
+                self._tenant[slots] = step_id
+                for v in versions:
+                    if scan_older:
+                        older = v.registered[slots]
+                        behind = older > v.landed[slots]
+                        if behind.any():
+                            older_tids.update(np.unique(older[behind]).tolist())
+                    v.registered[slots] = tid
+                    v.tenant[slots] = step_id
             if self.recorder is not None:
                 self._note("register", step_id, tid=tid, keys=tuple(keys), slots=tuple(slots.tolist()))
         return older_tids
@@ -280,6 +289,7 @@ class SlotTenancy:
             tensors[key] = (tensor, sig, known)
         all_slots, all_np = slots, (slots.numpy() if slots_np is None else slots_np)
         with self.pool.lock:
+            unmasked: list[_KeyVersions] = []  # keys landed on every slot: versions set after the loop
             for key, rows in rows_by_key.items():
                 tensor, sig, known = tensors[key]
                 v = known or self._versions_locked(key)  # a key's versions are never replaced
@@ -296,8 +306,17 @@ class SlotTenancy:
                     self._preserve_locked(key, v, tensor, slots, slots_np,
                                           v.landed[slots_np] if current is None else current)
                 tensor.index_copy_(0, slots, rows)
-                v.landed[slots_np] = tid
+                if slots_np is all_np:
+                    unmasked.append(v)
+                else:
+                    v.landed[slots_np] = tid
                 v.newest_landed = max(v.newest_landed, tid)
+            num_keys = len(self._keys)
+            if len(unmasked) == num_keys:  # every key on every slot (keys are unique): one call for all
+                self._table[all_np, 1 + 2 * num_keys :] = tid
+            else:
+                for v in unmasked:
+                    v.landed[all_np] = tid
             if self.recorder is not None:
                 self._note("land", None, tid=tid, keys=tuple(rows_by_key), slots=tuple(all_np.tolist()))
 

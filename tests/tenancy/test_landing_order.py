@@ -253,3 +253,37 @@ def test_a_new_tenants_deferred_write_first_lands_the_older_tenants_open_one() -
     m.new_step_starts([PrefixCacheRequestEvent("A", E.FINISHED)])
     assert torch.equal(m.pool.rows(K, slots([0], 0, 4)), torch.full((4, 3), 2.0))
     m.shutdown()
+
+
+# ---- versions across a key added later, and writes of some keys only ----------------------
+def test_a_key_added_later_keeps_every_earlier_keys_versions_and_a_partial_write_leaves_the_rest_absent() -> None:
+    """The version table grows a column group per new key (every vector a view of it); the writes of
+    every key register and land in one call, a write of some keys per key. Whatever the path, a
+    read gets exactly the landed version of its key, and a key the slots' tenant did not write is
+    absent there (I6/I7)."""
+    pool = PrefixBlockPool(64)
+    ten = SlotTenancy(pool)
+    first, second, third = torch.arange(0, 4), torch.arange(4, 8), torch.arange(8, 10)
+    rows = {tag: torch.full((4, 2), float(tag)) for tag in (1, 2, 3)}
+    ten.register(["a"], first.numpy(), 1, step_id=1)  # the only key: the one-call path
+    ten.land_all({"a": rows[1]}, first, 1)
+    ten.register(["a", "b"], second.numpy(), 2, step_id=2)  # adds "b": the table grows
+    ten.land_all({"a": rows[2], "b": -rows[2]}, second, 2)
+    ten.register(["a"], third.numpy(), 3, step_id=3)  # some keys only: per key
+    ten.land_all({"a": rows[3][:2]}, third, 3)
+
+    def read(key: str, at: torch.Tensor) -> torch.Tensor:
+        plan = ten.plan([key], at)
+        try:
+            return ten.read(key, plan, what="test")
+        finally:
+            ten.unplan(plan)
+
+    assert torch.equal(read("a", first), rows[1]), "the landed version of an earlier key moved when a key was added"
+    assert torch.equal(read("a", second), rows[2]) and torch.equal(read("b", second), -rows[2])
+    assert torch.equal(read("a", third), rows[3][:2])
+    for unwritten in (first, third):  # "b" was never written by these slots' tenant
+        with pytest.raises(OmniPrefixCacheUnmatchError, match="is not readable"):
+            read("b", unwritten)
+    assert ten._keys["a"].landed[:10].tolist() == [1] * 4 + [2] * 4 + [3] * 2
+    assert ten._keys["b"].landed[:10].tolist() == [0] * 4 + [2] * 4 + [0] * 2
