@@ -2,7 +2,9 @@
 
 Owns: ``BlockTableView`` -- a snapshot of the batch order of request ids, each
 row's ``num_computed_tokens`` and the rows of the CPU block table of one KV
-cache group (the output group, ``PrefixCacheConfig.output_group_id``) -- and
+cache group (the output group, ``PrefixCacheConfig.output_group_id``) --,
+``V2BlockTableMirror`` (the CPU copy of that group of Model Runner V2's
+device-only block table, fed through its ``append_block_ids``) and
 the step-slot computation ``slot = table[i, p // table_block_size] *
 table_block_size + p % table_block_size``, with the table's own block size,
 as vLLM's slot mapping computes it.
@@ -34,7 +36,7 @@ import torch
 
 from omni_cache.runtime.interface import ReqId
 
-__all__ = ["BlockTableView"]
+__all__ = ["BlockTableView", "V2BlockTableMirror"]
 
 _SMALL_STEP_TOKENS = 64
 """Steps of up to this many tokens get their slots in Python (see ``BlockTableView._slots``)."""
@@ -217,7 +219,7 @@ class BlockTableView:
         (``num_blocks_per_state``, e.g. ``BlockTables.num_blocks.np[0]``). V2
         keeps its block table on the device only, so ``table_cpu`` is a CPU
         mirror fed by the same ``append_block_ids`` calls (see
-        ``vllm_bridge.V2BlockTableMirror``).
+        ``V2BlockTableMirror`` below).
         """
         num_reqs = int(input_batch.num_reqs)
         req_ids = list(input_batch.req_ids)[:num_reqs]
@@ -326,4 +328,69 @@ class BlockTableView:
             f"BlockTableView: position {pos} of request {self.req_ids[row]!r} needs block index "
             f"{block} but its row holds {self._limits[row]} blocks; the view is stale or "
             "the step's blocks were not appended yet"
+        )
+
+
+class V2BlockTableMirror:
+    """A CPU copy of one KV-cache group (the output group) of Model Runner V2's ``BlockTables``.
+
+    V2 keeps block ids only on the device (staged writes applied by a kernel).
+    ``install`` wraps the instance's ``append_block_ids(req_index,
+    new_block_ids, overwrite)`` -- the one door through which the runner
+    changes a row -- so every row change is applied here too, from the same
+    arguments; the block counts are V2's own CPU ``num_blocks.np``, checked
+    against the mirror's at every view.
+    """
+
+    def __init__(self, block_tables: Any, max_num_reqs: int, max_num_blocks: int, group_id: int = 0) -> None:
+        self.block_tables = block_tables
+        self.group_id = group_id  # the output KV-cache group (PrefixCacheConfig.output_group_id)
+        self.block_size = int(block_tables.block_sizes[group_id])
+        self.table = np.zeros((max_num_reqs, max_num_blocks), dtype=np.int64)
+        self.counts = np.zeros(max_num_reqs, dtype=np.int64)
+
+    @classmethod
+    def install(cls, block_tables: Any, group_id: int = 0) -> V2BlockTableMirror:
+        installed = getattr(block_tables, "omni_cache_mirror", None)
+        if installed is not None:
+            if installed.group_id != group_id:
+                raise ValueError(f"V2BlockTableMirror: this BlockTables already mirrors KV-cache group "
+                                 f"{installed.group_id}, not {group_id}")
+            return installed
+        counts = np.asarray(block_tables.num_blocks.np)
+        if not 0 <= group_id < counts.shape[0]:
+            raise ValueError(f"V2BlockTableMirror: KV-cache group {group_id} is outside the runner's "
+                             f"{counts.shape[0]} block tables")
+        max_blocks = int(block_tables.block_tables[group_id].gpu.shape[1])
+        mirror = cls(block_tables, int(counts.shape[1]), max_blocks, group_id)
+        real = block_tables.append_block_ids
+
+        def append_block_ids(req_index: int, new_block_ids: Any, overwrite: bool) -> None:
+            real(req_index, new_block_ids, overwrite)
+            mirror.append(req_index, new_block_ids, overwrite)
+
+        block_tables.append_block_ids = append_block_ids
+        block_tables.omni_cache_mirror = mirror
+        return mirror
+
+    def append(self, req_index: int, new_block_ids: Any, overwrite: bool) -> None:
+        ids = [int(b) for b in new_block_ids[self.group_id]]
+        start = 0 if overwrite else int(self.counts[req_index])
+        end = start + len(ids)
+        if end > self.table.shape[1]:
+            raise ValueError(f"V2BlockTableMirror: row {req_index} overflows ({end} > {self.table.shape[1]} blocks)")
+        self.table[req_index, start:end] = ids
+        self.counts[req_index] = end
+
+    def view(self, input_batch: Any, *, block_size: int) -> BlockTableView:
+        engine_counts = np.asarray(self.block_tables.num_blocks.np)[self.group_id]
+        num_reqs = int(input_batch.num_reqs)
+        states = np.asarray(input_batch.idx_mapping_np)[:num_reqs]
+        if not np.array_equal(engine_counts[states], self.counts[states]):
+            raise RuntimeError(
+                f"V2BlockTableMirror: block counts {self.counts[states].tolist()} differ from the runner's "
+                f"{engine_counts[states].tolist()} (a row changed outside append_block_ids)"
+            )
+        return BlockTableView.from_v2_input_batch(
+            input_batch, self.table, self.counts, table_block_size=self.block_size, block_size=block_size
         )

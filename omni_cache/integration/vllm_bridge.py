@@ -54,10 +54,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
-from omni_cache.integration.block_table import BlockTableView
+from omni_cache.integration.block_table import BlockTableView, V2BlockTableMirror
 from omni_cache.integration.kv_nesting import omni_metadata
 from omni_cache.integration.runner_hooks import PrefixCacheRunnerHooks
 from omni_cache.integration.spec_decode import VerdictError, VerifySteps
@@ -119,71 +118,6 @@ def bridge_of(llm: Any) -> VllmRunnerBridge:
         raise ValueError("bridge_of: this engine's runner has no omni cache; build it with worker_cls="
                          "'omni_cache.integration.vllm_worker.OmniCPUWorker' (or OmniGPUWorker)")
     return bridge
-
-
-class V2BlockTableMirror:
-    """A CPU copy of one KV-cache group (the output group) of Model Runner V2's ``BlockTables``.
-
-    V2 keeps block ids only on the device (staged writes applied by a kernel).
-    ``install`` wraps the instance's ``append_block_ids(req_index,
-    new_block_ids, overwrite)`` -- the one door through which the runner
-    changes a row -- so every row change is applied here too, from the same
-    arguments; the block counts are V2's own CPU ``num_blocks.np``, checked
-    against the mirror's at every view.
-    """
-
-    def __init__(self, block_tables: Any, max_num_reqs: int, max_num_blocks: int, group_id: int = 0) -> None:
-        self.block_tables = block_tables
-        self.group_id = group_id  # the output KV-cache group (PrefixCacheConfig.output_group_id)
-        self.block_size = int(block_tables.block_sizes[group_id])
-        self.table = np.zeros((max_num_reqs, max_num_blocks), dtype=np.int64)
-        self.counts = np.zeros(max_num_reqs, dtype=np.int64)
-
-    @classmethod
-    def install(cls, block_tables: Any, group_id: int = 0) -> V2BlockTableMirror:
-        installed = getattr(block_tables, "omni_cache_mirror", None)
-        if installed is not None:
-            if installed.group_id != group_id:
-                raise ValueError(f"V2BlockTableMirror: this BlockTables already mirrors KV-cache group "
-                                 f"{installed.group_id}, not {group_id}")
-            return installed
-        counts = np.asarray(block_tables.num_blocks.np)
-        if not 0 <= group_id < counts.shape[0]:
-            raise ValueError(f"V2BlockTableMirror: KV-cache group {group_id} is outside the runner's "
-                             f"{counts.shape[0]} block tables")
-        max_blocks = int(block_tables.block_tables[group_id].gpu.shape[1])
-        mirror = cls(block_tables, int(counts.shape[1]), max_blocks, group_id)
-        real = block_tables.append_block_ids
-
-        def append_block_ids(req_index: int, new_block_ids: Any, overwrite: bool) -> None:
-            real(req_index, new_block_ids, overwrite)
-            mirror.append(req_index, new_block_ids, overwrite)
-
-        block_tables.append_block_ids = append_block_ids
-        block_tables.omni_cache_mirror = mirror
-        return mirror
-
-    def append(self, req_index: int, new_block_ids: Any, overwrite: bool) -> None:
-        ids = [int(b) for b in new_block_ids[self.group_id]]
-        start = 0 if overwrite else int(self.counts[req_index])
-        end = start + len(ids)
-        if end > self.table.shape[1]:
-            raise ValueError(f"V2BlockTableMirror: row {req_index} overflows ({end} > {self.table.shape[1]} blocks)")
-        self.table[req_index, start:end] = ids
-        self.counts[req_index] = end
-
-    def view(self, input_batch: Any, *, block_size: int) -> BlockTableView:
-        engine_counts = np.asarray(self.block_tables.num_blocks.np)[self.group_id]
-        num_reqs = int(input_batch.num_reqs)
-        states = np.asarray(input_batch.idx_mapping_np)[:num_reqs]
-        if not np.array_equal(engine_counts[states], self.counts[states]):
-            raise RuntimeError(
-                f"V2BlockTableMirror: block counts {self.counts[states].tolist()} differ from the runner's "
-                f"{engine_counts[states].tolist()} (a row changed outside append_block_ids)"
-            )
-        return BlockTableView.from_v2_input_batch(
-            input_batch, self.table, self.counts, table_block_size=self.block_size, block_size=block_size
-        )
 
 
 class _PolicyCarrier:
