@@ -191,24 +191,6 @@ def test_adapter_preempted_request_back_among_new_ones_is_resumed_with_its_hit()
     assert event.kind is K.STARTED and not a.preempted_req_ids
 
 
-def test_adapter_v2_resume_through_the_manager_serves_the_full_prefix() -> None:
-    """The V2 resume failure: 16 instead of 80 rows. Through the adapter and the manager it is 80."""
-    a, m = PrefixCacheSchedulerAdapter(), manager(staging_capacity_tokens=128, num_blocks=64)
-    try:
-        blocks = list(range(20, 40))
-        m.new_step_starts(a.translate_step(_so(new=[_new("v", 0, blocks)], scheduled={"v": 64})))
-        step, rows = save(m, [("v", blocks, 0, 64)])
-        m.discard_step(step)
-        m.new_step_starts(a.translate_step(_so(scheduled={}, preempted_req_ids={"v"})))
-        m.new_step_starts(a.translate_step(_so(new=[_new("v", 64, blocks)], scheduled={"v": 16})))
-        step, new = save(m, [("v", blocks, 64, 80)])
-        out = m.materialize(step, ["v"])
-        assert out.hidden_states["v"].shape[0] == 80
-        assert torch.equal(out.hidden_states["v"], torch.cat([rows, new]))
-    finally:
-        m.shutdown()
-
-
 def test_adapter_zero_token_step_still_passes_finished_ids() -> None:
     a = PrefixCacheSchedulerAdapter()
     a.translate_step(_so(new=[_new("r")], scheduled={"r": 4}))
