@@ -128,6 +128,7 @@ class TierSimulation(VllmSimulation):
         self.load_failure_policy = load_failure_policy  # vLLM's kv_load_failure_policy (None: its default)
         self.storage = tempfile.mkdtemp(prefix="omni-cache-example-connector-")
         self.tier_summary: dict[str, Any] = {}
+        self._final_tier: dict[str, Any] | None = None  # the applier's summary once both phases ran
         self.truth: TierTruth | None = None
 
     def kv_transfer_config(self) -> dict[str, Any]:
@@ -169,11 +170,16 @@ class TierSimulation(VllmSimulation):
         self._finished = finished + self._finished
         res.finished = len({r.name for r in self._finished})
         self.plan = [*self.phase1, *self.phase2]
+        applier = getattr(bridge, "tier_applier", None)
+        # NOTE: read while the engine runs: its shutdown closes the tier (entries and spill files gone).
+        self._final_tier = dict(applier.summary()) if applier is not None else None
 
     def _check_tier(self, res: VllmSimResult) -> None:
         applier = getattr(getattr(self, "bridge", None), "tier_applier", None)
         truth = self.truth
-        summary: dict[str, Any] = dict(applier.summary()) if applier is not None else {"tier_hit_tokens": 0}
+        summary: dict[str, Any] = (  # the tier at the end of the run, else (a run that raised) as it is now
+            self._final_tier if self._final_tier is not None
+            else dict(applier.summary()) if applier is not None else {"tier_hit_tokens": 0})
         summary["external_tokens"] = truth.external_tokens if truth is not None else 0
         self.tier_summary = summary
         if res.mismatches:
