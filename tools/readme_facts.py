@@ -116,7 +116,7 @@ FACTS = (
     Fact("TLC runs, nightly tier", "`.venv/bin/omni-cache verify --tier nightly`", lambda: _tlc("nightly", "runs")),
     Fact("distinct states, nightly tier", "`.venv/bin/omni-cache verify --tier nightly --json`",
          lambda: _tlc("nightly", "distinct")),
-    Fact("runtime Python lines per decode step (any number of requests)",
+    Fact("runtime Python lines per decode step (two or more requests)",
          "`.venv/bin/omni-cache bench --sweep` (last column)", _lines_per_decode_step),
 )
 

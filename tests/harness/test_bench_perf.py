@@ -120,8 +120,11 @@ def test_sweep_covers_its_grid_and_plots(tmp_path: Any) -> None:
     assert all(p.omni_decode_us > 0 and p.floor_decode_us > 0 for p in points)
     assert all(p.narrow_omni_us > 0 and p.narrow_outputs_us > 0 for p in points)
     assert all(p.bookkeeping_us == p.narrow_omni_us - p.narrow_outputs_us for p in points)
-    # The load-independent count: one decode step runs as many runtime Python lines at 1 as at 3 requests.
-    assert len({p.python_lines for p in points}) == 1 and points[0].python_lines > 300
+    # The load-independent count: a decode step of several requests runs as many runtime Python
+    # lines at every pool size; a one-request step takes the reader's shorter path (no split).
+    several = {p.python_lines for p in points if p.requests > 1}
+    assert len(several) == 1 and min(several) > 300
+    assert all(p.python_lines <= min(several) for p in points if p.requests == 1)
     path = write_sweep_plot(points, tmp_path / "sweep.png", title="t")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert [g.num_blocks for g in growth_per_request(points)] == [64, 128]
