@@ -73,8 +73,8 @@ def _cpu_array(values: Any, what: str) -> np.ndarray:
     if isinstance(values, torch.Tensor):
         if not values.is_cpu:  # one attribute: ``device.type`` builds a device object
             raise ValueError(
-                f"BlockTableView: {what} must be a CPU tensor (reading a {values.device} tensor "
-                "would synchronize with the device); pass the engine's CPU mirror"
+                f"BlockTableView: {what} must be a CPU tensor, the engine's CPU mirror (got a "
+                f"{values.device} tensor: reading it would synchronize with the device)"
             )
         return values.detach().numpy() if values.requires_grad else values.numpy()
     return values if isinstance(values, np.ndarray) else np.asarray(values)
@@ -127,11 +127,6 @@ class BlockTableView:
             )
         self.num_computed_tokens: tuple[int, ...] = tuple(computed)
         table = block_table_cpu
-        if isinstance(table, torch.Tensor) and not table.is_cpu:
-            raise ValueError(
-                f"BlockTableView: the block table must be the CPU mirror, got a {table.device} tensor "
-                "(reading it would synchronize with the device)"
-            )
         table_np = _cpu_int64(table, "block_table_cpu", n)
         if table_np.ndim != 2 or table_np.shape[0] < n:
             raise ValueError(

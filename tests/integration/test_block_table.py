@@ -121,7 +121,7 @@ def test_malformed_inputs_raise() -> None:
 
 def test_device_tensors_are_refused_without_reading_them() -> None:
     meta = torch.zeros(1, 2, dtype=torch.int32, device="meta")
-    with pytest.raises(ValueError, match="must be the CPU mirror"):
+    with pytest.raises(ValueError, match="block_table_cpu must be a CPU tensor, the engine's CPU mirror"):
         BlockTableView(["a"], [0], meta, block_size=4)
     with pytest.raises(ValueError, match="num_computed_tokens must be a CPU tensor"):
         BlockTableView(["a"], torch.zeros(1, device="meta"), torch.zeros(1, 2), block_size=4)
