@@ -290,33 +290,37 @@ class SlotTenancy:
         all_slots, all_np = slots, (slots.numpy() if slots_np is None else slots_np)
         with self.pool.lock:
             unmasked: list[_KeyVersions] = []  # keys landed on every slot: versions set after the loop
-            for key, rows in rows_by_key.items():
-                tensor, sig, known = tensors[key]
-                v = known or self._versions_locked(key)  # a key's versions are never replaced
-                v.tensor, v.sig = tensor, sig
-                slots, slots_np = all_slots, all_np
-                current = None if v.newest_landed < tid else v.landed[slots_np]
-                newer = None if current is None or _all_below(current, tid) else current < tid
-                if newer is not None and current is not None:  # never let an older write overwrite a newer one
-                    if v.num_pins:  # ...but keep its rows for a planned read of this version (I7)
-                        self._preserve_late_locked(key, v, rows, slots_np, ~newer, tid)
-                    mask = torch.from_numpy(newer)
-                    slots, rows, slots_np, current = slots[mask], rows[mask], slots_np[newer], current[newer]
-                if v.num_pins:
-                    self._preserve_locked(key, v, tensor, slots, slots_np,
-                                          v.landed[slots_np] if current is None else current)
-                tensor.index_copy_(0, slots, rows)
-                if slots_np is all_np:
-                    unmasked.append(v)
+            try:
+                for key, rows in rows_by_key.items():
+                    tensor, sig, known = tensors[key]
+                    v = known or self._versions_locked(key)  # a key's versions are never replaced
+                    v.tensor, v.sig = tensor, sig
+                    slots, slots_np = all_slots, all_np
+                    current = None if v.newest_landed < tid else v.landed[slots_np]
+                    newer = None if current is None or _all_below(current, tid) else current < tid
+                    if newer is not None and current is not None:  # never let an older write overwrite a newer one
+                        if v.num_pins:  # ...but keep its rows for a planned read of this version (I7)
+                            self._preserve_late_locked(key, v, rows, slots_np, ~newer, tid)
+                        mask = torch.from_numpy(newer)
+                        slots, rows, slots_np, current = slots[mask], rows[mask], slots_np[newer], current[newer]
+                    if v.num_pins:
+                        self._preserve_locked(key, v, tensor, slots, slots_np,
+                                              v.landed[slots_np] if current is None else current)
+                    tensor.index_copy_(0, slots, rows)
+                    if slots_np is all_np:
+                        unmasked.append(v)
+                    else:
+                        v.landed[slots_np] = tid
+                    v.newest_landed = max(v.newest_landed, tid)
+            finally:
+                # NOTE: also when a later key raised: a key whose rows are in the pool reads as this
+                # version from now on (a planned read of its older version gets the preserved rows).
+                num_keys = len(self._keys)
+                if len(unmasked) == num_keys:  # every key on every slot (keys are unique): one call for all
+                    self._table[all_np, 1 + 2 * num_keys :] = tid
                 else:
-                    v.landed[slots_np] = tid
-                v.newest_landed = max(v.newest_landed, tid)
-            num_keys = len(self._keys)
-            if len(unmasked) == num_keys:  # every key on every slot (keys are unique): one call for all
-                self._table[all_np, 1 + 2 * num_keys :] = tid
-            else:
-                for v in unmasked:
-                    v.landed[all_np] = tid
+                    for v in unmasked:
+                        v.landed[all_np] = tid
             if self.recorder is not None:
                 self._note("land", None, tid=tid, keys=tuple(rows_by_key), slots=tuple(all_np.tolist()))
 

@@ -256,7 +256,10 @@ def test_a_new_tenants_deferred_write_first_lands_the_older_tenants_open_one() -
 
 
 # ---- versions across a key added later, and writes of some keys only ----------------------
-def test_a_key_added_later_keeps_every_earlier_keys_versions_and_a_partial_write_leaves_the_rest_absent() -> None:
+@pytest.mark.parametrize("scan_older", [False, True], ids=["one-call", "per-key"])
+def test_a_key_added_later_keeps_every_earlier_keys_versions_and_a_partial_write_leaves_the_rest_absent(
+    scan_older: bool,
+) -> None:
     """The version table grows a column group per new key (every vector a view of it); the writes of
     every key register and land in one call, a write of some keys per key. Whatever the path, a
     read gets exactly the landed version of its key, and a key the slots' tenant did not write is
@@ -265,9 +268,10 @@ def test_a_key_added_later_keeps_every_earlier_keys_versions_and_a_partial_write
     ten = SlotTenancy(pool)
     first, second, third = torch.arange(0, 4), torch.arange(4, 8), torch.arange(8, 10)
     rows = {tag: torch.full((4, 2), float(tag)) for tag in (1, 2, 3)}
-    ten.register(["a"], first.numpy(), 1, step_id=1)  # the only key: the one-call path
+    # every key (without the older-tenant scan, as a save registers): one call; with the scan: per key
+    ten.register(["a"], first.numpy(), 1, step_id=1, scan_older=scan_older)
     ten.land_all({"a": rows[1]}, first, 1)
-    ten.register(["a", "b"], second.numpy(), 2, step_id=2)  # adds "b": the table grows
+    ten.register(["a", "b"], second.numpy(), 2, step_id=2, scan_older=scan_older)  # adds "b": the table grows
     ten.land_all({"a": rows[2], "b": -rows[2]}, second, 2)
     ten.register(["a"], third.numpy(), 3, step_id=3)  # some keys only: per key
     ten.land_all({"a": rows[3][:2]}, third, 3)
@@ -287,3 +291,21 @@ def test_a_key_added_later_keeps_every_earlier_keys_versions_and_a_partial_write
             read("b", unwritten)
     assert ten._keys["a"].landed[:10].tolist() == [1] * 4 + [2] * 4 + [3] * 2
     assert ten._keys["b"].landed[:10].tolist() == [0] * 4 + [2] * 4 + [0] * 2
+
+
+def test_a_landing_that_fails_at_a_later_key_leaves_the_earlier_keys_at_the_new_version() -> None:
+    """Keys land one after another: when a later key's scatter raises, an earlier key's rows are in
+    the pool already, so its slots read as the new version and a read planned at the older version
+    gets the rows preserved for it, never the new ones (I7)."""
+    pool = PrefixBlockPool(64)
+    ten = SlotTenancy(pool)
+    at = torch.arange(0, 4)
+    ten.register(["a", "b"], at.numpy(), 1, step_id=1, scan_older=False)
+    ten.land_all({"a": torch.full((4, 2), 1.0), "b": torch.full((4, 2), 1.0)}, at, 1)
+    plan = ten.plan(["a"], at)  # a hit pins version 1 of "a"
+    ten.register(["a", "b"], at.numpy(), 2, step_id=2, scan_older=False)
+    with pytest.raises(IndexError):  # "a" lands, then "b"'s rows do not match its slots
+        ten.land_all({"a": torch.full((4, 2), 2.0), "b": torch.full((3, 2), 2.0)}, at, 2)
+    assert ten._keys["a"].landed[:4].tolist() == [2] * 4 and ten._keys["b"].landed[:4].tolist() == [1] * 4
+    assert torch.equal(ten.read("a", plan, what="test"), torch.full((4, 2), 1.0)), "a planned read got rows it did not plan"
+    ten.unplan(plan)
