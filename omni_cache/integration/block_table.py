@@ -53,18 +53,19 @@ def _cpu_int64(values: Any, what: str, rows: int | None = None) -> np.ndarray:
     return array.astype(np.int64, copy=True)
 
 
-def _cpu_ints(values: Any, what: str, rows: int) -> list[int]:
-    """The first ``rows`` entries of ``values`` (flattened) as Python ints: a private copy.
+def _cpu_ints(values: Any, what: str, rows: int | None = None) -> list[int]:
+    """The first ``rows`` entries (all without ``rows``) of ``values``, flattened, as Python ints:
+    a private copy. A scalar is one entry.
 
     NOTE: a step reads these between forward passes, with numpy's machinery cold: an integer
     array costs one slice and one ``tolist`` here, where a numpy int64 copy and the vectorized
     arithmetic on it cost several times that (``omni-cache bench --engine-step``)."""
     array = _cpu_array(values, what)
     if array.ndim != 1:
-        array = array[:rows].reshape(-1)
+        array = array.reshape(-1)
     if array.dtype.kind not in "iu":  # bool, float, object: as numpy's int64 cast reads them
         array = array.astype(np.int64)
-    return array[:rows].tolist()
+    return (array if rows is None else array[:rows]).tolist()
 
 
 def _cpu_array(values: Any, what: str) -> np.ndarray:
@@ -268,11 +269,16 @@ class BlockTableView:
         """KV slots of each row's next ``counts[i]`` positions (``[num_computed_tokens[i],
         num_computed_tokens[i] + counts[i])``), rows in batch order, concatenated (int64, CPU).
         ``counts`` has one non-negative count per row of the view (a row may be 0)."""
-        per_row = _cpu_ints(counts, "counts", len(counts) + 1) if not isinstance(counts, list) else counts
+        per_row = counts if isinstance(counts, list) else _cpu_ints(counts, "counts")
         if len(per_row) != len(self.req_ids):
             raise ValueError(f"BlockTableView: {len(per_row)} counts for a batch of {len(self.req_ids)} requests")
         for row, count in enumerate(per_row):
-            if operator.index(count) < 0:
+            try:
+                negative = operator.index(count) < 0
+            except TypeError:
+                raise ValueError(f"BlockTableView: token count {count!r} for {self.req_ids[row]!r} is not an "
+                                 "integer") from None
+            if negative:
                 raise ValueError(f"BlockTableView: negative token count {count} for {self.req_ids[row]!r}")
         return self._slots(range(len(per_row)), self.num_computed_tokens, per_row)
 

@@ -172,3 +172,22 @@ def test_a_step_layout_built_through_the_block_table_view_still_works() -> None:
     )
     layout = PrefixCacheSchedulerAdapter().build_write_layout(view, num_scheduled_tokens={"A": 3})
     assert isinstance(layout, PrefixCacheWriteLayout) and layout.total_rows == 3
+
+
+def test_counts_and_computed_tokens_of_any_integer_shape_are_read_and_non_integers_refused() -> None:
+    """Counts and computed tokens are read flattened from a list, a tuple, a numpy array or a CPU
+    tensor of any shape (a scalar for a one-request batch); a count that is not an integer is
+    refused by name, never truncated."""
+    table = torch.tensor([[3, 5], [7, 9]])
+    view = BlockTableView(["a", "b"], np.array([[1], [4]]), table, block_size=4)
+    assert view.num_computed_tokens == (1, 4)
+    expected = [3 * 4 + 1, 3 * 4 + 2, 9 * 4 + 0]
+    for counts in ([2, 1], (2, 1), np.array([[2, 1]]), torch.tensor([2, 1], dtype=torch.int32)):
+        assert view.slots_for_counts(counts).tolist() == expected, type(counts)
+    one = BlockTableView(["a"], np.int64(2), table, block_size=4)  # a scalar: one request
+    assert one.num_computed_tokens == (2,)
+    assert one.slots_for_counts(torch.tensor(2)).tolist() == [3 * 4 + 2, 3 * 4 + 3]
+    with pytest.raises(ValueError, match=r"token count 2\.0 for 'a' is not an integer"):
+        view.slots_for_counts([2.0, 1])
+    with pytest.raises(ValueError, match="3 counts for a batch of 2 requests"):
+        view.slots_for_counts(np.array([[1, 1, 1]]))
