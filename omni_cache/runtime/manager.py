@@ -339,10 +339,7 @@ class OmniPrefixCacheManager:
             self.staging.save(slot, step_id, saved_at)
         except BaseException as exc:
             if registered:  # versions may be published: not undoable, so fail for good (I8)
-                message = self.book.fail(registered[0], exc, where=f"save_outputs step {step_id}")
-                for write in registered[1:]:
-                    self.book.fail(write, exc, where=f"save_outputs step {step_id}")
-                self.staging.set_failed(message)
+                self.scheduling.fail_registered(registered, exc, where=f"save_outputs step {step_id}")
                 raise  # the original exception itself; later entries chain it (I8)
             for plan in plans:
                 self.tenancy.unplan(plan)
@@ -369,7 +366,11 @@ class OmniPrefixCacheManager:
                     request.open_deferred.append(deferred)
                     if len(request.open_deferred) > 64:
                         request.open_deferred = [w for w in request.open_deferred if w.state == "pending"]
-        self.scheduling.after_save(imm, older | older_deferred, plans)
+        try:
+            self.scheduling.after_save(imm, older | older_deferred, plans)
+        except BaseException as exc:  # the step's versions are published: fail for good (I8)
+            self.scheduling.fail_registered(registered, exc, where=f"save_outputs step {step_id}")
+            raise
         return step_id
 
     def materialize(self, step_id: StepId, req_ids: Sequence[ReqId]) -> StageCacheOutputs:

@@ -104,6 +104,15 @@ class WriteScheduler:
         return write, self.tenancy.register(list(source), slots_np, write.tid, step_id=step_id,
                                             scan_older=scan_older)
 
+    def fail_registered(self, registered: list[PoolWrite], exc: BaseException, *, where: str) -> None:
+        """A save or restore failed after registering ``registered`` (published versions, not
+        undoable): record the sticky failure (I8) on each of them and on the staging pool, so every
+        later call raises instead of waiting on a write nobody will queue."""
+        message = self.book.fail(registered[0], exc, where=where)
+        for write in registered[1:]:
+            self.book.fail(write, exc, where=where)
+        self.staging.set_failed(message)
+
     def after_save(self, imm: PoolWrite | None, older: set[int], plans: list[PlannedRead]) -> None:
         """Queue what must land: older tenants first, writes a planned read needs, this step, budget."""
         if older or plans:
@@ -140,9 +149,15 @@ class WriteScheduler:
         step_id = self._issue_step_id()
         self._count("tier_restores")
         # an older tenant's open (deferred) write on these slots lands first, then is skipped there (I7)
-        write, older = self.register(WriteSchedule.JOIN_NEXT_STEP, step_id, slots, slots_np, source,
-                                     None, (), [], sigs, scan_older=True)
-        self.after_save(write, older, [])
+        registered: list[PoolWrite] = []
+        try:
+            write, older = self.register(WriteSchedule.JOIN_NEXT_STEP, step_id, slots, slots_np, source,
+                                         None, (), registered, sigs, scan_older=True)
+            self.after_save(write, older, [])
+        except BaseException as exc:
+            if registered:  # its versions may be published: fail for good (I8)
+                self.fail_registered(registered, exc, where=f"the tier restore of step {step_id}")
+            raise
         return step_id
 
     def vacate(self, slots_np: np.ndarray) -> StepId:

@@ -147,6 +147,27 @@ def test_a_refused_restore_changes_nothing() -> None:
     m.shutdown()
 
 
+@pytest.mark.parametrize("eager", MODES)
+def test_a_restore_that_fails_once_registered_fails_the_manager_for_good(eager: bool, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A restored block's write is registered (its version published) before it is queued: a failure
+    while queuing it cannot be undone, so the manager fails for good (I8) instead of leaving a write
+    nobody queues for the next save to wait on."""
+    m = manager(eager)
+
+    def boom(*args: object, **kwargs: object) -> list[object]:
+        raise MemoryError("copy queue")
+
+    monkeypatch.setattr(m.book, "enqueue", boom)
+    with pytest.raises(MemoryError, match="copy queue"):
+        restore_rows(m, slots([2], 0, BS), {"hidden": truth("x", range(4))})
+    monkeypatch.undo()
+    failed = m.stats()["failed"]
+    assert failed is not None and "tier restore" in failed and not m.book.live(), m.stats()
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="write failed"):
+        save(m, [("a", [3], 0, 4)])
+    m.shutdown()
+
+
 def test_the_applier_stores_before_it_loads_and_counts_a_miss() -> None:
     m = manager(True)
     m.new_step_starts([started("a")])

@@ -209,6 +209,30 @@ def test_I8_failure_after_a_write_is_registered_is_sticky_and_chained(eager: boo
 
 
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "async"])
+def test_I8_failure_while_queuing_a_registered_write_is_sticky(eager: bool, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The last part of a save, queuing its registered write, can fail too: the manager then fails for
+    good, so the next call raises at once instead of waiting for a write nobody queued."""
+    m = manager(eager=eager)
+    m.new_step_starts([started("A")])
+
+    def boom(*args: object, **kwargs: object) -> list[object]:
+        raise MemoryError("copy queue")
+
+    monkeypatch.setattr(m.book, "enqueue", boom)
+    with pytest.raises(MemoryError, match="copy queue"):
+        save(m, [("A", [0, 1], 0, 5)])
+    monkeypatch.undo()
+    failed = m.stats()["failed"]
+    assert failed is not None and "MemoryError" in failed, m.stats()
+    assert not m.book.live(), m.book.describe_in_flight()
+    started_at = time.monotonic()
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="write failed") as info:
+        save(m, [("A", [0, 1], 5, 6)])
+    assert isinstance(info.value.__cause__, MemoryError) and time.monotonic() - started_at < BOUND_S
+    m.shutdown()
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "async"])
 def test_I8_refused_save_does_not_fix_a_keys_row_shape(eager: bool, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """A save that fails after its claim (here: the staging copy) is undone, and undone entirely:
     the staging page it allocated for a key no saved step ever carried is dropped, so a later
