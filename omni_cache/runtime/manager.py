@@ -283,9 +283,6 @@ class OmniPrefixCacheManager:
         self.pool.check_sigs(sigs)
         if split.deferred:  # no store holds a deferred key's rows before they land
             self.scheduling.check_deferred_sigs(sigs, split.deferred)
-        # Per-slot bookkeeping of new keys is allocated before anything is claimed (a MemoryError
-        # here has nothing to undo), so registration below allocates nothing.
-        self.tenancy.prepare_keys(sigs.keys())  # every per-token key, immediate and deferred
         leftover = copy_leftovers(split.leftover) if split.leftover else {}  # refused before a claim (I4)
         if prev is not None and prev.state != "written":
             self.faults.on_blocking("save waits for the previous step's pool writes")
@@ -301,6 +298,12 @@ class OmniPrefixCacheManager:
         registered: list[PoolWrite] = []
         slot = None
         try:
+            # Per-slot bookkeeping of new keys is allocated after every refusal that reads the step
+            # and before anything is claimed (a MemoryError here has nothing to undo but the hits),
+            # so registration below allocates nothing.
+            # NOTE: a claim refused after it (staging timeout, shutdown) keeps a new key's empty
+            # columns: no version of it is registered, so its slots read as absent (I7).
+            self.tenancy.prepare_keys(sigs.keys())  # every per-token key, immediate and deferred
             self.faults.on_blocking("save claims a staging slot")
             slot = self.staging.claim(n)  # refused once shutdown began (contract 4.6)
             self.faults.after_claim(slot)
@@ -385,19 +388,27 @@ class OmniPrefixCacheManager:
         # The ids the consume below takes: ints, not bools (True == 1 would find step 1), so an
         # int subclass finds its context too; a bool or float id never does, and the consume refuses it.
         issued = isinstance(step_id, int) and not isinstance(step_id, bool)
+        # NOTE: the context leaves ``_contexts`` before the consume and comes back only if this call
+        # is refused, so a verdict (``trim_step``) racing this read is refused instead of changing
+        # the rows while they are read.
         with self._lock:
-            ctx = self._contexts.get(step_id) if issued else None
-        if ctx is not None and req_ids != ctx.rows.req_ids:  # the usual call names every request in order
-            outside = [r for r in req_ids if ctx.rows.write_of(r) is None]
-            if outside:
-                raise OmniPrefixCacheUnmatchError(
-                    f"materialize step {step_id}: requests {outside} are {PHRASE_OUTSIDE_SNAPSHOT} "
-                    f"(saved at {ctx.saved_at} with requests {sorted(ctx.rows.req_ids)}); nothing was consumed (I4)"
-                )
-        slot = self.staging.consume(step_id, caller="materialize")
+            ctx = self._contexts.pop(step_id, None) if issued else None
+        try:
+            if ctx is not None and req_ids != ctx.rows.req_ids:  # the usual call names every request in order
+                outside = [r for r in req_ids if ctx.rows.write_of(r) is None]
+                if outside:
+                    raise OmniPrefixCacheUnmatchError(
+                        f"materialize step {step_id}: requests {outside} are {PHRASE_OUTSIDE_SNAPSHOT} (saved at "
+                        f"{ctx.saved_at} with requests {list(ctx.rows.req_ids)} in row order); nothing was consumed (I4)"
+                    )
+            slot = self.staging.consume(step_id, caller="materialize")
+        except BaseException:
+            if ctx is not None:  # refused: the step stays unconsumed, its context with it
+                with self._lock:
+                    self._contexts[step_id] = ctx
+            raise
         assert ctx is not None, f"step {step_id} consumed without a context: manager bug"
         with self._lock:
-            self._contexts.pop(step_id, None)
             self.counters["materialized"] += 1
         try:
             return self.reader.build_outputs(ctx, req_ids)

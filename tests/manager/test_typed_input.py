@@ -222,3 +222,18 @@ def test_a_layout_without_a_slot_mapping_is_refused_naming_it_missing() -> None:
             _unchanged(m, before)
     finally:
         m.shutdown()
+
+
+@pytest.mark.parametrize("eager", MODES)
+def test_a_request_outside_a_step_of_ids_of_mixed_types_is_refused_by_name(eager: bool) -> None:
+    """Request ids need only be hashable: a step of a str and an int id names them in the refusal
+    of a request outside it (not a TypeError from ordering them) and consumes nothing (I4)."""
+    m = manager(eager)
+    try:
+        m.new_step_starts([started("a"), started(7)])
+        step, rows = save(m, [("a", [0], 0, 2), (7, [1], 0, 1)], tag_of={7: "b"})
+        with pytest.raises(OmniPrefixCacheUnmatchError, match=rf"{PHRASE_OUTSIDE_SNAPSHOT}.*\['a', 7\]"):
+            m.materialize(step, ["zzz"])
+        assert torch.equal(m.materialize(step, ["a"]).hidden_states["a"], rows[:2])  # still unconsumed (I4)
+    finally:
+        m.shutdown()

@@ -165,3 +165,26 @@ def test_I14_a_verdict_comes_before_the_step_is_consumed() -> None:
             m.trim_step(bad, {"A": 1})  # type: ignore[arg-type]
     assert m.stats()["trimmed_rows"] == 0
     assert m.shutdown() == {}
+
+
+def test_I14_a_verdict_racing_the_steps_materialize_is_refused_and_changes_nothing(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A verdict that arrives while the step is being consumed (here: right after the staging
+    page's consume, before the rows are read) is refused: the read returns every row of the step
+    and no KV slot is vacated."""
+    m = manager()
+    step = _verify_step(m)
+    real = m.staging.consume
+    refused: list[str] = []
+
+    def consume_then_verdict(*args: object, **kwargs: object) -> object:
+        slot = real(*args, **kwargs)
+        with pytest.raises(OmniPrefixCacheUnmatchError, match=PHRASE_NOT_SAVED) as info:
+            m.trim_step(step, {"A": 1})
+        refused.append(str(info.value))
+        return slot
+
+    monkeypatch.setattr(m.staging, "consume", consume_then_verdict)
+    out = m.materialize(step, ["A"])
+    assert refused and m.stats()["trimmed_rows"] == 0
+    assert torch.equal(out.hidden_states["A"], torch.cat([truth("A", range(7, 9)), truth("draft", range(9, 12))]))
+    assert m.shutdown() == {}

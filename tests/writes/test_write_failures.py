@@ -233,6 +233,21 @@ def test_I8_failure_while_queuing_a_registered_write_is_sticky(eager: bool, monk
 
 
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "async"])
+def test_a_save_refused_for_its_leftovers_adds_no_key_to_the_pools_bookkeeping(eager: bool) -> None:
+    """A save refused before its claim (a leftover that cannot be copied) changes nothing, not even
+    the per-slot version columns of a key it would have brought."""
+    import threading
+
+    m = manager(eager=eager)
+    m.new_step_starts([started("A")])
+    keys, nbytes = list(m.tenancy._keys), m.tenancy.nbytes()
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="cannot be copied faithfully"):
+        save(m, [("A", [0, 1], 0, 5)], mm={"lock": threading.Lock()}, mm_keys=["new.key"])
+    assert list(m.tenancy._keys) == keys and m.tenancy.nbytes() == nbytes and staging_claims(m) == 0
+    m.shutdown()
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "async"])
 def test_I8_refused_save_does_not_fix_a_keys_row_shape(eager: bool, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """A save that fails after its claim (here: the staging copy) is undone, and undone entirely:
     the staging page it allocated for a key no saved step ever carried is dropped, so a later
