@@ -202,10 +202,12 @@ class Committer:
             write.source = {}
             self.book.fire(write, "commit")
             write.host = None
-        except Exception as exc:  # any failure of the copy path is sticky (I8)
+        except BaseException as exc:  # any failure of the copy path is sticky (I8)
             message = self.book.fail(write, exc, where="the committer")
             self.staging.set_failed(message)
             log.error("omni-cache: %s", message)
+            if not isinstance(exc, Exception):
+                raise  # an interrupt or an exit goes on up, the write failed first (never left copying)
         finally:
             if write.staging_slot is not None and write.state in ("written", "failed"):
                 slot, write.staging_slot = write.staging_slot, None

@@ -233,6 +233,39 @@ def test_I8_failure_while_queuing_a_registered_write_is_sticky(eager: bool, monk
 
 
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "async"])
+def test_I8_an_interrupt_inside_a_landing_fails_the_write_and_goes_on_up(eager: bool) -> None:
+    """A ``BaseException`` that is not an ``Exception`` (an interrupt, an exit) raised while a write
+    lands is not swallowed: inline it reaches the saver, on the committer thread it ends the thread;
+    either way the write it interrupted ends failed (sticky, I8) instead of staying ``copying`` for
+    every later wait to time out on."""
+
+    class Interrupt(BaseException):
+        pass
+
+    class Hooks(FaultHooks):
+        def before_pool_write(self, write: object, key: str) -> None:
+            raise Interrupt("interrupted inside the pool write")
+
+    m = OmniPrefixCacheManager(PrefixCacheConfig(num_blocks=16, block_size=4, staging_depth=2), eager=eager,
+                               faults=Hooks())
+    m.new_step_starts([started("A")])
+    if eager:
+        with pytest.raises(Interrupt):
+            save(m, [("A", [0, 1], 0, 5)])
+    else:
+        save(m, [("A", [0, 1], 0, 5)])
+        deadline = time.monotonic() + BOUND_S
+        while m.stats()["failed"] is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+    failed = m.stats()["failed"]
+    assert failed is not None and "Interrupt" in failed, m.stats()
+    assert not m.book.live(), m.book.describe_in_flight()
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="write failed"):
+        save(m, [("A", [0, 1], 5, 6)])
+    m.shutdown()
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "async"])
 def test_a_save_refused_for_its_leftovers_adds_no_key_to_the_pools_bookkeeping(eager: bool) -> None:
     """A save refused before its claim (a leftover that cannot be copied) changes nothing, not even
     the per-slot version columns of a key it would have brought."""
