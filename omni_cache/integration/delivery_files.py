@@ -62,6 +62,21 @@ _TMP_MARK = ".omni-tmp-"
 FAULT_ENV = "OMNI_CACHE_DELIVERY_FAULT"
 _SAFE = re.compile(r"[^A-Za-z0-9._-]+")
 _MAX_PREFIX = 48
+# ``delivery_name``'s output, and a writer's temporary file (``<name>.omni-tmp-<pid>-<thread>``).
+_DEFAULT_NAME = re.compile(r"[A-Za-z0-9_.-]*-[0-9a-f]{20}" + re.escape(FILE_SUFFIX))
+_TMP_NAME = re.compile(r".+" + re.escape(FILE_SUFFIX + _TMP_MARK) + r"(\d+)-\d+")
+
+
+def _process_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (a temporary file of a live writer, e.g. another server
+    sharing the directory, is never removed)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True  # exists, another user's (or a pid this system cannot have: left alone)
+    return True
 
 
 @dataclass(frozen=True)
@@ -287,19 +302,25 @@ class DeliveryStore:
             self.removed += 1
 
     def _adopt_existing(self) -> None:
-        """Files of this naming left in the directory by an earlier server (with their lock files
-        and error notes, or those alone) count against the bounds (oldest first); temporary files
-        of a killed writer are removed."""
+        """Deliveries left in the directory by an earlier server count against the bounds (oldest
+        first): a file of the default naming or with a lock file beside it (every delivered file has
+        one until its reader cleans both up), and a failed delivery's lock file and error note. Any
+        other file is never touched (the directory may hold a user's own ``.safetensors`` files).
+        Temporary files of a writer that is gone are removed; a live process's are left alone."""
         found: dict[str, list[float]] = {}  # a delivery's path -> [newest mtime, bytes] of its files
+        names = set(os.listdir(self.root))
         for entry in os.scandir(self.root):
-            if _TMP_MARK in entry.name:
-                try:
-                    os.unlink(entry.path)
-                except OSError as exc:
-                    if exc.errno != errno.ENOENT:
-                        log.warning("could not remove the stale temporary file %s: %s", entry.path, exc)
+            if (tmp := _TMP_NAME.fullmatch(entry.name)) is not None:
+                if not _process_alive(int(tmp.group(1))):
+                    try:
+                        os.unlink(entry.path)
+                    except OSError as exc:
+                        if exc.errno != errno.ENOENT:
+                            log.warning("could not remove the stale temporary file %s: %s", entry.path, exc)
                 continue
             extra = next((x for x in ("", ".lock", ".error") if entry.name.endswith(FILE_SUFFIX + x)), None)
+            if extra == "" and not (_DEFAULT_NAME.fullmatch(entry.name) or entry.name + ".lock" in names):
+                continue  # not a delivery: a user's file
             if extra is not None and entry.is_file(follow_symlinks=False):
                 st = entry.stat(follow_symlinks=False)
                 seen = found.setdefault(entry.path[: len(entry.path) - len(extra)], [st.st_mtime, 0])

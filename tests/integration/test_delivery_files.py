@@ -472,18 +472,29 @@ def test_a_file_the_client_cleaned_up_already_is_forgotten_quietly(tmp_path: Pat
 
 
 def test_files_already_in_the_directory_are_adopted_oldest_first(tmp_path: Path, clock: _Clock) -> None:
+    """An earlier server's deliveries (a custom-named file with its lock file, files of the default
+    naming) count against the bounds, oldest first; a user's own ``.safetensors`` file (no lock file,
+    another naming), a symlink and other files are never touched; a dead writer's temporary file
+    is removed, a live process's is not."""
     root = _root(tmp_path)
-    for i, name in enumerate(["a.safetensors", "a.safetensors.lock", "b.safetensors", "c.safetensors"]):
+    b, c = delivery_name("b", "earlier"), delivery_name("c", "earlier")
+    for i, name in enumerate(["a.safetensors", "a.safetensors.lock", b, c]):
         Path(root, name).write_bytes(b"" if name.endswith(".lock") else b"x" * 100)
         os.utime(os.path.join(root, name), (clock.now - 100 + i, clock.now - 100 + i))
+    shard = Path(root, "model-00001-of-00002.safetensors")  # a user's file, older and larger than the bounds
+    shard.write_bytes(b"w" * 1000)
+    os.utime(shard, (clock.now - 7200, clock.now - 7200))
     Path(root, "notes.txt").write_text("not ours")
     outside = tmp_path / "outside.safetensors"
     outside.write_bytes(b"y" * 1000)
     os.symlink(outside, os.path.join(root, "link.safetensors"))
-    Path(root, "d.safetensors.omni-tmp-123-456").write_bytes(b"partial")  # a killed writer's
+    Path(root, "d.safetensors.omni-tmp-99999999-456").write_bytes(b"partial")  # a killed writer's
+    live = f"e.safetensors.omni-tmp-{os.getpid()}-7"  # a live writer's (a server sharing the directory)
+    Path(root, live).write_bytes(b"partial")
     store = DeliveryStore(root, max_bytes=250, max_age_s=3600)
-    assert sorted(os.listdir(root)) == ["b.safetensors", "c.safetensors", "link.safetensors", "notes.txt"]
+    assert sorted(os.listdir(root)) == sorted([b, c, "link.safetensors", "notes.txt", shard.name, live])
     assert store.nbytes == 200 and store.removed == 1 and outside.read_bytes() == b"y" * 1000
+    assert shard.read_bytes() == b"w" * 1000
 
 
 def test_lock_files_and_error_notes_left_alone_are_adopted_too(tmp_path: Path, clock: _Clock) -> None:
@@ -503,9 +514,10 @@ def test_lock_files_and_error_notes_left_alone_are_adopted_too(tmp_path: Path, c
 
 def test_adopted_files_older_than_the_age_bound_are_removed_at_start(tmp_path: Path, clock: _Clock) -> None:
     root = _root(tmp_path)
-    Path(root, "old.safetensors").write_bytes(b"x")
-    os.utime(os.path.join(root, "old.safetensors"), (clock.now - 7200, clock.now - 7200))
-    Path(root, "new.safetensors").write_bytes(b"x")
-    os.utime(os.path.join(root, "new.safetensors"), (clock.now - 10, clock.now - 10))
+    old, new = delivery_name("old", "earlier"), delivery_name("new", "earlier")
+    Path(root, old).write_bytes(b"x")
+    os.utime(os.path.join(root, old), (clock.now - 7200, clock.now - 7200))
+    Path(root, new).write_bytes(b"x")
+    os.utime(os.path.join(root, new), (clock.now - 10, clock.now - 10))
     DeliveryStore(root, max_bytes=1 << 30, max_age_s=3600)
-    assert os.listdir(root) == ["new.safetensors"]
+    assert os.listdir(root) == [new]
