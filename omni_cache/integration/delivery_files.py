@@ -25,8 +25,9 @@ request's file: the name carries a digest of the id and a per-server nonce); a c
 path is honoured only when allowed and only inside the directory after resolving symlinks;
 files and lock files are the server user's only (mode 0600, the directory 0700 when created);
 the directory holds at most ``max_bytes`` of delivered files and none older than
-``max_age_s`` (oldest removed first), a failed delivery's lock file and ``.error`` note included
-(a dropped one's lock file is removed at once); a lock is never shared or waited for (a second
+``max_age_s`` (oldest removed first, never the file just delivered; a file larger than
+``max_bytes`` is refused before it is written), a failed delivery's lock file and ``.error`` note
+included (a dropped one's lock file is removed at once); a lock is never shared or waited for (a second
 request for a path whose lock exists fails at once: the engine thread never blocks on a lock).
 
 Fault injection (for tests of a served engine, where no Python hook reaches the worker): the
@@ -221,6 +222,9 @@ class DeliveryStore:
         linked to ``path`` (which fails if anything exists there, a symlink included), then the
         temporary name is removed. ``publish``: the link happens under its lock, and not at all
         once it is cancelled."""
+        if len(payload) > self.max_bytes:  # retention would remove it before any client could read it
+            raise OSError(errno.EFBIG, f"a file of {len(payload)} bytes is larger than the delivery "
+                                       f"directory's bound (delivery_max_bytes={self.max_bytes})", path)
         directory, name = os.path.split(path)
         for rule in self.fault:
             if rule.marker in name:
@@ -272,7 +276,7 @@ class DeliveryStore:
             old = self._delivered.pop(path, None)  # e.g. a failed write over an adopted name
             self._bytes += nbytes - (old.nbytes if old is not None else 0)
             self._delivered[path] = _Delivered(nbytes, time.time())
-            self._enforce_locked()
+            self._enforce_locked(keep=path)
 
     def enforce(self) -> None:
         """Apply the bounds now (also called on each write)."""
@@ -284,11 +288,14 @@ class DeliveryStore:
         with self._lock:
             return self._bytes
 
-    def _enforce_locked(self) -> None:
+    def _enforce_locked(self, keep: str | None = None) -> None:
+        """Remove the oldest deliveries until the bounds hold, never ``keep`` (the file just
+        delivered: its client has not been told its path yet; the next write or ``enforce``
+        applies the bounds to it)."""
         now = time.time()
         while self._delivered:
             path, entry = next(iter(self._delivered.items()))
-            if self._bytes <= self.max_bytes and now - entry.at <= self.max_age_s:
+            if path == keep or (self._bytes <= self.max_bytes and now - entry.at <= self.max_age_s):
                 break
             self._delivered.popitem(last=False)
             self._bytes -= entry.nbytes

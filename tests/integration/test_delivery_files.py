@@ -445,6 +445,26 @@ def test_retention_by_bytes_removes_the_oldest_file_with_its_lock_and_error(tmp_
     assert sorted(os.listdir(root)) == sorted(os.path.basename(p) + s for p in (second, third) for s in ("", ".lock"))
 
 
+def test_a_file_larger_than_the_bound_is_refused_and_the_newest_file_is_never_removed_on_delivery(
+    tmp_path: Path, clock: _Clock,
+) -> None:
+    """Retention never removes the file it was just given (its client has not been told the path
+    yet); a file the byte bound could never hold is refused before anything is written."""
+    root = _root(tmp_path)
+    store = DeliveryStore(root, max_bytes=250, max_age_s=3600)
+    path = os.path.join(root, "big.safetensors")
+    with pytest.raises(OSError, match=r"301 bytes is larger than .*delivery_max_bytes=250") as info:
+        store.write(path, b"x" * 301)
+    assert info.value.errno == errno.EFBIG and os.listdir(root) == [] and store.nbytes == 0
+    first = _deliver(store, "a.safetensors", 100)
+    clock.now += 1
+    second = _deliver(store, "b.safetensors", 250)  # fits the bound alone: the older file goes, not this one
+    assert os.path.exists(second) and not os.path.exists(first) and store.removed == 1 and store.nbytes == 250
+    clock.now += 1
+    third = _deliver(store, "c.safetensors", 10)  # over the bound again: the oldest (b) goes, never c
+    assert os.path.exists(third) and not os.path.exists(second) and store.nbytes == 10
+
+
 def test_retention_by_age_removes_files_older_than_the_bound(tmp_path: Path, clock: _Clock) -> None:
     root = _root(tmp_path)
     store = DeliveryStore(root, max_bytes=1 << 30, max_age_s=60)
