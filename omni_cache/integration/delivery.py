@@ -330,6 +330,12 @@ class RowDelivery:
         results, self._results = tuple(self._results), []
         return results
 
+    @property
+    def num_open(self) -> int:
+        """Requests whose delivery is open: rows gathered or a lock file held (bounded by the live
+        requests: a delivery leaves when its file is handed to a writer, fails or is dropped)."""
+        return len(self._requests)
+
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Wait (bounded) for writes in flight, release every held lock file, stop the writers."""
         pending = [j.future for j in (*self._step_jobs, *self._abandoned) if j.future is not None]
@@ -345,17 +351,17 @@ class RowDelivery:
     def _admit(self, target: DeliveryTarget, prompt_token_ids: Any) -> None:
         if target.req_id in self._requests and not self._requests[target.req_id].done:
             return  # a resumed request keeps its rows and its lock
-        ids = tuple(int(t) for t in prompt_token_ids) if prompt_token_ids is not None else None
+        # NOTE: a refused admission keeps nothing here: its outcome is reported once and the
+        # scheduler drops nothing for it later (it never had rows or a lock to drop).
         if target.error is not None or target.path is None or self._failed_reason is not None:
-            self._requests[target.req_id] = _Rows(target, ids, None, done=True)
             self._record_failure(target, target.error or self._failed_reason or "no path")
             return
         try:
             lock_fd = self.store.hold_lock(target.path)
         except OSError as exc:
-            self._requests[target.req_id] = _Rows(target, ids, None, done=True)
             self._record_failure(target, f"cannot create the lock file: {exc}")
             return
+        ids = tuple(int(t) for t in prompt_token_ids) if prompt_token_ids is not None else None
         self._requests[target.req_id] = _Rows(target, ids, lock_fd)
 
     def _needs_rows(self, req_id: str, start: int) -> bool:

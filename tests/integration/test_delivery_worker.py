@@ -421,6 +421,9 @@ def test_fail_all_fails_every_open_delivery_and_every_later_one(worker) -> None:
     w.admit("c", 4)
     assert "the cache failed for good" in w.results()["c"].error
     assert not os.path.exists(w.path("c") + ".lock")  # no lock taken for a delivery that cannot happen
+    for i in range(5):  # nothing is kept for a refused delivery: the worker holds no request
+        w.admit(f"later-{i}", 4)
+    assert w.delivery.num_open == 0
     w.assert_every_step_consumed_once()
 
 
