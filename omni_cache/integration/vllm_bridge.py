@@ -143,10 +143,22 @@ class VllmRunnerBridge:
     """
 
     def __init__(self, settings: dict[str, Any] | None = None, *, hooks: PrefixCacheRunnerHooks | None = None) -> None:
+        if settings is not None and not isinstance(settings, dict):
+            raise ValueError(f"VllmRunnerBridge: additional_config['{CONFIG_KEY}'] must be a mapping of settings, "
+                             f"got {settings!r}")
         settings = dict(settings or {})
         unknown = set(settings) - {"all_tp_ranks", "consumer", "deferred_keys", "eager", "needs_full_hidden_states"}
         if unknown:
             raise ValueError(f"VllmRunnerBridge: unknown additional_config['{CONFIG_KEY}'] keys {sorted(unknown)}")
+        for key in ("all_tp_ranks", "eager", "needs_full_hidden_states"):
+            if key in settings and not isinstance(settings[key], bool):
+                raise ValueError(f"VllmRunnerBridge: additional_config['{CONFIG_KEY}']['{key}'] must be true or "
+                                 f"false, got {settings[key]!r}")
+        deferred = settings.get("deferred_keys", ())
+        if isinstance(deferred, (str, bytes)) or not isinstance(deferred, (list, tuple, set, frozenset)) or not all(
+                isinstance(k, str) and k for k in deferred):
+            raise ValueError(f"VllmRunnerBridge: additional_config['{CONFIG_KEY}']['deferred_keys'] must be a list of "
+                             f"mm key names, got {deferred!r}")
         consumer = settings.get("consumer")
         if consumer is not None and consumer not in CONSUMERS:
             raise ValueError(f"VllmRunnerBridge: additional_config['{CONFIG_KEY}']['consumer'] must be one of "

@@ -70,3 +70,24 @@ def test_bad_vllm_arguments_exit_2(capsys) -> None:
         VllmSimConfig(kv_blocks=4)
     with pytest.raises(ValueError, match="unknown additional_config"):
         VllmRunnerBridge({"eagre": True})
+
+
+@pytest.mark.parametrize(("settings", "named"), [
+    ({"eager": "no"}, r"\['eager'\] must be true or false, got 'no'"),
+    ({"needs_full_hidden_states": "false"}, r"\['needs_full_hidden_states'\] must be true or false"),
+    ({"all_tp_ranks": 1}, r"\['all_tp_ranks'\] must be true or false, got 1"),
+    ({"deferred_keys": "audio.codes"}, r"\['deferred_keys'\] must be a list of mm key names, got 'audio.codes'"),
+    ({"deferred_keys": ["audio.codes", 3]}, r"\['deferred_keys'\] must be a list of mm key names"),
+    (["eager"], r"\['omni_cache'\] must be a mapping of settings"),
+])
+def test_bridge_settings_of_the_wrong_type_are_refused_by_key(settings: object, named: str) -> None:
+    """A setting is never read by truthiness or iterated as a string ("no" is not false, a key name
+    is not a set of characters): the wrong type is refused at start, naming the key."""
+    with pytest.raises(ValueError, match=named):
+        VllmRunnerBridge(settings)  # type: ignore[arg-type]
+
+
+def test_bridge_settings_of_the_right_type_are_taken() -> None:
+    bridge = VllmRunnerBridge({"eager": True, "deferred_keys": ["audio.codes"], "needs_full_hidden_states": True,
+                               "all_tp_ranks": False})
+    assert not bridge.hooks.all_tp_ranks
