@@ -149,6 +149,10 @@ class DeliverySettings:
                     raise ValueError(f"OmniKVConnector: omni_cache.{key} must be a positive "
                                      f"{'integer' if kind is int else 'number'}, got {value!r}")
                 values[key] = kind(value)
+        timeout = values.get("delivery_timeout_s", cls.delivery_timeout_s)
+        if timeout > threading.TIMEOUT_MAX:  # a wait on a writer could not be bounded by it
+            raise ValueError(f"OmniKVConnector: omni_cache.delivery_timeout_s must be at most "
+                             f"{threading.TIMEOUT_MAX:.0f} seconds, got {timeout!r}")
         return cls(**values)
 
     def paths(self) -> DeliveryPaths:

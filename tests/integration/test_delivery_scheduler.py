@@ -22,6 +22,7 @@ import logging
 import math
 import os
 import re
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -203,6 +204,7 @@ BAD_VALUES = [
     ("delivery_max_bytes", "1024"), ("delivery_max_bytes", math.nan), ("delivery_max_bytes", math.inf),
     ("delivery_max_bytes", 10**400), ("delivery_max_age_s", False), ("delivery_max_age_s", -math.inf), ("delivery_max_age_s", math.inf),
     ("delivery_timeout_s", 0.0), ("delivery_timeout_s", math.nan), ("delivery_timeout_s", 10**400),
+    ("delivery_timeout_s", 1e10),  # past threading.TIMEOUT_MAX: no wait could be bounded by it
     ("delivery_max_pending", 0), ("delivery_max_pending", 2.5), ("delivery_max_pending", math.inf),
 ]
 
@@ -218,7 +220,8 @@ def test_a_bad_delivery_value_is_refused_naming_its_key(tmp_path: Path, key: str
 @given(st.one_of(st.integers(), st.floats(), st.booleans(), st.text(max_size=3), st.none()))
 def test_a_positive_setting_is_accepted_exactly_when_it_is_a_positive_finite_number(value: Any) -> None:
     settings = {"delivery_dir": "/tmp/x", "delivery_timeout_s": value, "delivery_max_pending": value}
-    good_timeout = isinstance(value, int | float) and not isinstance(value, bool) and value > 0 and math.isfinite(value)
+    good_timeout = (isinstance(value, int | float) and not isinstance(value, bool) and value > 0
+                    and math.isfinite(value) and value <= threading.TIMEOUT_MAX)
     good = good_timeout and float(value).is_integer()
     if good:
         parsed = DeliverySettings.from_settings(settings)
