@@ -36,6 +36,7 @@ store names the full blocks a finished request computed (``num_computed_tokens
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -54,6 +55,8 @@ from omni_cache.integration.tier_apply import TierApplier, TierLoad, TierPlan, T
 from omni_cache.integration.vllm_logging import use_vllm_logging
 from omni_cache.runtime.errors import OmniPrefixCacheUnmatchError
 
+log = logging.getLogger(__name__)
+
 __all__ = ["SETTINGS_KEY", "tier_settings", "worker_delivery", "worker_tier_applier"]
 
 SETTINGS_KEY = "omni_cache"
@@ -63,6 +66,24 @@ _DEFAULT_TIER_BYTES = 256 << 20
 
 def _refuse(message: str) -> OmniPrefixCacheUnmatchError:
     return OmniPrefixCacheUnmatchError(f"{STAGE_REFUSAL}OmniKVConnector: {message}")
+
+
+# vLLM's connectors that answer a finished request with a hidden-states file, as delivery does.
+_HIDDEN_STATES_CONNECTORS = frozenset({"ExampleHiddenStatesConnector"})
+
+
+def _hidden_states_connector(extra: Any, where: str) -> str | None:
+    """Where in ``extra``'s wrapped connectors (at any depth of MultiConnector nesting) one of
+    ``_HIDDEN_STATES_CONNECTORS`` is configured, or ``None``."""
+    for i, child in enumerate(connector_configs(extra, where)):
+        here = f"{where}['connectors'][{i}]"
+        if child["kv_connector"] in _HIDDEN_STATES_CONNECTORS:
+            return f"{child['kv_connector']} ({here})"
+        nested = child.get("kv_connector_extra_config")
+        if isinstance(nested, Mapping) and (found := _hidden_states_connector(
+                nested, f"{here}['kv_connector_extra_config']")) is not None:
+            return found
+    return None
 
 
 def tier_settings(extra: Any) -> dict[str, Any]:
@@ -90,6 +111,10 @@ def tier_settings(extra: Any) -> dict[str, Any]:
         delivery = DeliverySettings.from_settings(settings)
     except ValueError as exc:
         raise _refuse(str(exc)) from None
+    if delivery is not None and (other := _hidden_states_connector(extra, where)) is not None:
+        raise _refuse(
+            f"omni_cache.delivery_dir and the wrapped {other} both deliver hidden states (each answers a finished "
+            "request with kv_transfer_params['hidden_states_path']): configure one of them")
     if not connector_configs(extra, where) and delivery is None:
         raise _refuse(
             f"{where}['connectors'] must list the KV connector(s) it wraps, "
@@ -262,9 +287,12 @@ def _build() -> dict[str, type]:
                 return delay, params
             if params:  # a wrapped connector's parameters travel beside ours (vLLM's merge rule)
                 clash = set(params) & set(ours)
-                if clash:
-                    raise RuntimeError(f"OmniKVConnector: kv_transfer_params keys {sorted(clash)} clash")
-                ours.update(params)  # same object: an outcome due this step still completes it
+                if clash:  # NOTE: logged and ours kept: raising here would end the engine, not one request
+                    log.error("OmniKVConnector: request %r: the wrapped connector's kv_transfer_params keys %s "
+                              "clash with the delivery's; the delivery's are returned", request.request_id,
+                              sorted(clash))
+                ours.update({k: v for k, v in params.items() if k not in clash})  # same object: an outcome
+                # due this step still completes it
             return delay, ours
 
         def request_finished(self, request: Any, blocks: list[int]) -> tuple[bool, dict[str, Any] | None]:

@@ -7,7 +7,7 @@ when other tensor-parallel ranks report nothing or only a wrapped connector's me
 (``OmniWorkerMetadata.aggregate``), and a request that finishes in the step its file is written
 gets the path and row counts in the very dict ``request_finished_all_groups`` returned (vLLM
 serialises it after ``update_connector_output``), beside a wrapped connector's own entries (a clash
-is refused). ``request_finished_all_groups`` reaches the scheduler half once per request even
+keeps ours and is logged, naming the request: it never ends the engine). ``request_finished_all_groups`` reaches the scheduler half once per request even
 though ``MultiConnector`` routes it through ``request_finished``. Also: a delivery-only connector
 (no wrapped connector) builds on both sides, ``wait_for_save`` ends the delivery's step,
 ``build_connector_worker_meta`` reports nothing when there is nothing to report (with speculative
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import fcntl
+import logging
 import os
 import pickle
 from pathlib import Path
@@ -195,8 +196,9 @@ def test_an_include_output_tokens_request_is_handed_to_the_worker_once(vllm, tmp
     assert plan.finished == (("a", (5, 6, 7, 8, 0, 1)),) and not plan.dropped
 
 
-def test_a_wrapped_connectors_params_travel_beside_ours_and_a_clash_is_refused(vllm, tmp_path: Path,
-                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_wrapped_connectors_params_travel_beside_ours_and_a_clash_keeps_ours(
+    vllm, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
     sched, worker = _pair(vllm, tmp_path)
     theirs: dict[str, Any] = {"remote_engine_id": "prefill-0", "remote_block_ids": [7]}
     monkeypatch.setattr(vllm.MultiConnector, "request_finished", lambda self, request, blocks: (True, dict(theirs)))
@@ -208,8 +210,10 @@ def test_a_wrapped_connectors_params_travel_beside_ours_and_a_clash_is_refused(v
     sched.update_connector_output(vllm.KVConnectorOutput(kv_connector_worker_meta=reported))
     assert params["hidden_states_num_tokens"] == 4 and params["remote_engine_id"] == "prefill-0"
     theirs["hidden_states_path"] = "/elsewhere.safetensors"
-    with pytest.raises(RuntimeError, match=r"kv_transfer_params keys \['hidden_states_path'\] clash"):
-        sched.request_finished_all_groups(_request("b"), ([8],))
+    with caplog.at_level(logging.ERROR):
+        _, params = sched.request_finished_all_groups(_request("b"), ([8],))
+    assert params["hidden_states_path"] == meta.omni_delivery.targets[1].path and params["remote_block_ids"] == [7]
+    assert "request 'b'" in caplog.text and "['hidden_states_path'] clash" in caplog.text, caplog.text
     worker.shutdown()
     m.shutdown()
 

@@ -265,3 +265,19 @@ def test_tier_settings_accept_delivery_without_a_wrapped_connector(tmp_path: Pat
         tier_settings({"omni_cache": {"delivery_dir": str(tmp_path), "delivery_dirr": 1}})
     with pytest.raises(OmniPrefixCacheUnmatchError, match=r"omni_cache\.delivery_timeout_s must be"):
         tier_settings({"omni_cache": {"delivery_dir": str(tmp_path), "delivery_timeout_s": -1}})
+
+
+def test_delivery_beside_a_wrapped_hidden_states_connector_is_refused_at_start(tmp_path: Path) -> None:
+    """vLLM's ``ExampleHiddenStatesConnector`` answers every finished request with its own
+    ``hidden_states_path``, as delivery does: the two cannot share a request's parameters, so the
+    pair is refused when the connector is built (at any depth of nesting), never at the first finish."""
+    ours = {"delivery_dir": str(tmp_path)}
+    hidden = {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_both"}
+    with pytest.raises(OmniPrefixCacheUnmatchError, match=r"the wrapped ExampleHiddenStatesConnector "
+                                                          r"\(kv_connector_extra_config\['connectors'\]\[1\]\)"):
+        tier_settings({"omni_cache": ours, "connectors": [{"kv_connector": "ExampleConnector"}, hidden]})
+    nested = {"kv_connector": "MultiConnector", "kv_connector_extra_config": {"connectors": [hidden]}}
+    with pytest.raises(OmniPrefixCacheUnmatchError, match=r"\['connectors'\]\[0\]\['kv_connector_extra_config'\]"
+                                                          r"\['connectors'\]\[0\]\) both deliver"):
+        tier_settings({"omni_cache": ours, "connectors": [nested]})
+    assert tier_settings({"connectors": [hidden]})["delivery"] is None  # without delivery: theirs alone, fine
