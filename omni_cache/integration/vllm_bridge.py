@@ -317,7 +317,10 @@ class VllmRunnerBridge:
             return None
         input_batch = runner.input_batch
         group = self._output_group()
-        view = self.view_v1(input_batch)
+        try:
+            view = self.view_v1(input_batch)
+        except ValueError as exc:  # the engine's batch does not address the rows: nothing saved
+            return self._contain(exc, "its block-table view")
         # The engine's own slot mapping, for the observer: the buffer vLLM's slot-mapping kernel
         # writes (``.gpu``; its ``.cpu`` half is never filled, and the CPU runner aliases the two
         # only for the input batch it builds first, not for one rebuilt for several KV-cache groups).
@@ -353,11 +356,14 @@ class VllmRunnerBridge:
                 "VllmRunnerBridge.after_forward_v2: runner.block_tables has no CPU mirror; call "
                 "install_v2_block_mirror(runner.block_tables) after initialize_kv_cache"
             )
-        view = mirror.view(input_batch, block_size=self._block_size())
-        slots = view.slots_for_spans(
-            [(rid, int(c), int(c) + int(n)) for rid, c, n in
-             zip(view.req_ids, view.num_computed_tokens, input_batch.num_scheduled_tokens, strict=False) if n]
-        )
+        try:
+            view = mirror.view(input_batch, block_size=self._block_size())
+            slots = view.slots_for_spans(
+                [(rid, int(c), int(c) + int(n)) for rid, c, n in
+                 zip(view.req_ids, view.num_computed_tokens, input_batch.num_scheduled_tokens, strict=False) if n]
+            )
+        except ValueError as exc:  # the engine's batch does not address the rows: nothing saved
+            return self._contain(exc, "its block-table view")
         return self._save(so, view, hidden_states, input_batch.input_ids, input_batch.positions, slots)
 
     # ------------------------------------------------------------- internals
@@ -393,12 +399,8 @@ class VllmRunnerBridge:
             step_id = self.hooks.after_forward(
                 hidden_states, mm, view=view, num_tokens_unpadded=num_unpadded, num_tokens_padded=num_padded
             )
-        except OmniPrefixCacheUnmatchError as exc:
-            if not self.contained:
-                raise
-            self.errors.record(exc)
-            self.fail(f"engine step {self.engine_step}: save_outputs failed: {exc}")
-            return None
+        except (OmniPrefixCacheUnmatchError, ValueError) as exc:  # ValueError: the step's write layout
+            return self._contain(exc, "save_outputs")
         if self.observer is not None:
             self.observe_forward(so, view, spans, step_id, mm, hidden_states[:num_unpadded],
                                  input_ids[:num_unpadded], positions[:num_unpadded], slot_mapping[:num_unpadded])
@@ -410,6 +412,16 @@ class VllmRunnerBridge:
             if not held:  # a step with draft rows awaits sampling's verdict (after_sample)
                 self._consume(PublishedStep(step_id, self.engine_step, tuple(r for r, _, _ in spans), spans))
         return step_id
+
+    def _contain(self, exc: Exception, what: str) -> None:
+        """A step whose rows cannot be saved: with a worker-side consumer the cache fails for good
+        (every open and later delivery fails with the reason; the engine keeps serving, and no later
+        hit can read slots whose newest rows were never saved); with ``"queue"`` it raises."""
+        if not self.contained:
+            raise exc
+        self.errors.record(exc)
+        why = str(exc) if isinstance(exc, OmniPrefixCacheUnmatchError) else f"{type(exc).__name__}: {exc}"
+        self.fail(f"engine step {self.engine_step}: {what} failed: {why}")
 
     @property
     def awaits_verdict(self) -> bool:

@@ -163,6 +163,42 @@ def test_a_cache_fault_fails_the_cache_for_good_and_the_engine_keeps_serving(tmp
     loop.close()
 
 
+@pytest.mark.parametrize("consumer", ["deliver", "discard", "queue"])
+def test_a_step_whose_batch_does_not_address_its_rows_fails_the_cache_not_the_engine(
+    tmp_path: Path, consumer: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The engine's batch refused as a block-table view (here: an injected ``ValueError``, as a stale
+    or malformed table raises) leaves the step's rows unsaved: with a worker-side consumer the cache
+    fails for good naming the step and the error, and the engine keeps serving; with ``"queue"`` it raises."""
+    loop = ServedLoop(str(tmp_path), consumer=consumer, max_batched=4)
+    real = loop.bridge.view_v1
+    calls = {"n": 0}
+
+    def flaky(input_batch: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise ValueError("BlockTableView: an injected malformed block table")
+        return real(input_batch)
+
+    monkeypatch.setattr(loop.bridge, "view_v1", flaky)
+    loop.add("A", [*PREFIX, 1, 2], max_tokens=2)
+    loop.step()
+    if consumer == "queue":
+        with pytest.raises(ValueError, match="injected malformed"):
+            loop.step()
+        loop.close()
+        return
+    loop.step()  # no exception reaches the engine
+    failed = loop.bridge.failed
+    assert failed is not None and "engine step 2: its block-table view failed: ValueError" in failed, failed
+    loop.run()
+    assert set(loop.outputs) == {"A"}
+    if consumer == "deliver":
+        assert "injected malformed" in loop.outputs["A"]["hidden_states_error"]
+    assert loop.manager.stats()["unconsumed_step_ids"] == {}
+    loop.close()
+
+
 @pytest.mark.parametrize("where", ["save_outputs", "new_step_starts"])
 def test_in_queue_mode_a_cache_fault_raises(tmp_path: Path, where: str) -> None:
     hooks = PrefixCacheRunnerHooks(is_last_pp_rank=True, eager=True, manager_factory=_FailingSaves(1, where))
