@@ -131,12 +131,12 @@ class TierMachine(RuleBasedStateMachine):
         self.n += 1
         req = f"r{self.n}"
         self.m.new_step_starts(self._events())
-        failures = len(self.applier.load_failures)
+        failures = self.applier.num_load_failures
         self.applier.apply(TierPlan(loads=(TierLoad(req, 0, _hash(c), dst),)), self.m)
         expected = self.tier.get(c)
         if expected is not None:
             self.tier.move_to_end(c)
-        assert len(self.applier.load_failures) == failures + (expected is None)
+        assert self.applier.num_load_failures == failures + (expected is None)
         self.clock += 1
         for i in range(BS):
             self.rows[slot_of([dst], i)] = None if expected is None else expected[i]

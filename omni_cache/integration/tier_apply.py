@@ -48,6 +48,8 @@ from omni_cache.runtime.tier_rows import block_rows, restore_rows, vacate_rows
 
 __all__ = ["TierApplier", "TierLoad", "TierPlan", "TierStore"]
 
+_KEPT_FAILURES = 64  # failed loads kept in detail by ``TierApplier.load_failures``
+
 
 @dataclass(frozen=True)
 class TierStore:
@@ -83,6 +85,8 @@ class TierApplier:
     store_skipped: int = 0  # blocks with a key absent in the pool (never stored half)
     restored_blocks: int = 0
     tier_hit_tokens: int = 0
+    num_load_failures: int = 0  # loads the tier could not serve (misses)
+    # the first ``_KEPT_FAILURES`` of them in detail (a server runs for ever: the rest are counted only)
     load_failures: list[dict[str, Any]] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     # block ids of loads the tier could not serve, not yet reported to vLLM; guarded by _lock
@@ -139,11 +143,11 @@ class TierApplier:
     def tier_failures(self) -> dict[str, int]:
         """What the tier lost or could not read back: ``spill_failures`` (evicted entries that could
         not be written to disk), ``file_load_failures`` (damaged or foreign files, each a miss) and
-        ``misses`` (loads the tier could not serve, listed in ``load_failures``)."""
+        ``misses`` (loads the tier could not serve; the first ones listed in ``load_failures``)."""
         stats = self.tier.stats()
         with self._lock:
             return {"spill_failures": stats.spill_failures, "file_load_failures": stats.load_failures,
-                    "misses": len(self.load_failures)}
+                    "misses": self.num_load_failures}
 
     def apply(self, plan: TierPlan, manager: Any) -> set[int]:
         """Stores, then loads (see the module docstring); engine thread, before the forward.
@@ -163,8 +167,10 @@ class TierApplier:
             rows = self.tier.get(load.block_hash)
             if rows is None:
                 with self._lock:
-                    self.load_failures.append({"req_id": load.req_id, "block_index": load.block_index,
-                                               "block_id": load.block_id, "block_hash": load.block_hash.hex()})
+                    self.num_load_failures += 1
+                    if len(self.load_failures) < _KEPT_FAILURES:
+                        self.load_failures.append({"req_id": load.req_id, "block_index": load.block_index,
+                                                   "block_id": load.block_id, "block_hash": load.block_hash.hex()})
                     self._load_errors.add(load.block_id)
                 failed.add(load.block_id)
                 # the new block's previous tenant (another content) must not serve the hit: it
@@ -185,6 +191,6 @@ class TierApplier:
                     "tier_spilled": stats.spilled, "tier_disk_hits": stats.disk_hits,
                     "tier_stored_blocks": self.stored_blocks, "tier_store_skipped": self.store_skipped,
                     "tier_restored_blocks": self.restored_blocks,
-                    "tier_load_failures": len(self.load_failures),
+                    "tier_load_failures": self.num_load_failures,
                     "tier_spill_failures": stats.spill_failures, "tier_file_load_failures": stats.load_failures,
                     "tier_load_failure_blocks": list(self.load_failures[:8])}

@@ -184,6 +184,18 @@ def test_the_applier_stores_before_it_loads_and_counts_a_miss() -> None:
     m.shutdown()
 
 
+def test_misses_are_counted_for_ever_and_only_the_first_are_kept_in_detail() -> None:
+    """A server runs for ever: every miss is counted, the detail list stays bounded."""
+    m = manager(True)
+    applier = TierApplier(HiddenTier(1 << 20), BS)
+    for i in range(100):
+        applier.apply(TierPlan(loads=(TierLoad(f"r{i}", 0, b"unknown-%d" % i, 3),)), m)
+    assert applier.num_load_failures == 100 and applier.tier_failures()["misses"] == 100
+    assert applier.summary()["tier_load_failures"] == 100
+    assert len(applier.load_failures) == 64 and applier.load_failures[0]["req_id"] == "r0"
+    m.shutdown()
+
+
 def test_a_load_the_tier_cannot_serve_is_handed_to_vllm_as_a_failed_load_once() -> None:
     """The block of a load the tier cannot serve is returned by ``apply`` and held for
     ``take_load_errors`` (``OmniKVConnector.get_block_ids_with_load_errors``), once."""
