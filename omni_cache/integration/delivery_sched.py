@@ -98,8 +98,11 @@ class DeliveryScheduler:
         computed = int(getattr(request, "num_computed_tokens", 0))
         if computed < target.num_prompt_tokens or _aborted(request):
             self._dropped.append(req_id)
-            return {"hidden_states_error": f"request {req_id!r}: hidden states not delivered: the request ended "
-                                           f"after {computed} of its {target.num_prompt_tokens} prompt tokens"}
+            how = "was aborted" if _aborted(request) else "ended"
+            when = (f"after {computed} of its {target.num_prompt_tokens} prompt tokens"
+                    if computed < target.num_prompt_tokens else "before its file was written")
+            return {"hidden_states_error": f"request {req_id!r}: hidden states not delivered: the request {how} "
+                                           f"{when}"}
         params: dict[str, Any] = {"hidden_states_path": target.path}
         self._awaiting[req_id] = params  # the worker wrote it this step: absorb completes it
         return params

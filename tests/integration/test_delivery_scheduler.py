@@ -152,13 +152,18 @@ def test_a_missing_outcome_becomes_an_error_never_a_path(tmp_path: Path) -> None
     assert list(params) == ["hidden_states_error"]
 
 
-@pytest.mark.parametrize("how", ["aborted", "prompt not computed"])
-def test_a_request_that_ended_early_is_dropped_with_an_error(tmp_path: Path, how: str) -> None:
+@pytest.mark.parametrize(("how", "said"), [
+    ("aborted", "the request was aborted before its file was written"),
+    ("aborted early", "the request was aborted after 5 of its 8 prompt tokens"),
+    ("prompt not computed", "the request ended after 5 of its 8 prompt tokens"),
+])
+def test_a_request_that_ended_early_is_dropped_with_an_error(tmp_path: Path, how: str, said: str) -> None:
     sched = DeliveryScheduler(_settings(tmp_path))
     sched.build_plan(_so(_new("a", 8)))
-    request = _request("a", aborted=True) if how == "aborted" else _request("a", outputs=0, computed=5)
+    request = {"aborted": _request("a", aborted=True), "aborted early": _request("a", aborted=True, computed=5),
+               "prompt not computed": _request("a", outputs=0, computed=5)}[how]
     params = sched.finish(request)
-    assert list(params) == ["hidden_states_error"] and "ended after" in params["hidden_states_error"]
+    assert params == {"hidden_states_error": f"request 'a': hidden states not delivered: {said}"}
     assert sched.build_plan(_so()) == DeliveryPlan(dropped=("a",))
     assert not sched.build_plan(_so())  # sent once
 
