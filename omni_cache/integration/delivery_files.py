@@ -139,6 +139,10 @@ class DeliveryPaths:
             return self.default_path(req_id), None
         if not isinstance(requested, str) or not requested or "\0" in requested:
             return None, f"hidden_states_path must be a non-empty string without NUL, got {requested!r}"
+        try:
+            os.fsencode(requested)
+        except UnicodeError:
+            return None, f"hidden_states_path {requested!r} cannot be encoded as a file name on this system"
         path = requested if os.path.isabs(requested) else os.path.join(self.root, requested)
         if not path.endswith(FILE_SUFFIX):
             return None, f"hidden_states_path {requested!r} must end in {FILE_SUFFIX}"

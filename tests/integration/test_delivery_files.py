@@ -118,6 +118,14 @@ def test_a_requested_path_outside_the_root_is_refused(tmp_path: Path, requested:
     assert path is None and "outside the delivery directory" in error
 
 
+def test_a_requested_path_that_cannot_be_a_file_name_is_refused(tmp_path: Path) -> None:
+    """A lone surrogate (possible in-process; JSON over HTTP refuses it) is refused as the request's
+    delivery error, never raised into the engine from the lock file's creation."""
+    root = _root(tmp_path)
+    path, error = DeliveryPaths(root, NONCE, allow_custom_path=True).target("r", "bad\ud800.safetensors")
+    assert path is None and "cannot be encoded as a file name" in error and os.listdir(root) == []
+
+
 def test_a_sibling_directory_whose_name_starts_like_the_root_is_outside(tmp_path: Path) -> None:
     root = _root(tmp_path, "files")
     sibling = _root(tmp_path, "files2")
