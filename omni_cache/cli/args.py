@@ -31,7 +31,12 @@ PLOT_SUFFIXES = (".png", ".svg")
 
 
 class CliParser(argparse.ArgumentParser):
-    """An ``ArgumentParser`` whose errors name the (sub)command and show its own usage."""
+    """An ``ArgumentParser`` whose errors name the (sub)command and show its own usage. No flag
+    is taken from a prefix of its name (``--all`` is not ``--all-mutants``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.print_usage(sys.stderr)

@@ -50,7 +50,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     parser.add_argument("--only", metavar="SUBSTRING", help="run only entries whose model/spec/cfg contains it")
     parser.add_argument(
-        "--tier", choices=("ci", "nightly", "all"), default="ci",
+        "--tier", choices=("ci", "nightly", "all"), default=None,
         help="which manifest runs: ci (default; small constants), nightly (larger constants), all",
     )
     parser.add_argument(
@@ -77,7 +77,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="with --cfg: the spec module to check (default: MC<folder>.tla beside the cfg)",
     )
     parser.add_argument(
-        "--expect", default="ok", type=choice_pattern("ok", "deadlock", "invariant:", "property:"),
+        "--expect", default=None, type=choice_pattern("ok", "deadlock", "invariant:", "property:"),
         help="with --cfg: the expected result (ok, deadlock, invariant:<Name>, property:<Name>; default ok)",
     )
     parser.set_defaults(func=run, error=parser.error)
@@ -122,9 +122,11 @@ def run_mutant_table(args: argparse.Namespace) -> int:
     try:
         results = run_mutants(args.tla_dir, only=args.only, jobs=args.jobs, timeout_s=args.timeout,
                               per_model=None if args.all_mutants else PER_MODEL)
-    except TLCUnavailable as exc:
+    except (TLCUnavailable, FileNotFoundError) as exc:  # no TLC, or a --tla-dir without the specs
         print(f"omni-cache verify: {exc}", file=sys.stderr)
         return 2
+    if not results:
+        args.error(f"no generated mutant matches --only {args.only!r}: nothing was checked")
     wall_s = time.perf_counter() - start
     counts = {v: sum(r.verdict == v for r in results) for v in ("killed", "equivalent", "survived", "stillborn")}
     if args.json:
@@ -150,7 +152,30 @@ def run_mutant_table(args: argparse.Namespace) -> int:
     return 1 if counts["survived"] else 0
 
 
+def _refuse_unused_flags(args: argparse.Namespace) -> None:
+    """Every flag given applies to the mode chosen (manifest, --mutants or --cfg): one that would be
+    ignored is refused, naming it."""
+    mode = "--mutants" if args.mutants else "--cfg" if args.cfg is not None else None
+    unused = {
+        None: [("--all-mutants", args.all_mutants), ("--spec", args.spec is not None),
+               ("--expect", args.expect is not None)],
+        "--mutants": [("--tier", args.tier is not None), ("--cfg", args.cfg is not None),
+                      ("--spec", args.spec is not None), ("--expect", args.expect is not None)],
+        "--cfg": [("--all-mutants", args.all_mutants), ("--only", args.only is not None),
+                  ("--tier", args.tier is not None), ("--tla-dir", args.tla_dir is not None)],
+    }[mode]
+    given = [flag for flag, present in unused if present]
+    if given:
+        where = f"with {mode}" if mode else "to a manifest run (no --mutants, no --cfg)"
+        args.error(f"{', '.join(given)} {'does' if len(given) == 1 else 'do'} not apply {where}")
+
+
 def run(args: argparse.Namespace) -> int:
+    _refuse_unused_flags(args)
+    if args.expect is None:
+        args.expect = "ok"
+    if args.tier is None:
+        args.tier = "ci"
     if getattr(args, "mutants", False):
         return run_mutant_table(args)
     from omni_cache.verify.tlc import (

@@ -263,10 +263,10 @@ def run_mutants(
     timeout_s: float = 120.0,
     on_result: Callable[[MutantResult], None] | None = None,
 ) -> list[MutantResult]:
-    """Check every generated mutant (``only``: those whose id contains it) with TLC."""
+    """Check every generated mutant (``only``: those whose id contains it, ignoring case) with TLC."""
     tla_dir = tla_dir or default_tla_dir()
     equivalent = load_equivalent(tla_dir)
-    mutants = [m for m in all_mutants(tla_dir, per_model=per_model) if not only or only in m.ident]
+    mutants = [m for m in all_mutants(tla_dir, per_model=per_model) if not only or only.lower() in m.ident.lower()]
     java, jar = find_java(), find_tla2tools()
     results: list[MutantResult] = []
     with open_pool(java, jar) as tlc, tlc_procs.executor(jobs or default_jobs()) as pool:

@@ -75,6 +75,17 @@ USAGE_ERRORS = [
     (["simulate", "--preset", "pressure"], "usage: omni-cache simulate", "--preset pressure needs --engine vllm"),
     (["verify", "--only", "no-such-model"], "usage: omni-cache verify", "no manifest entry matches --only"),
     (["verify", "--cfg", "no/such.cfg"], "usage: omni-cache verify", "--cfg no/such.cfg does not exist"),
+    # a flag of another mode is refused, never ignored; no flag is taken from a prefix of its name
+    (["verify", "--all-mutants"], "usage: omni-cache verify", "--all-mutants does not apply to a manifest run"),
+    (["verify", "--all", "--mutants"], "usage: omni-cache verify", "unrecognized arguments: --all"),
+    (["verify", "--expect", "deadlock", "--spec", "x.tla"], "usage: omni-cache verify",
+     "--spec, --expect do not apply to a manifest run"),
+    (["verify", "--mutants", "--tier", "nightly", "--cfg", "x.cfg"], "usage: omni-cache verify",
+     "--tier, --cfg do not apply with --mutants"),
+    (["verify", "--cfg", "x.cfg", "--only", "Staging", "--tier", "all"], "usage: omni-cache verify",
+     "--only, --tier do not apply with --cfg"),
+    (["verify", "--mutants", "--only", "no-such-mutant"], "usage: omni-cache verify",
+     "no generated mutant matches --only 'no-such-mutant': nothing was checked"),
 ]
 
 
