@@ -403,6 +403,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spawn", action="store_true",
                     help="run each mutant's pytest in a fresh interpreter instead of a fork of this one")
     args = ap.parse_args(argv)
+    if args.sample < 1:
+        ap.error(f"--sample wants a positive number of mutants, got {args.sample}")
+    if not args.modules:
+        ap.error("--modules wants at least one module name")
+    if args.only is not None and not args.only:
+        ap.error("--only wants at least one mutant id")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: kill the pytest group, drop the copy
     everything = all_mutants(ROOT, tuple(args.modules))
     if args.only:
@@ -414,6 +420,9 @@ def main(argv: list[str] | None = None) -> int:
         chosen = [by_id[i] for i in args.only]
     else:
         chosen = sample(everything, args.sample, args.seed)
+    if not chosen:  # a kill rate of nothing is no result
+        print(f"no mutant selected from modules {args.modules}: nothing to run", file=sys.stderr)
+        return 2
     per_op: dict[str, int] = {}
     for m in everything:
         per_op[m.operator] = per_op.get(m.operator, 0) + 1

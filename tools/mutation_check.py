@@ -161,6 +161,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tests", nargs="*", help="pytest node ids to run instead of each mutant's own")
     ap.add_argument("--keep", action="store_true", help="keep the temporary copies")
     args = ap.parse_args(argv)
+    known = sorted({m.invariant for m in MUTANTS})
+    unknown = [i for i in args.only or () if i not in known]
+    if unknown or (args.only is not None and not args.only):
+        ap.error(f"--only wants invariant ids among {known}, got {args.only}")
     mutants = [m for m in MUTANTS if not args.only or m.invariant in args.only]
     names = [m.invariant for m in mutants]
     labels = [f"{n}{'abcdefgh'[names[:i].count(n)] if names.count(n) > 1 else ''}" for i, n in enumerate(names)]

@@ -25,6 +25,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     tla = default_tla_dir()
     entries = [e for e in select(load_manifest(tla), args.only, args.tier)]
+    if not entries:  # nothing measured: the manifest is left as it is
+        parser.error(f"no manifest entry matches --only {args.only!r} (tier {args.tier})")
     entries = [e.__class__(**{**e.__dict__, "states": None}) for e in entries]  # measure, don't judge
     results = run_manifest(entries, tla, jobs=args.jobs, timeout_s=1800)
     path = tla / "manifest.json"

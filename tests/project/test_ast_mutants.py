@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -155,3 +156,22 @@ def test_run_kills_and_keeps_survivors_on_a_copy_never_the_tree(tmp_path: Path) 
     assert [r["verdict"] for r in results] == ["killed", "survived"], lines
     assert (pkg / "toy.py").read_text() == toy
     assert "+    if x > (9):" in str(results[1]["diff"])
+
+
+@pytest.mark.parametrize("argv", [
+    ["tools/ast_mutants.py", "--sample", "0"],
+    ["tools/ast_mutants.py", "--sample", "-5"],
+    ["tools/ast_mutants.py", "--modules"],
+    ["tools/ast_mutants.py", "--only"],
+    ["tools/mutation_check.py", "--only", "i7"],
+    ["tools/mutation_check.py", "--only"],
+    ["tools/tla_manifest_states.py", "--only", "no-such-model"],
+], ids=" ".join)
+def test_a_mutation_or_manifest_tool_given_an_empty_selection_refuses_it(argv: list[str]) -> None:
+    """A selection of nothing is a usage error (exit 2, one line), never a kill rate of 0/0 reported
+    as a pass, a whole-suite run, or a manifest rewritten from no runs."""
+    manifest = (ROOT / "tla" / "manifest.json").read_bytes()
+    proc = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, (proc.returncode, proc.stdout[-500:], proc.stderr[-500:])
+    assert "error:" in proc.stderr and "Traceback" not in proc.stderr
+    assert (ROOT / "tla" / "manifest.json").read_bytes() == manifest
