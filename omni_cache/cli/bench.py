@@ -110,7 +110,35 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return kwargs
 
 
+def _refuse_unused_flags(args: argparse.Namespace) -> None:
+    """A flag the chosen run would ignore is refused, naming it (one line, exit 2, before torch)."""
+    def given(*flags: tuple[str, Any]) -> list[str]:
+        return [flag for flag, present in flags if present]
+
+    problems = []
+    if args.machine and (unused := given(("--preset", args.preset), ("--sweep", args.sweep), ("--memory", args.memory),
+                                         ("--profile", args.profile), ("--plot", args.plot),
+                                         ("--batch-sizes", args.batch_sizes), ("--decode-steps", args.decode_steps is not None),
+                                         ("--no-verify", args.no_verify), ("--async", args.async_))):
+        problems.append(f"{', '.join(unused)} {'does' if len(unused) == 1 else 'do'} not apply to --machine")
+    if args.plot and (modes := given(("--preset", args.preset), ("--sweep", args.sweep), ("--memory", args.memory),
+                                     ("--engine-step", args.engine_step is not None),
+                                     ("--width-sweep", args.width_sweep is not None),
+                                     ("--served", args.served is not None))):
+        problems.append(f"--plot draws the default bench, not {', '.join(modes)} (--sweep and --width-sweep take their own FILE.png)")
+    if not args.width_sweep and (unused := given(("--widths", args.widths), ("--dtypes", args.dtypes))):
+        problems.append(f"{', '.join(unused)} {'goes' if len(unused) == 1 else 'go'} with --width-sweep")
+    if args.decode_steps is not None and args.sweep and args.decode_steps < 2:
+        problems.append(f"--sweep counts the lines of a decode step after the first: --decode-steps >= 2, "
+                        f"got {args.decode_steps}")
+    if args.decode_steps == 0 and args.profile:
+        problems.append("--profile times decode steps: --decode-steps >= 1, got 0")
+    if problems:
+        args.error("; ".join(problems))
+
+
 def run(args: argparse.Namespace) -> int:
+    _refuse_unused_flags(args)
     if (gpu := run_gpu(args)) is not None:  # --device cuda: refused without CUDA, before torch
         return gpu
     if any(v is not None for v in (args.engine_step, args.width_sweep, args.served, args.num_prompts)):  # real engines: refused without vLLM, before torch

@@ -41,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "bfloat16, on real vLLM CPU engines: a table, and a plot in FILE.png when given")
     parser.add_argument("--widths", type=int_list(128, 8192), default=None, metavar="W1,W2",
                         help="--width-sweep: the widths (multiples of 128; default 128,256,512,1024,2048,4096)")
-    parser.add_argument("--dtypes", choices=("float32", "bfloat16", "both"), default="both",
+    parser.add_argument("--dtypes", choices=("float32", "bfloat16", "both"), default=None,
                         help="--width-sweep: the dtypes (default both)")
     parser.add_argument("--served", nargs="?", const="wide-llama", default=None, choices=SERVED_MODELS,
                         metavar="MODEL", help="the served comparison (MODEL: wide-llama, the default, or tiny-llama): "
@@ -186,7 +186,7 @@ def _width_sweep(args: argparse.Namespace, console: Any, repeats: int, say: Any,
         write_sweep_plot,
     )
 
-    dtypes = DTYPES if args.dtypes == "both" else (args.dtypes,)
+    dtypes = DTYPES if args.dtypes in (None, "both") else (args.dtypes,)
     load_before = load_average()
     points = run_width_sweep(args.widths or WIDTHS, dtypes, repeats=repeats, progress=say)
     path = None
