@@ -61,13 +61,15 @@ def register(subparsers: Any) -> None:
         epilog="Delivery options (anywhere after MODEL): " + "; ".join(
             f"{a.option_strings[0]}: {a.help}" for a in _delivery_parser()._actions),
     )
-    parser.add_argument("model", metavar="MODEL", help="'tiny-llama' or a model vLLM serves")
+    parser.add_argument("model", metavar="MODEL", nargs="?", help="'tiny-llama' or a model vLLM serves")
     parser.add_argument("vllm_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     parser.set_defaults(func=run, _parser=parser)
 
 
 def run(args: argparse.Namespace) -> int:
     parser: argparse.ArgumentParser = args._parser
+    if args.model is None:
+        parser.error("MODEL is required: 'tiny-llama' or a model vLLM serves")
     delivery_args, vllm_args = _delivery_parser().parse_known_args(args.vllm_args)
     if not args.model or args.model.startswith("-"):
         parser.error(f"MODEL comes first, got {args.model!r}")

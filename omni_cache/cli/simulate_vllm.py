@@ -79,7 +79,7 @@ def add_model_argument(parser: argparse.ArgumentParser, scope: str = "") -> None
 def run_vllm(args: argparse.Namespace) -> int:
     given = [f"--{name.replace('_', '-')}" for name in _SIM_ONLY if getattr(args, name, None) is not None]
     if given:
-        args.error(f"{', '.join(given)} only apply to --engine sim")
+        args.error(f"{', '.join(given)} only {'applies' if len(given) == 1 else 'apply'} to --engine sim")
     if args.preset is not None and args.preset not in PRESETS:
         args.error(f"--preset {args.preset} is a preset of the simulated engine; --engine vllm takes "
                    f"{', '.join(sorted(PRESETS))}")

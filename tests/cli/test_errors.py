@@ -291,6 +291,13 @@ def test_bench_names_its_timing_difference_for_what_it_is() -> None:
 
     lines = verdict_lines(Result())  # type: ignore[arg-type]
     text = "\n".join(lines)
+
+    class NoDecode(Result):  # a run of prefill steps only: no decode ratio to print, never "nan%"
+        def ratio(self, b: int, decode: bool = False) -> float:
+            return float("nan") if decode else 0.9
+
+    no_decode = verdict_lines(NoDecode())  # type: ignore[arg-type]
+    assert no_decode[0].endswith("; no decode steps") and "nan" not in "\n".join(no_decode)
     assert "bookkeeping (omni_cache - floor)" not in text and "bookkeeping growth" not in text
     assert "decode step time omni_cache - floor -108.7 µs" in lines[0]
     assert "not the bookkeeping" in text and "--sweep FILE.png" in text

@@ -60,7 +60,7 @@ def test_plans_are_deterministic_and_exercise_every_path(name) -> None:
 
 
 def test_bad_vllm_arguments_exit_2(capsys) -> None:
-    for argv, said in ((["simulate", "--engine", "vllm", "--dtype", "float32"], "only apply to --engine sim"),
+    for argv, said in ((["simulate", "--engine", "vllm", "--dtype", "float32"], "only applies to --engine sim"),
                        (["simulate", "--preset", "pressure"], "needs --engine vllm")):  # a vLLM preset on sim
         with pytest.raises(SystemExit) as exc:  # the subcommand's usage and one error line
             main(argv)

@@ -57,11 +57,10 @@ def verdict_lines(result: BenchResult) -> list[str]:
         ratio = result.ratio(b)
         verdict = "" if quick else (
             f" (target >= {result.target_ratio:.0%}) {'PASS' if ratio >= result.target_ratio else 'FAIL'}")
-        lines.append(
-            f"batch {b}: omni_cache/floor tokens/s = {ratio:.1%}{verdict}; "
-            f"decode steps only {result.ratio(b, decode=True):.1%}; decode step time omni_cache - floor "
-            f"{result.overhead_us_per_step(b):+,.1f} µs"
-        )
+        decode_ratio = result.ratio(b, decode=True)  # nan: the run had no decode step
+        decode = (f"decode steps only {decode_ratio:.1%}; decode step time omni_cache - floor "
+                  f"{result.overhead_us_per_step(b):+,.1f} µs" if decode_ratio == decode_ratio else "no decode steps")
+        lines.append(f"batch {b}: omni_cache/floor tokens/s = {ratio:.1%}{verdict}; {decode}")
     if len(sizes) > 1:
         lines.append(
             f"change of that difference: {result.overhead_growth_us_per_request():+,.1f} µs per extra request "
