@@ -320,7 +320,8 @@ class VllmRunnerBridge:
         try:
             view = self.view_v1(input_batch)
         except ValueError as exc:  # the engine's batch does not address the rows: nothing saved
-            return self._contain(exc, "its block-table view")
+            self._contain(exc, "its block-table view")
+            return None
         # The engine's own slot mapping, for the observer: the buffer vLLM's slot-mapping kernel
         # writes (``.gpu``; its ``.cpu`` half is never filled, and the CPU runner aliases the two
         # only for the input batch it builds first, not for one rebuilt for several KV-cache groups).
@@ -363,7 +364,8 @@ class VllmRunnerBridge:
                  zip(view.req_ids, view.num_computed_tokens, input_batch.num_scheduled_tokens, strict=False) if n]
             )
         except ValueError as exc:  # the engine's batch does not address the rows: nothing saved
-            return self._contain(exc, "its block-table view")
+            self._contain(exc, "its block-table view")
+            return None
         return self._save(so, view, hidden_states, input_batch.input_ids, input_batch.positions, slots)
 
     # ------------------------------------------------------------- internals
@@ -400,7 +402,8 @@ class VllmRunnerBridge:
                 hidden_states, mm, view=view, num_tokens_unpadded=num_unpadded, num_tokens_padded=num_padded
             )
         except (OmniPrefixCacheUnmatchError, ValueError) as exc:  # ValueError: the step's write layout
-            return self._contain(exc, "save_outputs")
+            self._contain(exc, "save_outputs")
+            return None
         if self.observer is not None:
             self.observe_forward(so, view, spans, step_id, mm, hidden_states[:num_unpadded],
                                  input_ids[:num_unpadded], positions[:num_unpadded], slot_mapping[:num_unpadded])
