@@ -187,48 +187,34 @@ def test_I8_bookkeeping_memory_error_in_save_is_undone_and_surfaces_itself(eager
 
 
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "async"])
-def test_I8_failure_after_a_write_is_registered_is_sticky_and_chained(eager: bool, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize(("owner", "method", "what"), [
+    ("tenancy", "register", "per-slot bookkeeping"),  # while registering the write's versions
+    ("book", "enqueue", "copy queue"),  # the last part of a save: queuing its registered write
+], ids=["registering", "queuing"])
+def test_I8_failure_after_a_write_is_registered_is_sticky_and_chained(  # type: ignore[no-untyped-def]
+    eager: bool, owner: str, method: str, what: str, monkeypatch,
+) -> None:
     """A failure once a pool write is registered cannot be undone: it surfaces as itself and
-    fails the manager for good (every later entry raises "write failed", chained to it)."""
+    fails the manager for good, so every later entry raises at once ("write failed", chained to
+    it) instead of waiting for a write nobody queued."""
     m = manager(eager=eager)
     m.new_step_starts([started("A")])
 
-    def boom(*args: object, **kwargs: object) -> set[int]:
-        raise MemoryError("per-slot bookkeeping")
+    def boom(*args: object, **kwargs: object) -> object:
+        raise MemoryError(what)
 
-    monkeypatch.setattr(m.tenancy, "register", boom)
-    with pytest.raises(MemoryError, match="per-slot bookkeeping"):
-        save(m, [("A", [0, 1], 0, 5)])[0]
-    failed = m.stats()["failed"]
-    assert failed is not None and "MemoryError" in failed, m.stats()
-    assert all(w.state == "failed" for w in m.book.live()) and not m.book.live(), m.book.describe_in_flight()
-    with pytest.raises(OmniPrefixCacheUnmatchError, match="write failed") as info:
-        save(m, [("A", [0, 1], 0, 5)])[0]
-    assert isinstance(info.value.__cause__, MemoryError), repr(info.value.__cause__)
-    m.shutdown()
-
-
-@pytest.mark.parametrize("eager", [True, False], ids=["eager", "async"])
-def test_I8_failure_while_queuing_a_registered_write_is_sticky(eager: bool, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """The last part of a save, queuing its registered write, can fail too: the manager then fails for
-    good, so the next call raises at once instead of waiting for a write nobody queued."""
-    m = manager(eager=eager)
-    m.new_step_starts([started("A")])
-
-    def boom(*args: object, **kwargs: object) -> list[object]:
-        raise MemoryError("copy queue")
-
-    monkeypatch.setattr(m.book, "enqueue", boom)
-    with pytest.raises(MemoryError, match="copy queue"):
+    monkeypatch.setattr(getattr(m, owner), method, boom)
+    with pytest.raises(MemoryError, match=what):
         save(m, [("A", [0, 1], 0, 5)])
     monkeypatch.undo()
     failed = m.stats()["failed"]
     assert failed is not None and "MemoryError" in failed, m.stats()
-    assert not m.book.live(), m.book.describe_in_flight()
+    assert all(w.state == "failed" for w in m.book.live()) and not m.book.live(), m.book.describe_in_flight()
     started_at = time.monotonic()
     with pytest.raises(OmniPrefixCacheUnmatchError, match="write failed") as info:
-        save(m, [("A", [0, 1], 5, 6)])
-    assert isinstance(info.value.__cause__, MemoryError) and time.monotonic() - started_at < BOUND_S
+        save(m, [("A", [0, 1], 0, 5)])
+    assert isinstance(info.value.__cause__, MemoryError), repr(info.value.__cause__)
+    assert time.monotonic() - started_at < BOUND_S
     m.shutdown()
 
 
