@@ -319,8 +319,10 @@ class DeliveryStore:
         other file is never touched (the directory may hold a user's own ``.safetensors`` files).
         Temporary files of a writer that is gone are removed; a live process's are left alone."""
         found: dict[str, list[float]] = {}  # a delivery's path -> [newest mtime, bytes] of its files
-        names = set(os.listdir(self.root))
-        for entry in os.scandir(self.root):
+        with os.scandir(self.root) as scan:
+            entries = list(scan)
+        names = {entry.name for entry in entries}
+        for entry in entries:
             if (tmp := _TMP_NAME.fullmatch(entry.name)) is not None:
                 if not _process_alive(int(tmp.group(1))):
                     try:
