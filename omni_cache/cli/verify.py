@@ -85,7 +85,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def _adhoc_entry(args: argparse.Namespace) -> tuple[ManifestEntry, Path]:
     """The manifest entry of a ``--cfg`` run, and the folder of its model's folder (the TLA+ root)."""
-    from omni_cache.verify.tlc import EXPECT_EXIT, ManifestEntry, ManifestError, check_expect
+    from omni_cache.verify.tlc import (
+        EXPECT_EXIT,
+        ManifestEntry,
+        ManifestError,
+        check_cfg_checks,
+        check_expect,
+    )
 
     cfg: Path = args.cfg.resolve()
     if not cfg.is_file():
@@ -105,6 +111,7 @@ def _adhoc_entry(args: argparse.Namespace) -> tuple[ManifestEntry, Path]:
     kind = args.expect.split(":", 1)[0]
     exit_code = EXPECT_EXIT.get(kind, -1)
     check_expect(args.expect, exit_code, "--expect")
+    check_cfg_checks(cfg.read_text(), args.expect, f"--cfg {args.cfg}")
     return ManifestEntry(
         model=spec.parent.name, spec=spec.name, cfg=str(cfg), expect=args.expect, exit=exit_code,
         why="ad-hoc run (--cfg)",

@@ -163,6 +163,20 @@ def check_expect(expect: str, exit_code: int, where: str) -> None:
         raise ManifestError(f"{where}: expect {expect!r} goes with TLC exit {EXPECT_EXIT[kind]}, not {exit_code}")
 
 
+def check_cfg_checks(cfg_text: str, expect: str, where: str) -> None:
+    """A cfg names at least one invariant or property (else TLC checks nothing but deadlock freedom,
+    and "ok" would say nothing), and an expected violation names one the cfg checks."""
+    invariants, properties = cfg_invariants(cfg_text), cfg_properties(cfg_text)
+    if not invariants and not properties:
+        raise ManifestError(f"{where}: the cfg names no INVARIANT and no PROPERTY, so TLC would check nothing "
+                            "but deadlock freedom; list what to check")
+    kind, _, name = expect.partition(":")
+    listed = {"invariant": invariants, "property": properties}.get(kind)
+    if listed is not None and name not in listed:
+        raise ManifestError(f"{where}: expect {expect!r} names {'an' if kind == 'invariant' else 'a'} {kind} the cfg does not check "
+                            f"(it checks {', '.join(listed) or f'no {kind}'})")
+
+
 def load_manifest(tla_dir: Path | None = None) -> list[ManifestEntry]:
     """The runs listed in ``tla/manifest.json``; every named file must exist."""
     tla_dir = tla_dir or default_tla_dir()
@@ -184,6 +198,8 @@ def load_manifest(tla_dir: Path | None = None) -> list[ManifestEntry]:
         except KeyError as exc:
             raise ManifestError(f"{where}: missing field {exc}") from exc
         check_expect(entry.expect, entry.exit, where)
+        if (tla_dir / entry.model / entry.cfg).is_file():
+            check_cfg_checks((tla_dir / entry.model / entry.cfg).read_text(), entry.expect, f"{where} ({entry.cfg})")
         if entry.tier not in TIERS:
             raise ManifestError(f"{where}: tier {entry.tier!r} is not one of {TIERS}")
         for name in (entry.spec, entry.cfg):
@@ -201,16 +217,26 @@ _DEPTH_RE = re.compile(r"^The depth of the complete state graph search is (\d+)\
 _INVARIANT_RE = re.compile(r"^Error: Invariant (\S+) is violated", re.M)
 _ACTION_PROP_RE = re.compile(r"^Error: Action property (\S+) is violated", re.M)
 _CFG_PROPS_RE = re.compile(r"^\s*PROPERT(?:Y|IES)\b(.*?)(?=^\s*[A-Z_]{4,}\b|\Z)", re.M | re.S)
+_CFG_INVS_RE = re.compile(r"^\s*INVARIANTS?\b(.*?)(?=^\s*[A-Z_]{4,}\b|\Z)", re.M | re.S)
+
+
+def _cfg_names(cfg_text: str, block_re: re.Pattern[str]) -> list[str]:
+    text = re.sub(r"\\\*.*", "", cfg_text)
+    text = re.sub(r"\(\*.*?\*\)", "", text, flags=re.S)
+    names: list[str] = []
+    for block in block_re.findall(text):
+        names.extend(block.split())
+    return names
 
 
 def cfg_properties(cfg_text: str) -> list[str]:
     """The names after PROPERTY/PROPERTIES in a TLC cfg (comments dropped)."""
-    text = re.sub(r"\\\*.*", "", cfg_text)
-    text = re.sub(r"\(\*.*?\*\)", "", text, flags=re.S)
-    names: list[str] = []
-    for block in _CFG_PROPS_RE.findall(text):
-        names.extend(block.split())
-    return names
+    return _cfg_names(cfg_text, _CFG_PROPS_RE)
+
+
+def cfg_invariants(cfg_text: str) -> list[str]:
+    """The names after INVARIANT/INVARIANTS in a TLC cfg (comments dropped)."""
+    return _cfg_names(cfg_text, _CFG_INVS_RE)
 
 
 @dataclass(frozen=True)

@@ -117,6 +117,15 @@ def test_load_manifest_rejects_inconsistent_entries(tmp_path: Path) -> None:
     (tmp_path / "manifest.json").write_text(json.dumps({"runs": [run]}))
     with pytest.raises(ManifestError, match="does not exist"):
         load_manifest(tmp_path)
+    run.update(cfg="MC.cfg")  # an empty cfg: TLC would check nothing but deadlock freedom
+    (tmp_path / "manifest.json").write_text(json.dumps({"runs": [run]}))
+    with pytest.raises(ManifestError, match="names no INVARIANT and no PROPERTY"):
+        load_manifest(tmp_path)
+    (tmp_path / "m" / "MC.cfg").write_text("SPECIFICATION Spec\nINVARIANT TypeOK\n")
+    run.update(expect="invariant:Safe", exit=12)  # a violation of an invariant the cfg does not check
+    (tmp_path / "manifest.json").write_text(json.dumps({"runs": [run]}))
+    with pytest.raises(ManifestError, match="names an invariant the cfg does not check"):
+        load_manifest(tmp_path)
 
 
 def test_select_filters_by_substring() -> None:

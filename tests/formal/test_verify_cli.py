@@ -78,3 +78,29 @@ def test_require_tlc_skips_locally_and_fails_under_ci(monkeypatch: pytest.Monkey
     monkeypatch.setenv("CI", "true")
     with pytest.raises(pytest.fail.Exception, match="CI=true but TLC cannot run"):
         require_tlc()
+
+
+@pytest.mark.parametrize(("strip", "expect", "says"), [
+    (("INVARIANT", "PROPERT"), "ok", "names no INVARIANT and no PROPERTY, so TLC would check nothing"),
+    ((), "invariant:NoSuchInvariant", "names an invariant the cfg does not check (it checks TypeOK"),
+    (("PROPERT",), "property:SaveCompletes", "names a property the cfg does not check (it checks no property)"),
+])
+def test_verify_cfg_that_checks_nothing_or_not_the_expected_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], strip: tuple[str, ...], expect: str, says: str,
+) -> None:
+    """An ad-hoc cfg without invariants and properties would report "ok" for a search that checked
+    nothing but deadlocks; an expected violation the cfg does not check could never be seen. Both are
+    refused before TLC starts (no java needed), naming the cfg."""
+    cfg = tmp_path / "MCStaging.cfg"
+    kept, dropping = [], False
+    for line in (TLA / "staging" / "MCStaging.cfg").read_text().splitlines():
+        if line.strip() and not line[0].isspace():
+            dropping = line.lstrip().startswith(strip) if strip else False
+        if not dropping:
+            kept.append(line)
+    cfg.write_text("\n".join(kept) + "\n")
+    with pytest.raises(SystemExit) as exited:
+        main(["verify", "--cfg", str(cfg), "--spec", str(TLA / "staging" / "MCStaging.tla"), "--expect", expect])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: omni-cache verify") and f"--cfg {cfg}: " in err and says in err
