@@ -29,8 +29,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument(
         "--machine",
         choices=("staging", "write", "all"),
-        default="all",
-        help="which machine to print (default: all)",
+        default=None,
+        help="which machine to print (default: all; --write/--check cover both)",
     )
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument(
@@ -53,6 +53,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.machine is not None and (args.write or args.check):  # before any import: one line, exit 2
+        args.error(f"--machine applies to printing; {'--write' if args.write else '--check'} covers both machines")
+    if args.path is not None and not (args.write or args.check):
+        args.error("--path names the spec file of --write/--check; printing takes no file")
     from omni_cache.verify import spec_render
 
     if (args.write or args.check) and args.path is None and not spec_render.IN_SOURCE_CHECKOUT:
@@ -71,5 +75,5 @@ def run(args: argparse.Namespace) -> int:
             return 1
         print(f"{path} is up to date")
         return 0
-    print("\n".join(spec_render.mermaid(t) for t in spec_render.tables(args.machine)), end="")
+    print("\n".join(spec_render.mermaid(t) for t in spec_render.tables(args.machine or "all")), end="")
     return 0
