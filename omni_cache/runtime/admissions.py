@@ -23,12 +23,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from omni_cache.runtime.errors import OmniPrefixCacheUnmatchError
 from omni_cache.runtime.events import PrefixCacheEventKind, PrefixCacheRequestEvent, PrefixCacheRequestOwner
 from omni_cache.runtime.interface import ReqId
 
-__all__ = ["Admission", "EventPlan", "lookup_of", "newest_terminal_owners", "plan_events"]
+__all__ = ["Admission", "EventPlan", "lookup_of", "newest_terminal_owners", "plan_events", "plans_nothing"]
 
 K = PrefixCacheEventKind
 TERMINAL = (K.FINISHED, K.ABORTED)
@@ -70,6 +71,26 @@ def newest_terminal_owners(events: Sequence[PrefixCacheRequestEvent]) -> dict[Re
         if e.kind in TERMINAL and e.owner is not None and (e.req_id not in newest or newest[e.req_id] < e.owner):
             newest[e.req_id] = e.owner
     return newest
+
+
+class _Admitted(Protocol):
+    admission: Admission
+
+
+def plans_nothing(events: Sequence[PrefixCacheRequestEvent], live: Mapping[ReqId, _Admitted]) -> bool:
+    """Whether ``plan_events`` would plan no change and count nothing stale for ``events``, read
+    cheaply: every event EXTENDs the live admission of its request (``live[req_id].admission``) as
+    that admission's owner (or as no owner), and carries no lookup that admission still waits for.
+    A steady decode step of a real engine is all such events. False says nothing: plan them."""
+    extended = K.EXTENDED
+    for event in events:
+        if event.kind is not extended or (request := live.get(event.req_id)) is None:
+            return False
+        admission = request.admission
+        if (event.owner is not None and event.owner != admission.owner) or \
+                (event.lookup_complete and admission.lookup is None):
+            return False
+    return True
 
 
 def plan_events(

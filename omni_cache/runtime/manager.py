@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from omni_cache.runtime.admissions import Admission, lookup_of, plan_events
+from omni_cache.runtime.admissions import Admission, lookup_of, plan_events, plans_nothing
 from omni_cache.runtime.block_pool import PrefixBlockPool
 from omni_cache.runtime.copier import Committer, CopyEngine
 from omni_cache.runtime.errors import (
@@ -203,7 +203,8 @@ class OmniPrefixCacheManager:
                     and step.sequence <= self._last_sequence:
                 self.counters["replayed_steps"] += 1
                 return
-            if not step.events:  # a decode step: no admission changes, nothing to validate (I12)
+            # a decode step: no admission changes, nothing to validate (I12)
+            if not step.events or plans_nothing(step.events, self._requests):
                 self._scheduled = scheduled
                 if step.sequence is not None:
                     self._last_sequence = step.sequence
