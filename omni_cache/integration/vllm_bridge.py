@@ -241,6 +241,11 @@ class VllmRunnerBridge:
                 f"omni prefix cache cannot run on this stage: additional_config['{CONFIG_KEY}']['consumer']='deliver' "
                 "needs kv_transfer_config with kv_connector='OmniKVConnector' and "
                 "kv_connector_extra_config={'omni_cache': {'delivery_dir': ...}} (docs/serving.md)")
+        if consumer == "deliver" and self.hooks.all_tp_ranks:
+            raise OmniPrefixCacheUnmatchError(
+                f"omni prefix cache cannot run on this stage: additional_config['{CONFIG_KEY}']['all_tp_ranks'] keeps "
+                "a cache on every TP rank, and each would write the same delivery files; "
+                "kv_connector_extra_config['omni_cache']['delivery_dir'] needs the output rank's cache alone (drop one)")
         self.consumer = consumer
         self.delivery = delivery if consumer == "deliver" else None
         return consumer

@@ -258,7 +258,9 @@ def test_only_the_rank_that_holds_the_cache_delivers(tmp_path: Path) -> None:
 
 # --------------------------------------------------------------------------- resolve_consumer
 def _configured(settings: dict[str, Any] | None = None, *, cache_on: bool = True) -> VllmRunnerBridge:
-    bridge = VllmRunnerBridge(settings, hooks=PrefixCacheRunnerHooks(is_last_pp_rank=True, eager=True))
+    every_rank = bool((settings or {}).get("all_tp_ranks"))  # as the bridge builds its own hooks from the setting
+    bridge = VllmRunnerBridge(settings, hooks=PrefixCacheRunnerHooks(is_last_pp_rank=True, eager=True,
+                                                                     all_tp_ranks=every_rank))
     bridge.hooks.configure(PrefixCacheConfig(num_blocks=8, block_size=4) if cache_on else None)
     return bridge
 
@@ -272,6 +274,16 @@ def test_a_delivery_on_a_stage_whose_cache_is_off_is_refused() -> None:
     with pytest.raises(OmniPrefixCacheUnmatchError, match="asks for hidden-state files, but the cache is off here"):
         _configured(cache_on=False).resolve_consumer(SimpleNamespace())
     assert _configured(cache_on=False).resolve_consumer(None) == "discard"
+
+
+def test_a_delivery_beside_a_cache_on_every_tp_rank_is_refused() -> None:
+    """Every TP rank's cache would deliver the same requests' files (the second writer finds the first's
+    lock and fails the delivery): refused at start, naming both settings; without delivery it stays."""
+    with pytest.raises(OmniPrefixCacheUnmatchError, match=r"\['all_tp_ranks'\] keeps a cache on every TP rank.*"
+                                                           r"\['delivery_dir'\] needs the output rank's cache alone"):
+        _configured({"all_tp_ranks": True}).resolve_consumer(SimpleNamespace())
+    assert _configured({"all_tp_ranks": True}).resolve_consumer(None) == "discard"
+    assert _configured({"all_tp_ranks": True, "consumer": "discard"}).resolve_consumer(SimpleNamespace()) == "discard"
 
 
 def test_the_default_consumer_delivers_when_it_can_and_else_discards_saying_so(caplog) -> None:
