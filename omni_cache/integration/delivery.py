@@ -24,7 +24,8 @@ the delivery, naming the positions. A fault fails that request's delivery, never
 a step whose save failed has its requests' deliveries failed (and its slots vacated by the
 bridge, so no later hit reads an older tenant's rows there); a failed materialize fails the
 requests it was asked for; a write that fails (a full disk, a missing directory) or does not
-finish within ``timeout_s`` fails its request with the reason, and a backlog of more than
+finish within ``timeout_s`` fails its request with the reason (and is never published; one still
+waiting for a writer is never written at all), and a backlog of more than
 ``max_pending`` unfinished writes fails new ones at once instead of stalling the engine. Every
 step id given to ``consume`` is consumed exactly once (I1), whatever happens to the rows.
 """
@@ -409,6 +410,8 @@ class RowDelivery:
 
         try:
             assert job.target.path is not None
+            if job.cancelled.is_set():  # abandoned while queued behind a slow disk: its failure is out already
+                raise TimeoutError("the delivery was abandoned before its file was written")
             payload = save({k: t.contiguous() for k, t in tensors.items()}, metadata=metadata)
             job.nbytes = len(payload)
             return self.store.write(job.target.path, payload, publish=job)

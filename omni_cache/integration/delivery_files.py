@@ -235,6 +235,8 @@ class DeliveryStore:
                 if rule.kind == "enospc":
                     raise OSError(errno.ENOSPC, f"No space left on device ({FAULT_ENV})", path)
                 time.sleep(rule.seconds)
+        if publish is not None and publish.cancelled.is_set():  # given up on while the disk was slow: write nothing
+            raise TimeoutError("the delivery was abandoned before its file was written")
         real = os.path.realpath(directory)
         if real != self.root and not real.startswith(self.root + os.sep):
             raise PermissionError(f"{path} is outside the delivery directory {self.root} (after resolving symlinks)")

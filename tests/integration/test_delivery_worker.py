@@ -320,6 +320,26 @@ def test_a_write_slower_than_the_timeout_fails_and_is_never_published(worker) ->
     w.assert_every_step_consumed_once()
 
 
+def test_a_write_abandoned_before_it_starts_writes_nothing(worker) -> None:
+    """Two files hold both writer threads on a stuck disk; the third waits behind them. All three time
+    out: once the disk frees, the abandoned files are neither serialized nor written (the queued one
+    never reaches the disk), and each leaves only its error note, its lock released."""
+    w = worker(store_cls=HeldDisk, delivery_timeout_s=0.05, delivery_max_pending=8)
+    for r in "abc":
+        w.admit(r, 4)
+    w.step([started(r) for r in "abc"], [(r, [i + 1], 0, 4) for i, r in enumerate("abc")])
+    results = w.results()
+    assert all("not written within delivery_timeout_s" in results[r].error for r in "abc")
+    w.store.gate.set()
+    wait_until(lambda: all(j.future.done() for j in w.delivery._abandoned), "the abandoned writes ended")
+    assert w.store.waiting == 2, "a write abandoned while queued still went to the disk"
+    for r in "abc":
+        assert not os.path.exists(w.path(r)) and _lock_is_free(w.path(r))
+        assert "abandoned before its file was written" in Path(w.path(r) + ".error").read_text()
+    assert [n for n in os.listdir(w.settings.delivery_dir) if ".omni-tmp-" in n] == []
+    w.assert_every_step_consumed_once()
+
+
 class _StallsAfterPublishing(DeliveryStore):
     """Links the file, then stalls before returning (retention unlinking on a slow disk)."""
 
