@@ -57,6 +57,7 @@ from typing import Any
 import torch
 
 from omni_cache.integration.block_table import BlockTableView, V2BlockTableMirror
+from omni_cache.integration.bridge_settings import CONFIG_KEY, BridgeSettings
 from omni_cache.integration.kv_nesting import omni_metadata
 from omni_cache.integration.runner_hooks import PrefixCacheRunnerHooks
 from omni_cache.integration.spec_decode import VerdictError, VerifySteps
@@ -64,12 +65,8 @@ from omni_cache.integration.vllm_logging import use_vllm_logging
 from omni_cache.runtime.errors import ErrorTally, OmniPrefixCacheUnmatchError
 from omni_cache.runtime.interface import ModelCachePolicy, ReqId, StepId
 
-__all__ = ["CONFIG_KEY", "ForwardRecord", "PublishedStep", "V2BlockTableMirror", "VllmRunnerBridge", "bridge_of",
+__all__ = ["ForwardRecord", "PublishedStep", "V2BlockTableMirror", "VllmRunnerBridge", "bridge_of",
            "runner_of"]
-
-CONFIG_KEY = "omni_cache"
-"""``vllm_config.additional_config[CONFIG_KEY]``: the stage's settings (a dict)."""
-CONSUMERS = ("deliver", "discard", "queue")
 
 log = logging.getLogger(__name__)
 
@@ -132,55 +129,23 @@ class _PolicyCarrier:
 class VllmRunnerBridge:
     """The omni prefix cache of one vLLM engine stage (see the module docstring).
 
-    ``settings`` (from ``additional_config["omni_cache"]``): ``deferred_keys``
-    (list of mm keys written on finish), ``eager`` (bool, manager mode),
-    ``all_tp_ranks`` (bool: a cache on every TP rank of the last pipeline
-    stage, not only on the output rank; for checking that the ranks agree),
-    ``consumer`` (who consumes the step ids; see the module docstring).
+    ``settings``: ``additional_config["omni_cache"]``, parsed by ``BridgeSettings.parse``
+    (``bridge_settings``); ``consumer`` says who consumes the step ids (the module docstring).
     ``mm_outputs_fn(hidden_states, record_spans) -> dict`` stands in for a
     model's per-token mm outputs; ``observer(ForwardRecord)`` sees every real
     forward. Both may be set after the engine is built, before its first step.
     """
 
     def __init__(self, settings: dict[str, Any] | None = None, *, hooks: PrefixCacheRunnerHooks | None = None) -> None:
-        if settings is not None and not isinstance(settings, dict):
-            raise ValueError(f"VllmRunnerBridge: additional_config['{CONFIG_KEY}'] must be a mapping of settings, "
-                             f"got {settings!r}")
-        settings = dict(settings or {})
-        unknown = set(settings) - {"all_tp_ranks", "consumer", "deferred_keys", "eager", "needs_full_hidden_states"}
-        if unknown:
-            raise ValueError(f"VllmRunnerBridge: unknown additional_config['{CONFIG_KEY}'] keys {sorted(unknown)}")
-        for key in ("all_tp_ranks", "eager", "needs_full_hidden_states"):
-            if key in settings and not isinstance(settings[key], bool):
-                raise ValueError(f"VllmRunnerBridge: additional_config['{CONFIG_KEY}']['{key}'] must be true or "
-                                 f"false, got {settings[key]!r}")
-        deferred = settings.get("deferred_keys", ())
-        if isinstance(deferred, (str, bytes)) or not isinstance(deferred, (list, tuple, set, frozenset)) or not all(
-                isinstance(k, str) and k for k in deferred):
-            raise ValueError(f"VllmRunnerBridge: additional_config['{CONFIG_KEY}']['deferred_keys'] must be a list of "
-                             f"mm key names, got {deferred!r}")
-        consumer = settings.get("consumer")
-        if consumer is not None and consumer not in CONSUMERS:
-            raise ValueError(f"VllmRunnerBridge: additional_config['{CONFIG_KEY}']['consumer'] must be one of "
-                             f"{', '.join(CONSUMERS)}, got {consumer!r}")
-        self._consumer_setting: str | None = consumer
+        parsed = BridgeSettings.parse(settings)  # a malformed setting is refused here, naming its key
+        self._consumer_setting: str | None = parsed.consumer
         # Decided at KV-cache initialisation (the engine's KV connector exists by then).
-        self.consumer: str | None = consumer
+        self.consumer: str | None = parsed.consumer
         self.delivery: Any = None  # the worker's delivery.RowDelivery ("deliver")
         self.failed: str | None = None  # the cache failed for good ("deliver"/"discard" only)
         self.errors = ErrorTally()  # the contract errors contained here ("deliver"/"discard"), by kind
-        self._policy_override: ModelCachePolicy | None = None
-        if "deferred_keys" in settings or "needs_full_hidden_states" in settings:
-            self._policy_override = ModelCachePolicy(
-                needs_full_hidden_states=bool(settings.get("needs_full_hidden_states", True)),
-                deferred_keys=frozenset(settings.get("deferred_keys", ())),
-            )
-        kwargs: dict[str, Any] = {}
-        if "eager" in settings:
-            kwargs["eager"] = bool(settings["eager"])
-        if settings.get("all_tp_ranks"):
-            kwargs["all_tp_ranks"] = True
-        self.hooks = hooks if hooks is not None else PrefixCacheRunnerHooks(**kwargs)
+        self._policy_override: ModelCachePolicy | None = parsed.policy_override
+        self.hooks = hooks if hooks is not None else PrefixCacheRunnerHooks(**parsed.hooks_kwargs)
         self.mm_outputs_fn: Callable[[torch.Tensor], dict[str, Any]] | None = None
         self.observer: Callable[[ForwardRecord], None] | None = None
         self.step_ids: queue.Queue[PublishedStep] = queue.Queue()

@@ -215,7 +215,8 @@ class VllmSimulation:
 
     def attach(self, llm: Any) -> Any:
         """A fresh cache for ``llm``'s runner (on an idle engine with an emptied KV prefix cache)."""
-        from omni_cache.integration.vllm_bridge import CONFIG_KEY, VllmRunnerBridge
+        from omni_cache.integration.bridge_settings import CONFIG_KEY
+        from omni_cache.integration.vllm_bridge import VllmRunnerBridge
 
         if not llm.llm_engine.reset_prefix_cache():
             raise RuntimeError("reset_prefix_cache refused: the engine is not idle")
