@@ -30,6 +30,18 @@ from omni_cache.harness.exit_codes import EXIT_USAGE as EXIT_USAGE
 PLOT_SUFFIXES = (".png", ".svg")
 
 
+def incomplete_exit(prog: str, reasons: list[str], summary: str, *, allow: bool) -> int:
+    """A clean run that did less than asked: each reason on stderr, then exit ``EXIT_INCOMPLETE`` --
+    or 0 where ``--allow-incomplete`` says that is intended (the reasons are still said, as notes)."""
+    for reason in reasons:
+        print(f"{prog}: {'note' if allow else 'warning'}: {reason}", file=sys.stderr)
+    if allow:
+        return EXIT_OK
+    print(f"{prog}: exit {EXIT_INCOMPLETE} (incomplete: {summary}); pass --allow-incomplete if that is intended",
+          file=sys.stderr)
+    return EXIT_INCOMPLETE
+
+
 class CliParser(argparse.ArgumentParser):
     """An ``ArgumentParser`` whose errors name the (sub)command and show its own usage. No flag
     is taken from a prefix of its name (``--all`` is not ``--all-mutants``)."""

@@ -24,8 +24,8 @@ from typing import Any
 from omni_cache.cli import simulate_vllm
 from omni_cache.cli.args import (
     EXIT_FAILED,
-    EXIT_INCOMPLETE,
     float_range,
+    incomplete_exit,
     int_range,
     non_negative_int,
     positive_int,
@@ -47,7 +47,8 @@ def register(subparsers: Any) -> None:
         ),
         epilog="Exit codes: 0 every request asked ran and was verified; 1 a mismatch or contract error; "
         "2 bad arguments, or a configuration that cannot run one request; 3 clean but incomplete "
-        "(requests dropped or steps cut; --allow-incomplete makes that 0).",
+        "(requests dropped or steps cut; with --engine vllm: other KV blocks than asked, or a preemption preset "
+        "that preempted nothing; --allow-incomplete makes that 0).",
     )
     parser.add_argument("--preset", metavar="NAME", choices=sorted(set(PRESETS) | set(simulate_vllm.PRESETS)),
                         help=f"workload: {', '.join(sorted(PRESETS))} (default chat); with --engine vllm: "
@@ -71,8 +72,8 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--hidden-width", type=int_range(1, 1 << 16), help="hidden row width (default 64)")
     parser.add_argument("--embeds-width", type=int_range(1, 1 << 16), help="width of the deferred audio.embeds key")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="hidden/embeds dtype")
-    parser.add_argument("--gpu-staging-bytes", type=non_negative_int,
-                        help="deferred-key GPU budget before forced flushes, >= 0")
+    parser.add_argument("--gpu-staging-bytes", type=positive_int,
+                        help="deferred-key GPU budget before forced flushes, >= 1")
     parser.add_argument("--staging-depth", type=int_range(1, 1024),
                         help="staging pages per key (unconsumed step ids), 1 to 1024")
     parser.add_argument("--builder-delay-ms", type=float_range(0, 60_000),
@@ -152,12 +153,7 @@ def run(args: argparse.Namespace) -> int:
     if not result.ok:
         return EXIT_FAILED
     if not result.complete:
-        for reason in result.incomplete_reasons():
-            what = "note" if args.allow_incomplete else "warning"
-            print(f"omni-cache simulate: {what}: {reason}", file=sys.stderr)
-        if not args.allow_incomplete:
-            print(f"omni-cache simulate: exit {EXIT_INCOMPLETE} (incomplete: {result.talker_completed} of "
-                  f"{result.requests_asked} requests asked were verified whole); pass --allow-incomplete if "
-                  "that is intended", file=sys.stderr)
-            return EXIT_INCOMPLETE
+        return incomplete_exit("omni-cache simulate", list(result.incomplete_reasons()),
+                               f"{result.talker_completed} of {result.requests_asked} requests asked were verified "
+                               "whole", allow=args.allow_incomplete)
     return 0

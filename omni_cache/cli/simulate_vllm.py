@@ -5,7 +5,7 @@ if checks (a), (b) and (c) all pass; 1 with a report naming step, request,
 key and position; 2 for bad arguments, a KV-cache size override in the
 environment, or when vLLM is not installed; 3 when the checks passed but the
 run did less than asked: the engine got other KV blocks than asked, or a preset
-that promises preemptions had none). ``--tp``/``--pp`` run the engine on worker
+that promises preemptions had none; 0 with ``--allow-incomplete``). ``--tp``/``--pp`` run the engine on worker
 processes (``omni_cache.harness.vllm_engine.parallel``). The run itself is
 ``omni_cache.harness.vllm_engine``. Upholds nothing itself.
 """
@@ -17,7 +17,7 @@ import importlib.util
 import json
 from typing import Any
 
-from omni_cache.cli.args import EXIT_INCOMPLETE, float_range, int_range
+from omni_cache.cli.args import float_range, incomplete_exit, int_range
 from omni_cache.harness.vllm_engine.grid import check_kv_connector, check_parallel_config
 from omni_cache.harness.vllm_engine.models import DEFAULT_MODEL, MODELS
 from omni_cache.harness.vllm_engine.speculative import check_speculative
@@ -157,7 +157,6 @@ def run_vllm(args: argparse.Namespace) -> int:
     if not result.ok:
         return 1
     if result.incomplete:
-        err.print(f"omni-cache simulate: exit {EXIT_INCOMPLETE} (incomplete: {'; '.join(result.incomplete)})",
-                  markup=False, soft_wrap=True)
-        return EXIT_INCOMPLETE
+        return incomplete_exit("omni-cache simulate", list(result.incomplete), "the run did less than asked",
+                               allow=args.allow_incomplete)
     return 0

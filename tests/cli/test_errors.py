@@ -344,3 +344,19 @@ def test_the_real_thinker_config_refuses_the_connector_with_another_model() -> N
 
     with pytest.raises(ValueError, match="--kv-connector runs the llama thinker"):
         VllmSimConfig(kv_connector="example", model="hybrid")
+
+
+@pytest.mark.parametrize("allow", [False, True])
+def test_an_incomplete_run_exits_3_unless_allowed_and_says_why_either_way(
+    allow: bool, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Both engines of ``simulate`` end an incomplete clean run here: exit 3 naming the reasons, or,
+    with --allow-incomplete, exit 0 with the same reasons as notes (never silently)."""
+    from omni_cache.cli.args import incomplete_exit
+
+    code = incomplete_exit("omni-cache simulate", ["the engine got 24 KV blocks, the run asked for 48"],
+                           "the run did less than asked", allow=allow)
+    err = capsys.readouterr().err
+    assert code == (0 if allow else 3)
+    assert f"{'note' if allow else 'warning'}: the engine got 24 KV blocks" in err
+    assert ("exit 3 (incomplete: the run did less than asked)" in err) is not allow
