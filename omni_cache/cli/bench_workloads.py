@@ -1,4 +1,4 @@
-"""The workload options of ``omni-cache bench``: ``--preset``, ``--sweep``, ``--memory``, ``--breakdown``.
+"""The workload options of ``omni-cache bench``: ``--preset``, ``--sweep``, ``--memory``, ``--profile``.
 
 Owns: their argument definitions (``add_arguments``) and their runs
 (``run_extra``, called by ``omni_cache.cli.bench.run`` before the default
@@ -12,8 +12,8 @@ every run it starts checks the ground truth (runner).
   --sweep [FILE.png]  bookkeeping per decode step over requests 1/8/32/128 and
                       num_blocks 1k/4k/16k; plotted into FILE.png only when given
   --memory            pool + staging + tenancy bytes vs the formula vs peak RSS
-  --profile           (existing flag) also prints the per-category breakdown of a
-                      decode step at each batch size (8 and 32 by default)
+  --profile           the per-category breakdown of a decode step at each batch size
+                      (8 and 32 by default)
 """
 
 from __future__ import annotations

@@ -98,8 +98,8 @@ def run_vllm(args: argparse.Namespace) -> int:
 
     err = Console(stderr=True)
     if importlib.util.find_spec("vllm") is None:
-        err.print("omni-cache simulate --engine vllm: vLLM is not installed; see the README's "Run the main job on a "
-                  "real vLLM engine" (pip install -e '.[vllm]', then remove torchvision)", markup=False)
+        err.print("omni-cache simulate --engine vllm: vLLM is not installed; see the README's 'Run the main job on a "
+                  "real vLLM engine' (pip install -e '.[vllm]', then remove torchvision)", markup=False)
         return 2
     from omni_cache.harness.vllm_engine.engine import DEFAULT_TOLERANCE, VllmSimConfig, VllmSimulation
     from omni_cache.harness.vllm_engine.parallel import make_simulation
