@@ -88,6 +88,15 @@ log = logging.getLogger(__name__)
 # never one of this manager's, so it is "already consumed or never saved" here (I1).
 _STEP_IDS = itertools.count(1)
 
+def _same_ids(given: tuple[Any, ...], saved: tuple[ReqId, ...]) -> bool:
+    """``given == saved``; False where an element cannot be compared to a request id (an array's
+    ``==`` has no truth value): such an id is no request of the step, and is named as outside it."""
+    try:
+        return given == saved
+    except (TypeError, ValueError):
+        return False
+
+
 @dataclass
 class _Request:
     """A live request. Mutated only under the manager's state lock."""
@@ -150,6 +159,7 @@ class OmniPrefixCacheManager:
         # by the state lock like ``policy`` (a public attribute: a profiler may wrap its methods).
         self.hits = PendingHits(config.block_size, config.output_group_id)
         self._contexts: dict[StepId, StepContext] = {}
+        self._consuming: set[StepId] = set()  # step ids whose context a materialize/discard holds
         self._scheduled: dict[ReqId, int] = {}
         self._last_sequence: int | None = None  # of the last applied PrefixCacheStep (I13)
         self._ids_issued = 0  # step ids this manager took from _STEP_IDS (``_issue_step_id``)
@@ -386,16 +396,12 @@ class OmniPrefixCacheManager:
             raise OmniPrefixCacheUnmatchError(
                 f"materialize step {step_id}: req_ids must be a sequence of request ids, got {req_ids!r}; "
                 "nothing was consumed (I4)") from exc
-        # The ids the consume below takes: ints, not bools (True == 1 would find step 1), so an
-        # int subclass finds its context too; a bool or float id never does, and the consume refuses it.
-        issued = isinstance(step_id, int) and not isinstance(step_id, bool)
         # NOTE: the context leaves ``_contexts`` before the consume and comes back only if this call
         # is refused, so a verdict (``trim_step``) racing this read is refused instead of changing
-        # the rows while they are read.
-        with self._lock:
-            ctx = self._contexts.pop(step_id, None) if issued else None
+        # the rows while they are read, and a second consumer racing this one is refused (I1).
+        ctx = self._take_context(step_id, "materialize")
         try:
-            if ctx is not None and req_ids != ctx.rows.req_ids:  # the usual call names every request in order
+            if ctx is not None and not _same_ids(req_ids, ctx.rows.req_ids):  # the usual call: every request, in order
                 outside = [r for r in req_ids if ctx.rows.write_of(r) is None]
                 if outside:
                     raise OmniPrefixCacheUnmatchError(
@@ -404,13 +410,10 @@ class OmniPrefixCacheManager:
                     )
             slot = self.staging.consume(step_id, caller="materialize")
         except BaseException:
-            if ctx is not None:  # refused: the step stays unconsumed, its context with it
-                with self._lock:
-                    self._contexts[step_id] = ctx
+            self._end_consume(step_id, ctx, consumed=None)  # refused: the step stays unconsumed, its context with it
             raise
         assert ctx is not None, f"step {step_id} consumed without a context: manager bug"
-        with self._lock:
-            self.counters["materialized"] += 1
+        self._end_consume(step_id, ctx, consumed="materialized")
         try:
             return self.reader.build_outputs(ctx, req_ids)
         finally:
@@ -440,10 +443,14 @@ class OmniPrefixCacheManager:
     def discard_step(self, step_id: StepId) -> None:
         """Consume ``step_id`` without building outputs (payload built from live outputs, or error)."""
         self.check_usable("discard_step")
-        slot = self.staging.consume(step_id, caller="discard_step")
-        with self._lock:
-            ctx = self._contexts.pop(step_id)
-            self.counters["discarded"] += 1
+        ctx = self._take_context(step_id, "discard_step")
+        try:
+            slot = self.staging.consume(step_id, caller="discard_step")
+        except BaseException:
+            self._end_consume(step_id, ctx, consumed=None)
+            raise
+        assert ctx is not None, f"step {step_id} consumed without a context: manager bug"
+        self._end_consume(step_id, ctx, consumed="discarded")
         self.reader.release(ctx, slot)
 
     def shutdown(self) -> dict[StepId, str]:
@@ -525,6 +532,34 @@ class OmniPrefixCacheManager:
             raise OmniPrefixCacheUnmatchError(f"cannot {what}: {PHRASE_SHUT_DOWN}")
         if not self.committer.alive:
             raise OmniPrefixCacheUnmatchError(f"cannot {what}: the committer thread is not running")
+
+    def _take_context(self, step_id: Any, caller: str) -> StepContext | None:
+        """Take the context of ``step_id`` for this call, which alone may then consume it (I1). None
+        when it has none (not an int id, never saved, or consumed: the staging consume refuses it);
+        refused while another call holds it (that call consumes it, or gives it back if refused)."""
+        if not isinstance(step_id, int) or isinstance(step_id, bool):  # True == 1 would find step 1
+            return None
+        with self._lock:
+            ctx = self._contexts.pop(step_id, None)
+            if ctx is not None:
+                self._consuming.add(step_id)
+            elif step_id in self._consuming:
+                raise OmniPrefixCacheUnmatchError(
+                    f"{caller}: step id {step_id} was {PHRASE_NOT_SAVED}: another call is consuming it; "
+                    "nothing was consumed (I1)")
+        return ctx
+
+    def _end_consume(self, step_id: Any, ctx: StepContext | None, *, consumed: str | None) -> None:
+        """The call that took ``ctx`` is past its consume: count it (``consumed``: the counter), or,
+        refused (None), give the context back so the step stays unconsumed with it."""
+        if ctx is None:
+            return
+        with self._lock:
+            self._consuming.discard(step_id)
+            if consumed is None:
+                self._contexts[step_id] = ctx
+            else:
+                self.counters[consumed] += 1
 
     def _count(self, counter: str) -> None:
         with self._lock:
