@@ -14,6 +14,7 @@ and the value half of I12/I13: events carry their admission's owner, a step its
 
 from __future__ import annotations
 
+import copy
 import enum
 import operator
 from collections.abc import Iterable, Iterator, Mapping
@@ -79,8 +80,22 @@ def freeze_block_ids(block_ids: Any) -> tuple[tuple[int, ...], ...]:
         return True
 
     if all(_is_scalar(b) for b in groups):
-        return (tuple(operator.index(b) for b in groups),)
-    return tuple(tuple(operator.index(b) for b in (() if group is None else group)) for group in groups)
+        return (tuple(_block_id(b) for b in groups),)
+    return tuple(tuple(_block_id(b) for b in (() if group is None else group)) for group in groups)
+
+
+def _block_id(value: Any) -> int:
+    """One block id as an ``int``; a bool (or a bool tensor) is not one: ``TypeError``."""
+    if type(value) is int:
+        return value
+    if _is_bool(value) or (isinstance(value, torch.Tensor) and value.dim() != 0):
+        raise TypeError(f"a block id must be an int, got {value!r}")
+    return operator.index(value)
+
+
+def _is_bool(value: Any) -> bool:
+    """A bool, or a numpy or torch scalar of a bool dtype (``operator.index`` takes some of them)."""
+    return isinstance(value, bool) or str(getattr(value, "dtype", "")) in ("bool", "torch.bool")
 
 
 def as_index(where: str, value: Any) -> int:
@@ -88,7 +103,7 @@ def as_index(where: str, value: Any) -> int:
     a bool, float, string or ``None`` raises ``TypeError`` naming ``where``."""
     if type(value) is int:
         return value
-    if isinstance(value, bool) or not hasattr(value, "__index__"):
+    if _is_bool(value) or not hasattr(value, "__index__") or (isinstance(value, torch.Tensor) and value.dim() != 0):
         raise TypeError(f"{where} must be an int, got {value!r}")
     try:
         return operator.index(value)
@@ -276,7 +291,12 @@ class PrefixCacheWriteLayout:
         if self.slots_cpu is not None:
             slots = self.slots_cpu
             if not isinstance(slots, torch.Tensor):  # a list or numpy array of slot ids
-                slots = torch.as_tensor(slots)
+                try:
+                    slots = torch.as_tensor(slots)
+                except (TypeError, ValueError, RuntimeError, OverflowError):  # no integer mapping at all
+                    object.__setattr__(self, "slots_cpu", copy.deepcopy(slots))  # refused by save_outputs
+                    object.__setattr__(self, "_rows", StepRows.of(self.writes, self.total_rows))
+                    return
                 if slots.numel() == 0:
                     slots = slots.to(torch.int64)
             slots = slots.detach()

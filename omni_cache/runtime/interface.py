@@ -16,6 +16,7 @@ from __future__ import annotations
 import enum
 import math
 import operator
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -79,6 +80,11 @@ def _require_positive_int(name: str, value: Any) -> None:
         raise ValueError(f"PrefixCacheConfig.{name} must be a positive int, got {value!r}")
 
 
+MAX_SLOTS = 1 << 40
+"""The most KV slots (``num_blocks x block_size``) a config may address: per-slot bookkeeping is
+allocated for each at start, and no engine has more."""
+
+
 @dataclass(frozen=True)
 class PrefixCacheConfig:
     """Sizing and flow-control knobs (mirrors KVCacheConfig).
@@ -120,11 +126,16 @@ class PrefixCacheConfig:
             or not isinstance(timeout, (int, float))
             or not math.isfinite(timeout)
             or timeout <= 0
+            or timeout > threading.TIMEOUT_MAX  # every wait of the cache is bounded by it
         ):
             raise ValueError(
                 f"PrefixCacheConfig.staging_claim_timeout_s must be a positive finite "
-                f"number of seconds, got {timeout!r}"
+                f"number of seconds up to {threading.TIMEOUT_MAX:.0f}, got {timeout!r}"
             )
+        if self.num_slots > MAX_SLOTS:
+            raise ValueError(
+                f"PrefixCacheConfig.num_blocks x block_size must address at most {MAX_SLOTS} KV slots "
+                f"(2**40), got {self.num_blocks} x {self.block_size} = {self.num_slots}")
 
     @property
     def num_slots(self) -> int:
@@ -216,7 +227,14 @@ class ModelCachePolicy:
     mm_outputs_written_in_sample: bool = False
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "deferred_keys", frozenset(self.deferred_keys))
+        given = self.deferred_keys
+        # A str is an iterable of characters: "codes" would defer "c", "o", ... and not "codes".
+        collection = isinstance(given, Iterable) and not isinstance(given, (str, bytes))
+        keys = tuple(given) if collection else ()
+        if not collection or not all(isinstance(k, str) and k for k in keys):
+            raise TypeError(f"ModelCachePolicy.deferred_keys must be a collection of mm key names (non-empty "
+                            f"str), got {given!r}")
+        object.__setattr__(self, "deferred_keys", frozenset(keys))
         if self.mm_outputs_written_in_sample and self.needs_full_hidden_states:
             raise OmniPrefixCacheUnmatchError(
                 "ModelCachePolicy: mm_outputs_written_in_sample=True cannot be combined with "
@@ -241,7 +259,7 @@ class ModelCachePolicy:
             needs_full_hidden_states=bool(
                 getattr(model, "requires_full_prefix_cached_hidden_states", True)
             ),
-            deferred_keys=frozenset(getattr(model, "deferred_prefix_cache_mm_keys", ()) or ()),
+            deferred_keys=getattr(model, "deferred_prefix_cache_mm_keys", ()) or (),  # checked by the constructor
             mm_outputs_written_in_sample=bool(
                 getattr(model, "mm_outputs_written_in_sample", False)
             ),

@@ -56,17 +56,28 @@ def classify_outputs(
     sigs = split.sigs
     hidden_key = policy.hidden_key
     if hidden_key is not None and hidden_states is not None:
+        _check_dense(hidden_key, hidden_states)
         shape = hidden_states.shape
         split.immediate[hidden_key] = _unpadded_rows(hidden_states, shape, num_unpadded)
         sigs[hidden_key] = (hidden_states.dtype, shape[1:])
     for key, value in mm_outputs.items():
         if isinstance(value, torch.Tensor) and _is_token_major(shape := value.shape, num_unpadded, num_padded):
+            _check_dense(key, value)
             target = split.deferred if key in policy.deferred_keys else split.immediate
             target[key] = _unpadded_rows(value, shape, num_unpadded)
             sigs[key] = (value.dtype, shape[1:])
         else:
             split.leftover[key] = value
     return split
+
+
+def _check_dense(key: TensorName, value: torch.Tensor) -> None:
+    """Per-token rows are copied row by row: a sparse or a meta tensor (no rows, or no data) is
+    refused here, before anything is claimed."""
+    if value.layout is not torch.strided or value.is_meta:
+        raise OmniPrefixCacheUnmatchError(
+            f"save_outputs: per-token key {key!r} is a {'meta' if value.is_meta else str(value.layout)} tensor; "
+            "its rows must be a dense tensor with data (strided, not meta); nothing was claimed (I4)")
 
 
 def _unpadded_rows(value: torch.Tensor, shape: torch.Size, n: int) -> torch.Tensor:
@@ -80,7 +91,8 @@ def host_copy(value: Any) -> Any:
 
     Tensors are detached CPU copies; named tuples, tuples, lists, dicts (and their
     subclasses) and dataclasses are rebuilt with the same type and fields around
-    copies of their items; anything else is deep-copied. Raises whatever the copy
+    copies of their items; anything else is deep-copied, the tensors it holds (in sets,
+    containers, instances' attributes) as detached CPU copies. Raises whatever the copy
     raises (``copy_leftovers`` turns that into a refusal).
     """
     if isinstance(value, torch.Tensor):
@@ -112,7 +124,40 @@ def host_copy(value: Any) -> Any:
         for f in dataclasses.fields(value):
             object.__setattr__(same, f.name, host_copy(getattr(value, f.name)))  # frozen ones too
         return same
-    return copy.deepcopy(value)
+    return _deepcopy_detached(value)
+
+
+def _deepcopy_detached(value: Any) -> Any:
+    """``copy.deepcopy(value)`` whose tensors are detached host copies wherever the copy meets them
+    in sets, containers and instances' attributes (a plain deep copy keeps ``requires_grad`` and
+    the device). Cycles and shared objects are copied as ``deepcopy`` copies them."""
+    memo: dict[int, Any] = {}
+    seen: set[int] = set()
+    todo = [value]
+    while todo:
+        item = todo.pop()
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, torch.Tensor):
+            memo[id(item)] = item.detach().to("cpu", copy=True)
+        elif isinstance(item, dict):
+            todo.extend(item.keys())
+            todo.extend(item.values())
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            todo.extend(item)
+        elif type(item).__flags__ & _HEAP_TYPE and not isinstance(item, type):  # an instance of a class statement
+            state = getattr(item, "__dict__", None)
+            if isinstance(state, dict):
+                todo.extend(state.values())
+            for cls in type(item).__mro__:
+                for name in cls.__dict__.get("__slots__", ()):
+                    if isinstance(name, str) and hasattr(item, name):
+                        todo.append(getattr(item, name))
+    return copy.deepcopy(value, memo)
+
+
+_HEAP_TYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class defined by a class statement (not a builtin type)
 
 
 def copy_leftovers(leftover: dict[TensorName, Any]) -> dict[TensorName, Any]:

@@ -38,6 +38,7 @@ from omni_cache.runtime.events import (
     PrefixCacheWrite,
     PrefixCacheWriteLayout,
     StepRows,
+    as_index,
     layout_rows,
 )
 from omni_cache.runtime.interface import HIDDEN_KEY, ModelCachePolicy, PrefixCacheConfig, ReqId
@@ -169,7 +170,7 @@ def validate_save(
         raise TypeError(f"write_layout must be a PrefixCacheWriteLayout, got {type(layout).__name__}")
     slots = check_slot_mapping(layout.slots_cpu, n)
     total = layout.total_rows  # an int (or integer-like); 5.0 == 5 and True == 1 are refused
-    if isinstance(total, bool) or not hasattr(total, "__index__") or total != n:
+    if (type(total) is not int and not _is_int_like(total)) or total != n:  # an array's != is not a bool
         raise OmniPrefixCacheUnmatchError(
             f"save_outputs: the {PHRASE_SLOT_MAPPING} {layout.total_rows} rows (layout total_rows); "
             f"the step has {n} unpadded tokens"
@@ -178,6 +179,12 @@ def validate_save(
     if rows is None or not rows.tiles:  # raises unless the writes tile the rows out of order
         rows = StepRows(tuple(_checked_spans(layout.writes, n).values()), n)
         assert rows.tiles, f"_checked_spans returned writes that do not tile {n} rows: validation bug"
+    if mm is not None and not isinstance(mm, dict):
+        raise OmniPrefixCacheUnmatchError(
+            f"save_outputs: mm_outputs must be a dict of mm key name -> value (or None), got {type(mm).__name__}")
+    if mm and not all(type(k) is str and k for k in mm):
+        raise OmniPrefixCacheUnmatchError(
+            f"save_outputs: mm_outputs keys must be mm key names (non-empty str), got {[k for k in mm]!r}")
     if mm and HIDDEN_KEY in mm:
         raise OmniPrefixCacheUnmatchError(
             f"save_outputs: mm_outputs uses the reserved key {HIDDEN_KEY!r}; pass hidden as hidden_states"
@@ -229,6 +236,19 @@ def check_scheduled(scheduled: dict[ReqId, Any], rows: StepRows) -> None:
     )
 
 
+_WRITE_FIELDS = ("req_id", "row_start", "row_end", "token_start", "token_end")
+
+
+def _is_int_like(value: Any) -> bool:
+    """An integer-like scalar ``as_index`` takes (a numpy int, a 0-d integer tensor); not a bool, an
+    array or a float."""
+    try:
+        as_index("total_rows", value)
+    except TypeError:
+        return False
+    return True
+
+
 def _checked_spans(writes: tuple[PrefixCacheWrite, ...], n: int) -> dict[ReqId, PrefixCacheWrite]:
     """The full check, in row order: raises naming the first overlap, repeat, excess or gap."""
     rows_seen = 0
@@ -236,6 +256,12 @@ def _checked_spans(writes: tuple[PrefixCacheWrite, ...], n: int) -> dict[ReqId, 
     if any(a.row_start > b.row_start for a, b in itertools.pairwise(writes)):
         writes = tuple(sorted(writes, key=lambda w: w.row_start))
     for w in writes:
+        if not isinstance(w, PrefixCacheWrite) and not all(
+                hasattr(w, f) and (f == "req_id" or _is_int_like(getattr(w, f))) for f in _WRITE_FIELDS):
+            raise OmniPrefixCacheUnmatchError(
+                f"save_outputs: the {PHRASE_SLOT_MAPPING} rows of writes (a req_id and int row_start, row_end, "
+                f"token_start, token_end: a PrefixCacheWrite) only; got a {type(w).__name__} in the layout's "
+                f"writes ({w!r})")
         try:
             hash(w.req_id)
         except TypeError:

@@ -1,0 +1,164 @@
+"""Malformed input to the manager's door is the contract error, named, with nothing changed.
+
+Each case is refused before anything is claimed: no staging claim is counted and no step id is
+issued, the next valid save gets the next id, and the manager stays usable. Constructors
+(``ModelCachePolicy``, ``PrefixCacheConfig``, the event and write values) refuse bad fields with
+a ``TypeError``/``ValueError`` naming them, never by misreading them (a str of key names split
+into characters, a bool taken for the int 1, a timeout no wait can take).
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from cache_helpers import config, manager, save, slots
+
+from omni_cache import (
+    ModelCachePolicy,
+    OmniPrefixCacheUnmatchError,
+    PrefixCacheConfig,
+    PrefixCacheRequestEvent,
+    PrefixCacheWrite,
+    PrefixCacheWriteLayout,
+)
+from omni_cache.runtime.events import as_index
+
+H = torch.ones(4, 8)
+SLOTS = slots([0], 0, 4)
+LAYOUT = PrefixCacheWriteLayout.packed([("a", 0, 4)], SLOTS)
+ONE_WRITE = (PrefixCacheWrite("a", 0, 4, 0, 4),)
+
+CASES: list[tuple[str, Any, Any, str]] = [  # id, hidden, mm, layout, phrase
+    ("mm is a list", H, [1, 2], LAYOUT, "mm_outputs must be a dict of mm key name -> value"),
+    ("mm keys of mixed types", H, {1: torch.ones(4, 2), "x": torch.ones(4, 2)}, LAYOUT,
+     "mm_outputs keys must be mm key names"),
+    ("an empty mm key", H, {"": 1}, LAYOUT, "mm_outputs keys must be mm key names"),
+    ("sparse hidden", torch.eye(4, 8).to_sparse(), None, LAYOUT, "is a torch.sparse_coo tensor"),
+    ("meta hidden", torch.empty(4, 8, device="meta"), None, LAYOUT, "is a meta tensor"),
+    ("sparse per-token mm", H, {"k": torch.eye(4, 8).to_sparse()}, LAYOUT, "per-token key 'k' is a torch.sparse_coo"),
+    ("writes are tuples", H, None, PrefixCacheWriteLayout([("a", 0, 4, 0, 4)], 4, SLOTS),
+     "token_start, token_end: a PrefixCacheWrite) only; got a tuple"),
+    ("a duck-typed write with a float row", H, None,
+     PrefixCacheWriteLayout((type("Duck", (), {"req_id": "a", "row_start": 0.0, "row_end": 4, "token_start": 0,
+                                               "token_end": 4})(),), 4, SLOTS),
+     "got a Duck in the layout's writes"),
+    ("total_rows an array", H, None, PrefixCacheWriteLayout(ONE_WRITE, np.array([4, 4]), SLOTS),
+     "rows (layout total_rows)"),
+    ("total_rows a tensor", H, None, PrefixCacheWriteLayout(ONE_WRITE, torch.tensor([4, 4]), SLOTS),
+     "rows (layout total_rows)"),
+    ("total_rows a bool tensor", torch.ones(1, 8), None,
+     PrefixCacheWriteLayout((PrefixCacheWrite("a", 0, 1, 0, 1),), torch.tensor(True), slots([0], 0, 1)),
+     "rows (layout total_rows)"),
+]
+SLOT_MAPPINGS = [["a"], [2**70], {1: 2}, [[1], [2, 3]]]
+
+
+def _refused(m: Any, hidden: Any, mm: Any, layout: Any, phrase: str) -> None:
+    n = int(layout.writes[0].row_end) if layout.writes and hasattr(layout.writes[0], "row_end") else 4
+    with pytest.raises(OmniPrefixCacheUnmatchError, match=re.escape(phrase)):
+        m.save_outputs(hidden, mm, num_tokens_unpadded=n, num_tokens_padded=n, write_layout=layout)
+
+
+@pytest.mark.parametrize(("hidden", "mm", "layout", "phrase"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_a_malformed_save_is_refused_before_anything_is_claimed(hidden: Any, mm: Any, layout: Any, phrase: str) -> None:
+    m = manager()
+    try:
+        first, _ = save(m, [("z", [5], 0, 4)])
+        m.discard_step(first)
+        _refused(m, hidden, mm, layout, phrase)
+        assert m.stats()["staging"]["claims"] == 1, "the refused save claimed a staging slot"
+        after, _ = save(m, [("a", [0], 0, 4)])
+        assert after > first and m.stats()["saved"] == 2
+        m.discard_step(after)
+    finally:
+        m.shutdown()
+
+
+@pytest.mark.parametrize("mapping", SLOT_MAPPINGS, ids=repr)
+def test_a_slot_mapping_that_is_no_integer_tensor_is_kept_for_the_save_to_refuse(mapping: Any) -> None:
+    layout = PrefixCacheWriteLayout(ONE_WRITE, 4, mapping)  # no torch error at construction
+    m = manager()
+    try:
+        _refused(m, H, None, layout, "slot mapping covers the step's 4 rows only as a 1-D integer CPU tensor")
+        assert m.stats()["staging"]["claims"] == 0
+    finally:
+        m.shutdown()
+
+
+def test_an_id_that_has_no_truth_value_is_outside_the_snapshot_and_nothing_is_consumed() -> None:
+    m = manager()
+    try:
+        step_id, _ = save(m, [("a", [0, 1], 0, 6), ("b", [2, 3], 0, 5)])
+        with pytest.raises(OmniPrefixCacheUnmatchError, match="outside the save snapshot"):
+            m.materialize(step_id, [np.array([1, 2]), "b"])
+        assert m.stats()["unconsumed_step_ids"].keys() == {step_id}
+        m.discard_step(step_id)
+    finally:
+        m.shutdown()
+
+
+@pytest.mark.parametrize("keys", ["codes", b"codes", None, 3, [1], ["a", ""]], ids=repr)
+def test_a_policy_refuses_deferred_keys_that_are_not_key_names(keys: Any) -> None:
+    with pytest.raises(TypeError, match=r"ModelCachePolicy\.deferred_keys must be a collection of mm key names"):
+        ModelCachePolicy(deferred_keys=keys)
+    model = type("Model", (), {"deferred_prefix_cache_mm_keys": keys})()
+    if keys:  # the model attribute goes through the same check (a falsy one means none)
+        with pytest.raises(TypeError, match="deferred_keys must be a collection"):
+            ModelCachePolicy.from_model(model)
+
+
+def test_a_policy_takes_any_collection_of_key_names() -> None:
+    for keys in ([], (), set(), frozenset(), ["codes"], iter(["codes"]), {"codes": 1}):
+        assert ModelCachePolicy(deferred_keys=keys).deferred_keys <= {"codes"}
+
+
+def test_a_config_refuses_what_no_wait_or_allocation_can_take() -> None:
+    with pytest.raises(ValueError, match=r"staging_claim_timeout_s must be a positive finite number of seconds up to"):
+        config(staging_claim_timeout_s=threading.TIMEOUT_MAX * 2)
+    with pytest.raises(ValueError, match=r"num_blocks x block_size must address at most \d+ KV slots"):
+        PrefixCacheConfig(num_blocks=2**62, block_size=4)
+    assert config(staging_claim_timeout_s=threading.TIMEOUT_MAX).staging_claim_timeout_s == threading.TIMEOUT_MAX
+
+
+@pytest.mark.parametrize("value", [True, np.bool_(True), torch.tensor(True), torch.tensor([3]), torch.tensor([[3]])],
+                         ids=repr)
+def test_a_bool_or_an_array_is_never_an_int(value: Any) -> None:
+    with pytest.raises(TypeError, match="must be an int"):
+        as_index("x", value)
+    with pytest.raises(TypeError):
+        PrefixCacheWrite("a", 0, value, 0, 1)
+    with pytest.raises(TypeError, match="block_ids must be ints"):
+        PrefixCacheRequestEvent("a", "started", 0, 0, (value,))
+    assert as_index("x", np.int64(3)) == 3 and as_index("x", torch.tensor(3)) == 3  # integer-likes stay ints
+
+
+def test_leftover_tensors_inside_any_object_are_stored_detached_and_private() -> None:
+    class Box:
+        def __init__(self, t: torch.Tensor) -> None:
+            self.t, self.me = t, self
+
+    class Slotted:
+        __slots__ = ("t",)
+
+        def __init__(self, t: torch.Tensor) -> None:
+            self.t = t
+
+    leaf = torch.ones(3, requires_grad=True)
+    m = manager()
+    try:
+        step_id, _ = save(m, [("a", [0, 1], 0, 4)],
+                          mm={"box": Box(leaf), "set": {leaf}, "slots": Slotted(leaf), "frozen": frozenset([leaf])})
+        with torch.no_grad():
+            leaf.add_(1)  # the caller reuses its tensor after the save
+        out = m.materialize(step_id, ["a"]).mm_outputs
+        box = out["box"]["a"]
+        assert box.me is box and not box.t.requires_grad and box.t.equal(torch.ones(3))
+        held = [*out["set"]["a"], out["slots"]["a"].t, *out["frozen"]["a"]]
+        assert all(not t.requires_grad and t.equal(torch.ones(3)) for t in held)
+    finally:
+        m.shutdown()
