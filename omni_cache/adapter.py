@@ -1,4 +1,4 @@
-"""The seed's import path ``omni_cache.adapter``: the engine-facing value types and the scheduler adapter.
+"""The reference interface's import path ``omni_cache.adapter``: the engine-facing value types and the scheduler adapter.
 
 Owns nothing: the value types are defined in ``omni_cache.runtime.events``, the vLLM scheduler
 adapter in ``omni_cache.integration.adapter``; this module keeps the path that callers of the

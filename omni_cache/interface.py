@@ -1,4 +1,4 @@
-"""The seed's import path ``omni_cache.interface``: the interface types and the two contract errors.
+"""The reference interface's import path ``omni_cache.interface``: the interface types and the two contract errors.
 
 Owns nothing: they are defined in ``omni_cache.runtime.interface`` (and ``omni_cache.runtime.errors``);
 this module keeps the path that callers of the reference import from. Upholds: nothing itself.

@@ -1,4 +1,4 @@
-"""The seed's import path ``omni_cache.manager``: ``OmniPrefixCacheManager``.
+"""The reference interface's import path ``omni_cache.manager``: ``OmniPrefixCacheManager``.
 
 Owns nothing: the manager is defined in ``omni_cache.runtime.manager``; this module keeps the
 path that callers of the reference import from. Upholds: nothing itself.

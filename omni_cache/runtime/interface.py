@@ -1,4 +1,4 @@
-"""Interface types of the omni prefix cache (the seed's public page).
+"""Interface types of the omni prefix cache (the reference interface's public page).
 
 Owns: the vocabulary (``TensorName``, ``ReqId``, ``Tid``, ``StepId``,
 ``HIDDEN_KEY``), sizing (``PrefixCacheConfig``), the per-model cache policy
