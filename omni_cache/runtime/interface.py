@@ -19,7 +19,7 @@ import operator
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 from omni_cache.runtime.errors import (
     OmniPrefixCacheStagingTimeoutError,
@@ -259,7 +259,8 @@ class ModelCachePolicy:
             needs_full_hidden_states=bool(
                 getattr(model, "requires_full_prefix_cached_hidden_states", True)
             ),
-            deferred_keys=getattr(model, "deferred_prefix_cache_mm_keys", ()) or (),  # checked by the constructor
+            # as the model gives it: the constructor checks it (a str is refused, never split)
+            deferred_keys=cast("frozenset[TensorName]", getattr(model, "deferred_prefix_cache_mm_keys", None) or frozenset()),
             mm_outputs_written_in_sample=bool(
                 getattr(model, "mm_outputs_written_in_sample", False)
             ),
