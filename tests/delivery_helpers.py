@@ -103,13 +103,14 @@ class ServedLoop:
 
     def __init__(self, directory: str, *, block_size: int = 4, num_blocks: int = 64, max_batched: int = 64,
                  consumer: str | None = None, store: DeliveryStore | None = None, mm: bool = False,
-                 hooks: PrefixCacheRunnerHooks | None = None, **settings: Any) -> None:
+                 hooks: PrefixCacheRunnerHooks | None = None, deliver: bool = True, **settings: Any) -> None:
         settings.setdefault("delivery_timeout_s", 60.0)  # a loaded machine never fails a healthy write
         self.settings = DeliverySettings(delivery_dir=os.path.realpath(directory), nonce=NONCE, **settings)
         self.scheduler = FakeScheduler(num_blocks=num_blocks, block_size=block_size,
                                        max_num_batched_tokens=max_batched)
-        self.dsched = DeliveryScheduler(self.settings)
-        self.delivery = RowDelivery(self.settings, store=store)
+        # ``deliver=False``: an engine without delivery (no connector's scheduler or worker side)
+        self.dsched: Any = DeliveryScheduler(self.settings) if deliver else None
+        self.delivery: Any = RowDelivery(self.settings, store=store) if deliver else None
         hooks = hooks or PrefixCacheRunnerHooks(is_last_pp_rank=True, eager=True)
         self.bridge = VllmRunnerBridge({} if consumer is None else {"consumer": consumer}, hooks=hooks)
         self.bridge.hooks.configure(PrefixCacheConfig(num_blocks=num_blocks, block_size=block_size,
@@ -138,13 +139,21 @@ class ServedLoop:
         request = self.scheduler.requests[req_id]
         self.scheduler.abort(req_id)
         request.status = SimpleNamespace(name="FINISHED_ABORTED")
-        self.outputs[req_id] = self.dsched.finish(request)
+        if self.dsched is not None:
+            self.outputs[req_id] = self.dsched.finish(request)
 
     def step(self, preempt: tuple[str, ...] = ()) -> Any:
         so = self.scheduler.schedule(preempt=preempt)
         for new in so.scheduled_new_reqs:
             params = self.kv_params.get(new.req_id)
             new.sampling_params = SimpleNamespace(extra_args={"kv_transfer_params": params} if params else None)
+        if self.dsched is None:  # no delivery: the step alone; a finished request has no outcome to give
+            live = dict(self.scheduler.requests)
+            self.runner.execute_model(so)
+            self.scheduler.update_from_output(so)
+            self.outputs.update((r, None) for r in live if r not in self.scheduler.requests and r not in self.outputs)
+            self.steps += 1
+            return so
         so.kv_connector_metadata = SimpleNamespace(omni_delivery=self.dsched.build_plan(so))
         live = dict(self.scheduler.requests)
         self.runner.execute_model(so)
@@ -172,5 +181,6 @@ class ServedLoop:
         return params["hidden_states_path"]
 
     def close(self) -> dict[int, str]:
-        self.delivery.shutdown()
+        if self.delivery is not None:
+            self.delivery.shutdown()
         return self.bridge.shutdown()

@@ -206,6 +206,17 @@ class VllmRunnerBridge:
                 f"omni prefix cache cannot run on this stage: additional_config['{CONFIG_KEY}']['consumer']='deliver' "
                 "needs kv_transfer_config with kv_connector='OmniKVConnector' and "
                 "kv_connector_extra_config={'omni_cache': {'delivery_dir': ...}} (docs/serving.md)")
+        if delivery is not None and consumer != "deliver":  # the scheduler side would promise files never written
+            raise OmniPrefixCacheUnmatchError(
+                f"omni prefix cache cannot run on this stage: additional_config['{CONFIG_KEY}']['consumer']="
+                f"'{consumer}' takes every step id away from the delivery, so no file would be written while "
+                "kv_connector_extra_config['omni_cache']['delivery_dir'] promises clients hidden-state files (drop one)")
+        policy = self.hooks.policy
+        if consumer == "deliver" and policy is not None and policy.hidden_key is None:
+            raise OmniPrefixCacheUnmatchError(
+                f"omni prefix cache cannot run on this stage: the cache policy caches no hidden states "
+                f"(additional_config['{CONFIG_KEY}']['needs_full_hidden_states']=false, or the model's), and a file "
+                "kv_connector_extra_config['omni_cache']['delivery_dir'] delivers holds hidden_states (drop one)")
         if consumer == "deliver" and self.hooks.all_tp_ranks:
             raise OmniPrefixCacheUnmatchError(
                 f"omni prefix cache cannot run on this stage: additional_config['{CONFIG_KEY}']['all_tp_ranks'] keeps "

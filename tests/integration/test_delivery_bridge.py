@@ -69,7 +69,7 @@ def test_deliver_consumes_every_step_in_the_worker_and_writes_the_files(tmp_path
 
 
 def test_discard_consumes_every_step_at_once_and_writes_nothing(tmp_path: Path) -> None:
-    loop = ServedLoop(str(tmp_path), consumer="discard")
+    loop = ServedLoop(str(tmp_path), consumer="discard", deliver=False)
     saves = _Saves(loop)
     _workload(loop)
     assert loop.bridge.consumer == "discard" and loop.bridge.delivery is None
@@ -80,7 +80,7 @@ def test_discard_consumes_every_step_at_once_and_writes_nothing(tmp_path: Path) 
 
 
 def test_queue_publishes_each_step_once_for_its_consumer(tmp_path: Path) -> None:
-    loop = ServedLoop(str(tmp_path), consumer="queue")
+    loop = ServedLoop(str(tmp_path), consumer="queue", deliver=False)
     saves = _Saves(loop)
     published = []
     loop.add("A", [*PREFIX, 1, 2], max_tokens=3)
@@ -100,7 +100,7 @@ def test_queue_publishes_each_step_once_for_its_consumer(tmp_path: Path) -> None
 
 @pytest.mark.parametrize("consumer", ["deliver", "discard"])
 def test_the_hooks_keep_nothing_of_a_step_the_worker_consumed(tmp_path: Path, consumer: str) -> None:
-    loop = ServedLoop(str(tmp_path), consumer=consumer)
+    loop = ServedLoop(str(tmp_path), consumer=consumer, deliver=consumer == "deliver")
     saves = _Saves(loop)
     _workload(loop)
     assert saves.ids and [s for s in saves.ids if loop.bridge.hooks.save_time_req_ids(s) is not None] == []
@@ -142,7 +142,7 @@ def test_a_cache_fault_fails_the_cache_for_good_and_the_engine_keeps_serving(tmp
                                                                               where: str) -> None:
     faults = _FailingSaves(fail_at=3, where=where)
     hooks = PrefixCacheRunnerHooks(is_last_pp_rank=True, eager=True, manager_factory=faults)
-    loop = ServedLoop(str(tmp_path), consumer=consumer, hooks=hooks, max_batched=4)
+    loop = ServedLoop(str(tmp_path), consumer=consumer, hooks=hooks, max_batched=4, deliver=consumer == "deliver")
     loop.add("A", [*PREFIX, 1, 2], max_tokens=2)  # prefill in 3 chunks of 4: the fault hits its last one
     loop.step()
     loop.step()
@@ -170,7 +170,7 @@ def test_a_step_whose_batch_does_not_address_its_rows_fails_the_cache_not_the_en
     """The engine's batch refused as a block-table view (here: an injected ``ValueError``, as a stale
     or malformed table raises) leaves the step's rows unsaved: with a worker-side consumer the cache
     fails for good naming the step and the error, and the engine keeps serving; with ``"queue"`` it raises."""
-    loop = ServedLoop(str(tmp_path), consumer=consumer, max_batched=4)
+    loop = ServedLoop(str(tmp_path), consumer=consumer, max_batched=4, deliver=consumer == "deliver")
     real = loop.bridge.view_v1
     calls = {"n": 0}
 
@@ -202,7 +202,7 @@ def test_a_step_whose_batch_does_not_address_its_rows_fails_the_cache_not_the_en
 @pytest.mark.parametrize("where", ["save_outputs", "new_step_starts"])
 def test_in_queue_mode_a_cache_fault_raises(tmp_path: Path, where: str) -> None:
     hooks = PrefixCacheRunnerHooks(is_last_pp_rank=True, eager=True, manager_factory=_FailingSaves(1, where))
-    loop = ServedLoop(str(tmp_path), consumer="queue", hooks=hooks)
+    loop = ServedLoop(str(tmp_path), consumer="queue", hooks=hooks, deliver=False)
     loop.add("A", PREFIX)
     with pytest.raises(OmniPrefixCacheUnmatchError, match="injected cache fault"):
         loop.step()
@@ -283,7 +283,7 @@ def test_a_delivery_beside_a_cache_on_every_tp_rank_is_refused() -> None:
                                                            r"\['delivery_dir'\] needs the output rank's cache alone"):
         _configured({"all_tp_ranks": True}).resolve_consumer(SimpleNamespace())
     assert _configured({"all_tp_ranks": True}).resolve_consumer(None) == "discard"
-    assert _configured({"all_tp_ranks": True, "consumer": "discard"}).resolve_consumer(SimpleNamespace()) == "discard"
+    assert _configured({"all_tp_ranks": True, "consumer": "discard"}).resolve_consumer(None) == "discard"
 
 
 def test_the_default_consumer_delivers_when_it_can_and_else_discards_saying_so(caplog) -> None:
@@ -296,10 +296,28 @@ def test_the_default_consumer_delivers_when_it_can_and_else_discards_saying_so(c
     assert "no hidden-state rows leave this engine" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="omni_cache.integration.vllm_bridge"):
-        assert _configured({"consumer": "discard"}).resolve_consumer(delivery) == "discard"
+        assert _configured({"consumer": "discard"}).resolve_consumer(None) == "discard"
         queue = _configured({"consumer": "queue"})
-        assert queue.resolve_consumer(delivery) == "queue" and queue.delivery is None and not queue.contained
+        assert queue.resolve_consumer(None) == "queue" and queue.delivery is None and not queue.contained
     assert caplog.text == ""
+
+
+@pytest.mark.parametrize("consumer", ["discard", "queue"])
+def test_a_consumer_that_takes_the_step_ids_away_from_a_delivery_is_refused(consumer: str) -> None:
+    """The connector's scheduler side would tell clients file paths no worker writes: refused at start."""
+    with pytest.raises(OmniPrefixCacheUnmatchError, match=rf"\['consumer'\]='{consumer}' takes every step id away from "
+                                                           r"the delivery.*\['delivery_dir'\] promises clients"):
+        _configured({"consumer": consumer}).resolve_consumer(SimpleNamespace())
+
+
+def test_a_delivery_of_a_policy_without_hidden_states_is_refused() -> None:
+    """A delivered file holds ``hidden_states``; a policy that caches none cannot fill it."""
+    bridge = _configured({"needs_full_hidden_states": False})
+    bridge.on_model_loaded(SimpleNamespace())
+    with pytest.raises(OmniPrefixCacheUnmatchError, match=r"caches no hidden states.*\['delivery_dir'\] delivers "
+                                                           "holds hidden_states"):
+        bridge.resolve_consumer(SimpleNamespace())
+    assert bridge.resolve_consumer(None) == "discard"  # no delivery: nothing promised
 
 
 def test_an_unknown_consumer_is_refused_at_construction() -> None:
