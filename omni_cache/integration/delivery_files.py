@@ -214,9 +214,14 @@ class DeliveryStore:
     def discard_lock(self, path: str, fd: int | None) -> None:
         """A delivery that will never be written and whose path no client was told (its request
         ended before its rows were complete): remove ``<path>.lock``, then release it."""
-        with contextlib.suppress(FileNotFoundError):
+        try:
             os.unlink(path + ".lock")
-        self.release_lock(fd)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:  # a read-only or failing disk: the lock file stays, never held
+            log.warning("could not remove the lock file of %s: %s", path, exc)
+        finally:
+            self.release_lock(fd)
 
     # ------------------------------------------------------------------ write
     def write(self, path: str, payload: bytes, *, publish: PublishGate | None = None) -> int:

@@ -273,7 +273,10 @@ class VllmRunnerBridge:
         if self.delivery is not None and (self.active or self.failed is not None):
             # only the rank that holds the cache delivers (it alone holds the files' locks)
             prompts = {r.req_id: r.prompt_token_ids for r in getattr(scheduler_output, "scheduled_new_reqs", ()) or ()}
-            self.delivery.begin_step(getattr(metadata, "omni_delivery", None), prompts)
+            try:
+                self.delivery.begin_step(getattr(metadata, "omni_delivery", None), prompts)
+            except Exception as exc:  # e.g. a disk fault: the cache fails, the engine does not
+                self._contain(exc, "the delivery's step start")
 
     def _apply_tier(self, plan: Any) -> None:
         """The ``OmniKVConnector`` tier plan of this step (stores, then loads), before the forward;

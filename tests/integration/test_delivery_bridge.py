@@ -199,6 +199,29 @@ def test_a_step_whose_batch_does_not_address_its_rows_fails_the_cache_not_the_en
     loop.close()
 
 
+def test_a_delivery_fault_at_the_step_start_fails_the_cache_not_the_engine(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    loop = ServedLoop(str(tmp_path), max_batched=4)
+    real = loop.delivery.begin_step
+    calls = {"n": 0}
+
+    def failing(*args: Any) -> None:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise OSError(30, "Read-only file system")
+        real(*args)
+
+    monkeypatch.setattr(loop.delivery, "begin_step", failing)
+    loop.add("A", [*PREFIX, 1, 2], max_tokens=2)
+    loop.step()
+    loop.step()  # no exception reaches the engine
+    assert loop.bridge.failed is not None and "the delivery's step start failed: OSError" in loop.bridge.failed
+    loop.run()
+    assert "Read-only file system" in loop.outputs["A"]["hidden_states_error"]
+    assert loop.manager.stats()["unconsumed_step_ids"] == {}
+    loop.close()
+
+
 @pytest.mark.parametrize("where", ["save_outputs", "new_step_starts"])
 def test_in_queue_mode_a_cache_fault_raises(tmp_path: Path, where: str) -> None:
     hooks = PrefixCacheRunnerHooks(is_last_pp_rank=True, eager=True, manager_factory=_FailingSaves(1, where))

@@ -549,3 +549,28 @@ def test_adopted_files_older_than_the_age_bound_are_removed_at_start(tmp_path: P
     os.utime(os.path.join(root, new), (clock.now - 10, clock.now - 10))
     DeliveryStore(root, max_bytes=1 << 30, max_age_s=3600)
     assert os.listdir(root) == [new]
+
+
+def test_a_lock_file_the_disk_will_not_remove_is_still_released(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """A dropped delivery's lock file on a disk that refuses the unlink (read-only, failing): the error
+    is logged, never raised into the engine step, and the lock is released (no reader waits forever)."""
+    store = DeliveryStore(str(tmp_path), max_bytes=1 << 20, max_age_s=60.0)
+    path = str(tmp_path / "a.safetensors")
+    fd = store.hold_lock(path)
+    real_unlink = os.unlink
+
+    def read_only(p: str, *args: object, **kwargs: object) -> None:
+        if str(p).endswith(".lock"):
+            raise OSError(errno.EROFS, "Read-only file system", p)
+        real_unlink(p, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(delivery_files.os, "unlink", read_only)
+    with caplog.at_level("WARNING", logger="omni_cache.integration.delivery_files"):
+        store.discard_lock(path, fd)
+    assert "could not remove the lock file" in caplog.text and "Read-only file system" in caplog.text
+    probe = os.open(path + ".lock", os.O_RDONLY)
+    try:
+        fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises if the dropped delivery still held it
+    finally:
+        os.close(probe)
