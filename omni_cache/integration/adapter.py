@@ -67,6 +67,13 @@ def _new_request_id(new_req: Any) -> ReqId:
     return req_id
 
 
+def _per_row(cached: Any, name: str) -> list[Any]:
+    """``cached.<name>`` as a list, one entry per row (``[]`` when absent): a list, a tuple or an
+    array alike (an array has no truth value, so ``value or ()`` is no test for "absent")."""
+    value = getattr(cached, name, None)
+    return [] if value is None else list(value)
+
+
 def _nth(values: list[Any], i: int, default: Any) -> Any:
     """``values[i]``, or ``default`` when the scheduler's per-request list is short (as the reference)."""
     return values[i] if i < len(values) else default
@@ -168,7 +175,7 @@ class PrefixCacheSchedulerAdapter:
         # (id, owner) pairs this step's other events name: a terminal of such an owner applies to
         # that admission after them (it may be started or replaced-to in this very step).
         named = {(c.req_id, c.owner) for c in controls_in if getattr(c, "owner", None) is not None}
-        for req_id in (*(rid for rid, _ in new_reqs), *(getattr(cached, "req_ids", None) or ())):
+        for req_id in (*(rid for rid, _ in new_reqs), *_per_row(cached, "req_ids")):
             if owners.get(req_id) is not None:
                 named.add((req_id, owners[req_id]))
         # The others end the admission live before the step (captured before this step's
@@ -269,17 +276,17 @@ class PrefixCacheSchedulerAdapter:
         live: dict[ReqId, PrefixCacheRequestOwner | None], preempted: set[ReqId],
         admitted_by: dict[ReqId, PrefixCacheRequestEvent], ending: dict[ReqId, PrefixCacheRequestOwner | None],
     ) -> list[PrefixCacheRequestEvent]:
-        req_ids = list(getattr(cached, "req_ids", None) or ())
+        req_ids = _per_row(cached, "req_ids")
         resumed_field = getattr(cached, "resumed_req_ids", None)
         if resumed_field is not None:
             resumed = set(resumed_field)
         else:  # older vLLM: one flag per row
-            flags = list(getattr(cached, "resumed_from_preemption", None) or ())
+            flags = _per_row(cached, "resumed_from_preemption")
             resumed = {rid for rid, flag in zip(req_ids, flags, strict=False) if flag}
         resumed |= preempted & set(req_ids)
-        computed = list(getattr(cached, "num_computed_tokens", None) or ())
-        new_blocks = list(getattr(cached, "new_block_ids", None) or ())
-        out_tokens = list(getattr(cached, "num_output_tokens", None) or ())
+        computed = _per_row(cached, "num_computed_tokens")
+        new_blocks = _per_row(cached, "new_block_ids")
+        out_tokens = _per_row(cached, "num_output_tokens")
         row = {rid: i for i, rid in enumerate(req_ids)}
         order = [*sorted(resumed, key=str), *(rid for rid in req_ids if rid not in resumed)]
         events: list[PrefixCacheRequestEvent] = []

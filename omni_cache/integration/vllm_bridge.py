@@ -264,12 +264,13 @@ class VllmRunnerBridge:
                     self.step_observer(scheduler_output)
                 if plan and self.active:
                     self._apply_tier(plan)
-            except OmniPrefixCacheUnmatchError as exc:
+            except Exception as exc:  # a contract error, or a step the adapter cannot read: the cache fails
                 if not self.contained:
                     raise
                 self.errors.record(exc)
                 self._scheduler_output = None
-                self.fail(f"engine step {self.engine_step}: {exc}")
+                why = str(exc) if isinstance(exc, OmniPrefixCacheUnmatchError) else f"{type(exc).__name__}: {exc}"
+                self.fail(f"engine step {self.engine_step}: {why}")
         if self.delivery is not None and (self.active or self.failed is not None):
             # only the rank that holds the cache delivers (it alone holds the files' locks)
             prompts = {r.req_id: r.prompt_token_ids for r in getattr(scheduler_output, "scheduled_new_reqs", ()) or ()}
@@ -347,7 +348,7 @@ class VllmRunnerBridge:
                 [(rid, int(c), int(c) + int(n)) for rid, c, n in
                  zip(view.req_ids, view.num_computed_tokens, input_batch.num_scheduled_tokens, strict=False) if n]
             )
-        except ValueError as exc:  # the engine's batch does not address the rows: nothing saved
+        except (ValueError, RuntimeError) as exc:  # the batch does not address the rows (or the mirror drifted)
             self._contain(exc, "its block-table view")
             return None
         return self._save(so, view, hidden_states, input_batch.input_ids, input_batch.positions, slots)

@@ -120,6 +120,24 @@ def test_cached_requests_are_extended_or_resumed() -> None:
     assert ry == PrefixCacheRequestEvent("y", K.RESUMED, 0, 32, ((6, 7, 8),), 2, 3)
 
 
+def test_cached_rows_given_as_arrays_are_read_as_lists_are() -> None:
+    """A producer that hands numpy arrays for the per-row fields (an array has no truth value) gets
+    the same events as one that hands lists."""
+    def step(as_array: bool) -> tuple[PrefixCacheRequestEvent, ...]:
+        a = PrefixCacheSchedulerAdapter()
+        a.translate_scheduler_output(_so(new=[NewRequestData("x", [1], ([1],), 0), NewRequestData("y", [1], ([2],), 0)],
+                                         scheduled={"x": 1, "y": 1}))
+        cached = _cached([("x", 17, None, 1), ("y", 32, ([6],), 3)])
+        if as_array:
+            cached.req_ids = np.array(cached.req_ids)
+            cached.num_computed_tokens = np.array(cached.num_computed_tokens)
+            cached.num_output_tokens = np.array(cached.num_output_tokens)
+        return a.translate_scheduler_output(_so(cached=cached, scheduled={"x": 1, "y": 1}))
+
+    assert step(as_array=True) == step(as_array=False)
+    assert [e.hit_end for e in step(as_array=True)] == [17, 32]
+
+
 def test_older_resumed_from_preemption_flags_are_read() -> None:
     class OlderCached:
         def __init__(self) -> None:

@@ -222,6 +222,32 @@ def test_a_delivery_fault_at_the_step_start_fails_the_cache_not_the_engine(tmp_p
     loop.close()
 
 
+def test_a_step_the_adapter_cannot_read_fails_the_cache_not_the_engine(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not only the contract error: any error of the step's start (here a ValueError of the adapter,
+    as a malformed scheduler output raises) fails the cache, named, and the engine keeps serving."""
+    loop = ServedLoop(str(tmp_path), max_batched=4)
+    adapter = loop.bridge.hooks.adapter
+    real = adapter.translate_step
+    calls = {"n": 0}
+
+    def unreadable(so: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise ValueError("an injected scheduler output the adapter cannot read")
+        return real(so)
+
+    monkeypatch.setattr(adapter, "translate_step", unreadable)
+    loop.add("A", [*PREFIX, 1, 2], max_tokens=2)
+    loop.step()
+    loop.step()  # no exception reaches the engine
+    failed = loop.bridge.failed
+    assert failed is not None and "engine step 2: ValueError: an injected scheduler output" in failed, failed
+    loop.run()
+    assert "an injected scheduler output" in loop.outputs["A"]["hidden_states_error"]
+    loop.close()
+
+
 @pytest.mark.parametrize("where", ["save_outputs", "new_step_starts"])
 def test_in_queue_mode_a_cache_fault_raises(tmp_path: Path, where: str) -> None:
     hooks = PrefixCacheRunnerHooks(is_last_pp_rank=True, eager=True, manager_factory=_FailingSaves(1, where))

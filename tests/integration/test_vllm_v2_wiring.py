@@ -170,6 +170,22 @@ def test_the_v2_view_reads_slots_from_the_cpu_mirror(v2) -> None:
     assert bridge.shutdown() == {}
 
 
+def test_a_mirror_that_drifted_fails_a_served_cache_not_the_engine(v2) -> None:
+    """Served (a worker-side consumer), the mirror's refusal of a row changed behind its back is
+    contained: the step's rows are not saved, the cache fails for good naming it, nothing raises."""
+    bridge = VllmRunnerBridge({"consumer": "discard"})
+    bridge.hooks.configure(PrefixCacheConfig(num_blocks=16, block_size=BS, staging_capacity_tokens=256))
+    bridge.on_model_loaded(SimpleNamespace())
+    assert bridge.resolve_consumer(None) == "discard" and bridge.contained
+    runner = _Runner(v2, bridge)
+    runner.step(_so(v2, new=[_new(v2, "A", 40, 0, [7, 3])], scheduled={"A": 40}), ["A"], {"A": 0})
+    runner.block_tables.num_blocks.np[0, runner.state_of["A"]] = 5  # a row changed behind the mirror's back
+    so = _so(v2, cached=[("A", 40, None)], scheduled={"A": 1})
+    assert runner.step(so, ["A"], {"A": 40}) is None  # no exception reaches the engine
+    assert bridge.failed is not None and "its block-table view failed: RuntimeError" in bridge.failed
+    assert bridge.shutdown() == {}
+
+
 def test_a_zero_token_step_still_passes_finished_ids(v2) -> None:
     bridge = _bridge()
     runner = _Runner(v2, bridge)
