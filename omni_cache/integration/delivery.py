@@ -137,6 +137,9 @@ class DeliverySettings:
         directory = settings["delivery_dir"]
         if not isinstance(directory, str) or not directory or "\0" in directory:
             raise ValueError(f"OmniKVConnector: omni_cache.delivery_dir must be a directory path, got {directory!r}")
+        if os.path.exists(directory) and not os.path.isdir(directory):  # created at start when missing
+            raise ValueError(f"OmniKVConnector: omni_cache.delivery_dir {directory!r} is an existing file, not a "
+                             "directory")
         values: dict[str, Any] = {"delivery_dir": os.path.realpath(os.path.abspath(directory))}
         for key in _BOOL_KEYS:
             if key in settings:

@@ -107,6 +107,9 @@ def tier_settings(extra: Any) -> dict[str, Any]:
     if tier_dir is not None and (not isinstance(tier_dir, (str, os.PathLike)) or not os.fspath(tier_dir)):
         raise _refuse(f"{where}['{SETTINGS_KEY}']['tier_dir'] must be a directory path (a non-empty str), "
                       f"got {tier_dir!r}")
+    if tier_dir is not None and os.path.exists(tier_dir) and not os.path.isdir(tier_dir):
+        raise _refuse(f"{where}['{SETTINGS_KEY}']['tier_dir'] {os.fspath(tier_dir)!r} is an existing file, not a "
+                      "directory")
     try:
         delivery = DeliverySettings.from_settings(settings)
     except ValueError as exc:

@@ -270,6 +270,12 @@ def test_tier_settings_accept_delivery_without_a_wrapped_connector(tmp_path: Pat
         tier_settings({"omni_cache": {"delivery_dir": str(tmp_path), "delivery_dirr": 1}})
     with pytest.raises(OmniPrefixCacheUnmatchError, match=r"omni_cache\.delivery_timeout_s must be"):
         tier_settings({"omni_cache": {"delivery_dir": str(tmp_path), "delivery_timeout_s": -1}})
+    a_file = tmp_path / "afile"
+    a_file.write_text("")  # a path that exists and is no directory: refused at start, not when a worker makes it
+    with pytest.raises(OmniPrefixCacheUnmatchError, match=r"omni_cache\.delivery_dir '.*afile' is an existing file"):
+        tier_settings({"omni_cache": {"delivery_dir": str(a_file)}})
+    with pytest.raises(OmniPrefixCacheUnmatchError, match=r"\['tier_dir'\] '.*afile' is an existing file"):
+        tier_settings({"omni_cache": {"tier_dir": str(a_file), "delivery_dir": str(tmp_path)}})
 
 
 def test_delivery_beside_a_wrapped_hidden_states_connector_is_refused_at_start(tmp_path: Path) -> None:
