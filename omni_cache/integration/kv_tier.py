@@ -35,6 +35,7 @@ store names the full blocks a finished request computed (``num_computed_tokens
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -131,8 +132,8 @@ def _without_hybrid_manager(vllm_config: Any, kv_cache_config: Any) -> Any:
 
     vLLM enables its hybrid KV-cache manager for this class (it subclasses ``SupportsHMA`` through
     ``MultiConnector``), and ``MultiConnector`` then refuses children without HMA support. With one
-    KV-cache group -- the only layout the omni cache runs on -- the hybrid manager changes nothing,
-    so the children get a copy that says it is off; with several groups the refusal stands."""
+    KV-cache group the hybrid manager changes nothing, so the children get a copy that says it is
+    off; with several groups the refusal stands when there is a child (delivery alone has none)."""
     import copy
 
     from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
@@ -141,7 +142,8 @@ def _without_hybrid_manager(vllm_config: Any, kv_cache_config: Any) -> Any:
     if sched.disable_hybrid_kv_cache_manager or MultiConnector.all_children_support_hma(vllm_config.kv_transfer_config):
         return vllm_config
     groups = len(getattr(kv_cache_config, "kv_cache_groups", None) or ()) if kv_cache_config is not None else 1
-    if groups > 1:
+    children = (vllm_config.kv_transfer_config.kv_connector_extra_config or {}).get("connectors")
+    if groups > 1 and children:  # delivery alone has no child to lack the support
         raise ValueError(
             f"OmniKVConnector: the KV cache has {groups} KV-cache groups and a wrapped connector lacks hybrid "
             "KV-cache manager support; set disable_hybrid_kv_cache_manager=True")
@@ -149,6 +151,24 @@ def _without_hybrid_manager(vllm_config: Any, kv_cache_config: Any) -> Any:
     config.scheduler_config = copy.copy(sched)
     config.scheduler_config.disable_hybrid_kv_cache_manager = True
     return config
+
+
+def _output_group(kv_cache_config: Any, vllm_config: Any) -> tuple[int, int]:
+    """(group id, block size) of the KV-cache group whose blocks address the rows: the config gate's
+    choice on a layout of several groups (``kv_groups.select_output_group``), else group 0 at the
+    engine's block size (a layout with no qualifying group is refused by the gate at worker start)."""
+    from omni_cache.integration.kv_groups import select_output_group
+
+    if kv_cache_config is not None and len(getattr(kv_cache_config, "kv_cache_groups", None) or ()) > 1:
+        with contextlib.suppress(LookupError, ValueError):
+            group = select_output_group(kv_cache_config)
+            return group.group_id, group.block_size
+    return 0, int(vllm_config.cache_config.block_size)
+
+
+def _group_ids(block_ids: Any, group: int) -> list[int]:
+    """The block ids of KV-cache group ``group`` (``[]`` when the request has fewer groups)."""
+    return list(block_ids[group]) if group < len(block_ids) else []
 
 
 @functools.cache
@@ -197,7 +217,9 @@ def _build() -> dict[str, type]:
             use_vllm_logging()
             settings = tier_settings(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
             super().__init__(_without_hybrid_manager(vllm_config, kv_cache_config), role, kv_cache_config)
-            self._omni_block_size = int(vllm_config.cache_config.block_size)
+            # The KV-cache group whose blocks address the rows (hybrid layouts: the full-attention one, as
+            # the config gate picks it), and its block size: tier plans name that group's blocks.
+            self._omni_group, self._omni_block_size = _output_group(kv_cache_config, vllm_config)
             # Scheduler side (the scheduler thread only): req -> local hit offered to the connector.
             self._omni_local: dict[str, int] = {}
             self._omni_loads: list[TierLoad] = []
@@ -270,7 +292,7 @@ def _build() -> dict[str, type]:
             if num_external_tokens <= 0:
                 return
             bs = self._omni_block_size
-            ids = blocks.get_block_ids()[0]
+            ids = _group_ids(blocks.get_block_ids(), self._omni_group)
             hashes = request.block_hashes
             for index in range(local // bs, min((local + num_external_tokens) // bs, len(hashes), len(ids))):
                 self._omni_loads.append(TierLoad(request.request_id, index, bytes(hashes[index]), int(ids[index])))
@@ -303,7 +325,9 @@ def _build() -> dict[str, type]:
             return self._omni_params(request, *super().request_finished(request, blocks))
 
         def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]) -> Any:
-            self._omni_record_finish(request, block_ids[0])
+            self._omni_record_finish(request, _group_ids(block_ids, self._omni_group))
+            if not self.sub_connectors:  # delivery alone: no child to ask (vLLM's would want one group)
+                return self._omni_params(request, False, None)
             return self._omni_params(request, *super().request_finished_all_groups(request, block_ids))
 
         def build_connector_meta(self, scheduler_output: Any) -> OmniTierMetadata:

@@ -10,6 +10,7 @@ configuration is one ``OmniPrefixCacheUnmatchError`` naming its key, never a tra
 from __future__ import annotations
 
 import ast
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -197,3 +198,21 @@ def test_the_verdict_names_the_loader_and_whether_the_wrapper_serves_it(
 
     verdict = connector_verdict(transfer)
     assert (verdict.name, verdict.loads, verdict.wrapped) == (name, loads, wrapped)
+
+
+def test_tier_plans_address_the_output_group_of_a_hybrid_layout() -> None:
+    """The connector names the blocks of the group the cache reads rows by (the full-attention one, as
+    the config gate picks it) at that group's block size; one group, or none known yet: group 0."""
+    from omni_cache.integration.kv_tier import _group_ids, _output_group
+
+    def spec(name: str, block_size: int) -> object:
+        return type(name, (), {"block_size": block_size, "sliding_window": 64})()
+
+    hybrid = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec("SlidingWindowSpec", 32))] * 3
+                             + [SimpleNamespace(kv_cache_spec=spec("FullAttentionSpec", 32))])
+    engine = SimpleNamespace(cache_config=SimpleNamespace(block_size=16))
+    assert _output_group(hybrid, engine) == (3, 32)
+    assert _output_group(None, engine) == (0, 16)
+    assert _output_group(SimpleNamespace(kv_cache_groups=hybrid.kv_cache_groups[3:]), engine) == (0, 16)
+    groups = ([0, 0, 31], [0, 0, 41], [0, 0, 51], [10, 11, 12])
+    assert _group_ids(groups, 3) == [10, 11, 12] and _group_ids(groups[:1], 3) == []

@@ -170,3 +170,37 @@ def test_the_wrappers_records_go_out_through_vllms_log_handler(base_kwargs, tmp_
         for handler in saved:
             ours.addHandler(handler)
         ours.setLevel(level)
+
+
+def _hybrid_kv_cache_config(block_size: int) -> SimpleNamespace:
+    """Three sliding-window groups, then the full-attention group (the output group, 3)."""
+    def spec(name: str) -> object:
+        return type(name, (), {"block_size": block_size, "sliding_window": 2 * block_size})()
+
+    groups = [SimpleNamespace(kv_cache_spec=spec("SlidingWindowSpec")) for _ in range(3)]
+    return SimpleNamespace(kv_cache_groups=[*groups, SimpleNamespace(kv_cache_spec=spec("FullAttentionSpec"))],
+                           num_blocks=64)
+
+
+def test_on_a_hybrid_layout_tier_plans_name_the_output_groups_blocks(base_kwargs, tmp_path) -> None:  # noqa: F811
+    """Rows are addressed by the output group (the full-attention one): a finished request's stores name
+    its blocks there, never a sliding-window group's (whose leading blocks are null block 0). Delivery
+    alone (no wrapped connector) is not refused for the layout: there is no child to lack HMA support."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    transfer = {"kv_connector": "OmniKVConnector", "kv_connector_module_path": "omni_cache.integration.kv_tier",
+                "kv_role": "kv_both", "kv_connector_extra_config": {"omni_cache": {"delivery_dir": str(tmp_path)}}}
+    vllm_config = _vllm_config(base_kwargs, kv_transfer_config=transfer)
+    cls = KVConnectorFactory.get_connector_class(vllm_config.kv_transfer_config)
+    conn = cls(vllm_config, KVConnectorRole.SCHEDULER, _hybrid_kv_cache_config(BS))
+    groups = ([0, 0, 31, 32], [0, 0, 41, 42], [0, 0, 51, 52], [10, 11, 12, 13])
+    hashes = [bytes([i]) * 8 for i in range(4)]
+    req = SimpleNamespace(request_id="r", prompt_token_ids=list(range(4 * BS)), mm_features=[], block_hashes=hashes,
+                          num_computed_tokens=4 * BS, all_token_ids=list(range(4 * BS)), kv_transfer_params=None,
+                          sampling_params=None)
+    conn.request_finished_all_groups(req, groups)
+    meta = conn.build_connector_meta(SimpleNamespace(
+        scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(req_ids=[], resumed_req_ids=set()),
+        num_scheduled_tokens={}))
+    assert meta.omni_tier.stores == tuple(TierStore("r", hashes[i], groups[3][i]) for i in range(4))
