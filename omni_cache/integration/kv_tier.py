@@ -378,9 +378,12 @@ def _build() -> dict[str, type]:
                 return inner
             opens = self._omni_deferred and not waited
             results = self.omni_delivery.take_results()
-            if not results and not opens:
+            if not results and not opens and inner is None:
                 return inner
-            children = inner.metadata if inner is not None else (None,) * len(self._connectors)
+            # NOTE: the children's metadata goes out as ours even without outcomes: vLLM folds the ranks'
+            # metadata in rank order with the first one's ``aggregate``, and only ours keeps the outcomes
+            # of another rank (pipeline parallel: the output rank is the last stage, not the first).
+            children = inner.metadata if inner is not None else (None,) * len(self.sub_connectors)
             meta = OmniWorkerMetadata(metadata=children, omni_results=results)
             if opens:
                 # NOTE: with speculative decoding vLLM builds this step's metadata before it waits for

@@ -204,3 +204,44 @@ def test_on_a_hybrid_layout_tier_plans_name_the_output_groups_blocks(base_kwargs
         scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(req_ids=[], resumed_req_ids=set()),
         num_scheduled_tokens={}))
     assert meta.omni_tier.stores == tuple(TierStore("r", hashes[i], groups[3][i]) for i in range(4))
+
+
+def test_pipeline_parallel_aggregation_keeps_the_output_ranks_delivery_outcomes(monkeypatch) -> None:
+    """vLLM folds the workers' metadata in rank order with the first one's ``aggregate``; with pipeline
+    parallelism the output rank is the last stage. A rank without outcomes still sends its wrapped
+    connectors' metadata as ours, so the output rank's outcomes survive the fold."""
+    from copy import copy
+
+    from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
+        MultiConnector,
+        MultiKVConnectorWorkerMetadata,
+    )
+    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, KVConnectorOutput
+
+    from omni_cache.integration import kv_tier
+    from omni_cache.integration.delivery import DeliveryResult
+
+    class ChildMeta(KVConnectorWorkerMetadata):  # a wrapped connector's own worker metadata
+        def aggregate(self, other: object) -> "ChildMeta":
+            return self
+
+    child = ChildMeta()
+    monkeypatch.setattr(MultiConnector, "build_connector_worker_meta",
+                        lambda self: MultiKVConnectorWorkerMetadata(metadata=(child,)))
+    first_stage = object.__new__(kv_tier.OmniKVConnector)  # a PP rank without the cache: no outcomes
+    first_stage._connectors = [object()]
+    first_stage._omni_waited, first_stage._omni_deferred = False, False
+    first_stage.omni_delivery = SimpleNamespace(take_results=lambda: ())
+    ours = first_stage.build_connector_worker_meta()
+    assert isinstance(ours, kv_tier.OmniWorkerMetadata) and ours.omni_results == () and ours.metadata == (child,)
+    result = DeliveryResult("r", "/d/r.safetensors", None, 10)
+    last_stage = kv_tier.OmniWorkerMetadata(metadata=(child,), omni_results=(result,))
+    outputs = []
+    for meta in (ours, last_stage):
+        out = copy(EMPTY_MODEL_RUNNER_OUTPUT)
+        out.kv_connector_output = KVConnectorOutput(kv_connector_worker_meta=meta)
+        outputs.append(out)
+    merged = KVOutputAggregator(expected_finished_count=2).aggregate(outputs, output_rank=1)
+    assert merged.kv_connector_output.kv_connector_worker_meta.omni_results == (result,)
