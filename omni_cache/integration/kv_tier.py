@@ -326,8 +326,8 @@ def _build() -> dict[str, type]:
 
         def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]) -> Any:
             self._omni_record_finish(request, _group_ids(block_ids, self._omni_group))
-            if not self.sub_connectors:  # delivery alone: no child to ask (vLLM's would want one group)
-                return self._omni_params(request, False, None)
+            if not self.sub_connectors and len(block_ids) > 1:  # delivery alone on several groups: no child
+                return self._omni_params(request, False, None)  # to ask (vLLM's MultiConnector wants one group)
             return self._omni_params(request, *super().request_finished_all_groups(request, block_ids))
 
         def build_connector_meta(self, scheduler_output: Any) -> OmniTierMetadata:

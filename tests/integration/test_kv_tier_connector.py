@@ -224,7 +224,7 @@ def test_pipeline_parallel_aggregation_keeps_the_output_ranks_delivery_outcomes(
     from omni_cache.integration.delivery import DeliveryResult
 
     class ChildMeta(KVConnectorWorkerMetadata):  # a wrapped connector's own worker metadata
-        def aggregate(self, other: object) -> "ChildMeta":
+        def aggregate(self, other: object) -> ChildMeta:
             return self
 
     child = ChildMeta()
