@@ -163,6 +163,19 @@ def test_a_cache_fault_fails_the_cache_for_good_and_the_engine_keeps_serving(tmp
     loop.close()
 
 
+def _second_call_raises(real: Any, error: Exception) -> Any:
+    """``real``, except that its second call raises ``error`` (a fault in the engine's second step)."""
+    calls = {"n": 0}
+
+    def call(*args: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise error
+        return real(*args)
+
+    return call
+
+
 @pytest.mark.parametrize("consumer", ["deliver", "discard", "queue"])
 def test_a_step_whose_batch_does_not_address_its_rows_fails_the_cache_not_the_engine(
     tmp_path: Path, consumer: str, monkeypatch: pytest.MonkeyPatch,
@@ -171,16 +184,8 @@ def test_a_step_whose_batch_does_not_address_its_rows_fails_the_cache_not_the_en
     or malformed table raises) leaves the step's rows unsaved: with a worker-side consumer the cache
     fails for good naming the step and the error, and the engine keeps serving; with ``"queue"`` it raises."""
     loop = ServedLoop(str(tmp_path), consumer=consumer, max_batched=4, deliver=consumer == "deliver")
-    real = loop.bridge.view_v1
-    calls = {"n": 0}
-
-    def flaky(input_batch: Any) -> Any:
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise ValueError("BlockTableView: an injected malformed block table")
-        return real(input_batch)
-
-    monkeypatch.setattr(loop.bridge, "view_v1", flaky)
+    monkeypatch.setattr(loop.bridge, "view_v1", _second_call_raises(
+        loop.bridge.view_v1, ValueError("BlockTableView: an injected malformed block table")))
     loop.add("A", [*PREFIX, 1, 2], max_tokens=2)
     loop.step()
     if consumer == "queue":
@@ -202,16 +207,8 @@ def test_a_step_whose_batch_does_not_address_its_rows_fails_the_cache_not_the_en
 def test_a_delivery_fault_at_the_step_start_fails_the_cache_not_the_engine(tmp_path: Path,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     loop = ServedLoop(str(tmp_path), max_batched=4)
-    real = loop.delivery.begin_step
-    calls = {"n": 0}
-
-    def failing(*args: Any) -> None:
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise OSError(30, "Read-only file system")
-        real(*args)
-
-    monkeypatch.setattr(loop.delivery, "begin_step", failing)
+    monkeypatch.setattr(loop.delivery, "begin_step", _second_call_raises(
+        loop.delivery.begin_step, OSError(30, "Read-only file system")))
     loop.add("A", [*PREFIX, 1, 2], max_tokens=2)
     loop.step()
     loop.step()  # no exception reaches the engine
@@ -228,16 +225,8 @@ def test_a_step_the_adapter_cannot_read_fails_the_cache_not_the_engine(tmp_path:
     as a malformed scheduler output raises) fails the cache, named, and the engine keeps serving."""
     loop = ServedLoop(str(tmp_path), max_batched=4)
     adapter = loop.bridge.hooks.adapter
-    real = adapter.translate_step
-    calls = {"n": 0}
-
-    def unreadable(so: Any) -> Any:
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise ValueError("an injected scheduler output the adapter cannot read")
-        return real(so)
-
-    monkeypatch.setattr(adapter, "translate_step", unreadable)
+    monkeypatch.setattr(adapter, "translate_step", _second_call_raises(
+        adapter.translate_step, ValueError("an injected scheduler output the adapter cannot read")))
     loop.add("A", [*PREFIX, 1, 2], max_tokens=2)
     loop.step()
     loop.step()  # no exception reaches the engine
