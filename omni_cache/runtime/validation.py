@@ -253,15 +253,16 @@ def _checked_spans(writes: tuple[PrefixCacheWrite, ...], n: int) -> dict[ReqId, 
     """The full check, in row order: raises naming the first overlap, repeat, excess or gap."""
     rows_seen = 0
     spans: dict[ReqId, PrefixCacheWrite] = {}
-    if any(a.row_start > b.row_start for a, b in itertools.pairwise(writes)):
-        writes = tuple(sorted(writes, key=lambda w: w.row_start))
-    for w in writes:
+    for w in writes:  # every write first: the order below reads their rows
         if not isinstance(w, PrefixCacheWrite) and not all(
                 hasattr(w, f) and (f == "req_id" or _is_int_like(getattr(w, f))) for f in _WRITE_FIELDS):
             raise OmniPrefixCacheUnmatchError(
                 f"save_outputs: the {PHRASE_SLOT_MAPPING} rows of writes (a req_id and int row_start, row_end, "
                 f"token_start, token_end: a PrefixCacheWrite) only; got a {type(w).__name__} in the layout's "
                 f"writes ({w!r})")
+    if any(a.row_start > b.row_start for a, b in itertools.pairwise(writes)):
+        writes = tuple(sorted(writes, key=lambda w: w.row_start))
+    for w in writes:
         try:
             hash(w.req_id)
         except TypeError:

@@ -47,6 +47,9 @@ CASES: list[tuple[str, Any, Any, str]] = [  # id, hidden, mm, layout, phrase
      PrefixCacheWriteLayout((type("Duck", (), {"req_id": "a", "row_start": 0.0, "row_end": 4, "token_start": 0,
                                                "token_end": 4})(),), 4, SLOTS),
      "got a Duck in the layout's writes"),
+    ("two writes that are tuples", torch.ones(8, 8), None,
+     PrefixCacheWriteLayout([("a", 0, 4, 0, 4), ("b", 4, 8, 0, 4)], 8, slots([0, 1], 0, 8)),
+     "token_start, token_end: a PrefixCacheWrite) only; got a tuple"),
     ("total_rows an array", H, None, PrefixCacheWriteLayout(ONE_WRITE, np.array([4, 4]), SLOTS),
      "rows (layout total_rows)"),
     ("total_rows a tensor", H, None, PrefixCacheWriteLayout(ONE_WRITE, torch.tensor([4, 4]), SLOTS),
@@ -59,7 +62,7 @@ SLOT_MAPPINGS = [["a"], [2**70], {1: 2}, [[1], [2, 3]]]
 
 
 def _refused(m: Any, hidden: Any, mm: Any, layout: Any, phrase: str) -> None:
-    n = int(layout.writes[0].row_end) if layout.writes and hasattr(layout.writes[0], "row_end") else 4
+    n = layout.total_rows if type(layout.total_rows) is int else layout.writes[-1].row_end  # the step's rows
     with pytest.raises(OmniPrefixCacheUnmatchError, match=re.escape(phrase)):
         m.save_outputs(hidden, mm, num_tokens_unpadded=n, num_tokens_padded=n, write_layout=layout)
 
