@@ -80,17 +80,8 @@ def freeze_block_ids(block_ids: Any) -> tuple[tuple[int, ...], ...]:
         return True
 
     if all(_is_scalar(b) for b in groups):
-        return (tuple(_block_id(b) for b in groups),)
-    return tuple(tuple(_block_id(b) for b in (() if group is None else group)) for group in groups)
-
-
-def _block_id(value: Any) -> int:
-    """One block id as an ``int``; a bool (or a bool tensor) is not one: ``TypeError``."""
-    if type(value) is int:
-        return value
-    if _is_bool(value) or (isinstance(value, torch.Tensor) and value.dim() != 0):
-        raise TypeError(f"a block id must be an int, got {value!r}")
-    return operator.index(value)
+        return (tuple(as_index("a block id", b) for b in groups),)
+    return tuple(tuple(as_index("a block id", b) for b in (() if group is None else group)) for group in groups)
 
 
 def _is_bool(value: Any) -> bool:
