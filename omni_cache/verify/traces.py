@@ -275,9 +275,14 @@ def validate_trace(
 
     For other test suites: ``validate_trace(recorder)`` after driving the
     runtime with ``recorder=TraceRecorder()``. Raises ``TraceReplayError`` or
-    ``AssertionError``; returns the final state of every object.
+    ``AssertionError``; returns the final state of every object. An empty trace is refused
+    (``AssertionError``): it validates nothing, and a manager built with a recorder always
+    records the staging pool's opening, so an empty one was never wired to a manager.
     """
     events = _events(trace)
+    if not events:
+        raise AssertionError("validate_trace: the trace holds no events, so nothing was validated; pass the "
+                             "TraceRecorder to the manager (recorder=...) before driving it")
     final = replay(events)
     if tlc:
         checks = [check_trace_tlc, check_writes_trace_tlc]

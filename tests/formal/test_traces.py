@@ -167,6 +167,19 @@ def test_replay_of_a_double_consume_event() -> None:
     assert info.value.index == 6
 
 
+def test_an_empty_trace_is_refused_not_reported_valid() -> None:
+    """A recorder never passed to the manager records nothing: validating it would check nothing."""
+    from omni_cache.verify.traces import validate_trace
+
+    with pytest.raises(AssertionError, match="holds no events"):
+        validate_trace(TraceRecorder())
+    with pytest.raises(AssertionError, match="holds no events"):
+        validate_trace([])
+    pool = StagingPool(1, 4, 1.0, recorder=(recorder := TraceRecorder()))
+    pool.claim(1)
+    assert validate_trace(recorder) == {("staging_slot", "staging slot 0"): "claimed"}
+
+
 def test_write_book_trace_replays_and_tampering_is_caught() -> None:
     rec = TraceRecorder()
     book = WriteBook(1.0, rec)
