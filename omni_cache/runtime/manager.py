@@ -308,6 +308,7 @@ class OmniPrefixCacheManager:
         plans: list[PlannedRead] = []
         registered: list[PoolWrite] = []
         slot = None
+        ctx: StepContext | None = None
         try:
             # Per-slot bookkeeping of new keys is allocated after every refusal that reads the step
             # and before anything is claimed (a MemoryError here has nothing to undo but the hits),
@@ -350,8 +351,15 @@ class OmniPrefixCacheManager:
                     plans.append(planned[req_id])
             ctx = StepContext(step_id, slot, saved_at, step_rows, planned, tuple(split.immediate), imm, deferred_host,
                               leftover, hit_keys, policy.hidden_key is not None, host_events, slots_np)
+            # NOTE: the context is in place before the staging save makes the id consumable, so a
+            # consumer can never consume the step without its context (I1).
+            with self._lock:
+                self._contexts[step_id] = ctx
             self.staging.save(slot, step_id, saved_at)
         except BaseException as exc:
+            if ctx is not None:  # its step id was never handed out: no consumer may keep it
+                with self._lock:
+                    self._contexts.pop(ctx.step_id, None)
             if registered:  # versions may be published: not undoable, so fail for good (I8)
                 self.scheduling.fail_registered(registered, exc, where=f"save_outputs step {step_id}")
                 raise  # the original exception itself; later entries chain it (I8)
@@ -363,7 +371,6 @@ class OmniPrefixCacheManager:
                 self.staging.abort(slot)
             raise
         with self._lock:
-            self._contexts[step_id] = ctx
             if self._scheduled is scheduled:
                 self._scheduled = {}
             self._num_saved += 1

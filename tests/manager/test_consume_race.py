@@ -5,7 +5,9 @@
 another call is consuming it) and changes nothing, so no staging page is left consumed but
 never released, no stale context is left for ``trim_step`` to accept, and the winner's read is
 whole. The window is held open deterministically: a request id whose ``==`` blocks on a gate
-(materialize compares the ids it is given with the step's before it consumes).
+(materialize compares the ids it is given with the step's before it consumes). A consumer of
+an id whose save has not returned yet finds the step's context in place the moment the id is
+consumable (the context goes in before the staging save publishes the id).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import threading
 from typing import Any
 
 import pytest
-from cache_helpers import manager, save, settle
+from cache_helpers import manager, save, settle, wait_until
 
 from omni_cache import OmniPrefixCacheUnmatchError
 
@@ -79,3 +81,42 @@ def test_a_consumer_racing_a_materialize_is_refused_and_nothing_leaks(eager: boo
     finally:
         _GatedId.gate.set()
         m.shutdown()
+
+
+@pytest.mark.parametrize("rival", ["discard_step", "materialize"])
+def test_a_consumer_of_an_id_still_being_saved_never_consumes_it_without_its_context(rival: str) -> None:
+    """A step id is consumable only once its context is in place: a consumer on another thread that
+    guesses the id of the step being saved, the moment the staging pool makes it consumable, consumes
+    it whole, never hits a missing context, and no staging page is left consumed."""
+    m = manager()
+    staging_save = m.staging.save
+    seen: dict[str, Any] = {}
+
+    def consume(step_id: int) -> None:
+        try:
+            seen["out"] = m.discard_step(step_id) if rival == "discard_step" else m.materialize(step_id, ["a"])
+        except BaseException as exc:  # the test asserts there was none
+            seen["error"] = exc
+
+    def save_then_consume(slot: Any, step_id: int, saved_at: str) -> None:
+        staging_save(slot, step_id, saved_at)  # the id is consumable from here on
+        seen["thread"] = rival_thread = threading.Thread(target=consume, args=(step_id,), daemon=True)
+        rival_thread.start()  # the save goes on once the rival consumed the id (or ended)
+        wait_until(lambda: step_id not in m.staging.unconsumed() or not rival_thread.is_alive(),
+                   "the rival consumed the step id")
+
+    m.staging.save = save_then_consume  # type: ignore[method-assign]
+    try:
+        step_id, rows = save(m, [("a", [0, 1], 0, 6)])
+    finally:
+        m.staging.save = staging_save  # type: ignore[method-assign]
+    seen["thread"].join(JOIN_S)
+    assert not seen["thread"].is_alive() and "error" not in seen, repr(seen.get("error"))
+    if rival == "materialize":
+        assert seen["out"].hidden_states["a"].equal(rows)
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="already consumed or never saved"):
+        m.materialize(step_id, ["a"])  # the engine's own consume comes second: refused, nothing leaks
+    settle(m)
+    stats = m.stats()
+    assert stats["unconsumed_step_ids"] == {}
+    assert stats["staging"]["slots"]["free"] == stats["staging"]["depth"], stats["staging"]
