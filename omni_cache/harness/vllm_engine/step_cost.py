@@ -16,7 +16,7 @@ model's work (here the simulation's stand-in, ``truth.derive_mm``), never the ca
 they are timed and subtracted. The cache's cost of a step is
 ``begin_step + after_forward - model outputs + materialize``.
 
-Two kinds of pass alternate for every configuration: ``totals`` (timers on the three
+Two kinds of pass alternate, each running every configuration of both stages: ``totals`` (timers on the three
 calls above and the model outputs only) and ``parts`` (every part's timer too, each adding
 its own call overhead); the cache's cost is read from the totals passes, the parts from the
 parts passes. Two stages are measured: ``hidden`` (a thinker whose only per-token output is
@@ -278,25 +278,27 @@ def run_step_cost(llm: Any, *, model: str, repeats: int = 3, decode_steps: int =
         for _ in range(2):
             driver.add(PROMPT_TOKENS, decode_steps)
         driver.run_all(None)
-    configs: list[ConfigResult] = []
-    plan = [("decode", b) for b in decode_batches] + [("prefill", t) for t in prefill_tokens]
-    for stage in stages:
-        driver.bridge.mm_outputs_fn = derive_mm if stage == "hidden+mm" else None
-        for kind, size in plan:
-            if progress is not None:
-                progress(f"{stage}: {kind} {size}")
-            got: dict[bool, list[StepSample]] = {False: [], True: []}
-            for r in range(2 * repeats):
-                parts = r % 2 == 1
-                probe = StepCostProbe(driver.bridge, driver.runner, parts=parts)
-                gc.collect()
-                gc.disable()
-                try:
-                    got[parts] += _config_samples(driver, kind, size, probe, decode_steps)
-                finally:
-                    gc.enable()
-                    probe.remove()
-            configs.append(_summarize(stage, kind, size, got[False], got[True]))
+    plan = [(stage, kind, size) for stage in stages
+            for kind, size in [("decode", b) for b in decode_batches] + [("prefill", t) for t in prefill_tokens]]
+    got: dict[tuple[str, str, int], dict[bool, list[StepSample]]] = {c: {False: [], True: []} for c in plan}
+    # NOTE: every pass runs the whole plan, so a slow spell of the machine (these are small boxes shared
+    # with other work) falls on every configuration alike instead of on the few measured during it.
+    for r in range(2 * repeats):
+        parts = r % 2 == 1
+        if progress is not None:
+            progress(f"pass {r + 1} of {2 * repeats} ({'parts' if parts else 'totals'})")
+        for stage, kind, size in plan:
+            driver.bridge.mm_outputs_fn = derive_mm if stage == "hidden+mm" else None
+            probe = StepCostProbe(driver.bridge, driver.runner, parts=parts)
+            gc.collect()
+            gc.disable()
+            try:
+                got[stage, kind, size][parts] += _config_samples(driver, kind, size, probe, decode_steps)
+            finally:
+                gc.enable()
+                probe.remove()
+    configs = [_summarize(stage, kind, size, got[stage, kind, size][False], got[stage, kind, size][True])
+               for stage, kind, size in plan]
     driver.bridge.mm_outputs_fn = None
     unconsumed = len(driver.bridge.hooks.manager.staging.unconsumed())
     return StepCostResult(model, repeats, configs, unconsumed, time.perf_counter() - t0, stages=stages)
