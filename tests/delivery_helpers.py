@@ -103,14 +103,15 @@ class ServedLoop:
 
     def __init__(self, directory: str, *, block_size: int = 4, num_blocks: int = 64, max_batched: int = 64,
                  consumer: str | None = None, store: DeliveryStore | None = None, mm: bool = False,
-                 hooks: PrefixCacheRunnerHooks | None = None, deliver: bool = True, **settings: Any) -> None:
+                 hooks: PrefixCacheRunnerHooks | None = None, deliver: bool = True, claim: bool = True,
+                 **settings: Any) -> None:
         settings.setdefault("delivery_timeout_s", 60.0)  # a loaded machine never fails a healthy write
         self.settings = DeliverySettings(delivery_dir=os.path.realpath(directory), nonce=NONCE, **settings)
         self.scheduler = FakeScheduler(num_blocks=num_blocks, block_size=block_size,
                                        max_num_batched_tokens=max_batched)
         # ``deliver=False``: an engine without delivery (no connector's scheduler or worker side)
         self.dsched: Any = DeliveryScheduler(self.settings) if deliver else None
-        self.delivery: Any = RowDelivery(self.settings, store=store) if deliver else None
+        self.delivery: Any = RowDelivery(self.settings, store=store, claim=claim) if deliver else None
         hooks = hooks or PrefixCacheRunnerHooks(is_last_pp_rank=True, eager=True)
         self.bridge = VllmRunnerBridge({} if consumer is None else {"consumer": consumer}, hooks=hooks)
         self.bridge.hooks.configure(PrefixCacheConfig(num_blocks=num_blocks, block_size=block_size,

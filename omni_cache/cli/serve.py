@@ -95,6 +95,11 @@ def run(args: argparse.Namespace) -> int:
     if delivery_args.dry_run:
         print(" ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()), shlex.join(argv))
         return 0
+    from omni_cache.integration.delivery_files import claim_holder
+
+    if (holder := claim_holder(delivery["delivery_dir"])) is not None:  # the worker would refuse it, later
+        parser.error(f"--delivery-dir {delivery['delivery_dir']} is the delivery directory of another running server "
+                     f"(process {holder}); give each server its own --delivery-dir")
     print(f"omni-cache serve: {args.model}, hidden-state files in {delivery['delivery_dir']}", file=sys.stderr,
           flush=True)
     os.execve(argv[0], argv, {**os.environ, **env})

@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from omni_cache.integration.delivery_files import DeliveryPaths, DeliveryStore
+from omni_cache.integration.delivery_files import DeliveryDirInUse, DeliveryPaths, DeliveryStore
 from omni_cache.runtime.errors import ErrorTally, OmniPrefixCacheUnmatchError
 from omni_cache.runtime.histogram import ObservationLog
 from omni_cache.runtime.interface import HIDDEN_KEY, StepId
@@ -208,10 +208,17 @@ class RowDelivery:
     """The worker half of delivery (see the module docstring). Engine thread, except the
     writer threads that run ``DeliveryStore.write``."""
 
-    def __init__(self, settings: DeliverySettings, *, store: DeliveryStore | None = None) -> None:
+    def __init__(self, settings: DeliverySettings, *, store: DeliveryStore | None = None, claim: bool = True) -> None:
+        """``claim``: this worker delivers (the output rank), so its store takes the directory; a
+        directory another live server holds is refused here, naming the setting."""
         self.settings = settings
-        self.store = store or DeliveryStore(settings.delivery_dir, max_bytes=settings.delivery_max_bytes,
-                                            max_age_s=settings.delivery_max_age_s)
+        if store is None:
+            try:
+                store = DeliveryStore(settings.delivery_dir, max_bytes=settings.delivery_max_bytes,
+                                      max_age_s=settings.delivery_max_age_s, claim=claim)
+            except DeliveryDirInUse as exc:
+                raise DeliveryDirInUse(f"OmniKVConnector: omni_cache.delivery_dir: {exc}") from None
+        self.store = store
         self._writers = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="omni-cache-delivery")
         self._requests: dict[str, _Rows] = {}
         self._step_jobs: list[_Job] = []  # submitted this step: waited for by finish_step
@@ -354,6 +361,7 @@ class RowDelivery:
                 self.store.release_lock(rows.lock_fd)
         self._requests.clear()
         self._writers.shutdown(wait=False, cancel_futures=True)
+        self.store.close()
 
     # ------------------------------------------------------------- internals
     def _admit(self, target: DeliveryTarget, prompt_token_ids: Any) -> None:

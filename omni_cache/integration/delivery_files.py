@@ -16,7 +16,9 @@ one tensor per cached per-token multimodal key, under the key's name. Beside the
 until the file is in place, so vLLM's reader (a shared ``flock``, then the read) never reads
 before the writer is done; ``cleanup_hidden_states(path)`` removes both.
 
-Upholds, for what leaves the engine: a reader never sees a partial file (the rows are written
+Upholds, for what leaves the engine: one live server delivers into a directory (its store holds
+an exclusive ``flock`` on ``CLAIM_NAME`` there; a second is refused at start, ``DeliveryDirInUse``,
+instead of counting the first one's files against its bounds and removing them); a reader never sees a partial file (the rows are written
 to a temporary name and linked to the final name only when complete: ``os.link`` refuses an
 existing name, so no file is ever overwritten, and the temporary name is never the final
 name); no file name or path derives from client-controlled text without being made safe
@@ -53,14 +55,26 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Protocol
 
-__all__ = ["FAULT_ENV", "FILE_SUFFIX", "DeliveryPaths", "DeliveryStore", "FaultRule", "PublishGate", "delivery_name",
-           "parse_fault"]
+__all__ = [
+    "CLAIM_NAME",
+    "FAULT_ENV",
+    "FILE_SUFFIX",
+    "DeliveryDirInUse",
+    "DeliveryPaths",
+    "DeliveryStore",
+    "FaultRule",
+    "PublishGate",
+    "claim_holder",
+    "delivery_name",
+    "parse_fault",
+]
 
 log = logging.getLogger(__name__)
 
 FILE_SUFFIX = ".safetensors"
 _TMP_MARK = ".omni-tmp-"
 FAULT_ENV = "OMNI_CACHE_DELIVERY_FAULT"
+CLAIM_NAME = ".omni-cache-server.lock"  # held by the one store that delivers into the directory
 _SAFE = re.compile(r"[^A-Za-z0-9._-]+")
 _MAX_PREFIX = 48
 # ``delivery_name``'s output, and a writer's temporary file (``<name>.omni-tmp-<pid>-<thread>``).
@@ -171,6 +185,50 @@ class _Delivered:
     at: float
 
 
+class DeliveryDirInUse(ValueError):
+    """Another live process holds the delivery directory (``DeliveryStore(claim=True)``)."""
+
+
+def _claim_directory(root: str) -> int:
+    """Hold an exclusive ``flock`` on ``root/CLAIM_NAME`` (the holder's pid written in it); the fd.
+
+    NOTE: a ``flock`` ends with its process, however it dies, so a crashed server never leaves
+    its directory claimed; the file itself stays (removing it would race a new claimant)."""
+    path = os.path.join(root, CLAIM_NAME)
+    fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise DeliveryDirInUse(f"{root} is the delivery directory of another running server (process {holder} "
+                               f"holds {path}); each server needs its own directory") from None
+    except BaseException:
+        os.close(fd)
+        raise
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def claim_holder(root: str) -> str | None:
+    """The pid (as written) of the live process that holds ``root`` for delivery, or ``None``.
+
+    A probe for launchers (a clear refusal before a server starts); the worker's claim itself
+    (``DeliveryStore``) stays the authority."""
+    try:
+        fd = os.open(os.path.join(root, CLAIM_NAME), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:  # no claim file (or no directory): nobody holds it
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+    finally:
+        os.close(fd)  # also ends the probe's own shared lock at once
+    return None
+
+
 class DeliveryStore:
     """The worker's side of the delivery directory (see the module docstring).
 
@@ -179,17 +237,34 @@ class DeliveryStore:
     this store delivered (and, at start, files of this naming already in the directory) are
     ever removed."""
 
-    def __init__(self, root: str, *, max_bytes: int, max_age_s: float) -> None:
+    def __init__(self, root: str, *, max_bytes: int, max_age_s: float, claim: bool = True) -> None:
+        """``claim``: take the directory for this store (``DeliveryDirInUse`` when another live
+        store holds it), adopt what is there and deliver into it; a store built with ``claim=False``
+        (a worker rank that never delivers) leaves the directory untouched and refuses to write."""
         self.root = os.path.realpath(root)
         self.max_bytes = max_bytes
         self.max_age_s = max_age_s
-        os.makedirs(root, mode=0o700, exist_ok=True)
         self._lock = threading.Lock()
         self._delivered: OrderedDict[str, _Delivered] = OrderedDict()  # oldest first; guarded by _lock
         self._bytes = 0
         self.removed = 0  # files removed by retention
         self.fault = parse_fault(os.environ.get(FAULT_ENV))
-        self._adopt_existing()
+        self._claim_fd: int | None = None
+        if claim:
+            os.makedirs(root, mode=0o700, exist_ok=True)
+            self._claim_fd = _claim_directory(self.root)
+            self._adopt_existing()
+
+    @property
+    def claimed(self) -> bool:
+        """Whether this store holds its directory (and so may deliver into it)."""
+        return self._claim_fd is not None
+
+    def close(self) -> None:
+        """Give the directory up (a later server may claim it); idempotent."""
+        fd, self._claim_fd = self._claim_fd, None
+        if fd is not None:
+            os.close(fd)
 
     # ------------------------------------------------------------------ locks
     def hold_lock(self, path: str) -> int:
@@ -198,6 +273,8 @@ class DeliveryStore:
         ``FileExistsError`` when the lock file exists (another request's file is on its way
         there: two clients may ask for one custom path before either lock exists); never waits,
         since the engine thread that calls it is the one that would release the other lock."""
+        if self._claim_fd is None:
+            raise RuntimeError(f"this store does not hold {self.root} (not claimed, or closed): it delivers nothing")
         fd = os.open(path + ".lock", os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -52,6 +52,7 @@ from omni_cache.integration.delivery import (
 from omni_cache.integration.delivery_sched import DeliveryScheduler
 from omni_cache.integration.kv_nesting import STAGE_REFUSAL, connector_configs, omni_connector
 from omni_cache.integration.metrics import CacheMetricsReporter
+from omni_cache.integration.ranks import vllm_worker_rank
 from omni_cache.integration.tier_apply import TierApplier, TierLoad, TierPlan, TierStore
 from omni_cache.integration.vllm_logging import use_vllm_logging
 from omni_cache.runtime.errors import OmniPrefixCacheUnmatchError
@@ -239,8 +240,8 @@ def _build() -> dict[str, type]:
             if role == KVConnectorRole.WORKER:
                 self.omni_tier_applier = TierApplier(
                     HiddenTier(settings["tier_bytes"], settings["tier_dir"]), self._omni_block_size)
-                if delivery is not None:
-                    self.omni_delivery = RowDelivery(delivery)
+                if delivery is not None:  # only the output rank delivers, so only it takes the directory
+                    self.omni_delivery = RowDelivery(delivery, claim=vllm_worker_rank().is_output_rank)
                 self.omni_metrics = CacheMetricsReporter(self.omni_delivery, self.omni_tier_applier)
             elif delivery is not None:
                 self.omni_delivery_sched = DeliveryScheduler(delivery)

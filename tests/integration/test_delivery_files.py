@@ -34,7 +34,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from omni_cache.integration import delivery_files
-from omni_cache.integration.delivery_files import FILE_SUFFIX, DeliveryPaths, DeliveryStore, delivery_name
+from omni_cache.integration.delivery_files import (
+    CLAIM_NAME,
+    FILE_SUFFIX,
+    DeliveryPaths,
+    DeliveryStore,
+    delivery_name,
+)
 
 NONCE = "0123456789ab"
 SAFE_CHARS = set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
@@ -50,6 +56,11 @@ def _root(tmp_path: Path, name: str = "root") -> str:
 
 def _no_temporary_files(directory: str) -> list[str]:
     return [n for n in os.listdir(directory) if ".omni-tmp-" in n]
+
+
+def delivered(root: str | Path) -> list[str]:
+    """What ``root`` holds besides the store's own claim on it."""
+    return [n for n in os.listdir(root) if n != CLAIM_NAME]
 
 
 # ------------------------------------------------------------------------------------ names
@@ -123,7 +134,7 @@ def test_a_requested_path_that_cannot_be_a_file_name_is_refused(tmp_path: Path) 
     delivery error, never raised into the engine from the lock file's creation."""
     root = _root(tmp_path)
     path, error = DeliveryPaths(root, NONCE, allow_custom_path=True).target("r", "bad\ud800.safetensors")
-    assert path is None and "cannot be encoded as a file name" in error and os.listdir(root) == []
+    assert path is None and "cannot be encoded as a file name" in error and delivered(root) == []
 
 
 def test_a_sibling_directory_whose_name_starts_like_the_root_is_outside(tmp_path: Path) -> None:
@@ -299,7 +310,7 @@ def test_a_cancelled_gate_publishes_nothing_and_leaves_no_temporary_file(tmp_pat
     with pytest.raises(TimeoutError, match="abandoned"):
         store.write(path, b"rows", publish=gate)
     assert not os.path.lexists(path) and not gate.published
-    assert os.listdir(root) == [] and store.nbytes == 0
+    assert delivered(root) == [] and store.nbytes == 0
 
 
 def test_a_write_outside_the_root_is_refused(tmp_path: Path) -> None:
@@ -406,7 +417,7 @@ def test_vllms_reader_waits_for_the_lock_then_reads_the_complete_file(tmp_path: 
     (data,) = got
     assert isinstance(data, dict) and torch.equal(data["hidden_states"], rows) and torch.equal(data["token_ids"], ids)
     cleanup_hidden_states(path)
-    assert os.listdir(root) == []
+    assert delivered(root) == []
 
 
 def _load_or_error(load, path: str) -> object:
@@ -450,7 +461,7 @@ def test_retention_by_bytes_removes_the_oldest_file_with_its_lock_and_error(tmp_
     clock.now += 1
     third = _deliver(store, "c.safetensors", 100)
     assert store.removed == 1 and store.nbytes == 200
-    assert sorted(os.listdir(root)) == sorted(os.path.basename(p) + s for p in (second, third) for s in ("", ".lock"))
+    assert sorted(delivered(root)) == sorted(os.path.basename(p) + s for p in (second, third) for s in ("", ".lock"))
 
 
 def test_a_file_larger_than_the_bound_is_refused_and_the_newest_file_is_never_removed_on_delivery(
@@ -463,7 +474,7 @@ def test_a_file_larger_than_the_bound_is_refused_and_the_newest_file_is_never_re
     path = os.path.join(root, "big.safetensors")
     with pytest.raises(OSError, match=r"301 bytes is larger than .*delivery_max_bytes=250") as info:
         store.write(path, b"x" * 301)
-    assert info.value.errno == errno.EFBIG and os.listdir(root) == [] and store.nbytes == 0
+    assert info.value.errno == errno.EFBIG and delivered(root) == [] and store.nbytes == 0
     first = _deliver(store, "a.safetensors", 100)
     clock.now += 1
     second = _deliver(store, "b.safetensors", 250)  # fits the bound alone: the older file goes, not this one
@@ -485,7 +496,7 @@ def test_retention_by_age_removes_files_older_than_the_bound(tmp_path: Path, clo
     assert store.removed == 1 and store.nbytes == 10
     clock.now += 30
     store.enforce()
-    assert os.listdir(root) == [] and store.nbytes == 0
+    assert delivered(root) == [] and store.nbytes == 0
 
 
 def test_a_file_the_client_cleaned_up_already_is_forgotten_quietly(tmp_path: Path, clock: _Clock) -> None:
@@ -520,7 +531,7 @@ def test_files_already_in_the_directory_are_adopted_oldest_first(tmp_path: Path,
     live = f"e.safetensors.omni-tmp-{os.getpid()}-7"  # a live writer's (a server sharing the directory)
     Path(root, live).write_bytes(b"partial")
     store = DeliveryStore(root, max_bytes=250, max_age_s=3600)
-    assert sorted(os.listdir(root)) == sorted([b, c, "link.safetensors", "notes.txt", shard.name, live])
+    assert sorted(delivered(root)) == sorted([b, c, "link.safetensors", "notes.txt", shard.name, live])
     assert store.nbytes == 200 and store.removed == 1 and outside.read_bytes() == b"y" * 1000
     assert shard.read_bytes() == b"w" * 1000
 
@@ -533,11 +544,11 @@ def test_lock_files_and_error_notes_left_alone_are_adopted_too(tmp_path: Path, c
         Path(root, name).write_text("why" if name.endswith(".error") else "")
         os.utime(os.path.join(root, name), (clock.now - age, clock.now - age))
     store = DeliveryStore(root, max_bytes=1 << 30, max_age_s=3600)
-    assert sorted(os.listdir(root)) == ["new.safetensors.error", "new.safetensors.lock", "other.lock"]
+    assert sorted(delivered(root)) == ["new.safetensors.error", "new.safetensors.lock", "other.lock"]
     assert store.nbytes == 3 and store.removed == 1
     clock.now += 3600
     store.enforce()
-    assert os.listdir(root) == ["other.lock"]
+    assert delivered(root) == ["other.lock"]
 
 
 def test_adopted_files_older_than_the_age_bound_are_removed_at_start(tmp_path: Path, clock: _Clock) -> None:
@@ -548,7 +559,7 @@ def test_adopted_files_older_than_the_age_bound_are_removed_at_start(tmp_path: P
     Path(root, new).write_bytes(b"x")
     os.utime(os.path.join(root, new), (clock.now - 10, clock.now - 10))
     DeliveryStore(root, max_bytes=1 << 30, max_age_s=3600)
-    assert os.listdir(root) == [new]
+    assert delivered(root) == [new]
 
 
 def test_a_lock_file_the_disk_will_not_remove_is_still_released(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

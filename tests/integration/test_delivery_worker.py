@@ -33,7 +33,7 @@ from delivery_helpers import JOIN_S, NONCE, FullDisk, HeldDisk, ServedLoop, expe
 from omni_cache import PrefixCacheRequestEvent
 from omni_cache.integration import delivery_files
 from omni_cache.integration.delivery import DeliveryPlan, DeliverySettings, DeliveryTarget, RowDelivery
-from omni_cache.integration.delivery_files import DeliveryStore
+from omni_cache.integration.delivery_files import CLAIM_NAME, DeliveryStore
 from omni_cache.runtime.manager import OmniPrefixCacheManager
 
 KEY = "audio.codes"
@@ -482,5 +482,5 @@ def test_failed_and_dropped_deliveries_leave_nothing_retention_does_not_remove(w
     assert os.listdir(w.settings.delivery_dir), "the failures left their notes (for a while)"
     clock.now += 61
     w.store.enforce()
-    assert os.listdir(w.settings.delivery_dir) == []
+    assert os.listdir(w.settings.delivery_dir) == [CLAIM_NAME]  # the store's own claim on it stays
     w.assert_every_step_consumed_once()

@@ -10,7 +10,8 @@ child of ``OmniKVConnector`` (their option replaced, not duplicated), a user's o
 is a configuration the cache's own settings check and vLLM's ``KVTransferConfig`` accept, and
 every tiny-llama option can be overridden. ``tiny_llama_dir`` builds the model directory once
 (a byte-level tokenizer that round-trips any text) in a directory of this user only. The CLI's
-argument errors (``serve`` and ``check-server``) exit 2 with one line, before torch is imported.
+argument errors (``serve`` and ``check-server``) exit 2 with one line, before torch is imported; a
+``--delivery-dir`` another running server holds is refused the same way, before vLLM starts.
 """
 
 from __future__ import annotations
@@ -237,3 +238,23 @@ def test_serve_dry_run_prints_the_server_command(capsys: pytest.CaptureFixture[s
     config = json.loads(out.split("--kv-transfer-config ", 1)[1].split(" --port")[0].strip("'"))
     assert config["kv_connector_extra_config"]["omni_cache"] == {
         "delivery_dir": str(tmp_path / "files"), "include_output_tokens": True, "delivery_timeout_s": 2.5}
+
+
+def test_serve_refuses_a_delivery_directory_another_server_holds(tmp_path: Path) -> None:
+    """Before vLLM starts: one line, exit 2, naming the directory and the process that holds it."""
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("omni-cache serve needs vLLM installed (the [vllm] extra)")
+    from omni_cache.integration.delivery_files import DeliveryStore
+
+    held = DeliveryStore(str(tmp_path / "files"), max_bytes=1 << 20, max_age_s=60.0)  # a running server's
+    try:
+        done = subprocess.run([sys.executable, "-m", "omni_cache.cli", "serve", "tiny-llama", "--delivery-dir",
+                               str(tmp_path / "files")], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                              env={**os.environ, "TMPDIR": str(tmp_path)})
+    finally:
+        held.close()
+    errors = [line for line in done.stderr.splitlines() if ": error: " in line]
+    assert done.returncode == 2 and len(errors) == 1, done.stderr[-2000:]
+    assert f"{tmp_path / 'files'} is the delivery directory of another running server (process {os.getpid()})" \
+        in errors[0]
+    assert "hidden-state files in" not in done.stderr, "the server was started anyway"

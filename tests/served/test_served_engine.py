@@ -5,7 +5,8 @@ processes): every request's full-prompt hidden states leave the engine as a file
 hidden-states format, read with vLLM's own ``load_hidden_states``, equal to the same prompt
 recomputed with a fresh ``cache_salt`` (``check-server`` and an independent client); file names
 stay safe whatever ``X-Request-Id`` a client sends; a client-given path is ignored unless allowed;
-a full disk, a slow disk and a missing directory fail only the requests they hit, with a clear
+a second server on the same delivery directory is refused at start; a full disk, a slow disk and a
+missing directory fail only the requests they hit, with a clear
 error in the response, and the server keeps answering; the cache's series on ``/metrics``
 (scraped over HTTP, vLLM's default registry) equal the worker's own numbers read through
 ``/collective_rpc`` and what a prefix-sharing workload implies, and ``check-server`` reports them;
@@ -29,6 +30,8 @@ from pathlib import Path
 import pytest
 from served_support import ServedEngine, load, metrics_matching_worker, params
 
+from omni_cache.harness.served.launch import serve_command
+from omni_cache.harness.served.process import ServerProcess, free_port
 from omni_cache.integration.metrics import SERIES
 
 pytestmark = pytest.mark.vllm
@@ -99,6 +102,23 @@ def test_an_independent_client_reads_rows_equal_to_the_recomputation(server: Ser
         cleanup_hidden_states(path)
         assert not os.path.exists(path) and not os.path.exists(path + ".lock")
     assert stat.S_IMODE(os.stat(server.delivery_dir).st_mode) == 0o700
+
+
+def test_a_second_server_on_the_same_delivery_directory_is_refused_at_start(server: ServedEngine,
+                                                                             tmp_path: Path) -> None:
+    """Two servers on one directory would count and remove each other's files. Started as vLLM's
+    own server (no launcher to check first), the second one's output worker finds the directory
+    held and the server exits during start, naming the setting; the first keeps serving files."""
+    port = free_port()
+    argv, env = serve_command("tiny-llama", ["--port", str(port)], delivery={"delivery_dir": str(server.delivery_dir)})
+    with pytest.raises(RuntimeError, match="exited with"):
+        ServerProcess(argv, port=port, log_path=tmp_path / "rival.log", env={**env, "VLLM_LOGGING_LEVEL": "INFO"},
+                      start_timeout_s=420.0).stop()
+    log = (tmp_path / "rival.log").read_text(errors="replace")
+    refusal = f"omni_cache.delivery_dir: {server.delivery_dir} is the delivery directory of another running server"
+    assert f"Worker failed with error 'OmniKVConnector: {refusal}" in log, log[-3000:]
+    again = server.complete("after the rival " + PREFIX)
+    assert load(params(again)["hidden_states_path"])["hidden_states"].shape[0] == again["usage"]["prompt_tokens"]
 
 
 @pytest.mark.parametrize("request_id", ["../../../../tmp/omni-escape", "/etc/omni-abs", "a/b/../../c",
