@@ -218,6 +218,9 @@ class RowDelivery:
                                       max_age_s=settings.delivery_max_age_s, claim=claim)
             except DeliveryDirInUse as exc:
                 raise DeliveryDirInUse(f"OmniKVConnector: omni_cache.delivery_dir: {exc}") from None
+            except OSError as exc:  # cannot be created or written: refused at start, not at every request
+                raise ValueError(f"OmniKVConnector: omni_cache.delivery_dir {settings.delivery_dir!r} cannot hold "
+                                 f"the delivered files: {exc}") from exc
         self.store = store
         self._writers = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="omni-cache-delivery")
         self._requests: dict[str, _Rows] = {}

@@ -6,7 +6,7 @@ another, is refused at construction with ``DeliveryDirInUse`` naming the holder,
 (and so before it could remove) a single file; ``close`` (the worker's shutdown) and the death of
 the holding process, however abrupt, free the directory; a store built without the claim (a worker
 rank that never delivers) neither creates, adopts nor removes anything there, and refuses to take
-a file's lock; ``RowDelivery`` names the setting in its refusal; the launcher's probe
+a file's lock; ``RowDelivery`` names the setting in its refusal (also of a directory it cannot create); the launcher's probe
 (``claim_holder``) names the holder and holds nothing itself.
 """
 
@@ -105,3 +105,12 @@ def test_the_launchers_probe_names_the_holder_and_takes_nothing(tmp_path: Path) 
     assert claim_holder(str(tmp_path)) is None  # a claim file left behind, nobody holding it
     again = DeliveryStore(str(tmp_path), **BOUNDS)  # the probe left no lock behind
     again.close()
+
+
+def test_a_directory_that_cannot_be_created_is_refused_at_start_naming_the_setting(tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_bytes(b"")
+    settings = DeliverySettings.from_settings({"delivery_dir": str(tmp_path / "a-file" / "files")})
+    assert settings is not None
+    with pytest.raises(ValueError, match=r"omni_cache\.delivery_dir '.*a-file/files' cannot hold the delivered files"):
+        RowDelivery(settings)
+    RowDelivery(settings, claim=False).shutdown()  # a rank that does not deliver never touches it
