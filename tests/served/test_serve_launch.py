@@ -108,7 +108,31 @@ def test_a_users_connector_becomes_the_wrapped_child(form: str) -> None:
     transfer = _transfer(argv)  # exactly one --kv-transfer-config: the user's was taken out
     assert transfer["kv_connector"] == "OmniKVConnector"
     assert transfer["kv_connector_extra_config"] == {"connectors": [theirs], "omni_cache": DELIVERY}
+    assert transfer["kv_load_failure_policy"] == "recompute"  # a hit the tier has no rows for is recomputed
     assert _option(argv, "--seed") == ["3"] and _option(argv, "--port") == ["1"]
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_a_load_failure_policy_the_user_chose_is_kept_at_the_top(policy: str) -> None:
+    """vLLM reads ``kv_load_failure_policy`` from the top of the config only: a user's choice written
+    in their own connector's config moves up with it, never left in the child where nothing reads it."""
+    theirs = {"kv_connector": "ExampleConnector", "kv_role": "kv_both", "kv_load_failure_policy": policy}
+    transfer = omni_transfer_config(json.dumps(theirs), DELIVERY)
+    assert transfer["kv_load_failure_policy"] == policy
+    assert transfer["kv_connector_extra_config"]["connectors"] == [
+        {"kv_connector": "ExampleConnector", "kv_role": "kv_both"}]
+    own = {**launch.CONNECTOR, "kv_load_failure_policy": policy,
+           "kv_connector_extra_config": {"connectors": [{"kv_connector": "ExampleConnector", "kv_role": "kv_both"}]}}
+    assert omni_transfer_config(json.dumps(own), DELIVERY)["kv_load_failure_policy"] == policy
+
+
+def test_without_a_wrapped_connector_vllms_load_failure_policy_is_left_alone() -> None:
+    """No external KV store, no external load: nothing for the policy to decide."""
+    assert "kv_load_failure_policy" not in omni_transfer_config(None, DELIVERY)
+    own = {**launch.CONNECTOR, "kv_connector_extra_config": {"connectors": []}}
+    assert "kv_load_failure_policy" not in omni_transfer_config(json.dumps(own), DELIVERY)
+    own["kv_connector_extra_config"]["connectors"] = [{"kv_connector": "ExampleConnector", "kv_role": "kv_both"}]
+    assert omni_transfer_config(json.dumps(own), DELIVERY)["kv_load_failure_policy"] == "recompute"
 
 
 def test_a_users_omni_connector_keeps_its_settings_and_gains_delivery() -> None:

@@ -32,6 +32,7 @@ __all__ = ["BUILTIN", "TINY_LLAMA", "WORKER_CLS", "builtin_model_dir", "default_
 WORKER_CLS = "omni_cache.integration.vllm_worker.OmniCPUWorker"
 CONNECTOR = {"kv_connector": "OmniKVConnector", "kv_connector_module_path": "omni_cache.integration.kv_tier",
              "kv_role": "kv_both"}
+LOAD_FAILURE_POLICY = "kv_load_failure_policy"  # vLLM's KVTransferConfig field: a top-level setting
 TINY_LLAMA = "tiny-llama"
 WIDE_LLAMA = "wide-llama"
 _COMMON_OPTIONS: tuple[tuple[str, str | None], ...] = (
@@ -119,7 +120,13 @@ def _option_value(args: Sequence[str], name: str) -> tuple[int, str | None] | No
 
 def omni_transfer_config(user: str | None, delivery: dict[str, Any]) -> dict[str, Any]:
     """``--kv-transfer-config`` with the omni connector: ``user``'s own connector becomes its wrapped
-    child; an ``OmniKVConnector`` config of the user's gains the delivery settings it lacks."""
+    child; an ``OmniKVConnector`` config of the user's gains the delivery settings it lacks.
+
+    With a wrapped connector, vLLM's ``kv_load_failure_policy`` (a setting of the whole engine, so
+    lifted from the user's connector to the top) is ``"recompute"`` unless the user chose: the
+    hidden-state tier lives in this server's memory, so a hit of an external KV store it holds no
+    rows for (after a restart, or from a store that keys blocks without ``cache_salt``) is a failed
+    load, which vLLM's default (``"fail"``) answers with an error for the request."""
     if user is None:
         return {**CONNECTOR, "kv_connector_extra_config": {"connectors": [], "omni_cache": delivery}}
     try:
@@ -131,8 +138,13 @@ def omni_transfer_config(user: str | None, delivery: dict[str, Any]) -> dict[str
     if config.get("kv_connector") == CONNECTOR["kv_connector"]:
         extra = dict(config.get("kv_connector_extra_config") or {})
         extra["omni_cache"] = {**delivery, **dict(extra.get("omni_cache") or {})}
-        return {**config, "kv_connector_extra_config": extra}
-    return {**CONNECTOR, "kv_connector_extra_config": {"connectors": [config], "omni_cache": delivery}}
+        wrapped = {**config, "kv_connector_extra_config": extra}
+        if extra.get("connectors"):
+            wrapped.setdefault(LOAD_FAILURE_POLICY, "recompute")
+        return wrapped
+    child = {k: v for k, v in config.items() if k != LOAD_FAILURE_POLICY}
+    return {**CONNECTOR, LOAD_FAILURE_POLICY: config.get(LOAD_FAILURE_POLICY, "recompute"),
+            "kv_connector_extra_config": {"connectors": [child], "omni_cache": delivery}}
 
 
 def serve_command(model: str, vllm_args: Sequence[str], *, delivery: dict[str, Any],
