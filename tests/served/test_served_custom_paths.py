@@ -4,12 +4,14 @@ Protects: a request's ``kv_transfer_params.hidden_states_path`` is honoured only
 delivery directory: a path outside it, one that climbs out with ``..``, one through a symlink
 that leads out, an existing file (never overwritten) and a name that is not ``.safetensors``
 each fail that request's delivery with a clear error, write nothing outside, and the server
-keeps serving. Real server process on 127.0.0.1, real HTTP client, vLLM's reader.
+keeps serving; a streaming client (whose chunks carry no path) finds its rows at the path it chose. Real server process on 127.0.0.1, real HTTP client, vLLM's reader.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -52,6 +54,22 @@ def _escape_cases(server: ServedEngine, tmp_path: Path) -> dict[str, tuple[str, 
         "existing file": (str(existing), existing),
         "not safetensors": (str(server.delivery_dir / "c.txt"), server.delivery_dir / "c.txt"),
     }
+
+
+def test_a_streaming_client_gets_its_rows_at_the_path_it_chose(server: ServedEngine) -> None:
+    """vLLM's streamed chunks carry no ``kv_transfer_params``: a streaming client's own path is how it
+    finds its file, written whole once the stream has ended (vLLM's reader waits on the lock)."""
+    wanted = server.delivery_dir / "streamed.safetensors"
+    body = {"model": "tiny-llama", "prompt": PROMPT + "streamed", "max_tokens": 4, "temperature": 0.0,
+            "stream": True, "stream_options": {"include_usage": True},
+            "kv_transfer_params": {"hidden_states_path": str(wanted)}}
+    request = urllib.request.Request(server.url + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=180) as response:
+        chunks = [json.loads(line[len(b"data: "):]) for line in response.read().splitlines()
+                  if line.startswith(b"data: {")]
+    prompt_tokens = next(c["usage"]["prompt_tokens"] for c in chunks if c.get("usage"))
+    assert load(str(wanted))["hidden_states"].shape[0] == prompt_tokens > 0
 
 
 @pytest.mark.parametrize("case", ["absolute outside", "climbs out", "symlink out", "existing file", "not safetensors"])
