@@ -243,8 +243,15 @@ def _build() -> dict[str, type]:
                 if delivery is not None:  # only the output rank delivers, so only it takes the directory
                     self.omni_delivery = RowDelivery(delivery, claim=vllm_worker_rank().is_output_rank)
                 self.omni_metrics = CacheMetricsReporter(self.omni_delivery, self.omni_tier_applier)
-            elif delivery is not None:
-                self.omni_delivery_sched = DeliveryScheduler(delivery)
+            else:
+                if delivery is not None:
+                    self.omni_delivery_sched = DeliveryScheduler(delivery)
+                policy = getattr(vllm_config.kv_transfer_config, "kv_load_failure_policy", None)
+                if self.sub_connectors and policy == "fail":
+                    log.warning("omni-cache: kv_load_failure_policy is 'fail' beside a wrapped KV connector: a hit "
+                                "of its store whose hidden rows the tier does not hold (after a restart, or a store "
+                                "that ignores cache_salt) fails that request; set kv_transfer_config "
+                                "kv_load_failure_policy='recompute' to compute such blocks again (docs/kv-tier.md)")
 
         @classmethod
         def _get_connector_classes_and_configs(cls, vllm_config: Any) -> Any:

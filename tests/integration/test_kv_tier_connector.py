@@ -245,3 +245,24 @@ def test_pipeline_parallel_aggregation_keeps_the_output_ranks_delivery_outcomes(
         outputs.append(out)
     merged = KVOutputAggregator(expected_finished_count=2).aggregate(outputs, output_rank=1)
     assert merged.kv_connector_output.kv_connector_worker_meta.omni_results == (result,)
+
+
+@pytest.mark.parametrize(("policy", "warned"), [("fail", True), ("recompute", False)])
+def test_a_failing_load_policy_beside_a_wrapped_connector_is_warned_about(base_kwargs, tmp_path, caplog,  # noqa: F811
+                                                                          policy: str, warned: bool) -> None:
+    """A plain ``vllm serve`` user wrapping a connector keeps vLLM's default ``"fail"``: one warning
+    at start says which requests it fails and what to set (the launcher sets ``"recompute"``)."""
+    import logging
+
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    vllm_config = _vllm_config(base_kwargs, kv_transfer_config={**_wrapped(str(tmp_path)),
+                                                                "kv_load_failure_policy": policy})
+    cls = KVConnectorFactory.get_connector_class(vllm_config.kv_transfer_config)
+    with caplog.at_level(logging.WARNING, logger="omni_cache"):
+        cls(vllm_config, KVConnectorRole.SCHEDULER, None)
+    lines = [r.getMessage() for r in caplog.records if "kv_load_failure_policy" in r.getMessage()]
+    assert len(lines) == int(warned), lines
+    if warned:
+        assert "kv_load_failure_policy='recompute'" in lines[0]
