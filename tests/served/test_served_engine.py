@@ -3,7 +3,8 @@
 Protects, on vLLM's default multiprocess engine (API server, engine core and worker in their own
 processes): every request's full-prompt hidden states leave the engine as a file in vLLM's
 hidden-states format, read with vLLM's own ``load_hidden_states``, equal to the same prompt
-recomputed with a fresh ``cache_salt`` (``check-server`` and an independent client); file names
+recomputed with a fresh ``cache_salt`` (``check-server`` and an independent client), also for a
+chat completion (the rows of its rendered prompt); file names
 stay safe whatever ``X-Request-Id`` a client sends; a client-given path is ignored unless allowed;
 a second server on the same delivery directory is refused at start; a full disk, a slow disk and a
 missing directory fail only the requests they hit, with a clear
@@ -25,9 +26,11 @@ import stat
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
+import torch
 from served_support import ServedEngine, load, metrics_matching_worker, params
 
 from omni_cache.harness.served.launch import serve_command
@@ -102,6 +105,31 @@ def test_an_independent_client_reads_rows_equal_to_the_recomputation(server: Ser
         cleanup_hidden_states(path)
         assert not os.path.exists(path) and not os.path.exists(path + ".lock")
     assert stat.S_IMODE(os.stat(server.delivery_dir).st_mode) == 0o700
+
+
+def test_a_chat_completion_delivers_the_rows_of_its_rendered_prompt(server: ServedEngine) -> None:
+    """``/v1/chat/completions`` (the tiny model's chat template renders plain text): the file holds one
+    row per token of the rendered prompt, equal bit for bit to the same text sent as a completion
+    under a fresh ``cache_salt``."""
+    from jinja2 import Template
+    from tokenizers import Tokenizer
+
+    from omni_cache.harness.served.launch import CHAT_TEMPLATE, tiny_llama_dir
+
+    messages = [{"role": "system", "content": "You speak for the thinker."},
+                {"role": "user", "content": "Chat with the talker: " + PREFIX}]
+    body = json.dumps({"model": "tiny-llama", "messages": messages, "max_tokens": 3, "temperature": 0.0}).encode()
+    request = urllib.request.Request(server.url + "/v1/chat/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=180) as response:
+        chat = json.loads(response.read())
+    rendered = Template(CHAT_TEMPLATE).render(messages=messages, add_generation_prompt=True)
+    data = load(params(chat)["hidden_states_path"])
+    tokenizer = Tokenizer.from_file(os.path.join(tiny_llama_dir(), "tokenizer.json"))
+    assert data["token_ids"].tolist() == tokenizer.encode(rendered).ids  # the rendering, one token per byte
+    assert data["hidden_states"].shape[0] == chat["usage"]["prompt_tokens"]
+    plain = server.complete(rendered, cache_salt="chat-truth")
+    assert torch.equal(load(params(plain)["hidden_states_path"])["hidden_states"], data["hidden_states"])
 
 
 def test_a_second_server_on_the_same_delivery_directory_is_refused_at_start(server: ServedEngine,

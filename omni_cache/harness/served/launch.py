@@ -5,10 +5,11 @@ model plus the user's own vLLM options: the omni worker class, prefix caching, a
 ``OmniKVConnector`` with ``delivery_dir`` -- a connector the user configured is wrapped, not
 replaced), the built-in models (``BUILTIN``: ``tiny-llama``, a 2-layer Llama of width 128, and
 ``wide-llama``, a 16-layer Llama of width 1024 whose forward dominates a step; dummy weights and a
-259-token byte-level tokenizer, built once into a cache directory by ``builtin_model_dir``, so a
-try-out needs no download), ``plain_server_command`` (the same server without the cache, for
-comparisons) and ``default_delivery_dir`` (a directory of the server's user only). vLLM is not
-imported here; the launcher execs the server, so signals reach it directly.
+259-token byte-level tokenizer with a plain-text chat template, built once into a cache directory
+by ``builtin_model_dir``, so a try-out needs no download and serves ``/v1/chat/completions`` too),
+``plain_server_command`` (the same server without the cache, for comparisons) and
+``default_delivery_dir`` (a directory of the server's user only). vLLM is not imported here; the
+launcher execs the server, so signals reach it directly.
 
 Upholds: the command never carries a configuration the cache refuses silently: a
 ``--worker-cls`` other than the omni worker, ``--no-enable-prefix-caching`` or a
@@ -73,7 +74,8 @@ def builtin_model_dir(name: str) -> str:
     from omni_cache.harness.vllm_engine.models import sim_model
 
     config = sim_model(BUILTIN[name][0]).config
-    tag = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:12]
+    # the tokenizer's files are part of the tag: a directory built with older ones is never reused
+    tag = hashlib.sha256(json.dumps([config, _TOKENIZER_CONFIG], sort_keys=True).encode()).hexdigest()[:12]
     path = _uid_dir(f"{name}-{tag}")
     if os.path.exists(os.path.join(path, "tokenizer.json")):
         return path
@@ -104,8 +106,15 @@ def _write_tokenizer(path: str) -> None:
     tokenizer.add_special_tokens(["<unk>", "<s>", "</s>"])
     tokenizer.save(os.path.join(path, "tokenizer.json"))
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
-        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-                   "unk_token": "<unk>", "model_max_length": 2048}, f)
+        json.dump(_TOKENIZER_CONFIG, f)
+
+
+# ``CHAT_TEMPLATE``: one line per message, ``role: content``, then ``assistant:`` when a reply is
+# wanted; plain text only (no special token), so a chat prompt is the bytes of its rendering.
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+_TOKENIZER_CONFIG = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+                     "unk_token": "<unk>", "model_max_length": 2048, "chat_template": CHAT_TEMPLATE}
 
 
 def _option_value(args: Sequence[str], name: str) -> tuple[int, str | None] | None:
