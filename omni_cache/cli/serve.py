@@ -7,7 +7,8 @@ argument, which goes to vLLM's server unchanged. It then replaces this process w
 ``python -m vllm.entrypoints.openai.api_server`` (``harness.served.launch``), so Ctrl-C and
 SIGTERM reach the server itself.
 
-Upholds nothing (argument checks and the server's command line).
+Upholds: a ``--delivery-dir`` another running server holds is refused before vLLM starts (one
+line, exit 2); the worker's own claim stays the authority.
 """
 
 from __future__ import annotations
@@ -95,11 +96,13 @@ def run(args: argparse.Namespace) -> int:
     if delivery_args.dry_run:
         print(" ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()), shlex.join(argv))
         return 0
+    from omni_cache.harness.served.launch import delivery_dir_of
     from omni_cache.integration.delivery_files import claim_holder
 
-    if (holder := claim_holder(delivery["delivery_dir"])) is not None:  # the worker would refuse it, later
-        parser.error(f"--delivery-dir {delivery['delivery_dir']} is the delivery directory of another running server "
+    directory = delivery_dir_of(argv)  # a user's own OmniKVConnector delivery_dir wins
+    if (holder := claim_holder(directory)) is not None:  # the worker would refuse it, later
+        parser.error(f"{directory} is the delivery directory of another running server "
                      f"(process {holder}); give each server its own --delivery-dir")
-    print(f"omni-cache serve: {args.model}, hidden-state files in {delivery['delivery_dir']}", file=sys.stderr,
+    print(f"omni-cache serve: {args.model}, hidden-state files in {directory}", file=sys.stderr,
           flush=True)
     os.execve(argv[0], argv, {**os.environ, **env})

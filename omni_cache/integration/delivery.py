@@ -208,14 +208,16 @@ class RowDelivery:
     """The worker half of delivery (see the module docstring). Engine thread, except the
     writer threads that run ``DeliveryStore.write``."""
 
-    def __init__(self, settings: DeliverySettings, *, store: DeliveryStore | None = None, claim: bool = True) -> None:
-        """``claim``: this worker delivers (the output rank), so its store takes the directory; a
-        directory another live server holds is refused here, naming the setting."""
+    def __init__(self, settings: DeliverySettings, *, store: DeliveryStore | None = None, claim: bool = True,
+                 replica: int = 0) -> None:
+        """``claim``: this worker delivers (the output rank), so its store takes the directory (as
+        data-parallel replica ``replica``); a directory another live server holds is refused here,
+        naming the setting."""
         self.settings = settings
         if store is None:
             try:
                 store = DeliveryStore(settings.delivery_dir, max_bytes=settings.delivery_max_bytes,
-                                      max_age_s=settings.delivery_max_age_s, claim=claim)
+                                      max_age_s=settings.delivery_max_age_s, claim=claim, replica=replica)
             except DeliveryDirInUse as exc:
                 raise DeliveryDirInUse(f"OmniKVConnector: omni_cache.delivery_dir: {exc}") from None
             except OSError as exc:  # cannot be created or written: refused at start, not at every request
@@ -359,12 +361,17 @@ class RowDelivery:
         pending = [j.future for j in (*self._step_jobs, *self._abandoned) if j.future is not None]
         if pending:
             cf.wait(pending, timeout=timeout_s)
+        running = sum(not f.done() for f in pending)
         for rows in self._requests.values():
             if not rows.done:
                 self.store.release_lock(rows.lock_fd)
         self._requests.clear()
         self._writers.shutdown(wait=False, cancel_futures=True)
-        self.store.close()
+        if running:  # NOTE: a write still running keeps the directory claimed: the claim ends with the process
+            log.warning("omni-cache: %d delivery write(s) still running after %.1fs; %s stays claimed until "
+                        "this process exits", running, timeout_s, self.settings.delivery_dir)
+        else:
+            self.store.close()
 
     # ------------------------------------------------------------- internals
     def _admit(self, target: DeliveryTarget, prompt_token_ids: Any) -> None:

@@ -3,9 +3,10 @@
 Owns: ``delivery_name`` (the file name of a request's rows, made safe from the client-chosen
 request id), ``DeliveryPaths`` (the delivery directory and where a request's file may go:
 the default name under it, or a client-given path when the operator allows it, only under
-the directory), and ``DeliveryStore`` (the worker side: lock files held while a file is
-being written, the atomic write itself, the ``.error`` note of a failed one, and retention
-under a byte and an age bound). No vLLM import: both the scheduler-side connector (which names
+the directory), ``DeliveryStore`` (the worker side: the claim on the directory, lock files held
+while a file is being written, the atomic write itself, the ``.error`` note of a failed one, and
+retention under a byte and an age bound), and the claim's names and probe (``CLAIM_NAME``,
+``claim_name``, ``claim_holder``, ``DeliveryDirInUse``). No vLLM import: both the scheduler-side connector (which names
 the file the client is told about) and the worker (which writes it) use this module.
 
 The file format is vLLM's hidden-states format (``ExampleHiddenStatesConnector``): one
@@ -17,8 +18,10 @@ until the file is in place, so vLLM's reader (a shared ``flock``, then the read)
 before the writer is done; ``cleanup_hidden_states(path)`` removes both.
 
 Upholds, for what leaves the engine: one live server delivers into a directory (its store holds
-an exclusive ``flock`` on ``CLAIM_NAME`` there; a second is refused at start, ``DeliveryDirInUse``,
-instead of counting the first one's files against its bounds and removing them); a reader never sees a partial file (the rows are written
+an exclusive ``flock`` on ``CLAIM_NAME`` there, each further data-parallel replica on its own
+``claim_name(r)``; a second server is refused at start, ``DeliveryDirInUse``, instead of counting
+the first one's files against its bounds and removing them; a store that does not hold the
+directory writes nothing there); a reader never sees a partial file (the rows are written
 to a temporary name and linked to the final name only when complete: ``os.link`` refuses an
 existing name, so no file is ever overwritten, and the temporary name is never the final
 name); no file name or path derives from client-controlled text without being made safe
@@ -51,6 +54,7 @@ import os
 import re
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Protocol
@@ -65,6 +69,7 @@ __all__ = [
     "FaultRule",
     "PublishGate",
     "claim_holder",
+    "claim_name",
     "delivery_name",
     "parse_fault",
 ]
@@ -75,6 +80,10 @@ FILE_SUFFIX = ".safetensors"
 _TMP_MARK = ".omni-tmp-"
 FAULT_ENV = "OMNI_CACHE_DELIVERY_FAULT"
 CLAIM_NAME = ".omni-cache-server.lock"  # held by the one store that delivers into the directory
+# A data-parallel replica r > 0 of the same server holds its own: ``.omni-cache-server-dp<r>.lock``.
+_CLAIM = re.compile(r"\.omni-cache-server(?:-dp[1-9][0-9]*)?\.lock")
+_CLAIM_TRIES = 5  # a launcher's probe holds a claim file for an instant: a claim retries before it refuses
+_CLAIM_RETRY_S = 0.02
 _SAFE = re.compile(r"[^A-Za-z0-9._-]+")
 _MAX_PREFIX = 48
 # ``delivery_name``'s output, and a writer's temporary file (``<name>.omni-tmp-<pid>-<thread>``).
@@ -83,8 +92,8 @@ _TMP_NAME = re.compile(r".+" + re.escape(FILE_SUFFIX + _TMP_MARK) + r"(\d+)-\d+"
 
 
 def _process_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists (a temporary file of a live writer, e.g. another server
-    sharing the directory, is never removed)."""
+    """Whether process ``pid`` exists (a temporary file of a live writer, e.g. of a server that
+    held the directory before, still writing, is never removed)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -189,43 +198,68 @@ class DeliveryDirInUse(ValueError):
     """Another live process holds the delivery directory (``DeliveryStore(claim=True)``)."""
 
 
-def _claim_directory(root: str) -> int:
-    """Hold an exclusive ``flock`` on ``root/CLAIM_NAME`` (the holder's pid written in it); the fd.
+def claim_name(replica: int = 0) -> str:
+    """The claim file of data-parallel replica ``replica`` (``CLAIM_NAME`` for the first, or no DP)."""
+    return CLAIM_NAME if replica == 0 else f".omni-cache-server-dp{replica}.lock"
 
-    NOTE: a ``flock`` ends with its process, however it dies, so a crashed server never leaves
-    its directory claimed; the file itself stays (removing it would race a new claimant)."""
-    path = os.path.join(root, CLAIM_NAME)
+
+# Stores holding a claim in this process: a child forked without exec closes its copies of their
+# fds (the claim stays the parent's, and ends with the parent, never outlived by a child).
+_CLAIMING: weakref.WeakSet[DeliveryStore] = weakref.WeakSet()
+
+
+def _claim_directory(root: str, name: str) -> int:
+    """Hold an exclusive ``flock`` on ``root/name`` (the holder's pid written in it, best effort); the fd.
+
+    NOTE: a ``flock`` ends with the last process holding its file open, however it dies, so a
+    crashed server never leaves its directory claimed; the file itself stays (removing it would
+    race a new claimant)."""
+    path = os.path.join(root, name)
     fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-        os.close(fd)
-        raise DeliveryDirInUse(f"{root} is the delivery directory of another running server (process {holder} "
-                               f"holds {path}); each server needs its own directory") from None
+        for attempt in range(_CLAIM_TRIES):
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if attempt == _CLAIM_TRIES - 1:
+                    holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+                    raise DeliveryDirInUse(f"{root} is the delivery directory of another running server (process "
+                                           f"{holder} holds {path}); each server needs its own directory") from None
+                time.sleep(_CLAIM_RETRY_S)
     except BaseException:
         os.close(fd)
         raise
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    try:  # only a name for the refusal of a rival: a full disk must not stop the server here
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except OSError as exc:
+        log.warning("could not write this process's pid into %s: %s", path, exc)
     return fd
 
 
 def claim_holder(root: str) -> str | None:
-    """The pid (as written) of the live process that holds ``root`` for delivery, or ``None``.
+    """The pid (as written) of a live process that holds ``root`` for delivery (any replica's
+    claim), or ``None``.
 
     A probe for launchers (a clear refusal before a server starts); the worker's claim itself
-    (``DeliveryStore``) stays the authority."""
+    (``DeliveryStore``) stays the authority. It takes a shared lock for an instant, which a
+    claim retries past."""
     try:
-        fd = os.open(os.path.join(root, CLAIM_NAME), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:  # no claim file (or no directory): nobody holds it
+        names = [entry.name for entry in os.scandir(root) if _CLAIM.fullmatch(entry.name)]
+    except OSError:  # no directory (or none readable): nobody delivers there yet
         return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-    finally:
-        os.close(fd)  # also ends the probe's own shared lock at once
+    for name in sorted(names):
+        try:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        finally:
+            os.close(fd)  # also ends the probe's own shared lock at once
     return None
 
 
@@ -237,10 +271,12 @@ class DeliveryStore:
     this store delivered (and, at start, files of this naming already in the directory) are
     ever removed."""
 
-    def __init__(self, root: str, *, max_bytes: int, max_age_s: float, claim: bool = True) -> None:
+    def __init__(self, root: str, *, max_bytes: int, max_age_s: float, claim: bool = True,
+                 replica: int = 0) -> None:
         """``claim``: take the directory for this store (``DeliveryDirInUse`` when another live
-        store holds it), adopt what is there and deliver into it; a store built with ``claim=False``
-        (a worker rank that never delivers) leaves the directory untouched and refuses to write."""
+        store holds it; ``replica``: the data-parallel replica, each holding its own claim), adopt
+        what is there and deliver into it; a store built with ``claim=False`` (a worker rank that
+        never delivers) leaves the directory untouched and refuses to write."""
         self.root = os.path.realpath(root)
         self.max_bytes = max_bytes
         self.max_age_s = max_age_s
@@ -252,8 +288,13 @@ class DeliveryStore:
         self._claim_fd: int | None = None
         if claim:
             os.makedirs(root, mode=0o700, exist_ok=True)
-            self._claim_fd = _claim_directory(self.root)
-            self._adopt_existing()
+            self._claim_fd = _claim_directory(self.root, claim_name(replica))
+            _CLAIMING.add(self)
+            try:
+                self._adopt_existing()
+            except BaseException:  # a half-built store gives the directory back
+                self.close()
+                raise
 
     @property
     def claimed(self) -> bool:
@@ -261,10 +302,22 @@ class DeliveryStore:
         return self._claim_fd is not None
 
     def close(self) -> None:
-        """Give the directory up (a later server may claim it); idempotent."""
+        """Give the directory up (a later server may claim it); idempotent. Writes refused from now on."""
+        fd, self._claim_fd = self._claim_fd, None
+        _CLAIMING.discard(self)
+        if fd is not None:
+            os.close(fd)
+
+    def _forget_claim_in_child(self) -> None:
+        """A forked child's copy of the claim fd: closed (the parent's claim holds on)."""
         fd, self._claim_fd = self._claim_fd, None
         if fd is not None:
             os.close(fd)
+
+    def _check_claimed(self, path: str) -> None:
+        if self._claim_fd is None:
+            raise PermissionError(errno.EACCES, f"this store does not hold {self.root} (not claimed, or closed): "
+                                                "it delivers nothing", path)
 
     # ------------------------------------------------------------------ locks
     def hold_lock(self, path: str) -> int:
@@ -273,8 +326,7 @@ class DeliveryStore:
         ``FileExistsError`` when the lock file exists (another request's file is on its way
         there: two clients may ask for one custom path before either lock exists); never waits,
         since the engine thread that calls it is the one that would release the other lock."""
-        if self._claim_fd is None:
-            raise RuntimeError(f"this store does not hold {self.root} (not claimed, or closed): it delivers nothing")
+        self._check_claimed(path)
         fd = os.open(path + ".lock", os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -308,6 +360,7 @@ class DeliveryStore:
         linked to ``path`` (which fails if anything exists there, a symlink included), then the
         temporary name is removed. ``publish``: the link happens under its lock, and not at all
         once it is cancelled."""
+        self._check_claimed(path)
         if len(payload) > self.max_bytes:  # retention would remove it before any client could read it
             raise OSError(errno.EFBIG, f"a file of {len(payload)} bytes is larger than the delivery "
                                        f"directory's bound (delivery_max_bytes={self.max_bytes})", path)
@@ -350,6 +403,9 @@ class DeliveryStore:
         """Best effort: ``<path>.error`` holds why the file is not there (a full disk may refuse it too).
         The note and the lock file are then under retention, as a delivered file is."""
         nbytes = 0
+        if self._claim_fd is None:  # a store that does not hold the directory leaves nothing there
+            log.warning("not recording the delivery error of %s: this store does not hold %s", path, self.root)
+            return
         try:
             fd = os.open(path + ".error", os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
             with os.fdopen(fd, "w") as f:
@@ -427,3 +483,12 @@ class DeliveryStore:
                 self._delivered[path] = _Delivered(int(size), mtime)
                 self._bytes += int(size)
             self._enforce_locked()
+
+
+def _forget_claims_in_child() -> None:
+    for store in list(_CLAIMING):
+        store._forget_claim_in_child()  # this module's own class
+    _CLAIMING.clear()
+
+
+os.register_at_fork(after_in_child=_forget_claims_in_child)

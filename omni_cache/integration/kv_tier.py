@@ -238,10 +238,13 @@ def _build() -> dict[str, type]:
             self._omni_open_stats: Any = None
             delivery = settings["delivery"]
             if role == KVConnectorRole.WORKER:
+                if delivery is not None:  # first: a refused claim leaves nothing else built
+                    # only the output rank delivers, so only it takes the directory (one claim per DP replica)
+                    replica = int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
+                    self.omni_delivery = RowDelivery(delivery, claim=vllm_worker_rank().is_output_rank,
+                                                     replica=replica)
                 self.omni_tier_applier = TierApplier(
                     HiddenTier(settings["tier_bytes"], settings["tier_dir"]), self._omni_block_size)
-                if delivery is not None:  # only the output rank delivers, so only it takes the directory
-                    self.omni_delivery = RowDelivery(delivery, claim=vllm_worker_rank().is_output_rank)
                 self.omni_metrics = CacheMetricsReporter(self.omni_delivery, self.omni_tier_applier)
             else:
                 if delivery is not None:

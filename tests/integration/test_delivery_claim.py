@@ -7,22 +7,33 @@ another, is refused at construction with ``DeliveryDirInUse`` naming the holder,
 the holding process, however abrupt, free the directory; a store built without the claim (a worker
 rank that never delivers) neither creates, adopts nor removes anything there, and refuses to take
 a file's lock; ``RowDelivery`` names the setting in its refusal (also of a directory it cannot create); the launcher's probe
-(``claim_holder``) names the holder and holds nothing itself.
+(``claim_holder``) names the holder (of any data-parallel replica's claim), and a claim retries past
+its instant of shared lock; a store that fails after its claim, and a child forked from its
+process, give the directory back; a full disk at start does not stop the claim.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from omni_cache.integration import delivery_files
 from omni_cache.integration.delivery import DeliverySettings, RowDelivery
-from omni_cache.integration.delivery_files import CLAIM_NAME, DeliveryDirInUse, DeliveryStore, claim_holder
+from omni_cache.integration.delivery_files import (
+    CLAIM_NAME,
+    DeliveryDirInUse,
+    DeliveryStore,
+    claim_holder,
+    claim_name,
+)
 
 BOUNDS = {"max_bytes": 1 << 30, "max_age_s": 3600.0}
 
@@ -80,9 +91,11 @@ def test_a_store_without_the_claim_leaves_the_directory_alone(tmp_path: Path) ->
     stale = _stale_delivery(tmp_path)
     bystander = DeliveryStore(str(tmp_path), max_bytes=1, max_age_s=1.0, claim=False)
     assert stale.exists(), "a store that does not deliver removed a file"
-    with pytest.raises(RuntimeError, match="delivers nothing"):
-        bystander.hold_lock(str(tmp_path / "a.safetensors"))
-    assert not (tmp_path / "a.safetensors.lock").exists()
+    for refused in (lambda p: bystander.hold_lock(p), lambda p: bystander.write(p, b"rows")):
+        with pytest.raises(PermissionError, match="delivers nothing"):  # an OSError: one request fails, no more
+            refused(str(tmp_path / "a.safetensors"))
+    bystander.note_failure(str(tmp_path / "a.safetensors"), "why")  # best effort: nothing written
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("a.safetensors")]
     held.close()
 
 
@@ -114,3 +127,70 @@ def test_a_directory_that_cannot_be_created_is_refused_at_start_naming_the_setti
     with pytest.raises(ValueError, match=r"omni_cache\.delivery_dir '.*a-file/files' cannot hold the delivered files"):
         RowDelivery(settings)
     RowDelivery(settings, claim=False).shutdown()  # a rank that does not deliver never touches it
+
+
+def test_a_store_that_fails_after_its_claim_gives_the_directory_back(tmp_path: Path, monkeypatch) -> None:
+    def unreadable(self: DeliveryStore) -> None:
+        raise PermissionError(13, "Permission denied", str(tmp_path))
+
+    monkeypatch.setattr(DeliveryStore, "_adopt_existing", unreadable)
+    with pytest.raises(PermissionError):
+        DeliveryStore(str(tmp_path), **BOUNDS)
+    monkeypatch.undo()
+    assert claim_holder(str(tmp_path)) is None
+    DeliveryStore(str(tmp_path), **BOUNDS).close()
+
+
+def test_a_full_disk_at_start_still_claims_the_directory(tmp_path: Path, monkeypatch, caplog) -> None:
+    """The pid in the claim file only names the holder for a rival's refusal: a disk that refuses it
+    (ENOSPC) does not stop the server, and the lock holds all the same."""
+    def full(*args: object) -> int:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(delivery_files.os, "pwrite", full)
+    store = DeliveryStore(str(tmp_path), **BOUNDS)
+    monkeypatch.undo()
+    assert store.claimed and "could not write this process's pid" in caplog.text
+    with pytest.raises(DeliveryDirInUse, match="process unknown holds"):
+        DeliveryStore(str(tmp_path), **BOUNDS)
+    store.close()
+
+
+def test_a_claim_retries_past_a_launchers_probe(tmp_path: Path) -> None:
+    """``claim_holder`` holds a shared lock for an instant: a worker claiming at that moment waits it out."""
+    DeliveryStore(str(tmp_path), **BOUNDS).close()  # the claim file exists
+    fd = os.open(tmp_path / CLAIM_NAME, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_SH)  # a probe, caught in the middle
+    threading.Timer(0.03, os.close, (fd,)).start()
+    DeliveryStore(str(tmp_path), **BOUNDS).close()
+
+
+def test_each_data_parallel_replica_holds_its_own_claim(tmp_path: Path) -> None:
+    first, second = (DeliveryStore(str(tmp_path), **BOUNDS, replica=r) for r in (0, 1))
+    assert (tmp_path / claim_name(1)).exists() and claim_name(0) == CLAIM_NAME
+    with pytest.raises(DeliveryDirInUse):  # another server's replica 1
+        DeliveryStore(str(tmp_path), **BOUNDS, replica=1)
+    first.close()
+    assert claim_holder(str(tmp_path)) == str(os.getpid()), "the launcher's probe sees every replica's claim"
+    second.close()
+    assert claim_holder(str(tmp_path)) is None
+
+
+def test_a_forked_child_does_not_keep_the_directory(tmp_path: Path) -> None:
+    store = DeliveryStore(str(tmp_path), **BOUNDS)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: outlives the parent's claim, holding nothing
+        os.close(read)
+        os.write(write, b"x")
+        time.sleep(5)
+        os._exit(0)
+    try:
+        os.close(write)
+        assert os.read(read, 1) == b"x"
+        store.close()
+        DeliveryStore(str(tmp_path), **BOUNDS).close()  # free although the child still runs
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        os.close(read)

@@ -33,7 +33,7 @@ from delivery_helpers import JOIN_S, NONCE, FullDisk, HeldDisk, ServedLoop, expe
 from omni_cache import PrefixCacheRequestEvent
 from omni_cache.integration import delivery_files
 from omni_cache.integration.delivery import DeliveryPlan, DeliverySettings, DeliveryTarget, RowDelivery
-from omni_cache.integration.delivery_files import CLAIM_NAME, DeliveryStore
+from omni_cache.integration.delivery_files import CLAIM_NAME, DeliveryStore, claim_holder
 from omni_cache.runtime.manager import OmniPrefixCacheManager
 
 KEY = "audio.codes"
@@ -413,6 +413,7 @@ def test_shutdown_lets_a_write_in_flight_finish_within_its_bound(worker) -> None
     stopped.join(JOIN_S)
     assert not stopped.is_alive()
     assert _lock_is_free(w.path("a")) and os.path.exists(w.path("a") + ".error") and _lock_is_free(w.path("b"))
+    assert claim_holder(w.settings.delivery_dir) is None, "every write is done: the directory is given up"
     w.assert_every_step_consumed_once()
 
 
@@ -424,8 +425,11 @@ def test_shutdown_on_a_stuck_disk_gives_up_after_its_bound(worker) -> None:
     stopped.start()
     stopped.join(JOIN_S / 2)
     stuck = stopped.is_alive()
+    still_claimed = claim_holder(w.settings.delivery_dir)
     w.store.gate.set()  # let the writer go, whatever happened
     assert not stuck, "shutdown waited past its bound for a stuck disk"
+    # the stuck write may still publish into the directory: no other server may take it meanwhile
+    assert still_claimed == str(os.getpid()), "a write still running, yet the directory was given up"
 
 
 def test_fail_all_fails_every_open_delivery_and_every_later_one(worker) -> None:

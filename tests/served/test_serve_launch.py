@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import stat
 import subprocess
 import sys
@@ -124,6 +125,11 @@ def test_a_load_failure_policy_the_user_chose_is_kept_at_the_top(policy: str) ->
     own = {**launch.CONNECTOR, "kv_load_failure_policy": policy,
            "kv_connector_extra_config": {"connectors": [{"kv_connector": "ExampleConnector", "kv_role": "kv_both"}]}}
     assert omni_transfer_config(json.dumps(own), DELIVERY)["kv_load_failure_policy"] == policy
+    in_child = {**launch.CONNECTOR, "kv_connector_extra_config": {"connectors": [theirs]}}
+    lifted = omni_transfer_config(json.dumps(in_child), DELIVERY)
+    assert lifted["kv_load_failure_policy"] == policy
+    assert lifted["kv_connector_extra_config"]["connectors"] == [
+        {"kv_connector": "ExampleConnector", "kv_role": "kv_both"}]
 
 
 def test_without_a_wrapped_connector_vllms_load_failure_policy_is_left_alone() -> None:
@@ -264,21 +270,36 @@ def test_serve_dry_run_prints_the_server_command(capsys: pytest.CaptureFixture[s
         "delivery_dir": str(tmp_path / "files"), "include_output_tokens": True, "delivery_timeout_s": 2.5}
 
 
-def test_serve_refuses_a_delivery_directory_another_server_holds(tmp_path: Path) -> None:
-    """Before vLLM starts: one line, exit 2, naming the directory and the process that holds it."""
+@pytest.mark.parametrize("given", ["--delivery-dir", "own connector config"])
+def test_serve_refuses_a_delivery_directory_another_server_holds(given: str, tmp_path: Path) -> None:
+    """Before vLLM starts: one line, exit 2, naming the directory the server would deliver into (a
+    user's own OmniKVConnector ``delivery_dir`` wins over the default) and the process holding it."""
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("omni-cache serve needs vLLM installed (the [vllm] extra)")
+    from omni_cache.harness.served.process import free_port
     from omni_cache.integration.delivery_files import DeliveryStore
 
-    held = DeliveryStore(str(tmp_path / "files"), max_bytes=1 << 20, max_age_s=60.0)  # a running server's
+    files = tmp_path / "files"
+    held = DeliveryStore(str(files), max_bytes=1 << 20, max_age_s=60.0)  # a running server's
+    if given == "--delivery-dir":
+        where = ["--delivery-dir", str(files)]
+    else:
+        own = {**launch.CONNECTOR, "kv_connector_extra_config": {"connectors": [],
+                                                                   "omni_cache": {"delivery_dir": str(files)}}}
+        where = ["--kv-transfer-config", json.dumps(own)]
+    # a free port: were the refusal gone, the server would start there, and be killed below
+    proc = subprocess.Popen([sys.executable, "-m", "omni_cache.cli", "serve", "tiny-llama", "--port", str(free_port()),
+                             *where], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            env={**os.environ, "TMPDIR": str(tmp_path)}, start_new_session=True)
     try:
-        done = subprocess.run([sys.executable, "-m", "omni_cache.cli", "serve", "tiny-llama", "--delivery-dir",
-                               str(tmp_path / "files")], capture_output=True, text=True, cwd=ROOT, timeout=120,
-                              env={**os.environ, "TMPDIR": str(tmp_path)})
+        _, stderr = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise AssertionError("the server was started on a directory another server holds") from None
     finally:
         held.close()
-    errors = [line for line in done.stderr.splitlines() if ": error: " in line]
-    assert done.returncode == 2 and len(errors) == 1, done.stderr[-2000:]
-    assert f"{tmp_path / 'files'} is the delivery directory of another running server (process {os.getpid()})" \
-        in errors[0]
-    assert "hidden-state files in" not in done.stderr, "the server was started anyway"
+    errors = [line for line in stderr.splitlines() if ": error: " in line]
+    assert proc.returncode == 2 and len(errors) == 1, stderr[-2000:]
+    assert f"{files} is the delivery directory of another running server (process {os.getpid()})" in errors[0]
+    assert "hidden-state files in" not in stderr, "the server was started anyway"

@@ -5,7 +5,8 @@ vLLM's ``ExampleConnector``, a KV store on disk) and serves: an external KV hit 
 the hidden-state tier does not hold (the store keys blocks by their tokens alone, so a prompt under
 a new ``cache_salt`` hits it while the tier, keyed by vLLM's salted block hashes, has nothing) is
 recomputed by vLLM (the launcher's ``kv_load_failure_policy``), never an error for the request, and
-its file holds the same rows as the prompt's first computation; ``check-server`` passes. Real server
+its file holds the same rows as the prompt's first computation; ``check-server`` passes (prompt rows
+within 1e-6: the ground truth itself is computed over the store's KV). Real server
 process on 127.0.0.1, real HTTP client, vLLM's reader, metrics scraped from ``/metrics``.
 """
 
@@ -51,8 +52,12 @@ def test_an_external_hit_the_tier_cannot_serve_is_recomputed_not_failed(server: 
 
 
 def test_check_server_passes_beside_a_wrapped_connector(server: ServedEngine) -> None:
-    out = subprocess.run([sys.executable, "-m", "omni_cache.cli", "check-server", server.url, "--json"],
-                         capture_output=True, text=True, timeout=600)
+    """NOTE: beside the disk store even the ground truth (a fresh ``cache_salt``) is computed over KV
+    the store loads, computed earlier in another batch, and vLLM's CPU kernels are not
+    batch-invariant (a computed row differed by 1e-10 in one run of seven): prompt rows are compared
+    within 1e-6 of their size here, still far below the negative control's 1e-3 perturbation."""
+    out = subprocess.run([sys.executable, "-m", "omni_cache.cli", "check-server", server.url, "--json",
+                          "--tolerance", "1e-6"], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     report = json.loads(out.stdout)
     assert report["ok"] and report["files_checked"] == report["requests"] and report["control_caught"]

@@ -27,8 +27,8 @@ import tempfile
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["BUILTIN", "TINY_LLAMA", "WORKER_CLS", "builtin_model_dir", "default_delivery_dir", "plain_server_command",
-           "serve_command", "tiny_llama_dir"]
+__all__ = ["BUILTIN", "TINY_LLAMA", "WORKER_CLS", "builtin_model_dir", "default_delivery_dir", "delivery_dir_of",
+           "plain_server_command", "serve_command", "tiny_llama_dir"]
 
 WORKER_CLS = "omni_cache.integration.vllm_worker.OmniCPUWorker"
 CONNECTOR = {"kv_connector": "OmniKVConnector", "kv_connector_module_path": "omni_cache.integration.kv_tier",
@@ -147,13 +147,25 @@ def omni_transfer_config(user: str | None, delivery: dict[str, Any]) -> dict[str
     if config.get("kv_connector") == CONNECTOR["kv_connector"]:
         extra = dict(config.get("kv_connector_extra_config") or {})
         extra["omni_cache"] = {**delivery, **dict(extra.get("omni_cache") or {})}
+        children = list(extra.get("connectors") or [])
+        chosen = [c[LOAD_FAILURE_POLICY] for c in children if isinstance(c, dict) and LOAD_FAILURE_POLICY in c]
+        if chosen:  # written in a child, where vLLM never reads it
+            extra["connectors"] = [{k: v for k, v in c.items() if k != LOAD_FAILURE_POLICY} if isinstance(c, dict)
+                                   else c for c in children]
         wrapped = {**config, "kv_connector_extra_config": extra}
-        if extra.get("connectors"):
-            wrapped.setdefault(LOAD_FAILURE_POLICY, "recompute")
+        if children:
+            wrapped.setdefault(LOAD_FAILURE_POLICY, chosen[0] if chosen else "recompute")
         return wrapped
     child = {k: v for k, v in config.items() if k != LOAD_FAILURE_POLICY}
     return {**CONNECTOR, LOAD_FAILURE_POLICY: config.get(LOAD_FAILURE_POLICY, "recompute"),
             "kv_connector_extra_config": {"connectors": [child], "omni_cache": delivery}}
+
+
+def delivery_dir_of(argv: Sequence[str]) -> str:
+    """The ``delivery_dir`` a ``serve_command`` argv delivers into (a user's own ``OmniKVConnector``
+    setting wins over the launcher's)."""
+    transfer = json.loads(argv[list(argv).index("--kv-transfer-config") + 1])
+    return str(transfer["kv_connector_extra_config"]["omni_cache"]["delivery_dir"])
 
 
 def serve_command(model: str, vllm_args: Sequence[str], *, delivery: dict[str, Any],
