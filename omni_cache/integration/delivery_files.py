@@ -6,8 +6,9 @@ the default name under it, or a client-given path when the operator allows it, o
 the directory), ``DeliveryStore`` (the worker side: the claim on the directory, lock files held
 while a file is being written, the atomic write itself, the ``.error`` note of a failed one, and
 retention under a byte and an age bound), and the claim's names and probe (``CLAIM_NAME``,
-``claim_name``, ``claim_holder``, ``DeliveryDirInUse``). No vLLM import: both the scheduler-side connector (which names
-the file the client is told about) and the worker (which writes it) use this module.
+``claim_name``, ``claim_holder``, ``DeliveryDirInUse``). No vLLM import: both the scheduler-side
+connector (which names the file the client is told about) and the worker (which writes it) use
+this module.
 
 The file format is vLLM's hidden-states format (``ExampleHiddenStatesConnector``): one
 safetensors file per finished request with ``hidden_states`` ``[num_tokens, width]`` and
@@ -246,7 +247,8 @@ def claim_holder(root: str) -> str | None:
     (``DeliveryStore``) stays the authority. It takes a shared lock for an instant, which a
     claim retries past."""
     try:
-        names = [entry.name for entry in os.scandir(root) if _CLAIM.fullmatch(entry.name)]
+        with os.scandir(root) as scan:
+            names = [entry.name for entry in scan if _CLAIM.fullmatch(entry.name)]
     except OSError:  # no directory (or none readable): nobody delivers there yet
         return None
     for name in sorted(names):
@@ -303,13 +305,11 @@ class DeliveryStore:
 
     def close(self) -> None:
         """Give the directory up (a later server may claim it); idempotent. Writes refused from now on."""
-        fd, self._claim_fd = self._claim_fd, None
         _CLAIMING.discard(self)
-        if fd is not None:
-            os.close(fd)
+        self._close_claim_fd()
 
-    def _forget_claim_in_child(self) -> None:
-        """A forked child's copy of the claim fd: closed (the parent's claim holds on)."""
+    def _close_claim_fd(self) -> None:
+        """Close this process's fd of the claim (in a forked child: its copy; the parent's claim holds)."""
         fd, self._claim_fd = self._claim_fd, None
         if fd is not None:
             os.close(fd)
@@ -487,7 +487,7 @@ class DeliveryStore:
 
 def _forget_claims_in_child() -> None:
     for store in list(_CLAIMING):
-        store._forget_claim_in_child()  # this module's own class
+        store._close_claim_fd()  # this module's own class
     _CLAIMING.clear()
 
 

@@ -16,9 +16,9 @@ model's work (here the simulation's stand-in, ``truth.derive_mm``), never the ca
 they are timed and subtracted. The cache's cost of a step is
 ``begin_step + after_forward - model outputs + materialize``.
 
-Two kinds of pass alternate, each running every configuration of both stages: ``totals`` (timers on the three
-calls above and the model outputs only) and ``parts`` (every part's timer too, each adding
-its own call overhead); the cache's cost is read from the totals passes, the parts from the
+Two kinds of pass alternate, each running every configuration of both stages: ``totals``
+(timers on the three calls above and the model outputs only) and ``parts`` (every part's timer
+too, each adding its own call overhead); the cache's cost is read from the totals passes, the parts from the
 parts passes. Two stages are measured: ``hidden`` (a thinker whose only per-token output is
 its hidden rows) and ``hidden+mm`` (as ``omni-cache pipeline``'s thinker: two per-token mm
 keys beside them, one written on finish).
