@@ -19,9 +19,9 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -156,13 +156,21 @@ def test_a_full_disk_at_start_still_claims_the_directory(tmp_path: Path, monkeyp
     store.close()
 
 
-def test_a_claim_retries_past_a_launchers_probe(tmp_path: Path) -> None:
+def test_a_claim_retries_past_a_launchers_probe(tmp_path: Path, monkeypatch) -> None:
     """``claim_holder`` holds a shared lock for an instant: a worker claiming at that moment waits it out."""
     DeliveryStore(str(tmp_path), **BOUNDS).close()  # the claim file exists
     fd = os.open(tmp_path / CLAIM_NAME, os.O_RDONLY)
     fcntl.flock(fd, fcntl.LOCK_SH)  # a probe, caught in the middle
-    threading.Timer(0.03, os.close, (fd,)).start()
+    waits: list[float] = []
+
+    def probe_ends(seconds: float) -> None:  # the claim's wait between tries: the probe is done by then
+        waits.append(seconds)
+        if len(waits) == 1:
+            os.close(fd)
+
+    monkeypatch.setattr(delivery_files, "time", SimpleNamespace(sleep=probe_ends, time=time.time))
     DeliveryStore(str(tmp_path), **BOUNDS).close()
+    assert len(waits) == 1, "the claim did not meet the probe's lock (or retried past a free file)"
 
 
 def test_each_data_parallel_replica_holds_its_own_claim(tmp_path: Path) -> None:
