@@ -240,7 +240,8 @@ def _build() -> dict[str, type]:
             if role == KVConnectorRole.WORKER:
                 if delivery is not None:  # first: a refused claim leaves nothing else built
                     # only the output rank delivers, so only it takes the directory (one claim per DP replica)
-                    replica = int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
+                    parallel = getattr(vllm_config, "parallel_config", None)
+                    replica = int(getattr(parallel, "data_parallel_rank", 0) or 0)
                     self.omni_delivery = RowDelivery(delivery, claim=vllm_worker_rank().is_output_rank,
                                                      replica=replica)
                 self.omni_tier_applier = TierApplier(
