@@ -127,6 +127,25 @@ def test_a_delivery_only_connector_builds_on_both_sides(vllm, tmp_path: Path) ->
     worker.shutdown()
 
 
+def test_the_worker_side_claims_the_directory_for_its_data_parallel_replica(vllm, tmp_path: Path) -> None:
+    """Each DP replica's output rank holds its own claim on the shared directory; a second server's
+    replica of the same rank is refused at start, naming the setting."""
+    from omni_cache.integration.delivery_files import CLAIM_NAME, DeliveryDirInUse, claim_name
+
+    def worker(rank: int) -> Any:
+        config = _config(vllm, str(tmp_path))
+        config.parallel_config = SimpleNamespace(data_parallel_rank=rank, data_parallel_size=2)
+        return vllm.kv_tier.OmniKVConnector(config, vllm.Role.WORKER, None)
+
+    first, second = worker(0), worker(1)
+    assert (tmp_path / CLAIM_NAME).exists() and (tmp_path / claim_name(1)).exists()
+    with pytest.raises(DeliveryDirInUse, match=r"omni_cache\.delivery_dir: .* another running server"):
+        worker(1)
+    for replica in (first, second):
+        replica.shutdown()
+    worker(1).shutdown()  # given back at shutdown
+
+
 def test_the_plan_and_the_outcomes_survive_the_process_channels(vllm, tmp_path: Path) -> None:
     sched, _ = _pair(vllm, tmp_path)
     meta = sched.build_connector_meta(_so(_new("a"), _new("b", include_output_tokens=True)))
