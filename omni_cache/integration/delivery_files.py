@@ -209,6 +209,11 @@ def claim_name(replica: int = 0) -> str:
 _CLAIMING: weakref.WeakSet[DeliveryStore] = weakref.WeakSet()
 
 
+def _holder(fd: int) -> str:
+    """The pid a claim file names (``"unknown"`` when its holder could not write it)."""
+    return os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+
+
 def _claim_directory(root: str, name: str) -> int:
     """Hold an exclusive ``flock`` on ``root/name`` (the holder's pid written in it, best effort); the fd.
 
@@ -224,9 +229,8 @@ def _claim_directory(root: str, name: str) -> int:
                 break
             except BlockingIOError:
                 if attempt == _CLAIM_TRIES - 1:
-                    holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
                     raise DeliveryDirInUse(f"{root} is the delivery directory of another running server (process "
-                                           f"{holder} holds {path}); each server needs its own directory") from None
+                                           f"{_holder(fd)} holds {path}); each server needs its own directory") from None
                 time.sleep(_CLAIM_RETRY_S)
     except BaseException:
         os.close(fd)
@@ -259,7 +263,7 @@ def claim_holder(root: str) -> str | None:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
-            return os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            return _holder(fd)
         finally:
             os.close(fd)  # also ends the probe's own shared lock at once
     return None

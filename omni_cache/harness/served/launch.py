@@ -150,15 +150,18 @@ def omni_transfer_config(user: str | None, delivery: dict[str, Any]) -> dict[str
         children = list(extra.get("connectors") or [])
         chosen = [c[LOAD_FAILURE_POLICY] for c in children if isinstance(c, dict) and LOAD_FAILURE_POLICY in c]
         if chosen:  # written in a child, where vLLM never reads it
-            extra["connectors"] = [{k: v for k, v in c.items() if k != LOAD_FAILURE_POLICY} if isinstance(c, dict)
-                                   else c for c in children]
+            extra["connectors"] = [_without_policy(c) if isinstance(c, dict) else c for c in children]
         wrapped = {**config, "kv_connector_extra_config": extra}
         if children:
             wrapped.setdefault(LOAD_FAILURE_POLICY, chosen[0] if chosen else "recompute")
         return wrapped
-    child = {k: v for k, v in config.items() if k != LOAD_FAILURE_POLICY}
     return {**CONNECTOR, LOAD_FAILURE_POLICY: config.get(LOAD_FAILURE_POLICY, "recompute"),
-            "kv_connector_extra_config": {"connectors": [child], "omni_cache": delivery}}
+            "kv_connector_extra_config": {"connectors": [_without_policy(config)], "omni_cache": delivery}}
+
+
+def _without_policy(connector: dict[str, Any]) -> dict[str, Any]:
+    """A wrapped connector's config without ``kv_load_failure_policy`` (vLLM reads it at the top only)."""
+    return {k: v for k, v in connector.items() if k != LOAD_FAILURE_POLICY}
 
 
 def delivery_dir_of(argv: Sequence[str]) -> str:
