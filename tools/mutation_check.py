@@ -88,7 +88,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "I9", "drop an aborted (or finished) request's open writes",
         "omni_cache/runtime/manager.py",
-        "                    to_flush.extend(request.open_deferred)\n",
+        "                    to_flush.extend(self.scheduling.take_open_of_locked(req_id))\n",
         "                    to_flush.extend([])  # MUTANT I9: open writes are forgotten\n",
     ),
 )

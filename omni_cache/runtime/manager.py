@@ -104,8 +104,6 @@ class _Request:
     req_id: ReqId
     # Owner of this admission and its lookup (I12).
     admission: Admission = field(default_factory=Admission)
-    # Deferred writes holding this request's rows (pushed to the front at finish/abort, I9).
-    open_deferred: list[PoolWrite] = field(default_factory=list)
 
 
 class OmniPrefixCacheManager:
@@ -230,9 +228,8 @@ class OmniPrefixCacheManager:
             for _, req_id, arg in plan.changes:  # the op is told by the argument's type
                 if arg is None:  # "end"
                     self.hits.drop(req_id)
-                    request = self._requests.pop(req_id, None)
-                    if request is not None:
-                        to_flush.extend(request.open_deferred)
+                    self._requests.pop(req_id, None)
+                    to_flush.extend(self.scheduling.take_open_of_locked(req_id))
                 elif isinstance(arg, Admission):  # "admit"
                     self.hits.drop(req_id)
                     self._requests[req_id] = _Request(req_id, arg)
@@ -381,12 +378,8 @@ class OmniPrefixCacheManager:
             if deferred is not None:
                 self.scheduling.open_deferred_locked(deferred, split.deferred, sigs)
                 for req_id in req_ids:
-                    request = self._requests.get(req_id)
-                    if request is None:  # a request the engine never announced
-                        request = self._requests[req_id] = _Request(req_id)
-                    request.open_deferred.append(deferred)
-                    if len(request.open_deferred) > 64:
-                        request.open_deferred = [w for w in request.open_deferred if w.state == "pending"]
+                    if req_id not in self._requests:  # one the engine never announced: its finish flushes too
+                        self._requests[req_id] = _Request(req_id)
         try:
             self.scheduling.after_save(imm, older | older_deferred, plans)
         except BaseException as exc:  # the step's versions are published: fail for good (I8)

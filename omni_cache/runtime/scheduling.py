@@ -6,7 +6,8 @@ orders their landing: an older tenant's unlanded write and every write a planned
 the front of the copy queue, a save's immediate write joins the queue after them, and a deferred
 write (``JOIN_ON_FINISH``) stays open until its requests end (the manager pushes it then) or the
 open deferred writes outgrow ``gpu_staging_bytes`` (the oldest are flushed). It keeps the open
-deferred writes, their device bytes and the row signature of every deferred key a save carried,
+deferred writes (and, per request, the ones holding its rows), their device bytes and the row
+signature of every deferred key a save carried,
 guarded by the manager's state lock, which it shares (``OwnedLock``); the manager's ``count``
 counts budget flushes and tier restores, its ``issue_step_id`` names a restore. It implements
 the write half of the manager's door for the hidden-state tier (``TierPort``): a restored block
@@ -55,6 +56,10 @@ class WriteScheduler:
         # ---- guarded by _lock ----
         self._deferred_open: dict[int, PoolWrite] = {}
         self._deferred_bytes = 0
+        # req -> {tid: write}: the open deferred writes holding each request's rows, the ones its
+        # end pushes to the queue's front (I9). A write leaves every request's entry when it is
+        # queued, so a long generation's entry never grows past its open writes.
+        self._open_of: dict[ReqId, dict[int, PoolWrite]] = {}
         # key -> (dtype, row shape) of every deferred key a successful save carried: a pending
         # deferred write fixes its key's width before any pool tensor or staging page holds it.
         # Only the engine thread (saves and tier restores) reads and writes it.
@@ -74,6 +79,19 @@ class WriteScheduler:
             self._deferred_sigs.setdefault(key, sigs[key])
         self._deferred_open[write.tid] = write
         self._deferred_bytes += write.nbytes
+        for req_id in write.req_ids:
+            self._open_of.setdefault(req_id, {})[write.tid] = write
+
+    def take_open_of_locked(self, req_id: ReqId) -> list[PoolWrite]:
+        """The open deferred writes holding ``req_id``'s rows, in registration order; the request's
+        entry is forgotten (it ended: the caller flushes them to the queue's front, I9). Caller
+        holds the state lock."""
+        return list(self._open_of.pop(req_id, {}).values())
+
+    def num_open_of(self, req_id: ReqId) -> int:
+        """How many open deferred writes hold ``req_id``'s rows (takes the state lock)."""
+        with self._lock:
+            return len(self._open_of.get(req_id, ()))
 
     def deferred_stats_locked(self) -> tuple[int, int]:
         """(open deferred writes, their device bytes). Caller holds the state lock."""
@@ -174,4 +192,8 @@ class WriteScheduler:
             for write in moved:
                 if self._deferred_open.pop(write.tid, None) is not None:
                     self._deferred_bytes -= write.nbytes
+                    for req_id in write.req_ids:
+                        held = self._open_of.get(req_id)
+                        if held is not None and held.pop(write.tid, None) is not None and not held:
+                            del self._open_of[req_id]
         self.committer.kick()

@@ -130,6 +130,42 @@ def test_gpu_budget_forces_the_oldest_deferred_writes_out() -> None:
     assert torch.equal(m.pool.rows("audio.embeds", slots([0], 0, 4)), truth("a", range(4))[:, :2])
 
 
+def test_a_request_holds_only_its_open_deferred_writes_as_the_budget_flushes_older_ones() -> None:
+    """A long generation's budget-flushed deferred writes leave the request's open set at once (it never
+    grows with the generation), and its end pushes exactly the ones still open (I9)."""
+    m = manager(num_blocks=64, gpu_staging_bytes=100)  # three 4x2 float32 steps (32 bytes each) fit, a fourth does not
+    m.register_policy(ModelCachePolicy(deferred_keys=frozenset({"audio.embeds"})))
+    m.new_step_starts([started("a")])
+    for i in range(40):
+        rows = truth("a", range(4 * i, 4 * i + 4))
+        blocks = list(range(i + 1))
+        layout = PrefixCacheWriteLayout.packed([("a", 4 * i, 4 * i + 4)], slots(blocks, 4 * i, 4 * i + 4))
+        m.discard_step(m.save_outputs(rows, {"audio.embeds": rows[:, :2].clone()}, num_tokens_unpadded=4,
+                                      num_tokens_padded=4, write_layout=layout))
+        assert m.scheduling.num_open_of("a") == m.stats()["deferred_open"] <= 3
+    assert m.stats()["budget_flushes"] >= 37
+    m.new_step_starts([PrefixCacheRequestEvent("a", E.FINISHED)])
+    settle(m)
+    assert m.scheduling.num_open_of("a") == 0 and m.stats()["deferred_open"] == 0
+    assert torch.equal(m.pool.rows("audio.embeds", slots(list(range(40)), 156, 160)), truth("a", range(156, 160))[:, :2])
+    m.shutdown()
+
+
+@pytest.mark.parametrize("eager", MODES)
+def test_one_requests_end_pushes_a_deferred_write_it_shares_and_the_other_forgets_it(eager: bool) -> None:
+    m = manager(eager)
+    m.register_policy(ModelCachePolicy(deferred_keys=frozenset({"audio.embeds"})))
+    m.new_step_starts([started("a"), started("b")])
+    step, _ = save(m, [("a", [0, 1], 0, 6), ("b", [2, 3], 0, 5)], mm_key="audio.embeds")
+    m.discard_step(step)
+    assert m.scheduling.num_open_of("a") == m.scheduling.num_open_of("b") == 1
+    m.new_step_starts([PrefixCacheRequestEvent("a", E.FINISHED)])  # "b" still runs: the write lands all the same
+    settle(m)
+    assert m.scheduling.num_open_of("b") == 0 and m.stats()["deferred_open"] == 0
+    assert m.pool.has_key("audio.embeds")
+    m.shutdown()
+
+
 @pytest.mark.parametrize("eager", MODES)
 def test_leftover_shapes_are_preserved_per_request(eager: bool) -> None:
     m = manager(eager)
