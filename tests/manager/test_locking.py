@@ -86,6 +86,8 @@ def test_manager_bookkeeping_is_only_touched_under_the_state_lock(eager: bool) -
     # the write scheduler's open deferred writes share the state lock (its emptiness check is lock-free)
     guarded["scheduling._deferred_open"] = m.scheduling._deferred_open = _LockedOnly(
         m, "scheduling._deferred_open", m.scheduling._deferred_open, lock_free=("__len__",))
+    guarded["scheduling._open_of"] = m.scheduling._open_of = _LockedOnly(m, "scheduling._open_of",
+                                                                         m.scheduling._open_of)
     guarded["hits._pending"] = m.hits._pending = _LockedOnly(m, "hits._pending", m.hits._pending,
                                                                lock_free=("__len__",))
     m.new_step_starts([started("a"), started("b")])
