@@ -1,33 +1,35 @@
 """OmniPrefixCacheManager: the per-step protocol of the omni prefix cache.
 
 Owns: the live requests (their pending hits are a ``hits.PendingHits`` it guards
-with its state lock), the unconsumed step contexts,
-the step ids it took from the process-wide counter (another manager's id is never
-one of ours), and the state lock over all of those. It composes the staging pool
-(pages), the write book (write lifecycle and queue), the write scheduler
+with its state lock), the step ids it took from the process-wide counter (another
+manager's id is never one of ours), and the state lock over all of those. It composes
+the staging pool (pages), the write book (write lifecycle and queue), the write scheduler
 (``scheduling``: registration, landing order, the open deferred writes and their
-GPU-byte budget, under the same state lock), the committer (copies and landing),
-the block pool and the slot tenancy (versions and preserved rows). ``wrap_locks``
-is the documented seam that lets a profiler time every runtime lock. The hidden-state
-tier's pool side (``omni_cache.runtime.tier_rows``: restores registered as writes, reads of a
-block's rows) reaches the manager through one door, ``tier_port`` (a ``TierPort``), and its
-public collaborators; nothing outside this module touches the manager's private state.
+GPU-byte budget, under the same state lock), the step consumption (``consumption``: the
+unconsumed step contexts and their single consumers, under the same state lock), the
+committer (copies and landing), the block pool and the slot tenancy (versions and
+preserved rows). ``wrap_locks`` is the documented seam that lets a profiler time every
+runtime lock. The hidden-state tier's pool side (``omni_cache.runtime.tier_rows``: restores
+registered as writes, reads of a block's rows) reaches the manager through one door,
+``tier_port`` (a ``TierPort``), and its public collaborators; nothing outside this module
+touches the manager's private state.
 
 Per real scheduler step (spec/protocol.md): ``new_step_starts`` ->
 forward -> ``save_outputs`` -> (a verify step of speculative decoding: ``trim_step``) ->
 exactly one of ``materialize`` / ``discard_step`` (possibly on another thread while the
-engine saves the next steps).
+engine saves the next steps); the consumer's calls are checked here (I8, shutdown) and
+delegated to ``consumption``.
 
-Upholds: I1 (through ``StagingPool.consume``), I8 for saves (a failure inside
-``save_outputs`` is undone before any write is registered, or sticky after), I2/I3/I10
-(staging), I4 (the step context), I5 (``new_step_starts`` validates hits), I12 (request
-identity: events are applied per admission, planned by ``admissions.plan_events``), I13 (a
-step whose ``sequence`` is not above the last applied one changes nothing), I6/I7 (tenancy
-reads), I8
-(every entry checks the sticky failure), I9 (finish/abort push open writes to
-the queue's front), I11 (the state lock is held only for dictionary
-bookkeeping: never across a wait, a copy or a budget flush; the ``on_blocking``
-fault hook lets tests assert it), I14 (``trim_step``: a verify step's cut rows are never
+Upholds: I1 (the save puts a step's context in place before ``StagingPool.save`` makes its
+id consumable; ``consumption`` and ``StagingPool.consume`` take it once), I8 for saves (a
+failure inside ``save_outputs`` is undone before any write is registered, or sticky after),
+I2/I3/I10 (staging), I4 (the step context), I5 (``new_step_starts`` validates hits), I12
+(request identity: events are applied per admission, planned by ``admissions.plan_events``),
+I13 (a step whose ``sequence`` is not above the last applied one changes nothing), I6/I7
+(tenancy reads), I8 (every entry checks the sticky failure), I9 (finish/abort push open
+writes to the queue's front), I11 (the state lock is held only for dictionary bookkeeping:
+never across a wait, a copy or a budget flush; the ``on_blocking`` fault hook lets tests
+assert it), I14 (``trim_step``, through ``consumption``: a verify step's cut rows are never
 materialized, and their KV slots are vacated; ``step_trim.trim_rows``).
 """
 
@@ -43,10 +45,9 @@ import torch
 
 from omni_cache.runtime.admissions import Admission, lookup_of, plan_events, plans_nothing
 from omni_cache.runtime.block_pool import PrefixBlockPool
+from omni_cache.runtime.consumption import StepConsumption
 from omni_cache.runtime.copier import Committer, CopyEngine
 from omni_cache.runtime.errors import (
-    PHRASE_NOT_SAVED,
-    PHRASE_OUTSIDE_SNAPSHOT,
     PHRASE_SHUT_DOWN,
     OmniPrefixCacheUnmatchError,
 )
@@ -71,7 +72,6 @@ from omni_cache.runtime.reader import StepReader
 from omni_cache.runtime.scheduling import WriteScheduler
 from omni_cache.runtime.staging import StagingPool
 from omni_cache.runtime.step_outputs import StepContext, classify_outputs, copy_leftovers
-from omni_cache.runtime.step_trim import trim_rows
 from omni_cache.runtime.tenancy import PlannedRead, SlotTenancy
 from omni_cache.runtime.tier_rows import TierPort
 from omni_cache.runtime.trace import TraceRecorder
@@ -87,15 +87,6 @@ log = logging.getLogger(__name__)
 # Step ids come from one process-wide counter: an id issued by another manager instance is
 # never one of this manager's, so it is "already consumed or never saved" here (I1).
 _STEP_IDS = itertools.count(1)
-
-def _same_ids(given: tuple[Any, ...], saved: tuple[ReqId, ...]) -> bool:
-    """``given == saved``; False where an element cannot be compared to a request id (an array's
-    ``==`` has no truth value): such an id is no request of the step, and is named as outside it."""
-    try:
-        return given == saved
-    except (TypeError, ValueError):
-        return False
-
 
 @dataclass
 class _Request:
@@ -156,8 +147,6 @@ class OmniPrefixCacheManager:
         # req -> (hit_end, group-0 block ids) from STARTED/RESUMED, served by its next save; guarded
         # by the state lock like ``policy`` (a public attribute: a profiler may wrap its methods).
         self.hits = PendingHits(config.block_size, config.output_group_id)
-        self._contexts: dict[StepId, StepContext] = {}
-        self._consuming: set[StepId] = set()  # step ids whose context a materialize/discard holds
         self._scheduled: dict[ReqId, int] = {}
         self._last_sequence: int | None = None  # of the last applied PrefixCacheStep (I13)
         self._ids_issued = 0  # step ids this manager took from _STEP_IDS (``_issue_step_id``)
@@ -174,6 +163,9 @@ class OmniPrefixCacheManager:
                                          committer=self.committer, faults=self.faults, lock=self._lock,
                                          count=self._count, issue_step_id=self._issue_step_id,
                                          gpu_staging_bytes=config.gpu_staging_bytes)
+        # The saved steps' contexts and their single consumers; shares the state lock.
+        self.consumption = StepConsumption(lock=self._lock, staging=self.staging, reader=self.reader,
+                                           count_locked=self._count_locked, vacate=self.scheduling.vacate)
         self.tier_port = TierPort(self.check_usable, self.scheduling.register_restored, self.scheduling.vacate)
 
     # ------------------------------------------------------------------ API --
@@ -351,12 +343,12 @@ class OmniPrefixCacheManager:
             # NOTE: the context is in place before the staging save makes the id consumable, so a
             # consumer can never consume the step without its context (I1).
             with self._lock:
-                self._contexts[step_id] = ctx
+                self.consumption.put_locked(ctx)
             self.staging.save(slot, step_id, saved_at)
         except BaseException as exc:
             if ctx is not None:  # its step id was never handed out: no consumer may keep it
                 with self._lock:
-                    self._contexts.pop(ctx.step_id, None)
+                    self.consumption.drop_locked(ctx.step_id)
             if registered:  # versions may be published: not undoable, so fail for good (I8)
                 self.scheduling.fail_registered(registered, exc, where=f"save_outputs step {step_id}")
                 raise  # the original exception itself; later entries chain it (I8)
@@ -390,68 +382,19 @@ class OmniPrefixCacheManager:
     def materialize(self, step_id: StepId, req_ids: Sequence[ReqId]) -> StageCacheOutputs:
         """Per request: cached prefix rows then this step's rows (consumes the step id once)."""
         self.check_usable("materialize")
-        try:
-            req_ids = tuple(req_ids)  # a tuple passes through as itself: no per-request copy
-        except TypeError as exc:
-            raise OmniPrefixCacheUnmatchError(
-                f"materialize step {step_id}: req_ids must be a sequence of request ids, got {req_ids!r}; "
-                "nothing was consumed (I4)") from exc
-        # NOTE: the context leaves ``_contexts`` before the consume and comes back only if this call
-        # is refused, so a verdict (``trim_step``) racing this read is refused instead of changing
-        # the rows while they are read, and a second consumer racing this one is refused (I1).
-        ctx = self._take_context(step_id, "materialize")
-        try:
-            if ctx is not None and not _same_ids(req_ids, ctx.rows.req_ids):  # the usual call: every request, in order
-                outside = [r for r in req_ids if ctx.rows.write_of(r) is None]
-                if outside:
-                    raise OmniPrefixCacheUnmatchError(
-                        f"materialize step {step_id}: requests {outside} are {PHRASE_OUTSIDE_SNAPSHOT} (saved at "
-                        f"{ctx.saved_at} with requests {list(ctx.rows.req_ids)} in row order); nothing was consumed (I4)"
-                    )
-            slot = self.staging.consume(step_id, caller="materialize")
-        except BaseException:
-            self._end_consume(step_id, ctx, consumed=None)  # refused: the step stays unconsumed, its context with it
-            raise
-        assert ctx is not None, f"step {step_id} consumed without a context: manager bug"
-        self._end_consume(step_id, ctx, consumed="materialized")
-        try:
-            return self.reader.build_outputs(ctx, req_ids)
-        finally:
-            self.reader.release(ctx, slot)
+        return self.consumption.materialize(step_id, req_ids)
 
     def trim_step(self, step_id: StepId, keep: Mapping[ReqId, int]) -> None:
         """A verify step's verdict (speculative decoding, contract 4.14), before its step id is handed on:
         request ``r`` keeps its first ``keep[r]`` rows of the step; materialize never returns the rest
         (rejected draft tokens' rows), and their KV slots are vacated (I14). A refusal changes nothing."""
         self.check_usable("trim_step")
-        with self._lock:
-            ctx = self._contexts.get(step_id) if isinstance(step_id, int) and not isinstance(step_id, bool) else None
-        if ctx is None:
-            raise OmniPrefixCacheUnmatchError(f"trim_step: step {step_id!r} was {PHRASE_NOT_SAVED} by this manager; "
-                                              "nothing was trimmed (I1)")
-        if (trimmed := trim_rows(ctx.rows, keep, what=f"trim_step {step_id} (saved at {ctx.saved_at})")) is None:
-            return
-        with self._lock:
-            if self._contexts.get(step_id) is not ctx:  # consumed meanwhile: its output is out already
-                raise OmniPrefixCacheUnmatchError(
-                    f"trim_step: step {step_id} was consumed while it was trimmed ({PHRASE_NOT_SAVED}): a verdict "
-                    "must come before the step id is handed to a consumer; nothing was trimmed (I14)")
-            ctx.rows, dropped = trimmed
-            self.counters["trimmed_rows"] += len(dropped)
-        self.scheduling.vacate(ctx.slots_np[dropped])
+        self.consumption.trim(step_id, keep)
 
     def discard_step(self, step_id: StepId) -> None:
         """Consume ``step_id`` without building outputs (payload built from live outputs, or error)."""
         self.check_usable("discard_step")
-        ctx = self._take_context(step_id, "discard_step")
-        try:
-            slot = self.staging.consume(step_id, caller="discard_step")
-        except BaseException:
-            self._end_consume(step_id, ctx, consumed=None)
-            raise
-        assert ctx is not None, f"step {step_id} consumed without a context: manager bug"
-        self._end_consume(step_id, ctx, consumed="discarded")
-        self.reader.release(ctx, slot)
+        self.consumption.discard(step_id)
 
     def shutdown(self) -> dict[StepId, str]:
         """Refuse saves that have not claimed a page, let the ones that have finish, drain the
@@ -533,37 +476,12 @@ class OmniPrefixCacheManager:
         if not self.committer.alive:
             raise OmniPrefixCacheUnmatchError(f"cannot {what}: the committer thread is not running")
 
-    def _take_context(self, step_id: Any, caller: str) -> StepContext | None:
-        """Take the context of ``step_id`` for this call, which alone may then consume it (I1). None
-        when it has none (not an int id, never saved, or consumed: the staging consume refuses it);
-        refused while another call holds it (that call consumes it, or gives it back if refused)."""
-        if not isinstance(step_id, int) or isinstance(step_id, bool):  # True == 1 would find step 1
-            return None
-        with self._lock:
-            ctx = self._contexts.pop(step_id, None)
-            if ctx is not None:
-                self._consuming.add(step_id)
-            elif step_id in self._consuming:
-                raise OmniPrefixCacheUnmatchError(
-                    f"{caller}: step id {step_id} was {PHRASE_NOT_SAVED}: another call is consuming it; "
-                    "nothing was consumed (I1)")
-        return ctx
-
-    def _end_consume(self, step_id: Any, ctx: StepContext | None, *, consumed: str | None) -> None:
-        """The call that took ``ctx`` is past its consume: count it (``consumed``: the counter), or,
-        refused (None), give the context back so the step stays unconsumed with it."""
-        if ctx is None:
-            return
-        with self._lock:
-            self._consuming.discard(step_id)
-            if consumed is None:
-                self._contexts[step_id] = ctx
-            else:
-                self.counters[consumed] += 1
-
     def _count(self, counter: str) -> None:
         with self._lock:
             self.counters[counter] += 1
+
+    def _count_locked(self, counter: str, n: int) -> None:
+        self.counters[counter] += n
 
     def _issue_step_id(self) -> StepId:
         with self._lock:

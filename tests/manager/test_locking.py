@@ -57,7 +57,7 @@ for _op in ("__getitem__", "__setitem__", "__delitem__", "__contains__", "__iter
     setattr(_LockedOnly, _op, _guarded)
 
 
-_GUARDED = ("_requests", "_contexts", "counters")
+_GUARDED = ("_requests", "counters")
 
 
 @pytest.mark.parametrize("eager", MODES)
@@ -86,6 +86,9 @@ def test_manager_bookkeeping_is_only_touched_under_the_state_lock(eager: bool) -
     # the write scheduler's open deferred writes share the state lock (its emptiness check is lock-free)
     guarded["scheduling._deferred_open"] = m.scheduling._deferred_open = _LockedOnly(
         m, "scheduling._deferred_open", m.scheduling._deferred_open, lock_free=("__len__",))
+    # the saved steps' contexts (the step consumption's) share the state lock too
+    guarded["consumption._contexts"] = m.consumption._contexts = _LockedOnly(m, "consumption._contexts",
+                                                                             m.consumption._contexts)
     guarded["scheduling._open_of"] = m.scheduling._open_of = _LockedOnly(m, "scheduling._open_of",
                                                                          m.scheduling._open_of)
     guarded["hits._pending"] = m.hits._pending = _LockedOnly(m, "hits._pending", m.hits._pending,
