@@ -1,0 +1,32 @@
+"""tools/long_generation_cost.py itself: it times a long generation whose writes all stay open, lands
+them all at the finish (or fails), and refuses bad arguments in one line."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("long_generation_cost", ROOT / "tools" / "long_generation_cost.py")
+assert _spec is not None and _spec.loader is not None
+lg = importlib.util.module_from_spec(_spec)
+sys.modules["long_generation_cost"] = lg
+_spec.loader.exec_module(lg)
+
+
+def test_the_tool_lands_every_open_write_and_prints_both_medians(capsys: Any) -> None:
+    assert lg.main(["--steps", "120", "--window", "30", "--width", "32"]) == 0
+    out = capsys.readouterr().out
+    assert "all 120 landed at it" in out, out
+    first, last, ratio = (float(x) for x in re.findall(r"first 30 ([\d.]+) µs, of the last 30 ([\d.]+) µs, "
+                                                       r"last / first ([\d.]+)", out)[0])
+    assert first > 0 and last > 0 and abs(ratio - last / first) < 0.05, out  # each printed rounded
+
+
+def test_the_tool_refuses_bad_arguments_in_one_line(capsys: Any) -> None:
+    assert lg.main(["--steps", "30", "--window", "10"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("long_generation_cost: need") and err.count("\n") == 1, err
