@@ -52,7 +52,7 @@ from omni_cache.integration.delivery import (
 from omni_cache.integration.delivery_sched import DeliveryScheduler
 from omni_cache.integration.kv_nesting import STAGE_REFUSAL, connector_configs, omni_connector
 from omni_cache.integration.metrics import CacheMetricsReporter
-from omni_cache.integration.ranks import vllm_worker_rank
+from omni_cache.integration.ranks import data_parallel_replica, vllm_worker_rank
 from omni_cache.integration.tier_apply import TierApplier, TierLoad, TierPlan, TierStore
 from omni_cache.integration.vllm_logging import use_vllm_logging
 from omni_cache.runtime.errors import OmniPrefixCacheUnmatchError
@@ -240,8 +240,7 @@ def _build() -> dict[str, type]:
             if role == KVConnectorRole.WORKER:
                 if delivery is not None:  # first: a refused claim leaves nothing else built
                     # only the output rank delivers, so only it takes the directory (one claim per DP replica)
-                    parallel = getattr(vllm_config, "parallel_config", None)
-                    replica = int(getattr(parallel, "data_parallel_rank", 0) or 0)
+                    replica = data_parallel_replica(getattr(vllm_config, "parallel_config", None))
                     self.omni_delivery = RowDelivery(delivery, claim=vllm_worker_rank().is_output_rank,
                                                      replica=replica)
                 self.omni_tier_applier = TierApplier(

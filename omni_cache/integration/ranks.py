@@ -4,7 +4,8 @@ Owns: ``WorkerRank`` (one worker's place in the tensor- and pipeline-parallel
 grid, and whether it holds the cache), ``vllm_worker_rank()`` (the calling
 worker's place, read from vLLM's parallel groups lazily), ``output_rank_index``
 (vLLM's ``_get_output_rank``: TP rank 0 of the last pipeline stage),
-``cache_bytes`` (the host bytes a manager holds) and ``prepare_parallel_env`` /
+``data_parallel_replica`` (which data-parallel replica a worker serves), ``cache_bytes`` (the
+host bytes a manager holds) and ``prepare_parallel_env`` /
 ``thread_binding`` (the environment a multi-process CPU engine needs; reusable
 by every command that starts one).
 
@@ -25,7 +26,7 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["WorkerRank", "cache_bytes", "output_rank_index", "prepare_parallel_env", "thread_binding",
+__all__ = ["WorkerRank", "cache_bytes", "data_parallel_replica", "output_rank_index", "prepare_parallel_env", "thread_binding",
            "vllm_worker_rank"]
 
 
@@ -136,3 +137,17 @@ def prepare_parallel_env(world_size: int, environ: dict[str, str] | None = None)
         wanted["VLLM_CPU_OMP_THREADS_BIND"] = thread_binding(world_size)
     env.update(wanted)
     return wanted
+
+
+def data_parallel_replica(parallel_config: Any) -> int:
+    """The data-parallel replica (0 .. data_parallel_size - 1) whose engine core holds ``parallel_config``
+    (vLLM's ``ParallelConfig``; 0 without one).
+
+    NOTE: vLLM runs each replica of a dense model as an independent engine: its engine core resets
+    ``data_parallel_rank`` to 0 (and the size to 1) and keeps the replica's own rank in
+    ``data_parallel_index``; a MoE model's replicas keep both. So the index is read first."""
+    for name in ("data_parallel_index", "data_parallel_rank"):
+        value = getattr(parallel_config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return 0

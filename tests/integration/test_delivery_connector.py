@@ -127,14 +127,30 @@ def test_a_delivery_only_connector_builds_on_both_sides(vllm, tmp_path: Path) ->
     worker.shutdown()
 
 
-def test_the_worker_side_claims_the_directory_for_its_data_parallel_replica(vllm, tmp_path: Path) -> None:
+def _replica_config(rank: int, *, dense: bool) -> Any:
+    """vLLM's own ``ParallelConfig`` of DP replica ``rank`` of 2, as its engine core holds it: a dense
+    model's replica runs as an independent engine (vLLM resets its ``data_parallel_rank`` to 0 and
+    keeps the replica in ``data_parallel_index``), a MoE model's keeps its rank."""
+    from vllm.config import ParallelConfig
+
+    config = ParallelConfig(data_parallel_size=2, data_parallel_rank=rank)
+    config.data_parallel_index = rank
+    if dense:
+        config.reconfigure_for_independent_dp_rank()
+        assert config.data_parallel_rank == 0 and config.data_parallel_index == rank
+    return config
+
+
+@pytest.mark.parametrize("dense", [True, False], ids=["dense", "moe"])
+def test_the_worker_side_claims_the_directory_for_its_data_parallel_replica(vllm, tmp_path: Path,
+                                                                            dense: bool) -> None:
     """Each DP replica's output rank holds its own claim on the shared directory; a second server's
     replica of the same rank is refused at start, naming the setting."""
     from omni_cache.integration.delivery_files import CLAIM_NAME, DeliveryDirInUse, claim_name
 
     def worker(rank: int) -> Any:
         config = _config(vllm, str(tmp_path))
-        config.parallel_config = SimpleNamespace(data_parallel_rank=rank, data_parallel_size=2)
+        config.parallel_config = _replica_config(rank, dense=dense)
         return vllm.kv_tier.OmniKVConnector(config, vllm.Role.WORKER, None)
 
     first, second = worker(0), worker(1)
