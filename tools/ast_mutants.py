@@ -61,8 +61,8 @@ ROOT = Path(__file__).resolve().parent.parent
 EQUIVALENT_FILE = ROOT / "tools" / "equivalent_mutants.json"
 
 CORE_MODULES = (
-    "adapter", "block_pool", "copier", "events", "locks", "manager", "reader", "scheduling", "staging", "states",
-    "step_outputs", "tenancy", "validation", "writes",
+    "adapter", "block_pool", "consumption", "copier", "events", "locks", "manager", "reader", "scheduling", "staging",
+    "states", "step_outputs", "tenancy", "validation", "writes",
 )
 
 # The fast subset: unit and behaviour tests first (they kill most mutants in a second or

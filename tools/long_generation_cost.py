@@ -62,10 +62,13 @@ def main(argv: list[str] | None = None) -> int:
         gc.enable()
         unconsumed = manager.shutdown()
     stats = manager.stats()
-    if open_writes != args.steps or stats["deferred_open"] or stats["writes_in_flight"] or unconsumed:
+    landed = stats["writes_written"]  # each step's immediate write and its deferred one
+    if open_writes != args.steps or stats["deferred_open"] or stats["writes_in_flight"] or unconsumed \
+            or stats["failed"] is not None or landed != 2 * args.steps:
         print(f"long_generation_cost: FAILED: {open_writes} open writes before the finish (expected {args.steps}), "
-              f"{stats['deferred_open']} open and {stats['writes_in_flight']} in flight after it, "
-              f"unconsumed {unconsumed}", file=sys.stderr)
+              f"{stats['deferred_open']} open and {stats['writes_in_flight']} in flight after it, {landed} writes "
+              f"landed (expected {2 * args.steps}), failure {stats['failed']!r}, unconsumed {unconsumed}",
+              file=sys.stderr)
         return 1
     first = statistics.median(times[: args.window]) / 1e3
     last = statistics.median(times[-args.window:]) / 1e3

@@ -30,8 +30,8 @@ name); no file name or path derives from client-controlled text without being ma
 request's file: the name carries a digest of the id and a per-server nonce); a client-given
 path is honoured only when allowed and only inside the directory after resolving symlinks;
 files and lock files are the server user's only (mode 0600, the directory 0700 when created);
-the directory holds at most ``max_bytes`` of delivered files and none older than
-``max_age_s`` (oldest removed first, never the file just delivered; a file larger than
+the directory holds at most ``max_bytes`` of delivered files per store (each data-parallel
+replica's store keeps its own bounds) and none older than ``max_age_s`` (oldest removed first, never the file just delivered; a file larger than
 ``max_bytes`` is refused before it is written), a failed delivery's lock file and ``.error`` note
 included (a dropped one's lock file is removed at once); a lock is never shared or waited for (a second
 request for a path whose lock exists fails at once: the engine thread never blocks on a lock).

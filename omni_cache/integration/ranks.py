@@ -22,6 +22,7 @@ rest is the manager's.
 
 from __future__ import annotations
 
+import operator
 import os
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -147,7 +148,13 @@ def data_parallel_replica(parallel_config: Any) -> int:
     ``data_parallel_rank`` to 0 (and the size to 1) and keeps the replica's own rank in
     ``data_parallel_index``; a MoE model's replicas keep both. So the index is read first."""
     for name in ("data_parallel_index", "data_parallel_rank"):
-        value = getattr(parallel_config, name, None)
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
+        value: Any = getattr(parallel_config, name, None)
+        if value is None or isinstance(value, bool):
+            continue
+        try:
+            replica = operator.index(value)  # an int or a numpy integer; never a float or a string
+        except TypeError:
+            continue
+        if replica >= 0:
+            return replica
     return 0

@@ -370,7 +370,7 @@ class OmniPrefixCacheManager:
             if deferred is not None:
                 self.scheduling.open_deferred_locked(deferred, split.deferred, sigs)
                 for req_id in req_ids:
-                    if req_id not in self._requests:  # one the engine never announced: its finish flushes too
+                    if req_id not in self._requests:  # one the engine never announced is live from here
                         self._requests[req_id] = _Request(req_id)
         try:
             self.scheduling.after_save(imm, older | older_deferred, plans)

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import sys
 import types
+from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
 from fakes_vllm import NewRequestData, VllmConfig, kv_cache_config
 from test_runner_hooks import BS, PROMPT, Model, SpyFactory, _run, _so
@@ -22,6 +24,7 @@ from omni_cache.integration import PrefixCacheRunnerHooks
 from omni_cache.integration.ranks import (
     WorkerRank,
     cache_bytes,
+    data_parallel_replica,
     output_rank_index,
     prepare_parallel_env,
     thread_binding,
@@ -156,3 +159,18 @@ def test_prepare_parallel_env_binds_threads_and_keeps_a_users_binding() -> None:
     mine = {"VLLM_CPU_OMP_THREADS_BIND": "0-3|4-7"}
     prepare_parallel_env(2, mine)
     assert mine["VLLM_CPU_OMP_THREADS_BIND"] == "0-3|4-7"
+
+
+@pytest.mark.parametrize(("config", "want"), [
+    (None, 0),  # no parallel config at all
+    (SimpleNamespace(), 0),  # neither attribute
+    (SimpleNamespace(data_parallel_index=1, data_parallel_rank=0), 1),  # a dense model's replica (rank reset)
+    (SimpleNamespace(data_parallel_index=2, data_parallel_rank=2), 2),  # a MoE model's replica
+    (SimpleNamespace(data_parallel_rank=3), 3),  # a config without the index
+    (SimpleNamespace(data_parallel_index=np.int64(1), data_parallel_rank=0), 1),  # a numpy integer
+    (SimpleNamespace(data_parallel_index=True, data_parallel_rank=1), 1),  # a bool is no replica
+    (SimpleNamespace(data_parallel_index="1", data_parallel_rank=0), 0),  # nor a string
+    (SimpleNamespace(data_parallel_index=-1, data_parallel_rank=1), 1),  # nor a negative number
+])
+def test_the_data_parallel_replica_is_the_index_a_replica_keeps(config: object, want: int) -> None:
+    assert data_parallel_replica(config) == want

@@ -16,9 +16,10 @@ import threading
 from typing import Any
 
 import pytest
+import torch
 from cache_helpers import manager, save, settle, wait_until
 
-from omni_cache import OmniPrefixCacheUnmatchError
+from omni_cache import ModelCachePolicy, OmniPrefixCacheUnmatchError, PrefixCacheWriteLayout
 
 JOIN_S = 30.0
 
@@ -120,3 +121,69 @@ def test_a_consumer_of_an_id_still_being_saved_never_consumes_it_without_its_con
     stats = m.stats()
     assert stats["unconsumed_step_ids"] == {}
     assert stats["staging"]["slots"]["free"] == stats["staging"]["depth"], stats["staging"]
+
+
+@pytest.mark.parametrize("first", ["materialize", "discard"])
+def test_a_finished_consume_leaves_no_claim_on_the_id(first: str) -> None:
+    """Once a consume is over, the id is simply consumed: a later consumer is refused by the staging
+    pool's one-consume check (which lists the unconsumed ids), never as "another call is consuming
+    it", and the consumption keeps no record of it."""
+    m = manager()
+    m.new_step_starts([])
+    step, _ = save(m, [("a", [0], 0, 2)])
+    m.materialize(step, ["a"]) if first == "materialize" else m.discard_step(step)
+    for again in (lambda: m.materialize(step, ["a"]), lambda: m.discard_step(step)):
+        with pytest.raises(OmniPrefixCacheUnmatchError, match="unconsumed step ids") as info:
+            again()
+        assert "another call is consuming it" not in str(info.value)
+    assert m.shutdown() == {}
+
+
+@pytest.mark.parametrize("rival", ["discard_step", "materialize"])
+def test_a_consumer_refused_before_the_id_is_published_gives_the_context_back(rival: str) -> None:
+    """A consumer that guesses the id of the step being saved after its context is in place but
+    before the staging pool publishes the id is refused ("never saved") and gives the context back,
+    so the step's own consumer, once the save returns, gets every row."""
+    m = manager()
+    staging_save = m.staging.save
+    refused: list[str] = []
+
+    def consume_then_save(slot: Any, step_id: int, saved_at: str) -> None:
+        with pytest.raises(OmniPrefixCacheUnmatchError, match="already consumed or never saved") as info:
+            m.discard_step(step_id) if rival == "discard_step" else m.materialize(step_id, ["a"])
+        refused.append(str(info.value))
+        staging_save(slot, step_id, saved_at)
+
+    m.staging.save = consume_then_save  # type: ignore[method-assign]
+    try:
+        step_id, rows = save(m, [("a", [0, 1], 0, 6)])
+    finally:
+        m.staging.save = staging_save  # type: ignore[method-assign]
+    assert refused
+    assert m.materialize(step_id, ["a"]).hidden_states["a"].equal(rows)
+    assert m.shutdown() == {}
+
+
+def test_a_save_that_fails_before_publishing_its_id_leaves_no_context_behind() -> None:
+    """A save refused by the staging pool's publish (its id never handed out) takes its context with it:
+    a verdict for that id, guessed, is refused as never saved and vacates nothing. A save with no
+    per-token key registers no write, so the manager stays usable after it."""
+    m = manager()
+    m.register_policy(ModelCachePolicy(needs_full_hidden_states=False))
+    m.new_step_starts([])
+    staging_save = m.staging.save
+    ids: list[int] = []
+
+    def refuse(slot: Any, step_id: int, saved_at: str) -> None:
+        ids.append(step_id)
+        raise RuntimeError("the publish failed")
+
+    m.staging.save = refuse  # type: ignore[method-assign]
+    layout = PrefixCacheWriteLayout.packed([("a", 0, 4)], torch.arange(4))
+    with pytest.raises(RuntimeError, match="the publish failed"):
+        m.save_outputs(None, {}, num_tokens_unpadded=4, num_tokens_padded=4, write_layout=layout)
+    m.staging.save = staging_save  # type: ignore[method-assign]
+    assert m.stats()["failed"] is None and ids
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="already consumed or never saved"):
+        m.trim_step(ids[0], {"a": 1})
+    assert m.stats()["trimmed_rows"] == 0 and m.shutdown() == {}

@@ -97,6 +97,7 @@ def test_manager_bookkeeping_is_only_touched_under_the_state_lock(eager: bool) -
     s1, rows_a = save(m, [("a", [0, 1], 0, 8)], mm={"audio": torch.ones(8, 3)})
     s2, _ = save(m, [("b", [2], 0, 4)], mm={"audio": torch.ones(4, 3)})
     m.materialize(s1, ["a"])
+    m.trim_step(s2, {"b": 2})  # a verdict reads and changes the step's context under the lock too
     m.discard_step(s2)
     m.new_step_starts([finished("a"), finished("b"), started("c", hit_end=8, blocks=[0, 1, 3])])
     s3, rows_c = save(m, [("c", [0, 1, 3], 8, 12)], mm={"audio": torch.ones(4, 3)})

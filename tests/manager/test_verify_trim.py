@@ -10,12 +10,15 @@ served rejected row shows up as a wrong value.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import pytest
 import torch
 from cache_helpers import MODES, finished, manager, settle, slots, started, truth
 
+import omni_cache.runtime.consumption as consumption_module
+import omni_cache.runtime.manager as manager_module
 from omni_cache import ModelCachePolicy, PrefixCacheEventKind, PrefixCacheRequestEvent, PrefixCacheWriteLayout
 from omni_cache.runtime.errors import (
     PHRASE_NOT_READABLE,
@@ -187,4 +190,45 @@ def test_I14_a_verdict_racing_the_steps_materialize_is_refused_and_changes_nothi
     out = m.materialize(step, ["A"])
     assert refused and m.stats()["trimmed_rows"] == 0
     assert torch.equal(out.hidden_states["A"], torch.cat([truth("A", range(7, 9)), truth("draft", range(9, 12))]))
+    assert m.shutdown() == {}
+
+
+def test_I14_a_bool_is_no_step_id_even_where_step_1_is_this_managers(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """``True == 1``: a verdict for ``True`` must not trim step 1, nor a consume of ``True`` take it."""
+    m = manager()
+    m.new_step_starts([started("A")])
+    m.materialize(_save(m, [("A", A_BLOCKS, 0, 7, truth("A", range(7)))]), ["A"])
+    m.new_step_starts([_extended("A")])
+    monkeypatch.setattr(manager_module, "_STEP_IDS", itertools.count(1))  # this manager's next id is 1
+    rows = torch.cat([truth("A", range(7, 9)), truth("draft", range(9, 12))])
+    step = _save(m, [("A", A_BLOCKS, 7, 12, rows)])
+    assert step == 1
+    with pytest.raises(OmniPrefixCacheUnmatchError, match=PHRASE_NOT_SAVED):
+        m.trim_step(True, {"A": 1})  # type: ignore[arg-type]
+    for consume in (lambda: m.materialize(True, ["A"]), lambda: m.discard_step(True)):  # type: ignore[arg-type]
+        with pytest.raises(OmniPrefixCacheUnmatchError, match=PHRASE_NOT_SAVED):
+            consume()
+    assert m.stats()["trimmed_rows"] == 0
+    assert torch.equal(m.materialize(step, ["A"]).hidden_states["A"], rows)
+    assert m.shutdown() == {}
+
+
+def test_I14_a_step_consumed_while_its_verdict_is_worked_out_is_not_trimmed(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The verdict reads the step's rows, then a consumer takes the step before the verdict lands:
+    the verdict is refused, the consumer got every row, and no KV slot is vacated."""
+    m = manager()
+    step = _verify_step(m)
+    real = consumption_module.trim_rows
+    served: list[torch.Tensor] = []
+
+    def consumed_meanwhile(*args: object, **kwargs: object) -> object:
+        result = real(*args, **kwargs)
+        served.append(m.materialize(step, ["A"]).hidden_states["A"])
+        return result
+
+    monkeypatch.setattr(consumption_module, "trim_rows", consumed_meanwhile)
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="consumed while it was trimmed"):
+        m.trim_step(step, {"A": 1})
+    assert m.stats()["trimmed_rows"] == 0
+    assert torch.equal(served[0], torch.cat([truth("A", range(7, 9)), truth("draft", range(9, 12))]))
     assert m.shutdown() == {}
