@@ -31,9 +31,9 @@ request's file: the name carries a digest of the id and a per-server nonce); a c
 path is honoured only when allowed and only inside the directory after resolving symlinks;
 files and lock files are the server user's only (mode 0600, the directory 0700 when created);
 the directory holds at most ``max_bytes`` of delivered files per store (each data-parallel
-replica's store keeps its own bounds) and none older than ``max_age_s`` (oldest removed first, never the file just delivered; a file larger than
-``max_bytes`` is refused before it is written), a failed delivery's lock file and ``.error`` note
-included (a dropped one's lock file is removed at once); a lock is never shared or waited for (a second
+replica's store keeps its own bounds) and none older than ``max_age_s`` (oldest removed first,
+never the file just delivered; a file larger than ``max_bytes`` is refused before it is
+written), a failed delivery's lock file and ``.error`` note included (a dropped one's lock file is removed at once); a lock is never shared or waited for (a second
 request for a path whose lock exists fails at once: the engine thread never blocks on a lock).
 
 Fault injection (for tests of a served engine, where no Python hook reaches the worker): the
@@ -80,9 +80,10 @@ log = logging.getLogger(__name__)
 FILE_SUFFIX = ".safetensors"
 _TMP_MARK = ".omni-tmp-"
 FAULT_ENV = "OMNI_CACHE_DELIVERY_FAULT"
-CLAIM_NAME = ".omni-cache-server.lock"  # held by the one store that delivers into the directory
+_CLAIM_STEM, _CLAIM_SUFFIX = ".omni-cache-server", ".lock"
+CLAIM_NAME = _CLAIM_STEM + _CLAIM_SUFFIX  # held by the one store that delivers into the directory
 # A data-parallel replica r > 0 of the same server holds its own: ``.omni-cache-server-dp<r>.lock``.
-_CLAIM = re.compile(r"\.omni-cache-server(?:-dp[1-9][0-9]*)?\.lock")
+_CLAIM = re.compile(re.escape(_CLAIM_STEM) + r"(?:-dp[1-9][0-9]*)?" + re.escape(_CLAIM_SUFFIX))
 _CLAIM_TRIES = 5  # a launcher's probe holds a claim file for an instant: a claim retries before it refuses
 _CLAIM_RETRY_S = 0.02
 _SAFE = re.compile(r"[^A-Za-z0-9._-]+")
@@ -201,7 +202,7 @@ class DeliveryDirInUse(ValueError):
 
 def claim_name(replica: int = 0) -> str:
     """The claim file of data-parallel replica ``replica`` (``CLAIM_NAME`` for the first, or no DP)."""
-    return CLAIM_NAME if replica == 0 else f".omni-cache-server-dp{replica}.lock"
+    return CLAIM_NAME if replica == 0 else f"{_CLAIM_STEM}-dp{replica}{_CLAIM_SUFFIX}"
 
 
 # Stores holding a claim in this process: a child forked without exec closes its copies of their
