@@ -81,8 +81,12 @@ FAST_TESTS = (
     "tests/writes/test_cuda.py",  # skips without a CUDA device
     "tests/manager/test_step_cost.py",  # the fast paths of a step (layout facts, scheduled counts, slot range, hit merges)
     "tests/manager/test_invariants.py",
-    "tests/manager/test_behaviour.py",  # its shutdown test fails in ~11 s on a committer that never stops
+    "tests/manager/test_behaviour.py",
+    "tests/manager/test_deferred_budget_and_stats.py",
+    "tests/manager/test_threads_and_shutdown.py",  # its shutdown test fails in ~11 s on a committer that never stops
     "tests/manager/test_door_checks.py",
+    "tests/manager/test_door_checks_types.py",
+    "tests/manager/test_door_checks_kept.py",
     "tests/request_identity/test_identity_and_replay.py",
     "tests/request_identity/test_step_events.py",  # one step's events apply to the admission each names
     "tests/manager/test_typed_input.py",
@@ -92,12 +96,17 @@ FAST_TESTS = (
     "tests/adapter/test_output_group.py",
     "tests/writes/test_write_failures.py",
     "tests/manager/test_reference_parity.py",
+    "tests/manager/test_reference_parity_adapter.py",
+    "tests/manager/test_reference_parity_replacement.py",
     "tests/manager/test_faults.py",
+    "tests/manager/test_faults_rollback.py",
     "tests/adapter/test_scheduler_adapter.py",
     "tests/integration/test_block_table.py",
     "tests/integration/test_config_gate.py",
     "tests/integration/test_runner_hooks.py",
-    "tests/integration/test_delivery_files.py",  # served delivery: names, paths, atomic writes, locks, retention
+    "tests/integration/test_delivery_names.py",  # served delivery: safe names, client-given paths
+    "tests/integration/test_delivery_files.py",  # served delivery: atomic writes, lock files
+    "tests/integration/test_delivery_retention.py",  # served delivery: retention, adoption at start
     "tests/integration/test_delivery_worker.py",  # RowDelivery on a real manager: rows, I1, containment
     "tests/integration/test_delivery_scheduler.py",  # DeliveryScheduler and the delivery settings
     "tests/integration/test_delivery_bridge.py",  # the bridge's consumer modes (deliver, discard, queue)

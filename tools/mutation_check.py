@@ -34,7 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-MINE = ("tests/manager/test_manager_stateful.py", "tests/manager/test_faults.py")
+MINE = ("tests/manager/test_manager_stateful.py", "tests/manager/test_faults.py",
+        "tests/manager/test_faults_rollback.py")
 LEAD_INVARIANTS = "tests/manager/test_invariants.py"
 
 
