@@ -71,6 +71,7 @@ FAST_TESTS = (
     "tests/manager/test_state_tables.py",
     "tests/staging/test_staging_pool.py",
     "tests/writes/test_write_book_and_pool.py",
+    "tests/writes/test_scatter_rows.py",
     "tests/manager/test_interface.py",
     "tests/manager/test_events.py",
     "tests/manager/test_locking.py",

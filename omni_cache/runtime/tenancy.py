@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from omni_cache.runtime.block_pool import PrefixBlockPool
+from omni_cache.runtime.block_pool import PrefixBlockPool, scatter_rows
 from omni_cache.runtime.errors import PHRASE_NOT_READABLE, OmniPrefixCacheUnmatchError
 from omni_cache.runtime.interface import TensorName, Tid
 from omni_cache.runtime.trace import TraceRecorder
@@ -306,7 +306,7 @@ class SlotTenancy:
                     if v.num_pins:
                         self._preserve_locked(key, v, tensor, slots, slots_np,
                                               v.landed[slots_np] if current is None else current)
-                    tensor.index_copy_(0, slots, rows)
+                    scatter_rows(tensor, slots, rows, slots_np)
                     if slots_np is all_np:
                         unmasked.append(v)
                     else:

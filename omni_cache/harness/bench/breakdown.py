@@ -21,7 +21,8 @@ Categories (what is timed, on the instance or for the measured pass only):
                     kick/drain/process
   copies            every ``Tensor.copy_``, ``index_copy_``, ``index_select``,
                     ``clone`` and ``torch.cat`` during the pass (torch patched
-                    for the pass only, then restored)
+                    for the pass only, then restored), and the landing's
+                    ``scatter_rows``
   output views      ``Tensor.split_with_sizes`` and ``reader.per_request``: the one
                     tensor per request and key that materialize returns (views of the
                     step's private copy) and its entry in the key's dict
@@ -86,6 +87,8 @@ _MANAGER_GLOBALS: tuple[tuple[str, str], ...] = (
 )
 # Module globals of omni_cache.runtime.reader, patched for the pass only.
 _READER_GLOBALS: tuple[tuple[str, str], ...] = (("output views", "per_request"),)
+# Module globals of omni_cache.runtime.tenancy (the landing's scatter), patched for the pass only.
+_TENANCY_GLOBALS: tuple[tuple[str, str], ...] = (("copies", "scatter_rows"),)
 _TENSOR_COPIES: tuple[str, ...] = ("copy_", "index_copy_", "index_select", "clone")
 _TENSOR_VIEWS: tuple[str, ...] = ("split_with_sizes",)
 
@@ -195,6 +198,7 @@ def _instrument(manager: Any, clock: _Clock) -> tuple[Callable[[], None], Callab
     all but the locks, and the undo of the locks (run after it)."""
     import omni_cache.runtime.manager as manager_module
     import omni_cache.runtime.reader as reader_module
+    import omni_cache.runtime.tenancy as tenancy_module
 
     undo: list[Callable[[], None]] = []
     for category, path, attrs in _METHODS:
@@ -203,7 +207,8 @@ def _instrument(manager: Any, clock: _Clock) -> tuple[Callable[[], None], Callab
             fn = getattr(owner, attr)
             setattr(owner, attr, clock.wrap(fn, category))
             undo.append(functools.partial(_drop_instance_attr, owner, attr))
-    for module, names in ((manager_module, _MANAGER_GLOBALS), (reader_module, _READER_GLOBALS)):
+    for module, names in ((manager_module, _MANAGER_GLOBALS), (reader_module, _READER_GLOBALS),
+                          (tenancy_module, _TENANCY_GLOBALS)):
         for category, name in names:
             fn = getattr(module, name)
             setattr(module, name, clock.wrap(fn, category))

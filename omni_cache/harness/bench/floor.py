@@ -6,7 +6,8 @@ next stage rows that no reused buffer can change:
 
   save         the step's rows -> one preallocated staging buffer (``copy_``),
                then the staging rows -> the block pool at the step's KV slots
-               (``index_copy_``);
+               (``block_pool.scatter_rows``, the manager's own scatter: ``index_copy_``,
+               or a numpy assignment for large steps);
   materialize  per request and key, a ``clone`` of its rows of the staging buffer
                (the caller keeps what materialize returns while the staging
                buffer is reused), or for the first step after a hit
@@ -23,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from omni_cache.harness.bench.workload import Step, WorkloadSpec
+from omni_cache.runtime.block_pool import scatter_rows
 from omni_cache.runtime.interface import HIDDEN_KEY, ReqId, StageCacheOutputs, TensorName
 
 
@@ -43,7 +45,7 @@ class RawCopyFloor:
         for key in self.keys:
             page = self.staging[key][:n]
             page.copy_(step.outputs[key][:n])
-            self.pool[key].index_copy_(0, slots, page)
+            scatter_rows(self.pool[key], slots, page)
         self._step = step
 
     def materialize(self, step: Step) -> StageCacheOutputs:

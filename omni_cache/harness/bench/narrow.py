@@ -9,7 +9,7 @@ the ground truth at the end of its pass, so the checker's reads stay out of the 
 * the manager, through its public calls;
 * ``OutputFloor``: the copies and output tensors the manager itself makes for such a step and
   nothing else -- the step's rows into a staging buffer (``copy_``), the staging rows into the
-  pool (``index_copy_``), then per key **one** ``clone`` of the step's rows split into one view
+  pool (``scatter_rows``, as the manager), then per key **one** ``clone`` of the step's rows split into one view
   per request (``split_with_sizes``) and its ``{request: view}`` dict (what materialize returns
   for a decode step; request ids and sizes come from the layout's ``StepRows``, derived when the
   engine built the layout, as the manager's do); a step with a hit falls back to ``RawCopyFloor``'s per-request

@@ -203,7 +203,7 @@ def write_plot(result: BenchResult, path: str | Path) -> Path:
     fig.suptitle(f"omni-cache bench ({cfg['mode']}, median of {cfg['repeats']} repeat{'s' if cfg['repeats'] != 1 else ''}): {verdict}",
                  fontsize=12, fontweight="bold", y=0.985)
     fig.text(0.5, 0.915,
-             "floor = the same tensor copies with no bookkeeping (step rows into a staging buffer, index_copy_ into "
+             "floor = the same tensor copies with no bookkeeping (step rows into a staging buffer, scattered into "
              "the pool, per-request clone, index_select + cat for hits): the fastest any cache could serve this "
              f"workload.\ntarget = omni_cache reaches at least {target:.0f}% of the floor's tokens/s at every batch "
              "size. Both run step by step in the same pass, alternating which goes first; every row is checked "

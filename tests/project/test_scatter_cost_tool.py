@@ -1,0 +1,55 @@
+"""tools/scatter_cost.py itself: every way it times lands the same bits, each case reports all three
+ways and the path ``scatter_rows`` takes, and a bad argument is refused in one line."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+from omni_cache.runtime.block_pool import SCATTER_NUMPY_MIN_BYTES
+
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("scatter_cost", ROOT / "tools" / "scatter_cost.py")
+assert _spec is not None and _spec.loader is not None
+sc = importlib.util.module_from_spec(_spec)
+sys.modules["scatter_cost"] = sc
+_spec.loader.exec_module(sc)
+
+
+def test_every_case_is_timed_three_ways_and_names_its_path() -> None:
+    results = sc.measure(1)
+    assert len(results) == 2 * 3 * 3  # dtypes x widths x row counts
+    for r in results:
+        assert all(r[f"{way}_us"] > 0 for way in ("index_copy_", "numpy", "scatter_rows")), r
+        assert r["path"] == ("numpy" if r["bytes"] >= SCATTER_NUMPY_MIN_BYTES else "index_copy_"), r
+    assert {r["path"] for r in results} == {"numpy", "index_copy_"}
+
+
+def test_a_way_that_lands_other_bits_fails_the_run(monkeypatch: Any) -> None:
+    def wrong(dst: Any, slots: Any, rows: Any) -> None:
+        dst.index_copy_(0, slots, rows + 1)
+
+    monkeypatch.setattr(sc, "_numpy_only", wrong)
+    try:
+        sc.measure(1)
+    except SystemExit as exc:
+        assert "numpy differs from index_copy_" in str(exc)
+    else:
+        raise AssertionError("a way with other bits passed")
+
+
+def test_the_tool_refuses_bad_arguments_in_one_line(capsys: Any) -> None:
+    assert sc.main(["--rounds", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("scatter_cost: --rounds must be") and err.count("\n") == 1, err
+
+
+def test_the_prefill_save_is_timed_both_ways_and_the_landing_is_restored() -> None:
+    from omni_cache.runtime import tenancy
+
+    kept = tenancy.scatter_rows
+    saves = sc.save_ab(1)
+    assert set(saves) == {"scatter_rows", "index_copy_"} and all(v > 0 for v in saves.values()), saves
+    assert tenancy.scatter_rows is kept
