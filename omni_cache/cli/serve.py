@@ -8,7 +8,8 @@ argument, which goes to vLLM's server unchanged. It then replaces this process w
 SIGTERM reach the server itself.
 
 Upholds: a ``--delivery-dir`` another running server holds is refused before vLLM starts (one
-line, exit 2); the worker's own claim stays the authority.
+line, exit 2); the worker's own claim stays the authority. So is a MODEL vLLM could not load (a
+path that does not exist, a model id neither cached nor on a reachable hub: ``model_source``).
 """
 
 from __future__ import annotations
@@ -78,7 +79,11 @@ def run(args: argparse.Namespace) -> int:
         print("omni-cache serve: error: vLLM is not installed; see the README's set-up with the [vllm] extra",
               file=sys.stderr)
         return EXIT_USAGE
-    from omni_cache.harness.served.launch import default_delivery_dir, serve_command
+    from omni_cache.harness.served.launch import BUILTIN, default_delivery_dir, serve_command
+    from omni_cache.harness.served.model_source import model_problem
+
+    if (problem := model_problem(args.model, BUILTIN)) is not None:  # before vLLM retries the hub
+        parser.error(problem)
 
     delivery: dict[str, Any] = {"delivery_dir": os.path.abspath(delivery_args.delivery_dir or default_delivery_dir())}
     for flag, key in (("include_output_tokens", "include_output_tokens"),
