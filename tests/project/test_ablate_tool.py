@@ -3,26 +3,19 @@ its ``with``, and the tool prints every row (or refuses bad arguments in one lin
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from cache_helpers import manager, save, slot_of, started
+from tool_loader import load_tool
 
 import omni_cache.runtime.manager as manager_module
 from omni_cache.runtime.block_pool import PrefixBlockPool
 from omni_cache.runtime.errors import OmniPrefixCacheUnmatchError
 from omni_cache.runtime.events import PrefixCacheWriteLayout, layout_rows
 
-ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("ablate_bookkeeping", ROOT / "tools" / "ablate_bookkeeping.py")
-assert _spec is not None and _spec.loader is not None
-ab = importlib.util.module_from_spec(_spec)
-sys.modules["ablate_bookkeeping"] = ab
-_spec.loader.exec_module(ab)
+ab = load_tool("ablate_bookkeeping")
 
 
 def test_range_check_ablation_accepts_bad_slots_only_inside() -> None:

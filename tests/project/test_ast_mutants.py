@@ -6,20 +6,16 @@ well the suite guards them.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from tool_loader import load_tool
 
 ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("ast_mutants", ROOT / "tools" / "ast_mutants.py")
-assert _spec is not None and _spec.loader is not None
-am = importlib.util.module_from_spec(_spec)
-sys.modules["ast_mutants"] = am
-_spec.loader.exec_module(am)
+am = load_tool("ast_mutants")
 
 TOY = '''"""Toy module."""
 import logging

@@ -3,18 +3,12 @@ them all at the finish (or fails), and refuses bad arguments in one line."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
-from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("long_generation_cost", ROOT / "tools" / "long_generation_cost.py")
-assert _spec is not None and _spec.loader is not None
-lg = importlib.util.module_from_spec(_spec)
-sys.modules["long_generation_cost"] = lg
-_spec.loader.exec_module(lg)
+from tool_loader import load_tool
+
+lg = load_tool("long_generation_cost")
 
 
 def test_the_tool_lands_every_open_write_and_prints_both_medians(capsys: Any) -> None:

@@ -3,19 +3,13 @@ ways and the path ``scatter_rows`` takes, and a bad argument is refused in one l
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from typing import Any
+
+from tool_loader import load_tool
 
 from omni_cache.runtime.block_pool import SCATTER_NUMPY_MIN_BYTES
 
-ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("scatter_cost", ROOT / "tools" / "scatter_cost.py")
-assert _spec is not None and _spec.loader is not None
-sc = importlib.util.module_from_spec(_spec)
-sys.modules["scatter_cost"] = sc
-_spec.loader.exec_module(sc)
+sc = load_tool("scatter_cost")
 
 
 def test_every_case_is_timed_three_ways_and_names_its_path() -> None:
