@@ -1,6 +1,6 @@
 """What landing rows at their KV slots costs: torch's ``index_copy_`` against ``scatter_rows``.
 
-Usage: ``python tools/scatter_cost.py [--rounds 7] [--json]``. For each width (2048 and 512, the
+Usage: ``python tools/scatter_cost.py [--rounds 7] [--save] [--json]``. For each width (2048 and 512, the
 decode13 widths; 128, the tiny Llama's), dtype (bf16, fp32) and row count (1 and 8: decode steps;
 512: a prefill step, its slots in runs of 16 as a KV block's), it times the scatter of that many
 rows into a pool of 65,536 slots three ways, interleaved round by round: ``index_copy_``, the
@@ -67,6 +67,8 @@ def measure(rounds: int) -> list[dict[str, object]]:
                     pool.zero_()
                     fn()
                     got = pool[slots].clone()
+                    if int(pool.count_nonzero()) != int(got.count_nonzero()):  # nothing outside the slots
+                        raise SystemExit(f"scatter_cost: {name} wrote outside its slots ({dtype}, {width}, {n})")
                     if expected is None:
                         expected = got
                     elif not torch.equal(got.view(SAME_SIZE_INT[rows.element_size()]),

@@ -79,11 +79,13 @@ def run(args: argparse.Namespace) -> int:
         print("omni-cache serve: error: vLLM is not installed; see the README's set-up with the [vllm] extra",
               file=sys.stderr)
         return EXIT_USAGE
-    from omni_cache.harness.served.launch import BUILTIN, default_delivery_dir, serve_command
+    from omni_cache.harness.served.launch import BUILTIN, default_delivery_dir, option_value, serve_command
     from omni_cache.harness.served.model_source import model_problem
 
-    if (problem := model_problem(args.model, BUILTIN)) is not None:  # before vLLM retries the hub
-        parser.error(problem)
+    token, revision = (found[1] if (found := option_value(vllm_args, name)) else None
+                       for name in ("--hf-token", "--revision"))
+    if (problem := model_problem(args.model, BUILTIN, token=token, revision=revision)) is not None:
+        parser.error(problem)  # before vLLM retries the hub for half a minute
 
     delivery: dict[str, Any] = {"delivery_dir": os.path.abspath(delivery_args.delivery_dir or default_delivery_dir())}
     for flag, key in (("include_output_tokens", "include_output_tokens"),

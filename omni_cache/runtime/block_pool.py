@@ -27,7 +27,10 @@ from omni_cache.runtime.interface import TensorName
 from omni_cache.runtime.validation import RowSig, check_held_sigs, check_sig, row_sig
 
 # Rows of at least this many bytes land through numpy (``scatter_rows``); smaller ones through
-# ``index_copy_``, whose single call costs less than the two numpy views (``tools/scatter_cost.py``).
+# ``index_copy_``. In a loop the numpy path already wins at 32 KiB (``tools/scatter_cost.py``), but
+# between a step's other work its views cost more: in ``omni-cache bench --preset decode13`` the raw
+# floor's 8-request decode save (32 KiB of hidden rows) took 26-28 µs through ``index_copy_``, 33-34 µs
+# through numpy (4 runs each, 2026-12-07).
 SCATTER_NUMPY_MIN_BYTES = 64 << 10
 # An integer dtype of each element size: a same-width integer view copies any dtype's bits exactly.
 SAME_SIZE_INT: dict[int, torch.dtype] = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -46,36 +49,45 @@ def _has_index_copy(dtype: torch.dtype) -> bool:
 
 def scatter_rows(dst: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor,
                  slots_np: np.ndarray | None = None) -> None:
-    """``dst[slots[i]] = rows[i]`` for every i, bit for bit (``dst.index_copy_(0, slots, rows)``).
+    """``dst[slots[i]] = rows[i]`` for every i, bit for bit as ``dst.index_copy_(0, slots, rows)``.
 
-    ``slots``: int64 CPU, in range and as many as ``rows`` (the callers check both); ``slots_np``: its
-    numpy view, when the caller has it. ``rows`` must have ``dst``'s row shape and dtype: a mismatch
-    raises (a copy of the bits would broadcast or reinterpret them; this never does).
+    ``slots``: int64 CPU, 1-D, in range and as many as ``rows`` (the callers check the range);
+    ``slots_np``: its numpy view, when the caller has it. ``rows`` must have ``dst``'s row shape and
+    dtype: a mismatch raises (a copy of the bits would broadcast or reinterpret them; this never
+    does). Slots should be distinct: with a repeated slot which row lands there is unspecified, as
+    for ``index_copy_``.
 
     NOTE: torch's CPU ``index_copy_`` scatters element by element; a numpy fancy assignment over
     same-width integer views of both tensors copies each row as one block, about 3x faster for a
-    prefill's 512 rows of width 2048 bf16, 2x for 8 such rows (``tools/scatter_cost.py``). Writes
-    under ``SCATTER_NUMPY_MIN_BYTES`` (where one torch call costs less than the numpy views) take
-    ``index_copy_``, of the integer views where torch has none for the dtype (float8, uint16/32/64);
-    complex dtypes and tensors that require grad or are not on the CPU take ``index_copy_`` itself.
+    prefill's 512 rows of width 2048 bf16 (``tools/scatter_cost.py``). Writes under
+    ``SCATTER_NUMPY_MIN_BYTES`` take ``index_copy_``, of the integer views where torch has none for
+    the dtype (float8, uint16/32/64); bool (``index_copy_`` stores any nonzero byte as 1), complex
+    dtypes, tensors with the negative bit, that require grad or are not on the CPU take
+    ``index_copy_`` itself.
     """
     small = rows.nbytes < SCATTER_NUMPY_MIN_BYTES
     if small and _has_index_copy(rows.dtype):  # ``index_copy_`` checks the shapes itself
         dst.index_copy_(0, slots, rows)
         return
     bits = SAME_SIZE_INT.get(rows.element_size())
-    if bits is None or rows.dtype.is_complex or rows.requires_grad or dst.requires_grad or not (
-            rows.is_cpu and dst.is_cpu):
+    if (bits is None or rows.dtype is torch.bool or rows.dtype.is_complex or rows.requires_grad or dst.requires_grad
+            or rows.is_neg() or dst.is_neg() or not (rows.is_cpu and dst.is_cpu)):
         dst.index_copy_(0, slots, rows)
         return
-    if rows.dtype != dst.dtype or rows.shape[1:] != dst.shape[1:] or rows.shape[0] != slots.shape[0]:
+    if (rows.dtype != dst.dtype or rows.shape[1:] != dst.shape[1:] or slots.dtype != torch.int64 or slots.dim() != 1
+            or rows.shape[0] != slots.shape[0]):
         raise OmniPrefixCacheUnmatchError(
-            f"block pool scatter: {tuple(rows.shape)} {rows.dtype} rows at {slots.shape[0]} slots of a "
-            f"{tuple(dst.shape)} {dst.dtype} tensor: manager bug")
+            f"block pool scatter: {tuple(rows.shape)} {rows.dtype} rows at {tuple(slots.shape)} {slots.dtype} "
+            f"slots of a {tuple(dst.shape)} {dst.dtype} tensor: manager bug")
     if small:
         dst.view(bits).index_copy_(0, slots, rows.view(bits))
         return
-    dst.view(bits).numpy()[slots.numpy() if slots_np is None else slots_np] = rows.view(bits).numpy()
+    index = slots.numpy() if slots_np is None else slots_np
+    if len(index) != rows.shape[0] or (len(index) and int(index.min()) < 0):  # numpy would wrap a negative slot
+        raise OmniPrefixCacheUnmatchError(
+            f"block pool scatter: {rows.shape[0]} rows at {len(index)} numpy slots (min "
+            f"{int(index.min()) if len(index) else None}): manager bug")
+    dst.view(bits).numpy()[index] = rows.view(bits).numpy()
 
 
 class PrefixBlockPool:

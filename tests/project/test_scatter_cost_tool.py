@@ -47,3 +47,17 @@ def test_the_prefill_save_is_timed_both_ways_and_the_landing_is_restored() -> No
     saves = sc.save_ab(1)
     assert set(saves) == {"scatter_rows", "index_copy_"} and all(v > 0 for v in saves.values()), saves
     assert tenancy.scatter_rows is kept
+
+
+def test_a_way_that_writes_outside_its_slots_fails_the_run(monkeypatch: Any) -> None:
+    def spills(dst: Any, slots: Any, rows: Any) -> None:
+        dst.index_copy_(0, slots, rows)
+        dst[(slots.max() + 1) % dst.shape[0]] = 1
+
+    monkeypatch.setattr(sc, "_numpy_only", spills)
+    try:
+        sc.measure(1)
+    except SystemExit as exc:
+        assert "numpy wrote outside its slots" in str(exc)
+    else:
+        raise AssertionError("a way that wrote outside its slots passed")

@@ -89,3 +89,72 @@ def test_a_cached_model_id_and_a_local_directory_are_served_offline(tmp_path: Pa
 def test_builtin_models_never_ask_the_hub(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "huggingface_hub", None)  # an import of it would raise
     assert all(model_problem(name, BUILTIN) is None for name in BUILTIN)
+
+
+@pytest.fixture
+def empty_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """In-process checks: an empty Hugging Face cache, no offline or ModelScope setting."""
+    from huggingface_hub import constants
+
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "VLLM_USE_MODELSCOPE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    return tmp_path
+
+
+def test_the_servers_token_and_revision_reach_the_hub(empty_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A private model served with ``--hf-token`` is asked for with that token (and revision)."""
+    import huggingface_hub
+
+    asked: list[dict[str, object]] = []
+    monkeypatch.setattr(huggingface_hub, "model_info", lambda model, **kw: asked.append({"model": model, **kw}))
+    assert model_problem("org/private", BUILTIN, token="hf_x", revision="v2") is None
+    assert asked == [{"model": "org/private", "revision": "v2", "token": "hf_x", "timeout": 10.0}]
+
+
+def test_a_hub_that_does_not_know_the_model_is_one_line(empty_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import huggingface_hub
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    def hub_error(kind: type[Exception], text: str) -> Exception:
+        """The hub's error as ``model_info`` raises it (built without an HTTP response)."""
+        exc = kind.__new__(kind)
+        Exception.__init__(exc, text)
+        return exc
+
+    def unknown(model: str, **_: object) -> None:
+        raise hub_error(RepositoryNotFoundError, "404 Client Error.\n\nRepository Not Found")
+
+    monkeypatch.setattr(huggingface_hub, "model_info", unknown)
+    line = model_problem("org/typo", BUILTIN)
+    assert line is not None and "the Hugging Face hub has no such model" in line and "\n" not in line
+
+    def gated(model: str, **_: object) -> None:
+        raise hub_error(GatedRepoError, "403 Client Error.\n\nAccess to model org/gated is restricted")
+
+    monkeypatch.setattr(huggingface_hub, "model_info", gated)
+    assert model_problem("org/gated", BUILTIN) is None  # it exists: vLLM asks for the token
+
+
+@pytest.mark.parametrize(("model", "served"), [
+    ("s3://bucket/models/llama", True), ("gs://bucket/llama", True),  # vLLM loads URLs itself
+    ("~/no-such-model", False),  # vLLM expands no ~: as given, it does not exist
+    ("org/a\nb", False),  # no model id; the refusal stays one line
+])
+def test_urls_are_vllms_and_a_refusal_is_one_line(model: str, served: bool, empty_cache: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    line = model_problem(model, BUILTIN)
+    assert (line is None) == served, line
+    assert line is None or "\n" not in line
+
+
+def test_the_offline_setting_named_is_the_one_set_and_modelscope_is_read_as_vllm_does(
+        empty_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+    line = model_problem("org/x", BUILTIN)
+    assert line is not None and "TRANSFORMERS_OFFLINE is set" in line
+    monkeypatch.setenv("VLLM_USE_MODELSCOPE", "yes")  # vLLM reads only 1/true: the hub still serves it
+    assert model_problem("org/x", BUILTIN) is not None
+    monkeypatch.setenv("VLLM_USE_MODELSCOPE", "true")
+    assert model_problem("org/x", BUILTIN) is None

@@ -65,17 +65,24 @@ def _check_against_index_copy(dst: torch.Tensor, slots: torch.Tensor, rows: torc
 @pytest.mark.parametrize("num_rows", [1, 8, 512])
 def test_every_dtype_lands_bit_for_bit_as_index_copy(dtype: torch.dtype, num_rows: int) -> None:
     gen = torch.Generator().manual_seed(num_rows)
-    width = 96
+    width = 128
     dst = _random((NUM_SLOTS, width), dtype, gen)  # slots not written keep their (random) bits
     rows = _random((num_rows, width), dtype, gen)
+    # every dtype's 512 rows are large enough for the numpy path, its 1 and 8 rows are not
+    assert (rows.nbytes >= SCATTER_NUMPY_MIN_BYTES) == (num_rows == 512)
     slots = torch.randperm(NUM_SLOTS, generator=gen)[:num_rows]
     _check_against_index_copy(dst, slots, rows)
 
 
-def test_both_paths_run_in_the_tests_above() -> None:
-    """The parametrization above reaches the numpy path (512 rows) and the small path (1 row)."""
-    row = 96 * 4  # float32
-    assert 1 * row < SCATTER_NUMPY_MIN_BYTES <= 512 * row
+@pytest.mark.parametrize("num_rows", [8, 512])
+def test_bool_rows_land_as_index_copy_stores_them_whatever_their_bytes(num_rows: int) -> None:
+    """A bool tensor viewed from bytes may hold 2 or 255; ``index_copy_`` stores them as 1, so the
+    numpy path's raw byte copy must not take bools (small and large writes agree)."""
+    rows = torch.full((num_rows, 256), 2, dtype=torch.uint8).view(torch.bool)
+    dst = torch.zeros(NUM_SLOTS, 256, dtype=torch.bool)
+    slots = torch.arange(num_rows) * 3
+    _check_against_index_copy(dst, slots, rows)
+    assert int(dst.view(torch.uint8)[slots].max()) == 1
 
 
 @settings(max_examples=60, deadline=None)
@@ -115,6 +122,29 @@ def test_rows_of_another_shape_or_dtype_are_refused_never_broadcast(bad: str) ->
     assert rows.nbytes >= SCATTER_NUMPY_MIN_BYTES  # the numpy path's own check
     with pytest.raises(OmniPrefixCacheUnmatchError, match="block pool scatter"):
         scatter_rows(dst, slots, rows)
+    assert not dst.any()
+
+
+@pytest.mark.parametrize("bad", ["negative", "int32", "two_dims", "numpy_count"])
+def test_slots_numpy_would_read_otherwise_are_refused(bad: str) -> None:
+    """``index_copy_`` refuses a negative slot, int32 or 2-D slots; numpy would wrap the negative one
+    to the last row and take the others: the numpy path refuses them all, and a numpy view of
+    another length, before anything is written."""
+    dst = torch.zeros(256, 1024)
+    rows = torch.ones(64, 1024)
+    slots = torch.arange(64)
+    slots_np = None
+    if bad == "negative":
+        slots = torch.cat([torch.tensor([-1]), torch.arange(1, 64)])
+    elif bad == "int32":
+        slots = slots.to(torch.int32)
+    elif bad == "two_dims":
+        slots = slots.view(64, 1)
+    else:
+        slots_np = slots.numpy()[:63]
+    assert rows.nbytes >= SCATTER_NUMPY_MIN_BYTES
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="block pool scatter"):
+        scatter_rows(dst, slots, rows, slots_np)
     assert not dst.any()
 
 

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from typing import Any
 
 __all__ = ["BUILTIN", "TINY_LLAMA", "WORKER_CLS", "builtin_model_dir", "default_delivery_dir", "delivery_dir_of",
-           "plain_server_command", "serve_command", "tiny_llama_dir"]
+           "option_value", "plain_server_command", "serve_command", "tiny_llama_dir"]
 
 WORKER_CLS = "omni_cache.integration.vllm_worker.OmniCPUWorker"
 CONNECTOR = {"kv_connector": "OmniKVConnector", "kv_connector_module_path": "omni_cache.integration.kv_tier",
@@ -117,7 +117,7 @@ _TOKENIZER_CONFIG = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": 
                      "unk_token": "<unk>", "model_max_length": 2048, "chat_template": CHAT_TEMPLATE}
 
 
-def _option_value(args: Sequence[str], name: str) -> tuple[int, str | None] | None:
+def option_value(args: Sequence[str], name: str) -> tuple[int, str | None] | None:
     """Where ``name`` is in ``args`` (``--x v`` or ``--x=v``) and its value; ``None`` if absent."""
     for i, arg in enumerate(args):
         if arg == name:
@@ -175,13 +175,13 @@ def serve_command(model: str, vllm_args: Sequence[str], *, delivery: dict[str, A
                   python: str = sys.executable) -> tuple[list[str], dict[str, str]]:
     """The server's argv and the environment variables it needs (see the module docstring)."""
     args = list(vllm_args)
-    worker = _option_value(args, "--worker-cls")
+    worker = option_value(args, "--worker-cls")
     if worker is not None and worker[1] not in (WORKER_CLS, "omni_cache.integration.vllm_worker.OmniGPUWorker"):
         raise ValueError(f"--worker-cls {worker[1]}: the cache runs in {WORKER_CLS} (or OmniGPUWorker)")
     if "--no-enable-prefix-caching" in args:
         raise ValueError("--no-enable-prefix-caching: the cache keeps the rows prefix caching skips; serve "
                          "with plain vLLM to run without it")
-    user_config = _option_value(args, "--kv-transfer-config")
+    user_config = option_value(args, "--kv-transfer-config")
     if user_config is not None:
         del args[user_config[0] : user_config[0] + (1 if "=" in args[user_config[0]] else 2)]
     transfer = omni_transfer_config(user_config[1] if user_config else None, delivery)
@@ -208,10 +208,10 @@ def _model_options(model: str, args: Sequence[str]) -> tuple[str, list[str]]:
     extra: list[str] = []
     if model in BUILTIN:
         for name, value in BUILTIN[model][1]:
-            if _option_value(args, name) is None:
+            if option_value(args, name) is None:
                 extra += [name] if value is None else [name, value]
         model = builtin_model_dir(model)
-    if _option_value(args, "--host") is None:
+    if option_value(args, "--host") is None:
         extra += ["--host", "127.0.0.1"]  # the files encode prompts: listen on loopback unless told otherwise
     return model, extra
 
@@ -235,7 +235,7 @@ def _world_size(args: Sequence[str]) -> int:
     size = 1
     for names in (("--tensor-parallel-size", "-tp"), ("--pipeline-parallel-size", "-pp")):
         for name in names:
-            found = _option_value(args, name)
+            found = option_value(args, name)
             if found is not None:
                 try:
                     size *= max(1, int(found[1] or 1))
