@@ -148,6 +148,15 @@ def test_slots_numpy_would_read_otherwise_are_refused(bad: str) -> None:
     assert not dst.any()
 
 
+def test_the_first_and_the_last_slot_land_on_the_numpy_path() -> None:
+    dst = torch.zeros(256, 1024)
+    rows = torch.randn(64, 1024)
+    slots = torch.cat([torch.tensor([0, 255]), torch.arange(2, 64)])
+    assert rows.nbytes >= SCATTER_NUMPY_MIN_BYTES
+    scatter_rows(dst, slots, rows, slots.numpy())
+    assert torch.equal(dst[slots], rows)
+
+
 def test_small_rows_of_another_shape_are_refused_by_index_copy() -> None:
     dst = torch.zeros(NUM_SLOTS, 8)
     with pytest.raises((IndexError, RuntimeError)):
@@ -186,8 +195,12 @@ def test_the_pools_write_lands_a_large_write_through_it() -> None:
     slots = torch.randperm(NUM_SLOTS)[:128]
     pool.write("hidden", slots, rows)
     assert torch.equal(_bits(pool.rows("hidden", slots)), _bits(rows))
-    with pytest.raises(OmniPrefixCacheUnmatchError):  # the pool's own checks come first
+    # the pool's own checks come first, naming the key and the slot range
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="block pool write of 'hidden': 128 rows for 4 slots"):
         pool.write("hidden", slots[:4], rows)
+    for bad in (NUM_SLOTS, -1):
+        with pytest.raises(OmniPrefixCacheUnmatchError, match=r"KV slots out of range \[0, 4096\)"):
+            pool.write("hidden", torch.cat([slots[:-1], torch.tensor([bad])]), rows)
 
 
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "async"])
