@@ -206,7 +206,8 @@ def test_the_pools_write_lands_a_large_write_through_it() -> None:
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "async"])
 def test_a_manager_serves_keys_of_dtypes_without_index_copy_through_a_hit(eager: bool) -> None:
     """uint16 codes and float8 rows (no CPU ``index_copy_`` in torch) land and are served bit for bit,
-    also as a later request's cached prefix: they once failed the cache for good at their landing."""
+    also as a later request's cached prefix, where ``index_copy_`` itself would raise at their landing and
+    fail the cache for good (I8)."""
     from cache_helpers import finished, manager, save, settle, slots, started
 
     from omni_cache import PrefixCacheStep
