@@ -23,9 +23,10 @@ from fakes_vllm import token_at, truth_rows
 from fakes_vllm_engine import FakeModelRunner, FakeScheduler
 from safetensors.torch import load_file
 
-from omni_cache.integration.delivery import DeliverySettings, RowDelivery
+from omni_cache.integration.delivery import RowDelivery
 from omni_cache.integration.delivery_files import DeliveryStore
 from omni_cache.integration.delivery_sched import DeliveryScheduler
+from omni_cache.integration.delivery_settings import DeliverySettings
 from omni_cache.integration.runner_hooks import PrefixCacheRunnerHooks
 from omni_cache.integration.vllm_bridge import VllmRunnerBridge
 from omni_cache.runtime.interface import PrefixCacheConfig

@@ -8,8 +8,10 @@ argument, which goes to vLLM's server unchanged. It then replaces this process w
 SIGTERM reach the server itself.
 
 Upholds: a ``--delivery-dir`` another running server holds is refused before vLLM starts (one
-line, exit 2); the worker's own claim stays the authority. So is a MODEL vLLM could not load (a
-path that does not exist, a model id neither cached nor on a reachable hub: ``model_source``).
+line, exit 2); the worker's own claim stays the authority. So are delivery settings the connector
+would refuse at engine start and a flag that disagrees with the user's own setting of the same key
+(``launch.serve_command``), and a MODEL vLLM could not load (a path that does not exist, a
+model id neither cached nor on a reachable hub: ``model_source``).
 """
 
 from __future__ import annotations
@@ -79,7 +81,14 @@ def run(args: argparse.Namespace) -> int:
         print("omni-cache serve: error: vLLM is not installed; see the README's set-up with the [vllm] extra",
               file=sys.stderr)
         return EXIT_USAGE
-    from omni_cache.harness.served.launch import BUILTIN, default_delivery_dir, option_value, serve_command
+    from omni_cache.harness.served.launch import (
+        BUILTIN,
+        DELIVERY_FLAGS,
+        default_delivery_dir,
+        delivery_dir_of,
+        option_value,
+        serve_command,
+    )
     from omni_cache.harness.served.model_source import model_problem
 
     token, revision = (found[1] if (found := option_value(vllm_args, name)) else None
@@ -87,29 +96,28 @@ def run(args: argparse.Namespace) -> int:
     if (problem := model_problem(args.model, BUILTIN, token=token, revision=revision)) is not None:
         parser.error(problem)  # before vLLM retries the hub for half a minute
 
-    delivery: dict[str, Any] = {"delivery_dir": os.path.abspath(delivery_args.delivery_dir or default_delivery_dir())}
-    for flag, key in (("include_output_tokens", "include_output_tokens"),
-                      ("allow_custom_save_path", "allow_custom_save_path")):
-        if getattr(delivery_args, flag):
-            delivery[key] = True
-    for flag, key in (("delivery_max_bytes", "delivery_max_bytes"), ("delivery_max_age", "delivery_max_age_s"),
-                      ("delivery_timeout", "delivery_timeout_s")):
-        if getattr(delivery_args, flag) is not None:
-            delivery[key] = getattr(delivery_args, flag)
+    if delivery_args.delivery_dir is not None and not delivery_args.delivery_dir.strip():
+        parser.error(f"--delivery-dir wants a directory path, got {delivery_args.delivery_dir!r}")
+    delivery: dict[str, Any] = {}  # the flags given: a user's OmniKVConnector setting of the same key must agree
+    for key, flag in DELIVERY_FLAGS.items():
+        value = getattr(delivery_args, flag.lstrip("-").replace("-", "_"))
+        if value not in (None, False):
+            delivery[key] = os.path.abspath(value) if key == "delivery_dir" else value
     try:
-        argv, env = serve_command(args.model, vllm_args, delivery=delivery)
+        defaults = {} if "delivery_dir" in delivery else {"delivery_dir": default_delivery_dir()}
+        argv, env = serve_command(args.model, vllm_args, delivery=delivery, defaults=defaults)
     except ValueError as exc:
         parser.error(str(exc))
     if delivery_args.dry_run:
         print(" ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()), shlex.join(argv))
         return 0
-    from omni_cache.harness.served.launch import delivery_dir_of
     from omni_cache.integration.delivery_files import claim_holder
 
-    directory = delivery_dir_of(argv)  # a user's own OmniKVConnector delivery_dir wins
+    directory = delivery_dir_of(argv)
     if (holder := claim_holder(directory)) is not None:  # the worker would refuse it, later
         parser.error(f"{directory} is the delivery directory of another running server "
                      f"(process {holder}); give each server its own --delivery-dir")
     print(f"omni-cache serve: {args.model}, hidden-state files in {directory}", file=sys.stderr,
           flush=True)
     os.execve(argv[0], argv, {**os.environ, **env})
+

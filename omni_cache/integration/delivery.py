@@ -2,9 +2,8 @@
 
 Owns: the plain data that crosses vLLM's scheduler/worker boundary for delivery
 (``DeliveryTarget``: where a request's file goes, ``DeliveryPlan``: a step's new targets and
-finished requests, ``DeliveryResult``: what became of one request's file), the delivery
-settings (``DeliverySettings``, read from ``kv_connector_extra_config["omni_cache"]``) and
-``RowDelivery``, the worker half: it consumes every step id the runner bridge saves
+finished requests, ``DeliveryResult``: what became of one request's file) and
+``RowDelivery``, the worker half (its settings: ``delivery_settings.DeliverySettings``): it consumes every step id the runner bridge saves
 (``materialize`` for the requests that still need rows, ``discard_step`` when none does),
 keeps each request's rows by token position until its file is complete, hands the file to a
 writer thread and waits for it, bounded, before the step ends, so the scheduler learns the
@@ -35,9 +34,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import logging
-import math
-import os
-import secrets
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -46,12 +42,13 @@ from typing import Any
 
 import torch
 
-from omni_cache.integration.delivery_files import DeliveryDirInUse, DeliveryPaths, DeliveryStore
+from omni_cache.integration.delivery_files import DeliveryDirInUse, DeliveryStore
+from omni_cache.integration.delivery_settings import DeliverySettings
 from omni_cache.runtime.errors import ErrorTally, OmniPrefixCacheUnmatchError
 from omni_cache.runtime.histogram import ObservationLog
 from omni_cache.runtime.interface import HIDDEN_KEY, StepId
 
-__all__ = ["DeliveryPlan", "DeliveryResult", "DeliverySettings", "DeliveryTarget", "RowDelivery"]
+__all__ = ["DeliveryPlan", "DeliveryResult", "DeliveryTarget", "RowDelivery"]
 
 log = logging.getLogger(__name__)
 
@@ -103,76 +100,6 @@ class DeliveryResult:
             return {"hidden_states_error": self.error}
         return {"hidden_states_path": self.path, "hidden_states_num_tokens": self.num_tokens,
                 "hidden_states_cached_tokens": self.cached_tokens}
-
-
-_BOOL_KEYS = ("include_output_tokens", "allow_custom_save_path")
-_POSITIVE_KEYS = {"delivery_max_bytes": int, "delivery_max_age_s": float, "delivery_timeout_s": float,
-                  "delivery_max_pending": int}
-DELIVERY_KEYS = frozenset({"delivery_dir", *_BOOL_KEYS, *_POSITIVE_KEYS})
-
-
-@dataclass(frozen=True)
-class DeliverySettings:
-    """The delivery keys of ``kv_connector_extra_config["omni_cache"]`` (docs/serving.md)."""
-
-    delivery_dir: str
-    include_output_tokens: bool = False
-    allow_custom_save_path: bool = False
-    delivery_max_bytes: int = 4 << 30
-    delivery_max_age_s: float = 3600.0
-    delivery_timeout_s: float = 10.0
-    delivery_max_pending: int = 16
-    nonce: str = field(default_factory=lambda: secrets.token_hex(6))
-
-    @classmethod
-    def from_settings(cls, settings: Mapping[str, Any]) -> DeliverySettings | None:
-        """The checked settings, or ``None`` when ``delivery_dir`` is absent (no delivery).
-        ``ValueError`` names the key of the first bad value."""
-        if settings.get("delivery_dir") is None:
-            extra = sorted(k for k in DELIVERY_KEYS - {"delivery_dir"} if k in settings)
-            if extra:
-                raise ValueError(f"OmniKVConnector: omni_cache.{extra[0]} needs omni_cache.delivery_dir "
-                                 "(the directory the hidden-state files are written to)")
-            return None
-        directory = settings["delivery_dir"]
-        if not isinstance(directory, str) or not directory or "\0" in directory:
-            raise ValueError(f"OmniKVConnector: omni_cache.delivery_dir must be a directory path, got {directory!r}")
-        if os.path.exists(directory) and not os.path.isdir(directory):  # created at start when missing
-            raise ValueError(f"OmniKVConnector: omni_cache.delivery_dir {directory!r} is an existing file, not a "
-                             "directory")
-        values: dict[str, Any] = {"delivery_dir": os.path.realpath(os.path.abspath(directory))}
-        for key in _BOOL_KEYS:
-            if key in settings:
-                if not isinstance(settings[key], bool):
-                    raise ValueError(f"OmniKVConnector: omni_cache.{key} must be true or false, got {settings[key]!r}")
-                values[key] = settings[key]
-        for key, kind in _POSITIVE_KEYS.items():
-            if key in settings:
-                value = settings[key]
-                if not _positive(value, integer=kind is int):
-                    raise ValueError(f"OmniKVConnector: omni_cache.{key} must be a positive "
-                                     f"{'integer' if kind is int else 'number'}, got {value!r}")
-                values[key] = kind(value)
-        timeout = values.get("delivery_timeout_s", cls.delivery_timeout_s)
-        if timeout > threading.TIMEOUT_MAX:  # a wait on a writer could not be bounded by it
-            raise ValueError(f"OmniKVConnector: omni_cache.delivery_timeout_s must be at most "
-                             f"{threading.TIMEOUT_MAX:.0f} seconds, got {timeout!r}")
-        return cls(**values)
-
-    def paths(self) -> DeliveryPaths:
-        return DeliveryPaths(self.delivery_dir, self.nonce, self.allow_custom_save_path)
-
-
-def _positive(value: Any, *, integer: bool) -> bool:
-    """A positive finite int or float (not a bool), integral when ``integer``; an int past float's
-    range is refused too (``math.isfinite`` would raise ``OverflowError``, naming no key)."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return False
-    try:
-        number = float(value)
-    except OverflowError:
-        return False
-    return math.isfinite(number) and number > 0 and (not integer or number.is_integer())
 
 
 # ---------------------------------------------------------------------------- the worker half

@@ -26,7 +26,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from omni_cache.integration.delivery import DeliveryPlan, DeliveryResult, DeliverySettings, DeliveryTarget
+from omni_cache.integration.delivery import DeliveryPlan, DeliveryResult, DeliveryTarget
+from omni_cache.integration.delivery_settings import DeliverySettings
 
 __all__ = ["DeliveryScheduler"]
 
@@ -70,7 +71,9 @@ class DeliveryScheduler:
                 continue  # a resumed request keeps its target
             params = _request_params(getattr(new_req, "sampling_params", None))
             path, error = self.paths.target(req_id, params.get("hidden_states_path"))
-            include = params.get("include_output_tokens", self.settings.include_output_tokens)
+            include = params.get("include_output_tokens")
+            if include is None:  # absent, or JSON null: the server's setting
+                include = self.settings.include_output_tokens
             if not isinstance(include, bool):
                 path, error = None, f"include_output_tokens must be true or false, got {include!r}"
                 include = False

@@ -42,14 +42,9 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from omni_cache.integration.delivery import (
-    DELIVERY_KEYS,
-    DeliveryPlan,
-    DeliveryResult,
-    DeliverySettings,
-    RowDelivery,
-)
+from omni_cache.integration.delivery import DeliveryPlan, DeliveryResult, RowDelivery
 from omni_cache.integration.delivery_sched import DeliveryScheduler
+from omni_cache.integration.delivery_settings import DELIVERY_KEYS, DeliverySettings
 from omni_cache.integration.kv_nesting import STAGE_REFUSAL, connector_configs, omni_connector
 from omni_cache.integration.metrics import CacheMetricsReporter
 from omni_cache.integration.ranks import data_parallel_replica, vllm_worker_rank

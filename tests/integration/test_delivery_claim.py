@@ -26,7 +26,7 @@ from types import SimpleNamespace
 import pytest
 
 from omni_cache.integration import delivery_files
-from omni_cache.integration.delivery import DeliverySettings, RowDelivery
+from omni_cache.integration.delivery import RowDelivery
 from omni_cache.integration.delivery_files import (
     CLAIM_NAME,
     DeliveryDirInUse,
@@ -34,6 +34,7 @@ from omni_cache.integration.delivery_files import (
     claim_holder,
     claim_name,
 )
+from omni_cache.integration.delivery_settings import DeliverySettings
 
 BOUNDS = {"max_bytes": 1 << 30, "max_age_s": 3600.0}
 

@@ -31,9 +31,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from omni_cache.integration.delivery import DeliveryPlan, DeliveryResult, DeliverySettings
+from omni_cache.integration.delivery import DeliveryPlan, DeliveryResult
 from omni_cache.integration.delivery_files import delivery_name
 from omni_cache.integration.delivery_sched import DeliveryScheduler
+from omni_cache.integration.delivery_settings import DeliverySettings
 from omni_cache.integration.kv_tier import tier_settings
 from omni_cache.runtime.errors import OmniPrefixCacheUnmatchError
 
@@ -115,6 +116,10 @@ def test_include_output_tokens_per_request_and_by_default(tmp_path: Path) -> Non
     assert [t.include_output_tokens for t in plan_on.targets] == [True, False]
     (bad,) = off.build_plan(_so(_new("c", include_output_tokens="yes"))).targets
     assert bad.path is None and "include_output_tokens must be true or false" in bad.error
+    # JSON null (a client's unset field) is the server's setting, as an absent key is
+    unset_off, unset_on = (sched.build_plan(_so(_new("d", include_output_tokens=None))).targets[0] for sched in (off, on))
+    assert (unset_off.include_output_tokens, unset_on.include_output_tokens) == (False, True)
+    assert unset_off.error is None and unset_off.path == off.paths.default_path("d")
 
 
 # --------------------------------------------------------------------------- finish and absorb

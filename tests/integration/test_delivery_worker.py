@@ -32,8 +32,9 @@ from delivery_helpers import JOIN_S, NONCE, FullDisk, HeldDisk, ServedLoop, expe
 
 from omni_cache import PrefixCacheRequestEvent
 from omni_cache.integration import delivery_files
-from omni_cache.integration.delivery import DeliveryPlan, DeliverySettings, DeliveryTarget, RowDelivery
+from omni_cache.integration.delivery import DeliveryPlan, DeliveryTarget, RowDelivery
 from omni_cache.integration.delivery_files import CLAIM_NAME, DeliveryStore, claim_holder
+from omni_cache.integration.delivery_settings import DeliverySettings
 from omni_cache.runtime.manager import OmniPrefixCacheManager
 
 KEY = "audio.codes"

@@ -21,7 +21,8 @@ from typing import Any
 import pytest
 from cache_helpers import finished, manager, save, started, wait_for_waiter
 
-from omni_cache.integration.delivery import DeliveryPlan, DeliverySettings, DeliveryTarget, RowDelivery
+from omni_cache.integration.delivery import DeliveryPlan, DeliveryTarget, RowDelivery
+from omni_cache.integration.delivery_settings import DeliverySettings
 from omni_cache.integration.metrics import SERIES, CacheMetricsReporter, cache_sources
 from omni_cache.integration.tier_apply import TierApplier, TierLoad, TierPlan
 from omni_cache.integration.vllm_bridge import VllmRunnerBridge

@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -145,11 +146,69 @@ def test_a_users_omni_connector_keeps_its_settings_and_gains_delivery() -> None:
     theirs = {**launch.CONNECTOR, "kv_role": "kv_producer", "kv_connector_extra_config": {
         "connectors": [{"kv_connector": "ExampleConnector", "kv_role": "kv_producer"}],
         "omni_cache": {"tier_bytes": 4096, "delivery_timeout_s": 3}}}
-    transfer = omni_transfer_config(json.dumps(theirs), {"delivery_dir": "/d", "delivery_timeout_s": 10})
+    transfer = omni_transfer_config(json.dumps(theirs), {"delivery_timeout_s": 3.0}, {"delivery_dir": "/d"})
     assert transfer["kv_role"] == "kv_producer"
     assert transfer["kv_connector_extra_config"] == {
         "connectors": [{"kv_connector": "ExampleConnector", "kv_role": "kv_producer"}],
         "omni_cache": {"delivery_dir": "/d", "delivery_timeout_s": 3, "tier_bytes": 4096}}
+    # their own delivery_dir wins over the default (not over a flag: below)
+    theirs["kv_connector_extra_config"]["omni_cache"]["delivery_dir"] = "/theirs"
+    transfer = omni_transfer_config(json.dumps(theirs), {}, {"delivery_dir": "/d"})
+    assert transfer["kv_connector_extra_config"]["omni_cache"]["delivery_dir"] == "/theirs"
+
+
+@pytest.mark.parametrize(("flags", "phrase"), [
+    ({"delivery_timeout_s": 10.0}, "--delivery-timeout 10.0 and the --kv-transfer-config's "
+                                   "omni_cache.delivery_timeout_s 3 disagree"),
+    ({"delivery_dir": "/elsewhere"}, "--delivery-dir '/elsewhere' and the --kv-transfer-config's "
+                                     "omni_cache.delivery_dir '/theirs' disagree"),
+    ({"include_output_tokens": True}, "--include-output-tokens True and the --kv-transfer-config's "
+                                      "omni_cache.include_output_tokens False disagree"),
+])
+def test_a_flag_that_disagrees_with_the_users_own_setting_is_refused(flags: dict[str, Any], phrase: str) -> None:
+    """Neither wins silently: the operator gave two values for one setting."""
+    theirs = {**launch.CONNECTOR, "kv_connector_extra_config": {"omni_cache": {
+        "delivery_dir": "/theirs", "delivery_timeout_s": 3, "include_output_tokens": False}}}
+    with pytest.raises(ValueError) as info:
+        omni_transfer_config(json.dumps(theirs), flags, {"delivery_dir": "/d"})
+    assert phrase in str(info.value) and len(str(info.value).splitlines()) == 1
+    agreeing = {"delivery_dir": "/theirs/", "delivery_timeout_s": 3.0, "include_output_tokens": False}
+    settings = omni_transfer_config(json.dumps(theirs), agreeing)["kv_connector_extra_config"]["omni_cache"]
+    assert settings == theirs["kv_connector_extra_config"]["omni_cache"]
+
+
+def test_a_users_omni_connector_gets_the_module_and_role_vllm_needs() -> None:
+    """vLLM refuses an ``OmniKVConnector`` without its module path (an unknown connector) or a
+    ``kv_role``: the launcher fills in the omni connector's; another module is refused."""
+    bare = omni_transfer_config('{"kv_connector": "OmniKVConnector"}', DELIVERY)
+    assert bare["kv_connector_module_path"] == launch.CONNECTOR["kv_connector_module_path"]
+    assert bare["kv_role"] == "kv_both"
+    assert bare["kv_connector_extra_config"]["omni_cache"] == DELIVERY
+    with pytest.raises(ValueError, match=re.escape("kv_connector_module_path 'my.module': OmniKVConnector is "
+                                                   "'omni_cache.integration.kv_tier'")):
+        omni_transfer_config('{"kv_connector": "OmniKVConnector", "kv_connector_module_path": "my.module"}', DELIVERY)
+    with pytest.raises(ValueError, match="kv_connector_extra_config and its omni_cache must be JSON objects"):
+        omni_transfer_config('{"kv_connector": "OmniKVConnector", "kv_connector_extra_config": {"omni_cache": 5}}',
+                             DELIVERY)
+
+
+@pytest.mark.parametrize(("setting", "phrase"), [
+    ({"delivery_timeout_s": -1}, "omni_cache.delivery_timeout_s must be a positive number, got -1"),
+    ({"delivery_dir": "FILE"}, "is an existing file, not a directory"),
+    ({"include_output_tokens": "yes"}, "omni_cache.include_output_tokens must be true or false, got 'yes'"),
+])
+def test_delivery_settings_the_connector_would_refuse_are_refused_before_the_server_starts(
+        setting: dict[str, Any], phrase: str, tmp_path: Path) -> None:
+    """The connector's own check (``DeliverySettings.from_settings``), run by the launcher: the message
+    the engine would end in, minutes later and inside a traceback, is one line before anything starts."""
+    (tmp_path / "a-file").write_text("")
+    setting = {k: str(tmp_path / "a-file") if v == "FILE" else v for k, v in setting.items()}
+    theirs = {"kv_connector": "OmniKVConnector", "kv_connector_extra_config": {"omni_cache": setting}}
+    with pytest.raises(ValueError) as info:
+        serve_command("some/model", ["--kv-transfer-config", json.dumps(theirs)], delivery={},
+                      defaults={"delivery_dir": str(tmp_path / "files")})
+    assert phrase in str(info.value) and len(str(info.value).splitlines()) == 1
+    assert "OmniKVConnector: OmniKVConnector" not in str(info.value)
 
 
 @pytest.mark.parametrize("user", [None, '{"kv_connector": "ExampleConnector", "kv_role": "kv_both"}',
@@ -241,6 +300,15 @@ except SystemExit as exc:
     (["serve", "tiny-llama", "--kv-transfer-config", "{bad"], "--kv-transfer-config is not JSON"),
     (["serve", "--port", "8011"], "unrecognized arguments: --port"),
     (["serve", "tiny-llama", "--tensor-parallel-size", "two"], "--tensor-parallel-size wants an integer"),
+    (["serve", "tiny-llama", "--delivery-dir", ""], "--delivery-dir wants a directory path, got ''"),
+    (["serve", "tiny-llama", "--delivery-dir", "/dev/null"], "omni_cache.delivery_dir '/dev/null' is an existing "
+                                                             "file, not a directory"),
+    (["serve", "tiny-llama", "--delivery-dir", "/tmp/a", "--kv-transfer-config",
+      '{"kv_connector": "OmniKVConnector", "kv_connector_extra_config": {"omni_cache": {"delivery_dir": "/tmp/b"}}}'],
+     "--delivery-dir '/tmp/a' and the --kv-transfer-config's omni_cache.delivery_dir '/tmp/b' disagree"),
+    (["serve", "tiny-llama", "--kv-transfer-config",
+      '{"kv_connector": "OmniKVConnector", "kv_connector_extra_config": {"omni_cache": {"delivery_timeout_s": 0}}}'],
+     "omni_cache.delivery_timeout_s must be a positive number, got 0"),
     (["check-server", "ftp://127.0.0.1:1"], "argument URL: wants http://HOST:PORT"),
     (["check-server", "http://127.0.0.1:1", "--families", "0"], "argument --families: wants an integer from 1"),
     (["check-server", "http://127.0.0.1:1", "--tolerance", "2"], "argument --tolerance: wants a number from 0 to 1"),

@@ -12,9 +12,12 @@ by ``builtin_model_dir``, so a try-out needs no download and serves ``/v1/chat/c
 launcher execs the server, so signals reach it directly.
 
 Upholds: the command never carries a configuration the cache refuses silently: a
-``--worker-cls`` other than the omni worker, ``--no-enable-prefix-caching`` or a
-``--kv-transfer-config`` that is not JSON is refused before anything starts (``ValueError``, one
-line naming the option).
+``--worker-cls`` other than the omni worker, ``--no-enable-prefix-caching``, a
+``--kv-transfer-config`` that is not JSON, an ``OmniKVConnector`` of another module and a delivery
+flag that disagrees with the user's own ``OmniKVConnector`` setting of the same key are refused
+before anything starts (``ValueError``, one line naming the option), and so are delivery settings
+the connector would refuse at engine start (``delivery_settings``, the same message: a
+``delivery_dir`` that is an existing file, a non-positive ``delivery_timeout_s``).
 """
 
 from __future__ import annotations
@@ -27,8 +30,9 @@ import tempfile
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["BUILTIN", "TINY_LLAMA", "WORKER_CLS", "builtin_model_dir", "default_delivery_dir", "delivery_dir_of",
-           "option_value", "plain_server_command", "serve_command", "tiny_llama_dir"]
+__all__ = ["BUILTIN", "DELIVERY_FLAGS", "TINY_LLAMA", "WORKER_CLS", "builtin_model_dir", "default_delivery_dir",
+           "delivery_dir_of", "delivery_settings_of", "option_value", "plain_server_command", "serve_command",
+           "tiny_llama_dir"]
 
 WORKER_CLS = "omni_cache.integration.vllm_worker.OmniCPUWorker"
 CONNECTOR = {"kv_connector": "OmniKVConnector", "kv_connector_module_path": "omni_cache.integration.kv_tier",
@@ -127,17 +131,29 @@ def option_value(args: Sequence[str], name: str) -> tuple[int, str | None] | Non
     return None
 
 
-def omni_transfer_config(user: str | None, delivery: dict[str, Any]) -> dict[str, Any]:
+DELIVERY_FLAGS = {"delivery_dir": "--delivery-dir", "include_output_tokens": "--include-output-tokens",
+                  "allow_custom_save_path": "--allow-custom-save-path", "delivery_max_bytes": "--delivery-max-bytes",
+                  "delivery_max_age_s": "--delivery-max-age", "delivery_timeout_s": "--delivery-timeout"}
+"""Each delivery setting the launcher has a flag for: the ``omni_cache`` key -> the flag."""
+
+
+def omni_transfer_config(user: str | None, delivery: dict[str, Any],
+                         defaults: dict[str, Any] | None = None) -> dict[str, Any]:
     """``--kv-transfer-config`` with the omni connector: ``user``'s own connector becomes its wrapped
-    child; an ``OmniKVConnector`` config of the user's gains the delivery settings it lacks.
+    child; an ``OmniKVConnector`` config of the user's keeps its delivery settings and gains those
+    it lacks: ``delivery`` (the launcher's flags), then ``defaults``. A flag that disagrees with the
+    user's own setting of the same key is refused (``ValueError`` naming both), never overridden
+    either way; so is an ``OmniKVConnector`` from another module. A user's ``OmniKVConnector``
+    without ``kv_connector_module_path`` or ``kv_role`` gets the omni connector's (vLLM needs both).
 
     With a wrapped connector, vLLM's ``kv_load_failure_policy`` (a setting of the whole engine, so
     lifted from the user's connector to the top) is ``"recompute"`` unless the user chose: the
     hidden-state tier lives in this server's memory, so a hit of an external KV store it holds no
     rows for (after a restart, or from a store that keys blocks without ``cache_salt``) is a failed
     load, which vLLM's default (``"fail"``) answers with an error for the request."""
+    fill = dict(defaults or {})
     if user is None:
-        return {**CONNECTOR, "kv_connector_extra_config": {"connectors": [], "omni_cache": delivery}}
+        return {**CONNECTOR, "kv_connector_extra_config": {"connectors": [], "omni_cache": {**fill, **delivery}}}
     try:
         config = json.loads(user)
     except json.JSONDecodeError as exc:
@@ -145,18 +161,37 @@ def omni_transfer_config(user: str | None, delivery: dict[str, Any]) -> dict[str
     if not isinstance(config, dict):
         raise ValueError("--kv-transfer-config must be a JSON object")
     if config.get("kv_connector") == CONNECTOR["kv_connector"]:
-        extra = dict(config.get("kv_connector_extra_config") or {})
-        extra["omni_cache"] = {**delivery, **dict(extra.get("omni_cache") or {})}
+        module = config.get("kv_connector_module_path", CONNECTOR["kv_connector_module_path"])
+        if module != CONNECTOR["kv_connector_module_path"]:
+            raise ValueError(f"--kv-transfer-config: kv_connector_module_path {module!r}: OmniKVConnector is "
+                             f"{CONNECTOR['kv_connector_module_path']!r}")
+        extra = config.get("kv_connector_extra_config") or {}
+        theirs = (extra.get("omni_cache") or {}) if isinstance(extra, dict) else None
+        if not isinstance(theirs, dict):
+            raise ValueError("--kv-transfer-config: kv_connector_extra_config and its omni_cache must be JSON objects")
+        extra = dict(extra)
+        for key, value in delivery.items():
+            if key in theirs and not _same_setting(key, theirs[key], value):
+                raise ValueError(f"{DELIVERY_FLAGS.get(key, key)} {value!r} and the --kv-transfer-config's "
+                                 f"omni_cache.{key} {theirs[key]!r} disagree: give one of them")
+        extra["omni_cache"] = {**fill, **delivery, **theirs}
         children = list(extra.get("connectors") or [])
         chosen = [c[LOAD_FAILURE_POLICY] for c in children if isinstance(c, dict) and LOAD_FAILURE_POLICY in c]
         if chosen:  # written in a child, where vLLM never reads it
             extra["connectors"] = [_without_policy(c) if isinstance(c, dict) else c for c in children]
-        wrapped = {**config, "kv_connector_extra_config": extra}
+        wrapped = {**CONNECTOR, **config, "kv_connector_extra_config": extra}
         if children:
             wrapped.setdefault(LOAD_FAILURE_POLICY, chosen[0] if chosen else "recompute")
         return wrapped
     return {**CONNECTOR, LOAD_FAILURE_POLICY: config.get(LOAD_FAILURE_POLICY, "recompute"),
-            "kv_connector_extra_config": {"connectors": [_without_policy(config)], "omni_cache": delivery}}
+            "kv_connector_extra_config": {"connectors": [_without_policy(config)], "omni_cache": {**fill, **delivery}}}
+
+
+def _same_setting(key: str, theirs: Any, flag: Any) -> bool:
+    """A flag's value and a user's config value of ``key`` say the same (paths compared resolved)."""
+    if key == "delivery_dir" and isinstance(theirs, str) and isinstance(flag, str) and theirs and flag:
+        return os.path.realpath(os.path.abspath(theirs)) == os.path.realpath(os.path.abspath(flag))
+    return bool(theirs == flag) and isinstance(theirs, bool) == isinstance(flag, bool)
 
 
 def _without_policy(connector: dict[str, Any]) -> dict[str, Any]:
@@ -164,16 +199,22 @@ def _without_policy(connector: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in connector.items() if k != LOAD_FAILURE_POLICY}
 
 
-def delivery_dir_of(argv: Sequence[str]) -> str:
-    """The ``delivery_dir`` a ``serve_command`` argv delivers into (a user's own ``OmniKVConnector``
-    setting wins over the launcher's)."""
+def delivery_settings_of(argv: Sequence[str]) -> dict[str, Any]:
+    """The ``omni_cache`` settings a ``serve_command`` argv gives the connector."""
     transfer = json.loads(argv[list(argv).index("--kv-transfer-config") + 1])
-    return str(transfer["kv_connector_extra_config"]["omni_cache"]["delivery_dir"])
+    return dict(transfer["kv_connector_extra_config"]["omni_cache"])
+
+
+def delivery_dir_of(argv: Sequence[str]) -> str:
+    """The ``delivery_dir`` a ``serve_command`` argv delivers into."""
+    return str(delivery_settings_of(argv)["delivery_dir"])
 
 
 def serve_command(model: str, vllm_args: Sequence[str], *, delivery: dict[str, Any],
+                  defaults: dict[str, Any] | None = None,
                   python: str = sys.executable) -> tuple[list[str], dict[str, str]]:
-    """The server's argv and the environment variables it needs (see the module docstring)."""
+    """The server's argv and the environment variables it needs (see the module docstring);
+    ``delivery`` and ``defaults`` as ``omni_transfer_config``'s."""
     args = list(vllm_args)
     worker = option_value(args, "--worker-cls")
     if worker is not None and worker[1] not in (WORKER_CLS, "omni_cache.integration.vllm_worker.OmniGPUWorker"):
@@ -184,7 +225,11 @@ def serve_command(model: str, vllm_args: Sequence[str], *, delivery: dict[str, A
     user_config = option_value(args, "--kv-transfer-config")
     if user_config is not None:
         del args[user_config[0] : user_config[0] + (1 if "=" in args[user_config[0]] else 2)]
-    transfer = omni_transfer_config(user_config[1] if user_config else None, delivery)
+    transfer = omni_transfer_config(user_config[1] if user_config else None, delivery, defaults)
+    if transfer["kv_connector_extra_config"].get("omni_cache") is not None:  # as the connector checks it at start
+        from omni_cache.integration.delivery_settings import DeliverySettings  # no torch
+
+        DeliverySettings.from_settings(transfer["kv_connector_extra_config"]["omni_cache"])
     model, extra = _model_options(model, args)
     if worker is None:
         extra += ["--worker-cls", WORKER_CLS]
