@@ -4,7 +4,8 @@ Owns: ``ServerProcess`` -- one ``vllm.entrypoints.openai.api_server`` (or ``omni
 process on 127.0.0.1, its log file, the wait for ``/health`` (bounded; a server that exits or
 never answers is an error with the log's tail) and its stop (SIGTERM to the whole process group,
 then SIGKILL after a bound). ``free_port`` picks a port. Used by the served benchmark and the
-served tests. Upholds: nothing (process plumbing).
+served tests. Upholds: a server whose start does not complete (it exits, never answers, or the
+wait is interrupted) is stopped before the error leaves the constructor: none is left running.
 """
 
 from __future__ import annotations
@@ -41,7 +42,13 @@ class ServerProcess:
         full_env = {**os.environ, **(env or {})}
         self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
                                      env={k: v for k, v in full_env.items() if v is not None})
-        self._wait_healthy(start_timeout_s)
+        try:
+            self._wait_healthy(start_timeout_s)
+        except BaseException:
+            # NOTE: the server runs in its own session, so a Ctrl-C at the terminal never reaches it, and
+            # the caller gets no object to stop: whatever ends the wait (an interrupt included) stops it here.
+            self.stop()
+            raise
 
     def _wait_healthy(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -99,7 +106,8 @@ class ServerProcess:
         return True
 
     def stop(self, timeout_s: float = 60.0) -> None:
-        if self.proc.poll() is None:
+        """SIGTERM to the group while any of its processes lives (the server, or an engine core it left)."""
+        if self.proc.poll() is None or self._group_alive():
             self.terminate()
             with contextlib.suppress(TimeoutError):
                 self.wait(timeout_s)
