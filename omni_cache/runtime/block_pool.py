@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import threading
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -90,6 +91,17 @@ def scatter_rows(dst: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor,
     dst.view(bits).numpy()[index] = rows.view(bits).numpy()
 
 
+def _describe_repeat(view: np.ndarray, describe_row: Callable[[int], str] | None) -> str:
+    """The first KV slot two rows of ``view`` share, and those rows (an error's text)."""
+    first: dict[int, int] = {}
+    for row, slot in enumerate(view.tolist()):
+        if slot in first:
+            name = describe_row or (lambda r: f"row {r}")
+            return f"{name(first[slot])} and {name(row)} both map to KV slot {slot}"
+        first[slot] = row
+    return "a KV slot is repeated"
+
+
 class PrefixBlockPool:
     """Per tensor name, a zero-initialised host tensor of ``num_slots`` rows."""
 
@@ -140,12 +152,15 @@ class PrefixBlockPool:
         check_sig(f"block pool key {key!r}", self._sigs[key], sig)
         return tensor
 
-    def check_slots(self, slots: torch.Tensor, *, where: str = "block pool") -> np.ndarray:
-        """Raise unless every slot is in ``[0, num_slots)`` (the message starts with ``where``);
-        return the slots as a numpy view."""
+    def check_slots(self, slots: torch.Tensor, *, where: str = "block pool", distinct: bool = False,
+                    describe_row: Callable[[int], str] | None = None) -> np.ndarray:
+        """Raise unless every slot is in ``[0, num_slots)`` and, with ``distinct``, no slot appears twice
+        (rows landing at one slot would overwrite each other); the message starts with ``where`` and
+        names rows with ``describe_row``. Return the slots as a numpy view."""
         view = slots.numpy()
         if not len(view):
             return view
+        repeated = False
         if view.dtype == np.int64:
             # Up to 256 slots (a decode step of up to 256 requests): Python's min and max of the list.
             # A step runs this between forward passes, with numpy's machinery cold: one ``tolist``
@@ -154,17 +169,25 @@ class PrefixBlockPool:
             if len(view) <= 256:
                 values = view.tolist()
                 bad = min(values) < 0 or max(values) >= self.num_slots
+                repeated = distinct and len(set(values)) != len(values)
             else:  # one pass: a negative slot read as unsigned is above any num_slots; the ufunc's
                 # reduce directly (ndarray.max() adds a Python-level wrapper)
                 bad = int(np.maximum.reduce(view.view(np.uint64))) >= self.num_slots
+                if distinct:  # a prefill step: one sort
+                    ordered = np.sort(view)
+                    repeated = bool((ordered[1:] == ordered[:-1]).any())
         else:
             bad = int(view.min()) < 0 or int(view.max()) >= self.num_slots
+            repeated = distinct and len(np.unique(view)) != len(view)
         if bad:
             low, high = int(view.min()), int(view.max())
             raise OmniPrefixCacheUnmatchError(
                 f"{where}: the {PHRASE_SLOT_MAPPING} KV slots out of range [0, {self.num_slots}) "
                 f"(num_blocks x block_size): min {low}, max {high}"
             )
+        if repeated:
+            raise OmniPrefixCacheUnmatchError(f"{where}: the {PHRASE_SLOT_MAPPING} each row at its own KV slot; "
+                                              + _describe_repeat(view, describe_row))
         return view
 
     def write(self, key: TensorName, slots: torch.Tensor, rows: torch.Tensor) -> None:

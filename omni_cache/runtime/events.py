@@ -385,6 +385,13 @@ class StepRows:
             self._by_req = dict(zip(self.req_ids, self.writes, strict=True))
         return self._by_req
 
+    def describe_row(self, row: int) -> str:
+        """Row ``row`` as an error names it: its request and token position."""
+        for w in self.writes:
+            if w.row_start <= row < w.row_end:
+                return f"row {row} (request {w.req_id!r}, position {w.token_start + row - w.row_start})"
+        return f"row {row}"
+
     def write_of(self, req_id: Any) -> PrefixCacheWrite | None:
         """``req_id``'s write, or ``None`` when it is not one of the step's (an unhashable id never is)."""
         try:

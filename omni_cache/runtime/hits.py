@@ -10,8 +10,9 @@ that touch the map say "caller holds the lock"); ``hit_keys`` runs on the
 engine thread only.
 
 Upholds: I5 (the save that serves a hit must continue it: its rows start at
-the hit's end, else it raises and nothing is taken) and, with the manager's
-failure path, that a refused save loses no hit (``restore``).
+the hit's end and land outside the hit's blocks, else it raises and nothing is
+taken) and, with the manager's failure path, that a refused save loses no hit
+(``restore``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from omni_cache.runtime.errors import OmniPrefixCacheUnmatchError
+from omni_cache.runtime.errors import PHRASE_SLOT_MAPPING, OmniPrefixCacheUnmatchError
 from omni_cache.runtime.events import PrefixCacheRequestEvent, StepRows
 from omni_cache.runtime.interface import ModelCachePolicy, ReqId
 
@@ -53,9 +54,13 @@ class PendingHits:
         """The request's admission ended or was replaced. Caller holds the lock."""
         self._pending.pop(req_id, None)
 
-    def take(self, rows: StepRows) -> dict[ReqId, Hit]:
+    def take(self, rows: StepRows, slots: np.ndarray) -> dict[ReqId, Hit]:
         """Pop the hits this step serves; raise (taking nothing) if one is not continued. Caller holds the lock.
 
+        A served hit's rows must continue it (``token_start == hit_end``) and land outside its
+        blocks: ``slots`` (the step's KV slot per row) mapping a request's new rows into the
+        blocks of its own hit is a slot mapping that does not follow the request's block table
+        (its cached prefix would be overwritten by, and then read as, its own new rows).
         Walks the pending hits, not the step's writes: a decode step of many requests with
         a few new hits pending costs per hit, not per request."""
         pending = self._pending
@@ -68,11 +73,20 @@ class PendingHits:
         served = sorted(((w, hit) for req_id, hit in pending.items()
                          if (w := by_req.get(req_id)) is not None and w.row_end > w.row_start),
                         key=lambda pair: pair[0].row_start)  # row order, as the writes are
-        for w, hit in served:  # the first write in row order that does not continue its hit is named
-            if hit[0] != w.token_start:
+        bs = self.block_size
+        for w, (hit_end, blocks) in served:  # the first write in row order that does not continue its hit is named
+            if hit_end != w.token_start:
                 raise OmniPrefixCacheUnmatchError(
-                    f"save_outputs: request {w.req_id!r} has a hit of {hit[0]} tokens "
+                    f"save_outputs: request {w.req_id!r} has a hit of {hit_end} tokens "
                     f"but this step's rows start at position {w.token_start}; they must continue the hit")
+            mine = slots[w.row_start : w.row_end]
+            inside = np.flatnonzero(np.isin(mine // bs, np.fromiter(blocks, dtype=np.int64, count=len(blocks))))
+            if len(inside):
+                row = int(inside[0])
+                raise OmniPrefixCacheUnmatchError(
+                    f"save_outputs: the {PHRASE_SLOT_MAPPING} request {w.req_id!r}'s position "
+                    f"{w.token_start + row} at KV slot {int(mine[row])}, in block {int(mine[row]) // bs} of its own "
+                    f"hit [0, {hit_end}) (blocks {list(blocks)}); the slot mapping does not follow its block table")
         for w, _ in served:
             hits[w.req_id] = pending.pop(w.req_id)
         return hits

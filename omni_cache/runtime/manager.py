@@ -271,7 +271,7 @@ class OmniPrefixCacheManager:
         n = num_tokens_unpadded
         slots, step_rows = validate_save(self.config, self.policy, hidden_states, mm_outputs, n,
                                          num_tokens_padded, write_layout)
-        slots_np = self.pool.check_slots(slots, where="save_outputs")
+        slots_np = self.pool.check_slots(slots, where="save_outputs", distinct=True, describe_row=step_rows.describe_row)
         with self._lock:
             policy = self.policy
             scheduled = self._scheduled  # cleared only by a save that succeeds
@@ -292,7 +292,7 @@ class OmniPrefixCacheManager:
         hits = {}
         if self.hits:  # only the engine thread (this one) installs hits: no lock needed to see none
             with self._lock:
-                hits = self.hits.take(step_rows)  # raises (taking nothing) if one is not continued (I5)
+                hits = self.hits.take(step_rows, slots_np)  # raises (taking nothing) if one is not continued (I5)
         step_id: StepId | None = None
         plans: list[PlannedRead] = []
         registered: list[PoolWrite] = []
