@@ -128,6 +128,19 @@ def _refuse_unused_flags(args: argparse.Namespace) -> None:
         problems.append(f"--plot draws the default bench, not {', '.join(modes)} (--sweep and --width-sweep take their own FILE.png)")
     if not args.width_sweep and (unused := given(("--widths", args.widths), ("--dtypes", args.dtypes))):
         problems.append(f"{', '.join(unused)} {'goes' if len(unused) == 1 else 'go'} with --width-sweep")
+    if args.widths and (odd := [w for w in args.widths if w % 128]):
+        problems.append(f"--widths must be multiples of 128 (heads of 128), got {', '.join(map(str, odd))}")
+    engines = given(("--engine-step", args.engine_step is not None), ("--width-sweep", args.width_sweep is not None),
+                    ("--served", args.served is not None))
+    if engines and (unused := given(("--machine", args.machine), ("--quick", args.quick), ("--preset", args.preset),
+                                    ("--sweep", args.sweep), ("--memory", args.memory), ("--profile", args.profile),
+                                    ("--batch-sizes", args.batch_sizes),
+                                    ("--decode-steps", args.decode_steps is not None), ("--async", args.async_),
+                                    ("--threads", args.threads != 1), ("--no-verify", args.no_verify))):
+        problems.append(f"{', '.join(unused)} {'does' if len(unused) == 1 else 'do'} not apply to "
+                        f"{' and '.join(engines)} (a real vLLM engine's run)")
+    if args.preset and args.quick:
+        problems.append(f"--preset {args.preset} runs its own workload against its targets; --quick does not apply")
     if args.decode_steps is not None and args.sweep and args.decode_steps < 2:
         problems.append(f"--sweep counts the lines of a decode step after the first: --decode-steps >= 2, "
                         f"got {args.decode_steps}")

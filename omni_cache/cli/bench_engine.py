@@ -59,9 +59,6 @@ def run_engine_extra(args: argparse.Namespace, console: Any) -> int | None:
         return EXIT_USAGE
     if args.engine_step is None and args.width_sweep is None and args.served is None:
         return None
-    if args.widths and any(w % 128 for w in args.widths):
-        print(f"omni-cache bench: error: --widths must be multiples of 128, got {args.widths}", file=sys.stderr)
-        return EXIT_USAGE
     if importlib.util.find_spec("vllm") is None:
         print("omni-cache bench: error: --engine-step, --width-sweep and --served run real vLLM engines; vLLM is not "
               "installed (see the README's set-up with the [vllm] extra)", file=sys.stderr)

@@ -199,8 +199,9 @@ def test_a_run_without_the_third_thinker_judges_nothing() -> None:
 # ---------------------------------------------------------------------- bench's real-engine options
 def test_the_real_engine_bench_options_refuse_in_one_line(monkeypatch: pytest.MonkeyPatch,
                                                           capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["bench", "--width-sweep", "--widths", "200"]) == EXIT_USAGE
-    assert "multiples of 128" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--width-sweep", "--widths", "200"])
+    assert exc.value.code == EXIT_USAGE and "multiples of 128" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exc:
         main(["bench", "--width-sweep", "--widths", "100"])
     assert exc.value.code == EXIT_USAGE
