@@ -23,8 +23,18 @@ __all__ = ["register"]
 
 
 def _url(text: str) -> str:
-    if not text.startswith(("http://", "https://")) or "://" not in text or not text.split("://", 1)[1]:
+    """An http(s) URL with a host and, if given, a port in 1..65535 (read as the HTTP client will)."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(text)
+        port = parts.port  # raises on a port that is not a number in 0..65535
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"wants http://HOST:PORT, got {text!r} ({exc})") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
         raise argparse.ArgumentTypeError(f"wants http://HOST:PORT, got {text!r}")
+    if port == 0:
+        raise argparse.ArgumentTypeError(f"wants a port from 1 to 65535, got {text!r}")
     return text
 
 

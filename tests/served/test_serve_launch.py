@@ -310,6 +310,11 @@ except SystemExit as exc:
       '{"kv_connector": "OmniKVConnector", "kv_connector_extra_config": {"omni_cache": {"delivery_timeout_s": 0}}}'],
      "omni_cache.delivery_timeout_s must be a positive number, got 0"),
     (["check-server", "ftp://127.0.0.1:1"], "argument URL: wants http://HOST:PORT"),
+    (["check-server", "http://[::1"], "argument URL: wants http://HOST:PORT, got 'http://[::1' (Invalid IPv6 URL)"),
+    (["check-server", "http://127.0.0.1:99999"], "argument URL: wants http://HOST:PORT, got 'http://127.0.0.1:99999' "
+                                                 "(Port out of range 0-65535)"),
+    (["check-server", "http://127.0.0.1:0"], "argument URL: wants a port from 1 to 65535"),
+    (["check-server", "http://:8011"], "argument URL: wants http://HOST:PORT, got 'http://:8011'"),
     (["check-server", "http://127.0.0.1:1", "--families", "0"], "argument --families: wants an integer from 1"),
     (["check-server", "http://127.0.0.1:1", "--tolerance", "2"], "argument --tolerance: wants a number from 0 to 1"),
 ])
