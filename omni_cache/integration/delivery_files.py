@@ -137,6 +137,10 @@ def delivery_name(req_id: str, nonce: str) -> str:
     return f"{prefix}-{digest}{FILE_SUFFIX}"
 
 
+_SAMPLE = re.compile(r"(\d+)_.")
+"""vLLM's request id of sample ``k`` of an ``n > 1`` request: ``<k>_<id>`` (``ParentRequest.get_child_info``)."""
+
+
 @dataclass(frozen=True)
 class DeliveryPaths:
     """Where a request's file goes: ``root`` (absolute, symlinks resolved) and the rule for a
@@ -156,7 +160,13 @@ class DeliveryPaths:
         ``None``). As vLLM's connector does, a requested path is ignored (the default is used)
         unless the operator allowed custom paths; when allowed it must be a string naming a
         ``.safetensors`` file inside the delivery directory once symlinks are resolved, and no
-        file may exist there yet."""
+        file may exist there yet.
+
+        With ``n > 1`` vLLM runs one request per sample, ``<k>_<id>``, each carrying the same
+        ``kv_transfer_params``: sample 0 gets the path asked for and sample ``k > 0`` gets
+        ``<stem>.<k>.safetensors`` beside it, so every sample has a file and a client that cannot
+        read the response (a streaming one) knows where each is. A request id of that form is
+        read as a sample whatever its origin."""
         if requested is None or not self.allow_custom_path:
             if requested is not None:
                 log.warning("request %r asked for hidden_states_path but custom paths are not allowed "
@@ -171,6 +181,9 @@ class DeliveryPaths:
         path = requested if os.path.isabs(requested) else os.path.join(self.root, requested)
         if not path.endswith(FILE_SUFFIX):
             return None, f"hidden_states_path {requested!r} must end in {FILE_SUFFIX}"
+        if (sample := _SAMPLE.match(req_id)) is not None and int(sample.group(1)) > 0:
+            path = f"{path[: -len(FILE_SUFFIX)]}.{int(sample.group(1))}{FILE_SUFFIX}"
+            requested = f"{requested[: -len(FILE_SUFFIX)]}.{int(sample.group(1))}{FILE_SUFFIX}"
         parent = os.path.realpath(os.path.dirname(path))
         if parent != self.root and not parent.startswith(self.root + os.sep):
             return None, (f"hidden_states_path {requested!r} is outside the delivery directory {self.root} "

@@ -85,6 +85,24 @@ def test_a_requested_path_inside_the_root_is_honoured(tmp_path: Path) -> None:
     assert paths.target("r", None) == (paths.default_path("r"), None)
 
 
+def test_each_sample_of_an_n_request_gets_its_own_file_beside_the_path_asked_for(tmp_path: Path) -> None:
+    """vLLM runs ``n > 1`` as one request per sample, ``<k>_<id>``, all with the same params: sample 0
+    gets the path, sample k its ``.k`` sibling (never the same path, which only one could write)."""
+    root = _root(tmp_path)
+    os.mkdir(os.path.join(root, "sub"))
+    paths = DeliveryPaths(root, NONCE, allow_custom_path=True)
+    assert paths.target("0_cmpl-9", "sub/n.safetensors") == (os.path.join(root, "sub", "n.safetensors"), None)
+    assert paths.target("1_cmpl-9", "sub/n.safetensors") == (os.path.join(root, "sub", "n.1.safetensors"), None)
+    assert paths.target("12_cmpl-9", "n.safetensors") == (os.path.join(root, "n.12.safetensors"), None)
+    assert paths.target("cmpl_9", "n.safetensors") == (os.path.join(root, "n.safetensors"), None)  # not a sample id
+    assert paths.target("1_", "n.safetensors") == (os.path.join(root, "n.safetensors"), None)
+    open(os.path.join(root, "n.3.safetensors"), "wb").close()
+    path, error = paths.target("3_cmpl-9", "n.safetensors")
+    assert path is None and "'n.3.safetensors' exists already" in error
+    path, error = paths.target("1_cmpl-9", "n.txt")
+    assert path is None and "must end in .safetensors" in error
+
+
 @pytest.mark.parametrize("requested", ["../escape.safetensors", "sub/../../escape.safetensors", "/tmp/escape.safetensors",
                                        "/escape.safetensors"])
 def test_a_requested_path_outside_the_root_is_refused(tmp_path: Path, requested: str) -> None:

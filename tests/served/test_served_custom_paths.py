@@ -4,7 +4,8 @@ Protects: a request's ``kv_transfer_params.hidden_states_path`` is honoured only
 delivery directory: a path outside it, one that climbs out with ``..``, one through a symlink
 that leads out, an existing file (never overwritten) and a name that is not ``.safetensors``
 each fail that request's delivery with a clear error, write nothing outside, and the server
-keeps serving; a streaming client (whose chunks carry no path) finds its rows at the path it chose. Real server process on 127.0.0.1, real HTTP client, vLLM's reader.
+keeps serving; a streaming client (whose chunks carry no path) finds its rows at the path it chose;
+each sample of an ``n`` = 2 request gets a file (sample 0 the path, sample 1 its ``.1`` sibling). Real server process on 127.0.0.1, real HTTP client, vLLM's reader.
 """
 
 from __future__ import annotations
@@ -70,6 +71,21 @@ def test_a_streaming_client_gets_its_rows_at_the_path_it_chose(server: ServedEng
                   if line.startswith(b"data: {")]
     prompt_tokens = next(c["usage"]["prompt_tokens"] for c in chunks if c.get("usage"))
     assert load(str(wanted))["hidden_states"].shape[0] == prompt_tokens > 0
+
+
+def test_each_sample_of_an_n_request_gets_a_file_and_the_response_names_one(server: ServedEngine) -> None:
+    """With ``n`` = 2 vLLM runs two requests carrying the same params: sample 0 writes the path asked
+    for, sample 1 its ``.1`` sibling; whichever the response names holds the prompt's rows."""
+    wanted = server.delivery_dir / "two-samples.safetensors"
+    response = server.complete(PROMPT + "n two", n=2, temperature=1.0, seed=5,
+                               kv_transfer_params={"hidden_states_path": str(wanted)})
+    got = params(response)
+    files = [wanted, server.delivery_dir / "two-samples.1.safetensors"]
+    assert "hidden_states_error" not in got and got["hidden_states_path"] in [str(f) for f in files], got
+    prompt_tokens = response["usage"]["prompt_tokens"]
+    first, second = (load(str(f)) for f in files)
+    assert first["hidden_states"].shape[0] == second["hidden_states"].shape[0] == prompt_tokens
+    assert first["token_ids"].tolist() == second["token_ids"].tolist()
 
 
 @pytest.mark.parametrize("case", ["absolute outside", "climbs out", "symlink out", "existing file", "not safetensors"])
