@@ -11,12 +11,14 @@ wall-clock figure that a busy CI box can miss: verify's TLC runs take far longer
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -131,3 +133,38 @@ def test_ctrl_c_while_torch_loads_is_one_line_not_a_traceback(argv: list[str]) -
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 130, (done.returncode, done.stderr[-2000:])
     assert done.stderr.strip().splitlines() == [f"omni-cache {argv[0]}: interrupted"], done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("async_mode", [False, True], ids=["eager", "async"])
+def test_an_interrupted_simulation_stops_its_threads_and_logs_nothing(async_mode: bool,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """Ctrl-C in the middle of ``simulate``, right after a save returned (raised there, deterministic
+    where a signal's timing is not): the interrupt goes on up to the CLI's one line, the builder
+    thread and the cache are shut down, and the step id the interrupt left unconsumed is not logged
+    (it is what an interrupt leaves, not news)."""
+    import threading
+
+    from omni_cache.harness.sim_engine.config import SimConfig
+    from omni_cache.harness.sim_engine.engine import Simulation
+    from omni_cache.runtime.manager import OmniPrefixCacheManager
+
+    class InterruptedAfterFiveSaves(OmniPrefixCacheManager):
+        saves = 0
+
+        def save_outputs(self, *args: Any, **kwargs: Any) -> int:
+            step_id = super().save_outputs(*args, **kwargs)
+            self.saves += 1
+            if self.saves == 5:
+                raise KeyboardInterrupt  # the step is saved and never handed to the builder
+            return step_id
+
+    sim = Simulation(SimConfig(requests=48, eager=not async_mode),
+                     manager_factory=lambda config, eager: InterruptedAfterFiveSaves(config, eager=eager))
+    caplog.set_level("DEBUG")
+    with pytest.raises(KeyboardInterrupt):
+        sim.run()
+    assert len(sim.manager.staging.unconsumed()) == 1  # what the interrupt left
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    assert not any(t.name == "omni-sim-builder" and t.is_alive() for t in threading.enumerate())
+    with pytest.raises(Exception, match="shut down"):
+        sim.manager.check_usable("save_outputs")

@@ -22,9 +22,11 @@ Upholds nothing itself: it checks I1 and I9 from outside.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +55,16 @@ def default_manager(config: PrefixCacheConfig, eager: bool) -> Any:
 
     return OmniPrefixCacheManager(config, eager=eager)
 
+
+
+@contextlib.contextmanager
+def _warnings_off() -> Iterator[None]:
+    """Warnings and below logged by nobody for the block (errors still are)."""
+    logging.disable(logging.WARNING)
+    try:
+        yield
+    finally:
+        logging.disable(logging.NOTSET)
 
 @dataclass
 class SimResult:
@@ -176,12 +188,21 @@ class Simulation:
         t0 = time.perf_counter()
         self.builder.start()
         step = 0
+        interrupted = False
         try:
             step = self._loop(res)
         except Exception as exc:
             self._fail(step, "the engine loop", exc)
+        except KeyboardInterrupt:
+            interrupted = True
+            raise
         finally:
-            self._finish(res, step)
+            if interrupted:  # the user stopped the run: stop the threads, report nothing
+                self.builder.close()
+                with _warnings_off():  # the steps an interrupt leaves unconsumed are not news
+                    self.manager.shutdown()
+            else:
+                self._finish(res, step)
         res.wall_s = time.perf_counter() - t0
         return res
 
