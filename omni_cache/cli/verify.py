@@ -114,7 +114,7 @@ def _adhoc_entry(args: argparse.Namespace) -> tuple[ManifestEntry, Path]:
     check_cfg_checks(cfg.read_text(), args.expect, f"--cfg {args.cfg}")
     return ManifestEntry(
         model=spec.parent.name, spec=spec.name, cfg=str(cfg), expect=args.expect, exit=exit_code,
-        why="ad-hoc run (--cfg)",
+        why="ad-hoc run (--cfg)", expected_by="--expect wants",
     ), spec.parent.parent
 
 
@@ -210,8 +210,10 @@ def run(args: argparse.Namespace) -> int:
         start = time.perf_counter()
         results = run_manifest(entries, tla_dir, jobs=args.jobs, timeout_s=args.timeout)
         wall_s = time.perf_counter() - start
-    except (TLCUnavailable, ManifestError) as exc:
-        print(f"omni-cache verify: {exc}", file=sys.stderr)
+    except ManifestError as exc:  # no manifest where --tla-dir (or the default) points
+        args.error(str(exc))
+    except TLCUnavailable as exc:
+        print(f"omni-cache verify: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
 
     surprises = [r for r in results if not r.ok]
@@ -220,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(doc, indent=2))
     else:
         title = "omni-cache verify: TLC ad-hoc run" if args.cfg else "omni-cache verify: TLC on tla/manifest.json"
-        _print_table(results, title, wall_s, args.jobs or default_jobs())
+        _print_table(results, title, wall_s, None if args.cfg else args.jobs or default_jobs())
         for r in surprises:
             print(f"SURPRISE {r.entry.name}: {'; '.join(r.problems)}", file=sys.stderr)
             if r.detail:
@@ -229,7 +231,8 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_FAILED if surprises else 0
 
 
-def _print_table(results: list[RunResult], title: str, wall_s: float, jobs: int) -> None:
+def _print_table(results: list[RunResult], title: str, wall_s: float, jobs: int | None) -> None:
+    """The runs' table and a summary line; ``jobs`` None: one ad-hoc run, judged by its --expect."""
     from rich.console import Console
     from rich.table import Table
 
@@ -253,6 +256,10 @@ def _print_table(results: list[RunResult], title: str, wall_s: float, jobs: int)
     console.print(table)
     bad = sum(not r.ok for r in results)
     total = sum(r.seconds for r in results)
+    if jobs is None:
+        console.print(f"{len(results)} ad-hoc run, {bad} surprise(s), {wall_s:.1f} s wall"
+                      + ("" if bad else ": TLC's result is the one --expect names"))
+        return
     console.print(
         f"{len(results)} runs, {bad} surprise(s), {wall_s:.1f} s wall ({total:.1f} s of TLC runs, {jobs} at a time)"
         + ("" if bad else ": every model and broken variant behaves as the manifest says")

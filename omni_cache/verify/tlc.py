@@ -149,6 +149,8 @@ class ManifestEntry:
     tier: str = "ci"
     # the measured {"distinct": N, "total": M, "depth": D}; a run that differs has drifted
     states: dict[str, int] | None = None
+    # who set ``expect`` and ``exit``, as a surprise says it: the manifest, or an ad-hoc run's --expect
+    expected_by: str = "manifest expects"
 
     @property
     def name(self) -> str:
@@ -381,9 +383,9 @@ def judge(entry: ManifestEntry, exit_code: int, outcome: TLCOutcome) -> list[str
     """
     problems: list[str] = []
     if exit_code != entry.exit:
-        problems.append(f"TLC exit {exit_code}, manifest expects {entry.exit}")
+        problems.append(f"TLC exit {exit_code}, {entry.expected_by} {entry.exit}")
     if outcome.result != entry.expect:
-        problems.append(f"result {outcome.result}, manifest expects {entry.expect}")
+        problems.append(f"result {outcome.result}, {entry.expected_by} {entry.expect}")
     if entry.states is not None:
         seen = {"distinct": outcome.distinct_states, "total": outcome.generated_states, "depth": outcome.depth}
         drift = {k: (v, seen.get(k)) for k, v in entry.states.items() if seen.get(k) != v}

@@ -96,6 +96,7 @@ USAGE_ERRORS = [
     (["simulate", "--preset", "pressure"], "usage: omni-cache simulate", "--preset pressure needs --engine vllm"),
     (["verify", "--only", "no-such-model"], "usage: omni-cache verify", "no manifest entry matches --only"),
     (["verify", "--cfg", "no/such.cfg"], "usage: omni-cache verify", "--cfg no/such.cfg does not exist"),
+    (["verify", "--tla-dir", "."], "usage: omni-cache verify", "no manifest at"),
     # a flag of another mode is refused, never ignored; no flag is taken from a prefix of its name
     (["verify", "--all-mutants"], "usage: omni-cache verify", "--all-mutants does not apply to a manifest run"),
     (["verify", "--all", "--mutants"], "usage: omni-cache verify", "unrecognized arguments: --all"),
