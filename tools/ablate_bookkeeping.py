@@ -9,7 +9,7 @@ requests, alternating with the unchanged runtime round by round. The growth one 
 the unchanged growth minus the ablated growth. Every output is still checked against the ground
 truth, so an ablation that would serve wrong rows on this workload fails the run instead:
 
-* ``range check``: ``PrefixBlockPool.check_slots`` returns the slots unchecked;
+* ``range check``: ``PrefixBlockPool.check_slots`` returns the slots unchecked (range and repeats);
 * ``scheduled copy``: ``new_step_starts`` keeps the step's scheduled-count dict instead of a copy;
 * ``scheduled check``: ``check_scheduled`` compares nothing;
 * ``version writes``: a decode step (one row per request) registers no tenancy versions (its rows
@@ -38,7 +38,7 @@ from omni_cache.runtime.block_pool import PrefixBlockPool
 from omni_cache.runtime.scheduling import WriteScheduler
 
 
-def _unchecked_slots(self: PrefixBlockPool, slots: Any, *, where: str = "") -> Any:
+def _unchecked_slots(self: PrefixBlockPool, slots: Any, **_checks: Any) -> Any:
     return slots.numpy()
 
 

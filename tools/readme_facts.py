@@ -111,12 +111,12 @@ FACTS = (
          slow=True),
     Fact("TLC runs, CI tier", "`.venv/bin/omni-cache verify` (rows of its table)", lambda: _tlc("ci", "runs")),
     Fact("TLC runs with pinned state counts, CI tier", "`tla/manifest.json`", lambda: _tlc("ci", "pinned")),
-    Fact("distinct states of the pinned CI runs", "`.venv/bin/omni-cache verify --json` (sum of `distinct_states`)",
+    Fact("distinct states of the pinned CI runs", "`.venv/bin/omni-cache verify --json` (sum of `distinct_states` over the pinned runs)",
          lambda: _tlc("ci", "distinct")),
     Fact("TLC runs, nightly tier", "`.venv/bin/omni-cache verify --tier nightly`", lambda: _tlc("nightly", "runs")),
     Fact("distinct states, nightly tier", "`.venv/bin/omni-cache verify --tier nightly --json`",
          lambda: _tlc("nightly", "distinct")),
-    Fact("runtime Python lines per decode step (two or more requests)",
+    Fact("runtime Python lines per decode step of 8 requests",
          "`.venv/bin/omni-cache bench --sweep` (last column)", _lines_per_decode_step),
 )
 
