@@ -136,9 +136,12 @@ def _refuse_unused_flags(args: argparse.Namespace) -> None:
                                     ("--sweep", args.sweep), ("--memory", args.memory), ("--profile", args.profile),
                                     ("--batch-sizes", args.batch_sizes),
                                     ("--decode-steps", args.decode_steps is not None), ("--async", args.async_),
-                                    ("--threads", args.threads != 1), ("--no-verify", args.no_verify))):
+                                    ("--threads", args.threads != 1), ("--no-verify", args.no_verify),
+                                    ("--seed", args.seed != 0))):
         problems.append(f"{', '.join(unused)} {'does' if len(unused) == 1 else 'do'} not apply to "
                         f"{' and '.join(engines)} (a real vLLM engine's run)")
+    if args.num_prompts is not None and args.served is None:
+        problems.append("--num-prompts goes with --served")
     if args.preset and args.quick:
         problems.append(f"--preset {args.preset} runs its own workload against its targets; --quick does not apply")
     if args.decode_steps is not None and args.sweep and args.decode_steps < 2:

@@ -54,9 +54,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_engine_extra(args: argparse.Namespace, console: Any) -> int | None:
     """Run ``--engine-step``, ``--width-sweep`` or ``--served`` if given; None if none was."""
-    if args.num_prompts is not None and args.served is None:
-        print("omni-cache bench: error: --num-prompts goes with --served", file=sys.stderr)
-        return EXIT_USAGE
     if args.engine_step is None and args.width_sweep is None and args.served is None:
         return None
     if importlib.util.find_spec("vllm") is None:

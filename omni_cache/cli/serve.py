@@ -120,4 +120,3 @@ def run(args: argparse.Namespace) -> int:
     print(f"omni-cache serve: {args.model}, hidden-state files in {directory}", file=sys.stderr,
           flush=True)
     os.execve(argv[0], argv, {**os.environ, **env})
-

@@ -204,15 +204,15 @@ def run(args: argparse.Namespace) -> int:
             entries = [entry]
         else:
             tla_dir = args.tla_dir or default_tla_dir()
+            if not (Path(tla_dir) / "manifest.json").is_file():  # a mistake of the command line (or of the checkout)
+                args.error(f"no manifest at {Path(tla_dir) / 'manifest.json'} (pass --tla-dir or set OMNI_CACHE_TLA_DIR)")
             entries = select(load_manifest(tla_dir), args.only, args.tier)
             if not entries:
                 args.error(f"no manifest entry matches --only {args.only!r} (tier {args.tier})")
         start = time.perf_counter()
         results = run_manifest(entries, tla_dir, jobs=args.jobs, timeout_s=args.timeout)
         wall_s = time.perf_counter() - start
-    except ManifestError as exc:  # no manifest where --tla-dir (or the default) points
-        args.error(str(exc))
-    except TLCUnavailable as exc:
+    except (TLCUnavailable, ManifestError) as exc:  # no Java, or a manifest that is not well formed
         print(f"omni-cache verify: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
 

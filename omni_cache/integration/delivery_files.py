@@ -1,14 +1,11 @@
-"""The files a served engine delivers: names, paths, atomic writes, lock files and retention.
+"""The files a served engine delivers: atomic writes, lock files, the directory's claim and retention.
 
-Owns: ``delivery_name`` (the file name of a request's rows, made safe from the client-chosen
-request id), ``DeliveryPaths`` (the delivery directory and where a request's file may go:
-the default name under it, or a client-given path when the operator allows it, only under
-the directory), ``DeliveryStore`` (the worker side: the claim on the directory, lock files held
+Owns: ``DeliveryStore`` (the worker side: the claim on the directory, lock files held
 while a file is being written, the atomic write itself, the ``.error`` note of a failed one, and
 retention under a byte and an age bound), and the claim's names and probe (``CLAIM_NAME``,
-``claim_name``, ``claim_holder``, ``DeliveryDirInUse``). No vLLM import: both the scheduler-side
-connector (which names the file the client is told about) and the worker (which writes it) use
-this module.
+``claim_name``, ``claim_holder``, ``DeliveryDirInUse``). Where a request's file goes is
+``delivery_paths``' (the names this store writes and adopts are its ``delivery_name``). No vLLM
+import.
 
 The file format is vLLM's hidden-states format (``ExampleHiddenStatesConnector``): one
 safetensors file per finished request with ``hidden_states`` ``[num_tokens, width]`` and
@@ -26,10 +23,7 @@ directory writes nothing there); a reader never sees a partial file (the rows ar
 to a temporary name and linked to the final name only when complete: ``os.link`` refuses an
 existing name, so no file is ever overwritten, and the temporary name is never the final
 name); no file name or path derives from client-controlled text without being made safe
-(``..``, ``/``, NUL and over-long ids cannot leave the directory or collide with another
-request's file: the name carries a digest of the id and a per-server nonce); a client-given
-path is honoured only when allowed and only inside the directory after resolving symlinks;
-files and lock files are the server user's only (mode 0600, the directory 0700 when created);
+(``delivery_paths``); files and lock files are the server user's only (mode 0600, the directory 0700 when created);
 the directory holds at most ``max_bytes`` of delivered files per store (each data-parallel
 replica's store keeps its own bounds) and none older than ``max_age_s`` (oldest removed first,
 never the file just delivered; a file larger than ``max_bytes`` is refused before it is
@@ -49,7 +43,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import hashlib
 import logging
 import os
 import re
@@ -60,24 +53,22 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Protocol
 
+from omni_cache.integration.delivery_paths import FILE_SUFFIX
+
 __all__ = [
     "CLAIM_NAME",
     "FAULT_ENV",
-    "FILE_SUFFIX",
     "DeliveryDirInUse",
-    "DeliveryPaths",
     "DeliveryStore",
     "FaultRule",
     "PublishGate",
     "claim_holder",
     "claim_name",
-    "delivery_name",
     "parse_fault",
 ]
 
 log = logging.getLogger(__name__)
 
-FILE_SUFFIX = ".safetensors"
 _TMP_MARK = ".omni-tmp-"
 FAULT_ENV = "OMNI_CACHE_DELIVERY_FAULT"
 _CLAIM_STEM, _CLAIM_SUFFIX = ".omni-cache-server", ".lock"
@@ -86,8 +77,6 @@ CLAIM_NAME = _CLAIM_STEM + _CLAIM_SUFFIX  # held by the one store that delivers 
 _CLAIM = re.compile(re.escape(_CLAIM_STEM) + r"(?:-dp[1-9][0-9]*)?" + re.escape(_CLAIM_SUFFIX))
 _CLAIM_TRIES = 5  # a launcher's probe holds a claim file for an instant: a claim retries before it refuses
 _CLAIM_RETRY_S = 0.02
-_SAFE = re.compile(r"[^A-Za-z0-9._-]+")
-_MAX_PREFIX = 48
 # ``delivery_name``'s output, and a writer's temporary file (``<name>.omni-tmp-<pid>-<thread>``).
 _DEFAULT_NAME = re.compile(r"[A-Za-z0-9_.-]*-[0-9a-f]{20}" + re.escape(FILE_SUFFIX))
 _TMP_NAME = re.compile(r".+" + re.escape(FILE_SUFFIX + _TMP_MARK) + r"(\d+)-\d+")
@@ -126,72 +115,6 @@ def parse_fault(text: str | None) -> tuple[FaultRule, ...]:
             raise ValueError(f"{FAULT_ENV}: bad rule {part!r}: expected slow:SECONDS[@MARKER] or enospc[@MARKER]")
         rules.append(FaultRule(kind, seconds, marker))
     return tuple(rules)
-
-
-def delivery_name(req_id: str, nonce: str) -> str:
-    """The file name of request ``req_id``'s rows: a readable, safe prefix of the id, then a
-    digest of the id and the server's ``nonce`` (two ids, or one id reused after a restart,
-    never share a name). Never contains a path separator, NUL, or a leading dot."""
-    prefix = _SAFE.sub("_", req_id)[:_MAX_PREFIX].lstrip(".") or "req"
-    digest = hashlib.sha256(f"{nonce}\0{req_id}".encode("utf-8", "surrogatepass")).hexdigest()[:20]
-    return f"{prefix}-{digest}{FILE_SUFFIX}"
-
-
-_SAMPLE = re.compile(r"(\d+)_.")
-"""vLLM's request id of sample ``k`` of an ``n > 1`` request: ``<k>_<id>`` (``ParentRequest.get_child_info``)."""
-
-
-@dataclass(frozen=True)
-class DeliveryPaths:
-    """Where a request's file goes: ``root`` (absolute, symlinks resolved) and the rule for a
-    client-given path (``allow_custom_path``, as vLLM's ``allow_custom_save_path``)."""
-
-    root: str
-    nonce: str
-    allow_custom_path: bool = False
-
-    def default_path(self, req_id: str) -> str:
-        return os.path.join(self.root, delivery_name(req_id, self.nonce))
-
-    def target(self, req_id: str, requested: object) -> tuple[str | None, str | None]:
-        """``(path, None)`` for the file of ``req_id``, or ``(None, error)``.
-
-        ``requested`` is the request's ``kv_transfer_params["hidden_states_path"]`` (or
-        ``None``). As vLLM's connector does, a requested path is ignored (the default is used)
-        unless the operator allowed custom paths; when allowed it must be a string naming a
-        ``.safetensors`` file inside the delivery directory once symlinks are resolved, and no
-        file may exist there yet.
-
-        With ``n > 1`` vLLM runs one request per sample, ``<k>_<id>``, each carrying the same
-        ``kv_transfer_params``: sample 0 gets the path asked for and sample ``k > 0`` gets
-        ``<stem>.<k>.safetensors`` beside it, so every sample has a file and a client that cannot
-        read the response (a streaming one) knows where each is. A request id of that form is
-        read as a sample whatever its origin."""
-        if requested is None or not self.allow_custom_path:
-            if requested is not None:
-                log.warning("request %r asked for hidden_states_path but custom paths are not allowed "
-                            "(omni_cache.allow_custom_save_path); using %s", req_id, self.root)
-            return self.default_path(req_id), None
-        if not isinstance(requested, str) or not requested or "\0" in requested:
-            return None, f"hidden_states_path must be a non-empty string without NUL, got {requested!r}"
-        try:
-            os.fsencode(requested)
-        except UnicodeError:
-            return None, f"hidden_states_path {requested!r} cannot be encoded as a file name on this system"
-        path = requested if os.path.isabs(requested) else os.path.join(self.root, requested)
-        if not path.endswith(FILE_SUFFIX):
-            return None, f"hidden_states_path {requested!r} must end in {FILE_SUFFIX}"
-        if (sample := _SAMPLE.match(req_id)) is not None and int(sample.group(1)) > 0:
-            path = f"{path[: -len(FILE_SUFFIX)]}.{int(sample.group(1))}{FILE_SUFFIX}"
-            requested = f"{requested[: -len(FILE_SUFFIX)]}.{int(sample.group(1))}{FILE_SUFFIX}"
-        parent = os.path.realpath(os.path.dirname(path))
-        if parent != self.root and not parent.startswith(self.root + os.sep):
-            return None, (f"hidden_states_path {requested!r} is outside the delivery directory {self.root} "
-                          "(after resolving symlinks)")
-        final = os.path.join(parent, os.path.basename(path))
-        if os.path.lexists(final) or os.path.lexists(final + ".lock"):
-            return None, f"hidden_states_path {requested!r} exists already: a delivery never overwrites a file"
-        return final, None
 
 
 class PublishGate(Protocol):

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from omni_cache.integration.delivery_files import DeliveryPaths
+from omni_cache.integration.delivery_paths import DeliveryPaths
 
 __all__ = ["DELIVERY_KEYS", "DeliverySettings"]
 
@@ -92,5 +92,3 @@ def _positive(value: Any, *, integer: bool) -> bool:
     except OverflowError:
         return False
     return math.isfinite(number) and number > 0 and (not integer or number.is_integer())
-
-

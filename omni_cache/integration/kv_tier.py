@@ -13,7 +13,7 @@ Configure it with ``kv_transfer_config = {"kv_connector": "OmniKVConnector",
 "kv_connector_module_path": "omni_cache.integration.kv_tier", "kv_role": ...,
 "kv_connector_extra_config": {"connectors": [<the user's connector config>],
 "omni_cache": {"tier_bytes": N, "tier_dir": PATH}}}`` (or as one of the ``connectors`` of vLLM's
-``MultiConnector``). ``tier_settings`` checks that configuration wherever it is read (the
+``MultiConnector``). ``connector_settings.tier_settings`` checks that configuration wherever it is read (the
 connector's construction, vLLM's class-level calls before it, the config gate): a malformed one
 is one ``OmniPrefixCacheUnmatchError`` naming the key. It is vLLM's
 ``MultiConnector`` underneath, so every KV call (load, save, finished,
@@ -38,90 +38,20 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import os
-from collections.abc import Mapping
 from typing import Any
 
+from omni_cache.integration.connector_settings import SETTINGS_KEY, tier_settings
 from omni_cache.integration.delivery import DeliveryPlan, DeliveryResult, RowDelivery
 from omni_cache.integration.delivery_sched import DeliveryScheduler
-from omni_cache.integration.delivery_settings import DELIVERY_KEYS, DeliverySettings
-from omni_cache.integration.kv_nesting import STAGE_REFUSAL, connector_configs, omni_connector
+from omni_cache.integration.kv_nesting import omni_connector
 from omni_cache.integration.metrics import CacheMetricsReporter
 from omni_cache.integration.ranks import data_parallel_replica, vllm_worker_rank
 from omni_cache.integration.tier_apply import TierApplier, TierLoad, TierPlan, TierStore
 from omni_cache.integration.vllm_logging import use_vllm_logging
-from omni_cache.runtime.errors import OmniPrefixCacheUnmatchError
 
 log = logging.getLogger(__name__)
 
 __all__ = ["SETTINGS_KEY", "tier_settings", "worker_delivery", "worker_tier_applier"]
-
-SETTINGS_KEY = "omni_cache"
-"""``kv_connector_extra_config[SETTINGS_KEY]``: the tier's settings."""
-_DEFAULT_TIER_BYTES = 256 << 20
-
-
-def _refuse(message: str) -> OmniPrefixCacheUnmatchError:
-    return OmniPrefixCacheUnmatchError(f"{STAGE_REFUSAL}OmniKVConnector: {message}")
-
-
-# vLLM's connectors that answer a finished request with a hidden-states file, as delivery does.
-_HIDDEN_STATES_CONNECTORS = frozenset({"ExampleHiddenStatesConnector"})
-
-
-def _hidden_states_connector(extra: Any, where: str) -> str | None:
-    """Where in ``extra``'s wrapped connectors (at any depth of MultiConnector nesting) one of
-    ``_HIDDEN_STATES_CONNECTORS`` is configured, or ``None``."""
-    for i, child in enumerate(connector_configs(extra, where)):
-        here = f"{where}['connectors'][{i}]"
-        if child["kv_connector"] in _HIDDEN_STATES_CONNECTORS:
-            return f"{child['kv_connector']} ({here})"
-        nested = child.get("kv_connector_extra_config")
-        if isinstance(nested, Mapping) and (found := _hidden_states_connector(
-                nested, f"{here}['kv_connector_extra_config']")) is not None:
-            return found
-    return None
-
-
-def tier_settings(extra: Any) -> dict[str, Any]:
-    """The tier settings in ``kv_connector_extra_config`` (``tier_bytes``, ``tier_dir``), checked: a
-    malformed value is one ``OmniPrefixCacheUnmatchError`` naming its key."""
-    where = "kv_connector_extra_config"
-    if not isinstance(extra, Mapping):
-        raise _refuse(f"{where} must be a dict, got {type(extra).__name__} {extra!r}")
-    raw = extra.get(SETTINGS_KEY)
-    if raw is not None and not isinstance(raw, Mapping):
-        raise _refuse(f"{where}['{SETTINGS_KEY}'] must be a dict such as {{'tier_bytes': {_DEFAULT_TIER_BYTES}}}, "
-                      f"got {type(raw).__name__} {raw!r}")
-    settings = dict(raw or {})
-    unknown = set(settings) - {"tier_bytes", "tier_dir"} - DELIVERY_KEYS
-    if unknown:
-        raise _refuse(f"unknown {where}['{SETTINGS_KEY}'] keys {sorted(unknown)}")
-    budget = settings.get("tier_bytes", _DEFAULT_TIER_BYTES)
-    if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
-        raise _refuse(f"{where}['{SETTINGS_KEY}']['tier_bytes'] must be a non-negative int, got {budget!r}")
-    tier_dir = settings.get("tier_dir")
-    if tier_dir is not None and (not isinstance(tier_dir, (str, os.PathLike)) or not os.fspath(tier_dir)):
-        raise _refuse(f"{where}['{SETTINGS_KEY}']['tier_dir'] must be a directory path (a non-empty str), "
-                      f"got {tier_dir!r}")
-    if tier_dir is not None and os.path.exists(tier_dir) and not os.path.isdir(tier_dir):
-        raise _refuse(f"{where}['{SETTINGS_KEY}']['tier_dir'] {os.fspath(tier_dir)!r} is an existing file, not a "
-                      "directory")
-    try:
-        delivery = DeliverySettings.from_settings(settings)
-    except ValueError as exc:
-        raise _refuse(str(exc)) from None
-    if delivery is not None and (other := _hidden_states_connector(extra, where)) is not None:
-        raise _refuse(
-            f"omni_cache.delivery_dir and the wrapped {other} both deliver hidden states (each answers a finished "
-            "request with kv_transfer_params['hidden_states_path']): configure one of them")
-    if not connector_configs(extra, where) and delivery is None:
-        raise _refuse(
-            f"{where}['connectors'] must list the KV connector(s) it wraps, "
-            "e.g. [{'kv_connector': 'ExampleConnector', 'kv_role': 'kv_both', 'kv_connector_extra_config': {...}}], "
-            "or omni_cache.delivery_dir must name where the hidden-state files go (or both)")
-    return {"tier_bytes": budget, "tier_dir": tier_dir, "delivery": delivery}
-
 
 def _without_hybrid_manager(vllm_config: Any, kv_cache_config: Any) -> Any:
     """``vllm_config`` as ``MultiConnector`` may see it with children that lack HMA support.

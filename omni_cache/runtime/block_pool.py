@@ -173,7 +173,7 @@ class PrefixBlockPool:
             else:  # one pass: a negative slot read as unsigned is above any num_slots; the ufunc's
                 # reduce directly (ndarray.max() adds a Python-level wrapper)
                 bad = int(np.maximum.reduce(view.view(np.uint64))) >= self.num_slots
-                if distinct:  # a prefill step: one sort
+                if distinct:  # a prefill step, or a decode step of over 256 requests: one sort
                     ordered = np.sort(view)
                     repeated = bool((ordered[1:] == ordered[:-1]).any())
         else:
@@ -186,7 +186,7 @@ class PrefixBlockPool:
                 f"(num_blocks x block_size): min {low}, max {high}"
             )
         if repeated:
-            raise OmniPrefixCacheUnmatchError(f"{where}: the {PHRASE_SLOT_MAPPING} each row at its own KV slot; "
+            raise OmniPrefixCacheUnmatchError(f"{where}: the {PHRASE_SLOT_MAPPING} two rows at one KV slot: "
                                               + _describe_repeat(view, describe_row))
         return view
 

@@ -79,14 +79,14 @@ class PendingHits:
                 raise OmniPrefixCacheUnmatchError(
                     f"save_outputs: request {w.req_id!r} has a hit of {hit_end} tokens "
                     f"but this step's rows start at position {w.token_start}; they must continue the hit")
-            mine = slots[w.row_start : w.row_end]
-            inside = np.flatnonzero(np.isin(mine // bs, np.fromiter(blocks, dtype=np.int64, count=len(blocks))))
-            if len(inside):
-                row = int(inside[0])
+            mine = (slots[w.row_start : w.row_end] // bs).tolist()  # the blocks its new rows land in
+            if not set(blocks).isdisjoint(mine):
+                row = next(i for i, block in enumerate(mine) if block in set(blocks))
+                slot = int(slots[w.row_start + row])
                 raise OmniPrefixCacheUnmatchError(
-                    f"save_outputs: the {PHRASE_SLOT_MAPPING} request {w.req_id!r}'s position "
-                    f"{w.token_start + row} at KV slot {int(mine[row])}, in block {int(mine[row]) // bs} of its own "
-                    f"hit [0, {hit_end}) (blocks {list(blocks)}); the slot mapping does not follow its block table")
+                    f"save_outputs: the {PHRASE_SLOT_MAPPING} request {w.req_id!r} outside its own hit, but its "
+                    f"position {w.token_start + row} is at KV slot {slot}, in block {slot // bs} of its hit "
+                    f"[0, {hit_end}) (blocks {list(blocks)}); the slot mapping does not follow its block table")
         for w, _ in served:
             hits[w.req_id] = pending.pop(w.req_id)
         return hits

@@ -27,7 +27,8 @@ from delivery_store_helpers import NONCE, delivered
 from delivery_store_helpers import new_root as _root
 
 from omni_cache.integration import delivery_files
-from omni_cache.integration.delivery_files import DeliveryPaths, DeliveryStore, delivery_name
+from omni_cache.integration.delivery_files import DeliveryStore
+from omni_cache.integration.delivery_paths import DeliveryPaths, delivery_name
 
 
 def _no_temporary_files(directory: str) -> list[str]:

@@ -21,7 +21,7 @@ from delivery_store_helpers import new_root as _root
 from hypothesis import given
 from hypothesis import strategies as st
 
-from omni_cache.integration.delivery_files import FILE_SUFFIX, DeliveryPaths, delivery_name
+from omni_cache.integration.delivery_paths import FILE_SUFFIX, DeliveryPaths, delivery_name
 
 SAFE_CHARS = set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
 HOSTILE_IDS = ["..", ".", "/", "../../etc/passwd", "a/../../b", "/etc/shadow", "\0", "a\0b", "x" * 10_000,

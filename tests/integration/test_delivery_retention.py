@@ -19,7 +19,8 @@ from delivery_store_helpers import delivered
 from delivery_store_helpers import new_root as _root
 
 from omni_cache.integration import delivery_files
-from omni_cache.integration.delivery_files import DeliveryStore, delivery_name
+from omni_cache.integration.delivery_files import DeliveryStore
+from omni_cache.integration.delivery_paths import delivery_name
 
 
 # ---------------------------------------------------------------------------------- retention

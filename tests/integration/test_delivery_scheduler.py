@@ -32,7 +32,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from omni_cache.integration.delivery import DeliveryPlan, DeliveryResult
-from omni_cache.integration.delivery_files import delivery_name
+from omni_cache.integration.delivery_paths import delivery_name
 from omni_cache.integration.delivery_sched import DeliveryScheduler
 from omni_cache.integration.delivery_settings import DeliverySettings
 from omni_cache.integration.kv_tier import tier_settings

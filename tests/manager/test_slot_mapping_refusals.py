@@ -28,7 +28,7 @@ def _save_mapped(m, spans, slot_ids):  # type: ignore[no-untyped-def]
 
 @pytest.mark.parametrize("eager", MODES)
 @pytest.mark.parametrize("size", [4, 300], ids=["decode-sized", "over-256-rows"])
-def test_two_rows_at_one_kv_slot_are_refused_naming_both(eager: bool, size: int) -> None:
+def test_I5_two_rows_at_one_kv_slot_are_refused_naming_both(eager: bool, size: int) -> None:
     m = manager(eager, num_blocks=256, staging_capacity_tokens=512)
     m.new_step_starts([started("a"), started("b")])
     half = size // 2
@@ -49,7 +49,7 @@ def test_two_rows_at_one_kv_slot_are_refused_naming_both(eager: bool, size: int)
 
 
 @pytest.mark.parametrize("eager", MODES)
-def test_new_rows_mapped_into_the_requests_own_hit_are_refused(eager: bool) -> None:
+def test_I5_new_rows_mapped_into_the_requests_own_hit_are_refused(eager: bool) -> None:
     """a is saved on blocks 3,4,5; b hits a's first two blocks and computes its third position range
     on block 9. A mapping that puts b's new rows into block 3 (its own hit) is refused; b's hit is
     still pending afterwards and the correct mapping serves b a's prefix then its own rows."""
@@ -62,8 +62,8 @@ def test_new_rows_mapped_into_the_requests_own_hit_are_refused(eager: bool) -> N
     wrong = slots([3], 0, 4)  # positions 8..11 written over the hit's first block
     with pytest.raises(OmniPrefixCacheUnmatchError, match=PHRASE_SLOT_MAPPING) as info:
         _save_mapped(m, [("b", 8, 12)], wrong)
-    assert f"request 'b''s position 8 at KV slot {int(wrong[0])}, in block 3 of its own hit [0, 8) (blocks [3, 4])" \
-        in str(info.value)
+    assert f"request 'b' outside its own hit, but its position 8 is at KV slot {int(wrong[0])}, in block 3 of its " \
+           "hit [0, 8) (blocks [3, 4])" in str(info.value)
     assert staging_claims(m) == claims and m.stats()["unconsumed_step_ids"] == {}
     step, rows_b = _save_mapped(m, [("b", 8, 12)], slots([3, 4, 9], 8, 12))
     served = m.materialize(step, ["b"]).hidden_states["b"]

@@ -187,23 +187,28 @@ def test_a_users_omni_connector_gets_the_module_and_role_vllm_needs() -> None:
     with pytest.raises(ValueError, match=re.escape("kv_connector_module_path 'my.module': OmniKVConnector is "
                                                    "'omni_cache.integration.kv_tier'")):
         omni_transfer_config('{"kv_connector": "OmniKVConnector", "kv_connector_module_path": "my.module"}', DELIVERY)
-    with pytest.raises(ValueError, match="kv_connector_extra_config and its omni_cache must be JSON objects"):
-        omni_transfer_config('{"kv_connector": "OmniKVConnector", "kv_connector_extra_config": {"omni_cache": 5}}',
-                             DELIVERY)
+    for extra in ('{"omni_cache": 5}', "[]"):
+        with pytest.raises(ValueError, match="kv_connector_extra_config and its omni_cache must be JSON objects"):
+            omni_transfer_config(f'{{"kv_connector": "OmniKVConnector", "kv_connector_extra_config": {extra}}}', DELIVERY)
 
 
 @pytest.mark.parametrize(("setting", "phrase"), [
     ({"delivery_timeout_s": -1}, "omni_cache.delivery_timeout_s must be a positive number, got -1"),
     ({"delivery_dir": "FILE"}, "is an existing file, not a directory"),
     ({"include_output_tokens": "yes"}, "omni_cache.include_output_tokens must be true or false, got 'yes'"),
+    ({"delivery_timout_s": 3}, "unknown kv_connector_extra_config['omni_cache'] keys ['delivery_timout_s']"),
+    ({"tier_bytes": -1}, "['tier_bytes'] must be a non-negative int, got -1"),
+    ({"delivery_dir": None}, "omni_cache.delivery_dir null turns delivery off"),
 ])
 def test_delivery_settings_the_connector_would_refuse_are_refused_before_the_server_starts(
         setting: dict[str, Any], phrase: str, tmp_path: Path) -> None:
-    """The connector's own check (``DeliverySettings.from_settings``), run by the launcher: the message
-    the engine would end in, minutes later and inside a traceback, is one line before anything starts."""
+    """The connector's own check (``connector_settings.tier_settings``), run by the launcher: the message
+    the engine would end in, minutes later and inside a traceback, is one line before anything starts;
+    and a configuration that turns delivery off, which is what the launcher is for."""
     (tmp_path / "a-file").write_text("")
     setting = {k: str(tmp_path / "a-file") if v == "FILE" else v for k, v in setting.items()}
-    theirs = {"kv_connector": "OmniKVConnector", "kv_connector_extra_config": {"omni_cache": setting}}
+    theirs = {"kv_connector": "OmniKVConnector", "kv_connector_extra_config": {
+        "connectors": [{"kv_connector": "ExampleConnector", "kv_role": "kv_both"}], "omni_cache": setting}}
     with pytest.raises(ValueError) as info:
         serve_command("some/model", ["--kv-transfer-config", json.dumps(theirs)], delivery={},
                       defaults={"delivery_dir": str(tmp_path / "files")})

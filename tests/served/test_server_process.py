@@ -62,3 +62,25 @@ def test_a_start_that_does_not_complete_leaves_no_server_running(how: str, tmp_p
                       start_timeout_s=3.0)
     (pid,) = started
     assert _group_gone(pid), "the server's process group is still running"
+
+
+def test_a_server_that_exits_during_its_start_leaves_no_engine_core_behind(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server process dies at start while a process it started (its engine core) lives on in its
+    group: the error says so, and the group is stopped before it leaves the constructor."""
+    started: list[int] = []
+    real_popen = process.subprocess.Popen
+
+    def popen(*args: object, **kwargs: object) -> object:
+        proc = real_popen(*args, **kwargs)  # type: ignore[call-overload]
+        started.append(proc.pid)
+        return proc
+
+    monkeypatch.setattr(process.subprocess, "Popen", popen)
+    exits = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); " \
+            "time.sleep(0.5); sys.exit(3)"
+    with pytest.raises(RuntimeError, match="the server exited with 3 during start"):
+        ServerProcess([sys.executable, "-c", exits], port=free_port(), log_path=tmp_path / "server.log",
+                      start_timeout_s=30.0)
+    (pid,) = started
+    assert _group_gone(pid), "the server's engine core (its process group) is still running"

@@ -15,9 +15,10 @@ Upholds: the command never carries a configuration the cache refuses silently: a
 ``--worker-cls`` other than the omni worker, ``--no-enable-prefix-caching``, a
 ``--kv-transfer-config`` that is not JSON, an ``OmniKVConnector`` of another module and a delivery
 flag that disagrees with the user's own ``OmniKVConnector`` setting of the same key are refused
-before anything starts (``ValueError``, one line naming the option), and so are delivery settings
-the connector would refuse at engine start (``delivery_settings``, the same message: a
-``delivery_dir`` that is an existing file, a non-positive ``delivery_timeout_s``).
+before anything starts (``ValueError``, one line naming the option), and so are settings the
+connector would refuse at engine start (``connector_settings.tier_settings``, the same message: an
+unknown ``omni_cache`` key, a ``delivery_dir`` that is an existing file, a non-positive
+``delivery_timeout_s``) and a ``delivery_dir`` of ``null`` (no delivery, which the launcher is for).
 """
 
 from __future__ import annotations
@@ -165,7 +166,8 @@ def omni_transfer_config(user: str | None, delivery: dict[str, Any],
         if module != CONNECTOR["kv_connector_module_path"]:
             raise ValueError(f"--kv-transfer-config: kv_connector_module_path {module!r}: OmniKVConnector is "
                              f"{CONNECTOR['kv_connector_module_path']!r}")
-        extra = config.get("kv_connector_extra_config") or {}
+        extra = config.get("kv_connector_extra_config")
+        extra = {} if extra is None else extra
         theirs = (extra.get("omni_cache") or {}) if isinstance(extra, dict) else None
         if not isinstance(theirs, dict):
             raise ValueError("--kv-transfer-config: kv_connector_extra_config and its omni_cache must be JSON objects")
@@ -192,6 +194,22 @@ def _same_setting(key: str, theirs: Any, flag: Any) -> bool:
     if key == "delivery_dir" and isinstance(theirs, str) and isinstance(flag, str) and theirs and flag:
         return os.path.realpath(os.path.abspath(theirs)) == os.path.realpath(os.path.abspath(flag))
     return bool(theirs == flag) and isinstance(theirs, bool) == isinstance(flag, bool)
+
+
+def _check_connector_settings(transfer: dict[str, Any]) -> None:
+    """The connector's own check of its settings (``connector_settings.tier_settings``: unknown keys,
+    the tier's, the delivery's), run now instead of at engine start; and delivery must be on."""
+    from omni_cache.integration.connector_settings import tier_settings  # no torch
+    from omni_cache.integration.kv_nesting import STAGE_REFUSAL
+    from omni_cache.runtime.errors import OmniPrefixCacheUnmatchError
+
+    try:
+        settings = tier_settings(transfer["kv_connector_extra_config"])
+    except OmniPrefixCacheUnmatchError as exc:
+        raise ValueError(str(exc).removeprefix(STAGE_REFUSAL)) from None
+    if settings["delivery"] is None:
+        raise ValueError("--kv-transfer-config: omni_cache.delivery_dir null turns delivery off, and omni-cache serve "
+                         "delivers every request's hidden states: give a directory or leave the key out")
 
 
 def _without_policy(connector: dict[str, Any]) -> dict[str, Any]:
@@ -226,10 +244,7 @@ def serve_command(model: str, vllm_args: Sequence[str], *, delivery: dict[str, A
     if user_config is not None:
         del args[user_config[0] : user_config[0] + (1 if "=" in args[user_config[0]] else 2)]
     transfer = omni_transfer_config(user_config[1] if user_config else None, delivery, defaults)
-    if transfer["kv_connector_extra_config"].get("omni_cache") is not None:  # as the connector checks it at start
-        from omni_cache.integration.delivery_settings import DeliverySettings  # no torch
-
-        DeliverySettings.from_settings(transfer["kv_connector_extra_config"]["omni_cache"])
+    _check_connector_settings(transfer)
     model, extra = _model_options(model, args)
     if worker is None:
         extra += ["--worker-cls", WORKER_CLS]

@@ -44,10 +44,11 @@ class ServerProcess:
                                      env={k: v for k, v in full_env.items() if v is not None})
         try:
             self._wait_healthy(start_timeout_s)
-        except BaseException:
+        except BaseException as exc:
             # NOTE: the server runs in its own session, so a Ctrl-C at the terminal never reaches it, and
-            # the caller gets no object to stop: whatever ends the wait (an interrupt included) stops it here.
-            self.stop()
+            # the caller gets no object to stop: whatever ends the wait (an interrupt included) stops it
+            # here, within seconds after an interrupt (the user is waiting for the prompt).
+            self.stop(timeout_s=10.0 if isinstance(exc, KeyboardInterrupt) else 60.0)
             raise
 
     def _wait_healthy(self, timeout_s: float) -> None:
@@ -106,9 +107,15 @@ class ServerProcess:
         return True
 
     def stop(self, timeout_s: float = 60.0) -> None:
-        """SIGTERM to the group while any of its processes lives (the server, or an engine core it left)."""
+        """SIGTERM to the group while any of its processes lives (the server, or an engine core it left),
+        SIGKILL after ``timeout_s`` or at a second interrupt."""
         if self.proc.poll() is None or self._group_alive():
             self.terminate()
-            with contextlib.suppress(TimeoutError):
-                self.wait(timeout_s)
+            try:
+                with contextlib.suppress(TimeoutError):
+                    self.wait(timeout_s)
+            except KeyboardInterrupt:  # asked twice: nothing of the group may outlive this process
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                raise
         self._log.close()

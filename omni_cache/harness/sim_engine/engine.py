@@ -56,15 +56,17 @@ def default_manager(config: PrefixCacheConfig, eager: bool) -> Any:
     return OmniPrefixCacheManager(config, eager=eager)
 
 
-
 @contextlib.contextmanager
 def _warnings_off() -> Iterator[None]:
-    """Warnings and below logged by nobody for the block (errors still are)."""
-    logging.disable(logging.WARNING)
+    """Warnings and below logged by nobody for the block (errors still are); the process's own
+    ``logging.disable`` level is back after it."""
+    previous = logging.root.manager.disable
+    logging.disable(max(previous, logging.WARNING))
     try:
         yield
     finally:
-        logging.disable(logging.NOTSET)
+        logging.disable(previous)
+
 
 @dataclass
 class SimResult:
