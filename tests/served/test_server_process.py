@@ -24,6 +24,20 @@ _SERVER = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c',
           "time.sleep(120)"
 
 
+def _record_starts(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The pid of every process ``ServerProcess`` starts (each its own process group's leader)."""
+    started: list[int] = []
+    real_popen = process.subprocess.Popen
+
+    def popen(*args: object, **kwargs: object) -> object:
+        proc = real_popen(*args, **kwargs)  # type: ignore[call-overload]
+        started.append(proc.pid)
+        return proc
+
+    monkeypatch.setattr(process.subprocess, "Popen", popen)
+    return started
+
+
 def _group_gone(pgid: int, within_s: float = 10.0) -> bool:
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
@@ -38,15 +52,7 @@ def _group_gone(pgid: int, within_s: float = 10.0) -> bool:
 @pytest.mark.parametrize("how", ["interrupt", "timeout"])
 def test_a_start_that_does_not_complete_leaves_no_server_running(how: str, tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    started: list[int] = []
-    real_popen = process.subprocess.Popen
-
-    def popen(*args: object, **kwargs: object) -> object:
-        proc = real_popen(*args, **kwargs)  # type: ignore[call-overload]
-        started.append(proc.pid)
-        return proc
-
-    monkeypatch.setattr(process.subprocess, "Popen", popen)
+    started = _record_starts(monkeypatch)
     calls = []
 
     def healthy(self: ServerProcess, timeout_s: float = 10.0) -> bool:
@@ -68,15 +74,7 @@ def test_a_server_that_exits_during_its_start_leaves_no_engine_core_behind(tmp_p
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """The server process dies at start while a process it started (its engine core) lives on in its
     group: the error says so, and the group is stopped before it leaves the constructor."""
-    started: list[int] = []
-    real_popen = process.subprocess.Popen
-
-    def popen(*args: object, **kwargs: object) -> object:
-        proc = real_popen(*args, **kwargs)  # type: ignore[call-overload]
-        started.append(proc.pid)
-        return proc
-
-    monkeypatch.setattr(process.subprocess, "Popen", popen)
+    started = _record_starts(monkeypatch)
     exits = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); " \
             "time.sleep(0.5); sys.exit(3)"
     with pytest.raises(RuntimeError, match="the server exited with 3 during start"):
