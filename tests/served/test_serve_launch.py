@@ -187,6 +187,10 @@ def test_a_users_omni_connector_gets_the_module_and_role_vllm_needs() -> None:
     with pytest.raises(ValueError, match=re.escape("kv_connector_module_path 'my.module': OmniKVConnector is "
                                                    "'omni_cache.integration.kv_tier'")):
         omni_transfer_config('{"kv_connector": "OmniKVConnector", "kv_connector_module_path": "my.module"}', DELIVERY)
+    nested = {"kv_connector": "MultiConnector", "kv_role": "kv_both", "kv_connector_extra_config": {"connectors": [
+        {"kv_connector": "ExampleConnector", "kv_role": "kv_both"}, {"kv_connector": "OmniKVConnector"}]}}
+    with pytest.raises(ValueError, match="an OmniKVConnector inside your connector's connectors"):
+        omni_transfer_config(json.dumps(nested), DELIVERY)
     for extra in ('{"omni_cache": 5}', "[]"):
         with pytest.raises(ValueError, match="kv_connector_extra_config and its omni_cache must be JSON objects"):
             omni_transfer_config(f'{{"kv_connector": "OmniKVConnector", "kv_connector_extra_config": {extra}}}', DELIVERY)

@@ -13,7 +13,8 @@ launcher execs the server, so signals reach it directly.
 
 Upholds: the command never carries a configuration the cache refuses silently: a
 ``--worker-cls`` other than the omni worker, ``--no-enable-prefix-caching``, a
-``--kv-transfer-config`` that is not JSON, an ``OmniKVConnector`` of another module and a delivery
+``--kv-transfer-config`` that is not JSON, an ``OmniKVConnector`` of another module or nested in the
+user's own connector (the tree holds one, and the launcher adds it) and a delivery
 flag that disagrees with the user's own ``OmniKVConnector`` setting of the same key are refused
 before anything starts (``ValueError``, one line naming the option), and so are settings the
 connector would refuse at engine start (``connector_settings.tier_settings``, the same message: an
@@ -185,8 +186,21 @@ def omni_transfer_config(user: str | None, delivery: dict[str, Any],
         if children:
             wrapped.setdefault(LOAD_FAILURE_POLICY, chosen[0] if chosen else "recompute")
         return wrapped
+    if _nests_omni(config):
+        raise ValueError("--kv-transfer-config: an OmniKVConnector inside your connector's connectors; the launcher "
+                         "wraps your connector in OmniKVConnector itself: leave it out, or give OmniKVConnector at the top")
     return {**CONNECTOR, LOAD_FAILURE_POLICY: config.get(LOAD_FAILURE_POLICY, "recompute"),
             "kv_connector_extra_config": {"connectors": [_without_policy(config)], "omni_cache": {**fill, **delivery}}}
+
+
+def _nests_omni(config: Any) -> bool:
+    """An ``OmniKVConnector`` among ``config``'s wrapped connectors, at any depth (vLLM's ``MultiConnector``
+    nests them under ``kv_connector_extra_config.connectors``); the tree may hold only one."""
+    extra = config.get("kv_connector_extra_config") if isinstance(config, dict) else None
+    children = extra.get("connectors") if isinstance(extra, dict) else None
+    return isinstance(children, list) and any(
+        isinstance(c, dict) and (c.get("kv_connector") == CONNECTOR["kv_connector"] or _nests_omni(c))
+        for c in children)
 
 
 def _same_setting(key: str, theirs: Any, flag: Any) -> bool:
