@@ -157,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
     _refuse_unused_flags(args)
     if (gpu := run_gpu(args)) is not None:  # --device cuda: refused without CUDA, before torch
         return gpu
-    if any(v is not None for v in (args.engine_step, args.width_sweep, args.served, args.num_prompts)):  # real engines: refused without vLLM, before torch
+    if any(v is not None for v in (args.engine_step, args.width_sweep, args.served)):  # real engines: refused without vLLM, before torch
         from rich.console import Console
 
         from omni_cache.cli.bench_engine import run_engine_extra

@@ -8,9 +8,9 @@ argument, which goes to vLLM's server unchanged. It then replaces this process w
 SIGTERM reach the server itself.
 
 Upholds: a ``--delivery-dir`` another running server holds is refused before vLLM starts (one
-line, exit 2); the worker's own claim stays the authority. So are delivery settings the connector
-would refuse at engine start and a flag that disagrees with the user's own setting of the same key
-(``launch.serve_command``), and a MODEL vLLM could not load (a path that does not exist, a
+line, exit 2); the worker's own claim stays the authority. So are the connector's settings it would
+refuse at engine start, a flag that disagrees with the user's own setting of the same key, and a
+configuration without delivery (``launch.serve_command``), and a MODEL vLLM could not load (a path that does not exist, a
 model id neither cached nor on a reachable hub: ``model_source``).
 """
 

@@ -8,9 +8,9 @@ The scheduler adapter is ``omni_cache.integration.adapter.PrefixCacheSchedulerAd
 
 No module here imports vLLM at module scope (a test scans the package); vLLM
 objects are read by their field names. The re-exported names are loaded on first use
-(PEP 562), so a light module of the package (``delivery_settings``, ``delivery_files``) is
-imported without torch: the launcher checks a server's settings with them before anything
-heavy is loaded. Upholds I5 (config gate, block-size check) and the protocol order of
+(PEP 562), so a light module of the package (``connector_settings``, ``delivery_settings``,
+``delivery_paths``, ``delivery_files``) is imported without torch: the launcher checks a server's
+settings with them before anything heavy is loaded. Upholds I5 (config gate, block-size check) and the protocol order of
 spec/protocol.md (hooks).
 """
 

@@ -1,8 +1,9 @@
 """The ``OmniKVConnector``'s own settings, ``kv_connector_extra_config["omni_cache"]``, checked.
 
-Owns: ``tier_settings`` (the hidden-state tier's ``tier_bytes`` and ``tier_dir``, the delivery
-settings of ``delivery_settings``, the keys nobody reads, and what the wrapped connectors may
-be beside delivery) and ``refuse``, the one way a connector setting is refused. No torch, no
+Owns: ``SETTINGS_KEY`` (where the settings sit in the connector's extra config), ``tier_settings``
+(the hidden-state tier's ``tier_bytes`` and ``tier_dir``, the delivery settings of
+``delivery_settings``, the keys nobody reads, and what the wrapped connectors may be beside
+delivery) and ``refuse``, the error a malformed setting raises. No torch, no
 vLLM: ``omni-cache serve`` runs ``tier_settings`` on the server's configuration before anything
 heavy is imported, and the connector runs it again wherever vLLM reads the configuration
 (construction, class-level calls, the config gate), with the same messages.
@@ -34,6 +35,8 @@ def refuse(message: str) -> OmniPrefixCacheUnmatchError:
 
 # vLLM's connectors that answer a finished request with a hidden-states file, as delivery does.
 _HIDDEN_STATES_CONNECTORS = frozenset({"ExampleHiddenStatesConnector"})
+# The connectors whose ``kv_connector_extra_config["connectors"]`` lists wrapped connectors.
+_WRAPPERS = frozenset({"MultiConnector", "OmniKVConnector"})
 
 
 def _hidden_states_connector(extra: Any, where: str) -> str | None:
@@ -43,8 +46,8 @@ def _hidden_states_connector(extra: Any, where: str) -> str | None:
         here = f"{where}['connectors'][{i}]"
         if child["kv_connector"] in _HIDDEN_STATES_CONNECTORS:
             return f"{child['kv_connector']} ({here})"
-        nested = child.get("kv_connector_extra_config")
-        if isinstance(nested, Mapping) and (found := _hidden_states_connector(
+        nested = child.get("kv_connector_extra_config")  # a wrapper's children; a leaf's settings are its own
+        if child["kv_connector"] in _WRAPPERS and isinstance(nested, Mapping) and (found := _hidden_states_connector(
                 nested, f"{here}['kv_connector_extra_config']")) is not None:
             return found
     return None

@@ -53,7 +53,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Protocol
 
-from omni_cache.integration.delivery_paths import FILE_SUFFIX
+from omni_cache.integration.delivery_paths import DEFAULT_NAME, FILE_SUFFIX
 
 __all__ = [
     "CLAIM_NAME",
@@ -77,8 +77,7 @@ CLAIM_NAME = _CLAIM_STEM + _CLAIM_SUFFIX  # held by the one store that delivers 
 _CLAIM = re.compile(re.escape(_CLAIM_STEM) + r"(?:-dp[1-9][0-9]*)?" + re.escape(_CLAIM_SUFFIX))
 _CLAIM_TRIES = 5  # a launcher's probe holds a claim file for an instant: a claim retries before it refuses
 _CLAIM_RETRY_S = 0.02
-# ``delivery_name``'s output, and a writer's temporary file (``<name>.omni-tmp-<pid>-<thread>``).
-_DEFAULT_NAME = re.compile(r"[A-Za-z0-9_.-]*-[0-9a-f]{20}" + re.escape(FILE_SUFFIX))
+# A writer's temporary file (``<name>.omni-tmp-<pid>-<thread>``).
 _TMP_NAME = re.compile(r".+" + re.escape(FILE_SUFFIX + _TMP_MARK) + r"(\d+)-\d+")
 
 
@@ -413,7 +412,7 @@ class DeliveryStore:
                             log.warning("could not remove the stale temporary file %s: %s", entry.path, exc)
                 continue
             extra = next((x for x in ("", ".lock", ".error") if entry.name.endswith(FILE_SUFFIX + x)), None)
-            if extra == "" and not (_DEFAULT_NAME.fullmatch(entry.name) or entry.name + ".lock" in names):
+            if extra == "" and not (DEFAULT_NAME.fullmatch(entry.name) or entry.name + ".lock" in names):
                 continue  # not a delivery: a user's file
             if extra is not None and entry.is_file(follow_symlinks=False):
                 st = entry.stat(follow_symlinks=False)

@@ -1,11 +1,12 @@
 """Where a request's hidden-state file goes: its safe default name, or a client-given path.
 
 Owns: ``FILE_SUFFIX``, ``delivery_name`` (the file name of a request's rows, made safe from the
-client-chosen request id) and ``DeliveryPaths`` (the delivery directory and where a request's
-file may go: the default name under it, or a client-given path when the operator allows it,
-only under the directory; with ``n > 1``, one path per sample). No vLLM, no torch: the
-scheduler-side connector names the file the client is told about with it, the worker's store
-(``delivery_files.DeliveryStore``) writes there.
+client-chosen request id), ``DEFAULT_NAME`` (the pattern of every name it makes) and
+``DeliveryPaths`` (the delivery directory and where a request's file may go: the default name
+under it, or a client-given path when the operator allows it, only under the directory; with
+``n > 1``, one path per sample). No vLLM, no torch: the scheduler-side connector names the file
+the client is told about with it, the worker's store (``delivery_files.DeliveryStore``) writes
+there.
 
 Upholds: no file name or path derives from client-controlled text without being made safe
 (``..``, ``/``, NUL and over-long ids cannot leave the directory or collide with another
@@ -22,13 +23,15 @@ import os
 import re
 from dataclasses import dataclass
 
-__all__ = ["FILE_SUFFIX", "DeliveryPaths", "delivery_name"]
+__all__ = ["DEFAULT_NAME", "FILE_SUFFIX", "DeliveryPaths", "delivery_name"]
 
 log = logging.getLogger(__name__)
 
 FILE_SUFFIX = ".safetensors"
 _SAFE = re.compile(r"[^A-Za-z0-9._-]+")
 _MAX_PREFIX = 48
+DEFAULT_NAME = re.compile(r"[A-Za-z0-9_.-]*-[0-9a-f]{20}" + re.escape(FILE_SUFFIX))
+"""Every name ``delivery_name`` makes (a store adopts and removes a previous server's files by it)."""
 
 
 def delivery_name(req_id: str, nonce: str) -> str:

@@ -44,6 +44,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from omni_cache.integration.connector_settings import tier_settings
 from omni_cache.integration.kv_nesting import STAGE_REFUSAL, connector_configs
 from omni_cache.runtime.errors import OmniPrefixCacheUnmatchError
 
@@ -53,7 +54,7 @@ OMNI_CONNECTOR = "OmniKVConnector"
 """``kv_transfer_config.kv_connector`` of the omni-cache wrapper."""
 OMNI_MODULE = "omni_cache.integration.kv_tier"
 """Its ``kv_connector_module_path``."""
-SETTINGS_KEY = "omni_cache"  # kv_tier.SETTINGS_KEY: the wrapper's own settings in its extra config
+SETTINGS_KEY = "omni_cache"  # connector_settings.SETTINGS_KEY: the wrapper's own settings in its extra config
 
 _PRODUCER_NEVER_LOADS = frozenset({
     "MooncakeConnector", "MoRIIOConnector", "NixlConnector", "NixlPullConnector", "NixlPushConnector",
@@ -136,8 +137,6 @@ def _walk(config: Any, role: str | None, where: str, under_omni: bool, nested: b
         extra = _extra(config, where)
         children = connector_configs(extra, f"{where}.kv_connector_extra_config")
         if name == OMNI_CONNECTOR:
-            from omni_cache.integration.kv_tier import tier_settings
-
             tier_settings(extra)  # the wrapper's own settings: a malformed one is refused here too
             omni.append(extra)
         for i, child in enumerate(children):

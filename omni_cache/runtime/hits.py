@@ -80,8 +80,8 @@ class PendingHits:
                     f"save_outputs: request {w.req_id!r} has a hit of {hit_end} tokens "
                     f"but this step's rows start at position {w.token_start}; they must continue the hit")
             mine = (slots[w.row_start : w.row_end] // bs).tolist()  # the blocks its new rows land in
-            if not set(blocks).isdisjoint(mine):
-                row = next(i for i, block in enumerate(mine) if block in set(blocks))
+            if not (hit_blocks := set(blocks)).isdisjoint(mine):
+                row = next(i for i, block in enumerate(mine) if block in hit_blocks)
                 slot = int(slots[w.row_start + row])
                 raise OmniPrefixCacheUnmatchError(
                     f"save_outputs: the {PHRASE_SLOT_MAPPING} request {w.req_id!r} outside its own hit, but its "

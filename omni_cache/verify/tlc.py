@@ -185,7 +185,12 @@ def load_manifest(tla_dir: Path | None = None) -> list[ManifestEntry]:
     path = tla_dir / "manifest.json"
     if not path.is_file():
         raise ManifestError(f"no manifest at {path} (pass --tla-dir or set OMNI_CACHE_TLA_DIR)")
-    raw = json.loads(path.read_text())
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ManifestError(f"{path} is not JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ManifestError(f"{path} must hold a JSON object with a 'runs' list, got {type(raw).__name__}")
     entries: list[ManifestEntry] = []
     for i, run in enumerate(raw.get("runs", [])):
         where = f"{path} runs[{i}]"

@@ -106,3 +106,16 @@ def test_verify_cfg_that_checks_nothing_or_not_the_expected_is_refused(
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("usage: omni-cache verify") and f"--cfg {cfg}: " in err and says in err
+
+
+@pytest.mark.parametrize(("text", "phrase"), [("{not json", "is not JSON"),
+                                              ("[1, 2]", "must hold a JSON object with a 'runs' list, got list")])
+def test_a_malformed_manifest_is_named_in_one_line(text: str, phrase: str, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """A manifest that is there but is not a manifest: exit 2 naming the file (no traceback, no usage: the
+    command line was right)."""
+    (tmp_path / "manifest.json").write_text(text)
+    assert main(["verify", "--tla-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("omni-cache verify: error: ") and phrase in err[0]
+    assert str(tmp_path / "manifest.json") in err[0]

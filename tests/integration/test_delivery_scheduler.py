@@ -12,7 +12,7 @@ their prompt was computed are dropped (the worker forgets them) with an error; a
 scheduled gets nothing. Then the settings: ``DeliverySettings.from_settings`` refuses each bad
 value with one ``ValueError`` naming the key (wrong types, a bool for a number, NaN, inf, huge,
 <= 0, a fraction for an integer, delivery keys without ``delivery_dir``), and
-``kv_tier.tier_settings`` accepts delivery without a wrapped connector. The duck-typed requests
+``connector_settings.tier_settings`` accepts delivery without a wrapped connector. The duck-typed requests
 and scheduler outputs carry the attribute names vLLM 0.32's objects have.
 """
 
@@ -31,11 +31,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from omni_cache.integration.connector_settings import tier_settings
 from omni_cache.integration.delivery import DeliveryPlan, DeliveryResult
 from omni_cache.integration.delivery_paths import delivery_name
 from omni_cache.integration.delivery_sched import DeliveryScheduler
 from omni_cache.integration.delivery_settings import DeliverySettings
-from omni_cache.integration.kv_tier import tier_settings
 from omni_cache.runtime.errors import OmniPrefixCacheUnmatchError
 
 NONCE = "abcdefabcdef"

@@ -17,7 +17,7 @@ import pytest
 from fakes_vllm import VllmConfig, kv_cache_config
 
 from omni_cache.integration import stage_prefix_cache_config
-from omni_cache.integration.kv_tier import tier_settings
+from omni_cache.integration.connector_settings import tier_settings
 from omni_cache.runtime.errors import OmniPrefixCacheUnmatchError
 
 EXAMPLE = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",

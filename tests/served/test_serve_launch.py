@@ -33,7 +33,7 @@ import pytest
 from omni_cache.cli import main
 from omni_cache.harness.served import launch
 from omni_cache.harness.served.launch import TINY_LLAMA, WORKER_CLS, omni_transfer_config, serve_command
-from omni_cache.integration.kv_tier import tier_settings
+from omni_cache.integration.connector_settings import tier_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 DELIVERY = {"delivery_dir": "/srv/hidden-states"}
@@ -191,7 +191,15 @@ def test_a_users_omni_connector_gets_the_module_and_role_vllm_needs() -> None:
         {"kv_connector": "ExampleConnector", "kv_role": "kv_both"}, {"kv_connector": "OmniKVConnector"}]}}
     with pytest.raises(ValueError, match="an OmniKVConnector inside your connector's connectors"):
         omni_transfer_config(json.dumps(nested), DELIVERY)
-    for extra in ('{"omni_cache": 5}', "[]"):
+    inside_ours = {"kv_connector": "OmniKVConnector", "kv_connector_extra_config": {"connectors": [nested]}}
+    with pytest.raises(ValueError, match="an OmniKVConnector inside your OmniKVConnector's connectors"):
+        omni_transfer_config(json.dumps(inside_ours), DELIVERY)
+    # a wrapped connector's own settings are its own, whatever their keys: never read as connectors
+    lmcache = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both",
+               "kv_connector_extra_config": {"connectors": ["a"]}}
+    argv, _ = serve_command("some/model", ["--kv-transfer-config", json.dumps(lmcache)], delivery=DELIVERY)
+    assert _transfer(argv)["kv_connector_extra_config"]["connectors"] == [lmcache]
+    for extra in ('{"omni_cache": 5}', '{"omni_cache": []}', '{"omni_cache": false}', "[]"):
         with pytest.raises(ValueError, match="kv_connector_extra_config and its omni_cache must be JSON objects"):
             omni_transfer_config(f'{{"kv_connector": "OmniKVConnector", "kv_connector_extra_config": {extra}}}', DELIVERY)
 
@@ -202,7 +210,6 @@ def test_a_users_omni_connector_gets_the_module_and_role_vllm_needs() -> None:
     ({"include_output_tokens": "yes"}, "omni_cache.include_output_tokens must be true or false, got 'yes'"),
     ({"delivery_timout_s": 3}, "unknown kv_connector_extra_config['omni_cache'] keys ['delivery_timout_s']"),
     ({"tier_bytes": -1}, "['tier_bytes'] must be a non-negative int, got -1"),
-    ({"delivery_dir": None}, "omni_cache.delivery_dir null turns delivery off"),
 ])
 def test_delivery_settings_the_connector_would_refuse_are_refused_before_the_server_starts(
         setting: dict[str, Any], phrase: str, tmp_path: Path) -> None:
@@ -385,3 +392,18 @@ def test_serve_refuses_a_delivery_directory_another_server_holds(given: str, tmp
     assert proc.returncode == 2 and len(errors) == 1, stderr[-2000:]
     assert f"{files} is the delivery directory of another running server (process {os.getpid()})" in errors[0]
     assert "hidden-state files in" not in stderr, "the server was started anyway"
+
+
+@pytest.mark.parametrize("theirs", [
+    {"omni_cache": {"delivery_dir": None}},
+    {"connectors": [{"kv_connector": "ExampleConnector", "kv_role": "kv_both"}], "omni_cache": {"delivery_dir": None}},
+    {"omni_cache": {"delivery_dir": None, "delivery_timeout_s": 3}},
+])
+def test_a_users_delivery_dir_null_is_refused_as_such(theirs: dict[str, Any]) -> None:
+    """``null`` turns delivery off, which the launcher exists for: said in those words, whatever else
+    the config holds (not as a missing connector or a key that "needs omni_cache.delivery_dir")."""
+    config = {"kv_connector": "OmniKVConnector", "kv_connector_extra_config": theirs}
+    for flags in ({}, {"include_output_tokens": True}):
+        with pytest.raises(ValueError, match=r"omni_cache\.delivery_dir null turns delivery off"):
+            serve_command("some/model", ["--kv-transfer-config", json.dumps(config)], delivery=flags,
+                          defaults={"delivery_dir": "/d"})

@@ -169,9 +169,16 @@ def omni_transfer_config(user: str | None, delivery: dict[str, Any],
                              f"{CONNECTOR['kv_connector_module_path']!r}")
         extra = config.get("kv_connector_extra_config")
         extra = {} if extra is None else extra
-        theirs = (extra.get("omni_cache") or {}) if isinstance(extra, dict) else None
+        theirs = extra.get("omni_cache") if isinstance(extra, dict) else None
+        theirs = {} if isinstance(extra, dict) and theirs is None else theirs
         if not isinstance(theirs, dict):
             raise ValueError("--kv-transfer-config: kv_connector_extra_config and its omni_cache must be JSON objects")
+        if "delivery_dir" in theirs and theirs["delivery_dir"] is None:
+            raise ValueError("--kv-transfer-config: omni_cache.delivery_dir null turns delivery off, and omni-cache "
+                             "serve delivers every request's hidden states: give a directory or leave the key out")
+        if _nests_omni(config):
+            raise ValueError("--kv-transfer-config: an OmniKVConnector inside your OmniKVConnector's connectors; a "
+                             "server holds one: leave the inner one out")
         extra = dict(extra)
         for key, value in delivery.items():
             if key in theirs and not _same_setting(key, theirs[key], value):
@@ -212,7 +219,8 @@ def _same_setting(key: str, theirs: Any, flag: Any) -> bool:
 
 def _check_connector_settings(transfer: dict[str, Any]) -> None:
     """The connector's own check of its settings (``connector_settings.tier_settings``: unknown keys,
-    the tier's, the delivery's), run now instead of at engine start; and delivery must be on."""
+    the tier's, the delivery's), run now instead of at engine start (its message, without the
+    stage prefix)."""
     from omni_cache.integration.connector_settings import tier_settings  # no torch
     from omni_cache.integration.kv_nesting import STAGE_REFUSAL
     from omni_cache.runtime.errors import OmniPrefixCacheUnmatchError
@@ -221,9 +229,7 @@ def _check_connector_settings(transfer: dict[str, Any]) -> None:
         settings = tier_settings(transfer["kv_connector_extra_config"])
     except OmniPrefixCacheUnmatchError as exc:
         raise ValueError(str(exc).removeprefix(STAGE_REFUSAL)) from None
-    if settings["delivery"] is None:
-        raise ValueError("--kv-transfer-config: omni_cache.delivery_dir null turns delivery off, and omni-cache serve "
-                         "delivers every request's hidden states: give a directory or leave the key out")
+    assert settings["delivery"] is not None, "the launcher's config without delivery: launcher bug"
 
 
 def _without_policy(connector: dict[str, Any]) -> dict[str, Any]:

@@ -109,13 +109,15 @@ class ServerProcess:
     def stop(self, timeout_s: float = 60.0) -> None:
         """SIGTERM to the group while any of its processes lives (the server, or an engine core it left),
         SIGKILL after ``timeout_s`` or at a second interrupt."""
-        if self.proc.poll() is None or self._group_alive():
-            self.terminate()
-            try:
-                with contextlib.suppress(TimeoutError):
-                    self.wait(timeout_s)
-            except KeyboardInterrupt:  # asked twice: nothing of the group may outlive this process
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                raise
-        self._log.close()
+        try:
+            if self.proc.poll() is None or self._group_alive():
+                self.terminate()
+                try:
+                    with contextlib.suppress(TimeoutError):
+                        self.wait(timeout_s)
+                except KeyboardInterrupt:  # asked twice: nothing of the group may outlive this process
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(self.proc.pid, signal.SIGKILL)
+                    raise
+        finally:
+            self._log.close()
