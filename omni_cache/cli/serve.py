@@ -10,8 +10,8 @@ SIGTERM reach the server itself.
 Upholds: a ``--delivery-dir`` another running server holds is refused before vLLM starts (one
 line, exit 2); the worker's own claim stays the authority. So are the connector's settings it would
 refuse at engine start, a flag that disagrees with the user's own setting of the same key, and a
-configuration without delivery (``launch.serve_command``), and a MODEL vLLM could not load (a path that does not exist, a
-model id neither cached nor on a reachable hub: ``model_source``).
+configuration without delivery (``launch.serve_command``), and a MODEL vLLM could not load (a path
+that does not exist, a model id neither cached nor on a reachable hub: ``model_source``).
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ No module here imports vLLM at module scope (a test scans the package); vLLM
 objects are read by their field names. The re-exported names are loaded on first use
 (PEP 562), so a light module of the package (``connector_settings``, ``delivery_settings``,
 ``delivery_paths``, ``delivery_files``) is imported without torch: the launcher checks a server's
-settings with them before anything heavy is loaded. Upholds I5 (config gate, block-size check) and the protocol order of
-spec/protocol.md (hooks).
+settings with them before anything heavy is loaded. Upholds I5 (config gate, block-size check)
+and the protocol order of spec/protocol.md (hooks).
 """
 
 from __future__ import annotations

@@ -62,7 +62,7 @@ def tier_settings(extra: Any) -> dict[str, Any]:
     raw = extra.get(SETTINGS_KEY)
     if raw is not None and not isinstance(raw, Mapping):
         raise refuse(f"{where}['{SETTINGS_KEY}'] must be a dict such as {{'tier_bytes': {_DEFAULT_TIER_BYTES}}}, "
-                      f"got {type(raw).__name__} {raw!r}")
+                     f"got {type(raw).__name__} {raw!r}")
     settings = dict(raw or {})
     unknown = set(settings) - {"tier_bytes", "tier_dir"} - DELIVERY_KEYS
     if unknown:
@@ -73,10 +73,10 @@ def tier_settings(extra: Any) -> dict[str, Any]:
     tier_dir = settings.get("tier_dir")
     if tier_dir is not None and (not isinstance(tier_dir, (str, os.PathLike)) or not os.fspath(tier_dir)):
         raise refuse(f"{where}['{SETTINGS_KEY}']['tier_dir'] must be a directory path (a non-empty str), "
-                      f"got {tier_dir!r}")
+                     f"got {tier_dir!r}")
     if tier_dir is not None and os.path.exists(tier_dir) and not os.path.isdir(tier_dir):
         raise refuse(f"{where}['{SETTINGS_KEY}']['tier_dir'] {os.fspath(tier_dir)!r} is an existing file, not a "
-                      "directory")
+                     "directory")
     try:
         delivery = DeliverySettings.from_settings(settings)
     except ValueError as exc:

@@ -3,7 +3,8 @@
 Owns: the plain data that crosses vLLM's scheduler/worker boundary for delivery
 (``DeliveryTarget``: where a request's file goes, ``DeliveryPlan``: a step's new targets and
 finished requests, ``DeliveryResult``: what became of one request's file) and
-``RowDelivery``, the worker half (its settings: ``delivery_settings.DeliverySettings``): it consumes every step id the runner bridge saves
+``RowDelivery``, the worker half (its settings: ``delivery_settings.DeliverySettings``): it
+consumes every step id the runner bridge saves
 (``materialize`` for the requests that still need rows, ``discard_step`` when none does),
 keeps each request's rows by token position until its file is complete, hands the file to a
 writer thread and waits for it, bounded, before the step ends, so the scheduler learns the

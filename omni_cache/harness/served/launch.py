@@ -33,8 +33,7 @@ from collections.abc import Sequence
 from typing import Any
 
 __all__ = ["BUILTIN", "DELIVERY_FLAGS", "TINY_LLAMA", "WORKER_CLS", "builtin_model_dir", "default_delivery_dir",
-           "delivery_dir_of", "delivery_settings_of", "option_value", "plain_server_command", "serve_command",
-           "tiny_llama_dir"]
+           "delivery_dir_of", "option_value", "plain_server_command", "serve_command", "tiny_llama_dir"]
 
 WORKER_CLS = "omni_cache.integration.vllm_worker.OmniCPUWorker"
 CONNECTOR = {"kv_connector": "OmniKVConnector", "kv_connector_module_path": "omni_cache.integration.kv_tier",
@@ -237,15 +236,10 @@ def _without_policy(connector: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in connector.items() if k != LOAD_FAILURE_POLICY}
 
 
-def delivery_settings_of(argv: Sequence[str]) -> dict[str, Any]:
-    """The ``omni_cache`` settings a ``serve_command`` argv gives the connector."""
-    transfer = json.loads(argv[list(argv).index("--kv-transfer-config") + 1])
-    return dict(transfer["kv_connector_extra_config"]["omni_cache"])
-
-
 def delivery_dir_of(argv: Sequence[str]) -> str:
     """The ``delivery_dir`` a ``serve_command`` argv delivers into."""
-    return str(delivery_settings_of(argv)["delivery_dir"])
+    transfer = json.loads(argv[list(argv).index("--kv-transfer-config") + 1])
+    return str(transfer["kv_connector_extra_config"]["omni_cache"]["delivery_dir"])
 
 
 def serve_command(model: str, vllm_args: Sequence[str], *, delivery: dict[str, Any],
