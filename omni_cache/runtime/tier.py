@@ -232,10 +232,19 @@ class HiddenTier:
         return os.path.join(self._spill_dir, hashlib.sha256(block_hash).hexdigest() + ".safetensors")
 
     def _remove_file_locked(self, block_hash: bytes) -> None:
+        """Remove ``block_hash``'s spill file, if any. Never raises: a directory that is gone or
+        is no longer a directory holds no file (NOTE: every put runs this, so a broken directory
+        must cost spills, counted, never the puts); any other failure is a counted spill failure."""
         path = self._path(block_hash)
-        if path is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(path)
+        if path is None:
+            return
+        try:
+            os.remove(path)
+        except (FileNotFoundError, NotADirectoryError):
+            pass
+        except OSError as exc:
+            self._stats.spill_failures += 1
+            log.warning("omni-cache: the hidden-state tier could not remove its spill file %s: %s", path, exc)
 
     def _save(self, rows: Rows, path: str, metadata: dict[str, str]) -> None:
         from safetensors.torch import save_file

@@ -368,3 +368,21 @@ def test_a_spill_directory_that_cannot_be_removed_is_logged_with_its_path(
     with caplog.at_level("WARNING", logger="omni_cache.runtime.tier"):
         tier.close()
     assert tier.spill_directory in caplog.text and "could not remove" in caplog.text
+
+
+def test_a_spill_directory_turned_into_a_file_costs_spills_never_puts(tmp_path: Path) -> None:
+    """The tier's spill directory replaced by a file while serving: every later put still stores in
+    memory (the older file's removal meets a path that cannot hold it), the spills fail counted."""
+    tier = HiddenTier(ENTRY, directory=str(tmp_path))
+    for tag in ("a", "b", "c"):
+        tier.put(tag.encode(), _rows(tag))  # a and b spill
+    assert tier.stats().spilled == 2
+    spill = tier.spill_directory
+    assert spill is not None
+    shutil.rmtree(spill)
+    Path(spill).write_text("not a directory")
+    assert tier.put(b"a", _rows("a2"))  # raised NotADirectoryError before
+    assert tier.put(b"d", _rows("d"))  # evicts: the spill fails, counted
+    assert _same(tier.get(b"d"), "d")
+    assert tier.stats().spill_failures >= 1
+    tier.close()
