@@ -17,7 +17,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from omni_cache.integration.delivery_settings import DELIVERY_KEYS, DeliverySettings
+from omni_cache.integration.delivery_settings import DELIVERY_KEYS, DeliverySettings, directory_problem
 from omni_cache.integration.kv_nesting import STAGE_REFUSAL, connector_configs
 from omni_cache.runtime.errors import OmniPrefixCacheUnmatchError
 
@@ -74,9 +74,8 @@ def tier_settings(extra: Any) -> dict[str, Any]:
     if tier_dir is not None and (not isinstance(tier_dir, (str, os.PathLike)) or not os.fspath(tier_dir)):
         raise refuse(f"{where}['{SETTINGS_KEY}']['tier_dir'] must be a directory path (a non-empty str), "
                      f"got {tier_dir!r}")
-    if tier_dir is not None and os.path.exists(tier_dir) and not os.path.isdir(tier_dir):
-        raise refuse(f"{where}['{SETTINGS_KEY}']['tier_dir'] {os.fspath(tier_dir)!r} is an existing file, not a "
-                     "directory")
+    if tier_dir is not None and (problem := directory_problem(tier_dir)) is not None:
+        raise refuse(f"{where}['{SETTINGS_KEY}']['tier_dir'] {os.fspath(tier_dir)!r} {problem}")
     try:
         delivery = DeliverySettings.from_settings(settings)
     except ValueError as exc:

@@ -56,9 +56,8 @@ class DeliverySettings:
         directory = settings["delivery_dir"]
         if not isinstance(directory, str) or not directory or "\0" in directory:
             raise ValueError(f"omni_cache.delivery_dir must be a directory path, got {directory!r}")
-        if os.path.exists(directory) and not os.path.isdir(directory):  # created at start when missing
-            raise ValueError(f"omni_cache.delivery_dir {directory!r} is an existing file, not a "
-                             "directory")
+        if (problem := directory_problem(directory)) is not None:  # created at start when missing
+            raise ValueError(f"omni_cache.delivery_dir {directory!r} {problem}")
         values: dict[str, Any] = {"delivery_dir": os.path.realpath(os.path.abspath(directory))}
         for key in _BOOL_KEYS:
             if key in settings:
@@ -80,6 +79,24 @@ class DeliverySettings:
 
     def paths(self) -> DeliveryPaths:
         return DeliveryPaths(self.delivery_dir, self.nonce, self.allow_custom_save_path)
+
+
+def directory_problem(path: str | os.PathLike[str]) -> str | None:
+    """Why ``path`` cannot be a directory the cache creates and writes (None: it can, as far as can be
+    told before trying): an existing file, or a missing one whose nearest existing ancestor is not a
+    directory or is not writable. A setting's refusal at start, naming it, instead of an ``OSError``
+    from deep inside the engine when the directory is first made."""
+    path = os.path.abspath(os.fspath(path))
+    if os.path.exists(path):
+        return None if os.path.isdir(path) else "is an existing file, not a directory"
+    parent = os.path.dirname(path)
+    while not os.path.exists(parent) and os.path.dirname(parent) != parent:
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        return f"cannot be created: {parent!r} is a file, not a directory"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"cannot be created: {parent!r} is not writable"
+    return None
 
 
 def _positive(value: Any, *, integer: bool) -> bool:

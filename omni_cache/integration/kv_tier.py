@@ -168,8 +168,12 @@ def _build() -> dict[str, type]:
                     replica = data_parallel_replica(getattr(vllm_config, "parallel_config", None))
                     self.omni_delivery = RowDelivery(delivery, claim=vllm_worker_rank().is_output_rank,
                                                      replica=replica)
-                self.omni_tier_applier = TierApplier(
-                    HiddenTier(settings["tier_bytes"], settings["tier_dir"]), self._omni_block_size)
+                try:
+                    tier = HiddenTier(settings["tier_bytes"], settings["tier_dir"])
+                except OSError as exc:  # its spill directory cannot be made: refused at start, naming it
+                    raise ValueError(f"OmniKVConnector: omni_cache.tier_dir {settings['tier_dir']!r} cannot hold "
+                                     f"the tier's spill files: {exc}") from exc
+                self.omni_tier_applier = TierApplier(tier, self._omni_block_size)
                 self.omni_metrics = CacheMetricsReporter(self.omni_delivery, self.omni_tier_applier)
             else:
                 if delivery is not None:

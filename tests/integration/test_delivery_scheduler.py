@@ -281,6 +281,19 @@ def test_tier_settings_accept_delivery_without_a_wrapped_connector(tmp_path: Pat
         tier_settings({"omni_cache": {"delivery_dir": str(a_file)}})
     with pytest.raises(OmniPrefixCacheUnmatchError, match=r"\['tier_dir'\] '.*afile' is an existing file"):
         tier_settings({"omni_cache": {"tier_dir": str(a_file), "delivery_dir": str(tmp_path)}})
+    # below a file: no directory can be made there (before: a bare NotADirectoryError when the worker started)
+    for key in ("tier_dir", "delivery_dir"):
+        with pytest.raises(OmniPrefixCacheUnmatchError, match=rf"{key}\W+'.*afile/sub' cannot be created: '.*afile' is a "
+                                                              "file, not a directory"):
+            tier_settings({"omni_cache": {"delivery_dir": str(tmp_path), key: str(a_file / "sub")}})
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    if not os.access(locked, os.W_OK):  # root may write anywhere: nothing to refuse then
+        with pytest.raises(OmniPrefixCacheUnmatchError, match=r"tier_dir'\] '.*locked/deep/er' cannot be created: "
+                                                              r"'.*locked' is not writable"):
+            tier_settings({"omni_cache": {"delivery_dir": str(tmp_path), "tier_dir": str(locked / "deep" / "er")}})
+    assert tier_settings({"omni_cache": {"delivery_dir": str(tmp_path / "new" / "deep"),
+                                         "tier_dir": str(tmp_path / "t")}})["tier_dir"] == str(tmp_path / "t")
 
 
 def test_delivery_beside_a_wrapped_hidden_states_connector_is_refused_at_start(tmp_path: Path) -> None:

@@ -207,6 +207,8 @@ def test_a_users_omni_connector_gets_the_module_and_role_vllm_needs() -> None:
 @pytest.mark.parametrize(("setting", "phrase"), [
     ({"delivery_timeout_s": -1}, "omni_cache.delivery_timeout_s must be a positive number, got -1"),
     ({"delivery_dir": "FILE"}, "is an existing file, not a directory"),
+    ({"tier_dir": "FILE/sub"}, "['tier_dir'] '"),
+    ({"delivery_dir": "FILE/sub"}, "cannot be created: "),
     ({"include_output_tokens": "yes"}, "omni_cache.include_output_tokens must be true or false, got 'yes'"),
     ({"delivery_timout_s": 3}, "unknown kv_connector_extra_config['omni_cache'] keys ['delivery_timout_s']"),
     ({"tier_bytes": -1}, "['tier_bytes'] must be a non-negative int, got -1"),
@@ -217,7 +219,7 @@ def test_delivery_settings_the_connector_would_refuse_are_refused_before_the_ser
     the engine would end in, minutes later and inside a traceback, is one line before anything starts;
     and a configuration that turns delivery off, which is what the launcher is for."""
     (tmp_path / "a-file").write_text("")
-    setting = {k: str(tmp_path / "a-file") if v == "FILE" else v for k, v in setting.items()}
+    setting = {k: v.replace("FILE", str(tmp_path / "a-file")) if isinstance(v, str) else v for k, v in setting.items()}
     theirs = {"kv_connector": "OmniKVConnector", "kv_connector_extra_config": {
         "connectors": [{"kv_connector": "ExampleConnector", "kv_role": "kv_both"}], "omni_cache": setting}}
     with pytest.raises(ValueError) as info:
