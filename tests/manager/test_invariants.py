@@ -12,9 +12,11 @@ from thread_helpers import Gate
 
 from omni_cache import (
     ModelCachePolicy,
+    OmniPrefixCacheManager,
     OmniPrefixCacheStagingTimeoutError,
     OmniPrefixCacheUnmatchError,
     PrefixCacheRequestEvent,
+    PrefixCacheWriteLayout,
 )
 from omni_cache.runtime.errors import (
     PHRASE_CAPACITY,
@@ -231,8 +233,6 @@ def test_I9_aborted_request_rows_land(eager: bool) -> None:
     m.register_policy(ModelCachePolicy(deferred_keys=frozenset({"audio.embeds"})))
     m.new_step_starts([started("a")])
     hidden = truth("a", range(8))
-    from omni_cache import PrefixCacheWriteLayout
-
     layout = PrefixCacheWriteLayout.packed([("a", 0, 8)], slots([3, 4], 0, 8))
     s1 = m.save_outputs(hidden, {"audio.embeds": hidden * 3}, num_tokens_unpadded=8, num_tokens_padded=8,
                         write_layout=layout)
@@ -244,6 +244,32 @@ def test_I9_aborted_request_rows_land(eager: bool) -> None:
     assert m.stats()["deferred_open"] == 0
     assert torch.equal(m.pool.rows("audio.embeds", key_slots), hidden * 3)
     assert torch.equal(m.pool.rows("hidden", key_slots), hidden)
+
+
+@pytest.mark.parametrize("eager", MODES)
+@pytest.mark.parametrize("end", [E.FINISHED, E.ABORTED])
+def test_I9_an_ended_requests_open_writes_go_to_the_front_of_the_queue(eager: bool, end: E) -> None:
+    """I9's other half: the open (deferred) writes of a request that ends are pushed to the copy queue's
+    *front*, ahead of writes queued before, so its rows land first; read off the write book's queue
+    notes (what TLA+ trace validation reads), each write's registration naming its tid."""
+    from omni_cache.runtime.trace import TraceRecorder
+
+    rec = TraceRecorder()
+    m = OmniPrefixCacheManager(manager(eager).config, eager=eager, recorder=rec)
+    m.register_policy(ModelCachePolicy(deferred_keys=frozenset({"audio.embeds"})))
+    m.new_step_starts([started("a"), started("b")])
+    hidden = truth("a", range(8))
+    layout = PrefixCacheWriteLayout.packed([("a", 0, 8)], slots([3, 4], 0, 8))
+    step = m.save_outputs(hidden, {"audio.embeds": hidden * 3}, num_tokens_unpadded=8, num_tokens_padded=8,
+                          write_layout=layout)
+    m.materialize(step, ["a"])
+    m.new_step_starts([PrefixCacheRequestEvent("a", end)])
+    m.shutdown()
+    notes = [e for e in rec.events(notes=True) if e.kind == "note"]
+    deferred = [e.get("tid") for e in notes if e.trigger == "register" and e.machine == "pool_write" and e.get("deferred")]
+    queued = [(e.trigger, e.get("tids")) for e in notes if e.obj == "queue"]
+    assert len(deferred) == 1 and ("enqueue_front", tuple(deferred)) in queued, (deferred, queued)
+    assert ("enqueue_back", tuple(deferred)) not in queued, queued
 
 
 def test_I10_step_larger_than_capacity_raises() -> None:
