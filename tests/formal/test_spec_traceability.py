@@ -33,7 +33,7 @@ MANIFEST = ROOT / "tla" / "manifest.json"
 IDS = tuple(f"I{i}" for i in range(1, 15))
 IN_CI = os.environ.get("CI", "").strip().lower() in ("true", "1", "yes")
 
-TLA_GROUP = re.compile(r"`(tla/[\w.-]+)`\s*:\s*((?:`\w+`(?:\s*,\s*)?)+)")
+TLA_MODEL = re.compile(r"`(tla/[\w.-]+)`\s*:")
 TEST_REF = re.compile(r"`(tests/[\w/.-]+\.py)::(\w+)`")
 INVARIANT_TEST = re.compile(r"^test_(I\d+)_")
 MIN_REASON = 40
@@ -66,10 +66,18 @@ def parse_rows(md: str) -> list[Row]:
 
 
 def tla_refs(cell: str) -> list[tuple[str, str]]:
-    """(model dir, property) pairs named in a TLA+ cell; none for a ``none:`` cell."""
+    """(model dir, property) pairs named in a TLA+ cell; none for a ``none:`` cell. Every backticked
+    name after a `` `tla/<model>`: `` counts, up to the next model, except inside a parenthesized note
+    (which may name actions: `` `finish` itself enqueues them``)."""
     if cell.startswith("none:"):
         return []
-    return [(m.group(1), p) for m in TLA_GROUP.finditer(cell) for p in re.findall(r"`(\w+)`", m.group(2))]
+    parts = TLA_MODEL.split(cell)
+    refs = []
+    for model, segment in zip(parts[1::2], parts[2::2], strict=True):
+        while (plain := re.sub(r"\([^()]*\)", "", segment)) != segment:  # innermost notes first
+            segment = plain
+        refs += [(model, p) for p in re.findall(r"`(\w+)`", segment)]
+    return refs
 
 
 def model_wide_refs(md: str) -> list[tuple[str, str]]:
