@@ -152,7 +152,7 @@ def run_mutant_table(args: argparse.Namespace) -> int:
             table.add_row(r.mutant.ident, r.mutant.describe(), tlc, verdict)
         Console(width=200).print(table)
         scored = counts["killed"] + counts["survived"]
-        print(f"{len(results)} mutants: {counts['killed']} killed by an invariant or property (exit 12/13), "
+        print(f"{len(results)} mutants: {counts['killed']} killed (an invariant or property violated, exit 12/13, or a reachability run passed), "
               f"{counts['equivalent']} equivalent, {counts['stillborn']} stillborn (do not parse), "
               f"{counts['survived']} survived; kill rate "
               f"{counts['killed']}/{scored} of non-equivalent; {wall_s:.1f} s wall")

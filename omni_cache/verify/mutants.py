@@ -6,7 +6,11 @@ comparison, negate a guard), generating every mutant in a fixed order,
 running each against its model's CI configurations, and the kill table.
 
 A mutant is *killed* when TLC reports an invariant violation (exit 12) or a
-property violation (exit 13) for at least one of its model's CI cfgs. A pass,
+property violation (exit 13) for at least one of its model's CI cfgs, or when one of
+its model's reachability runs passes: such a run's invariant says a state never
+happens (e.g. the committer never stops) and the correct spec violates it, so a
+mutant that makes the state unreachable, and the properties about it vacuous, is
+caught (``Model.reach``). A pass,
 a deadlock (exit 11: deadlock is not a specification property), a parse error
 or a crash is *not* a kill. Mutants that change no behaviour are listed with
 the reason in ``tla/mutants_equivalent.json``; a survivor that is not listed
@@ -58,6 +62,8 @@ class Model:
     states: tuple[str, ...]
     runs: tuple[tuple[str, str], ...]
     extra_modules: tuple[str, ...] = ()
+    # (spec module, cfg) runs whose invariant the correct spec violates: reachability, not safety.
+    reach: tuple[tuple[str, str], ...] = ()
 
 
 MODELS: tuple[Model, ...] = (
@@ -84,6 +90,7 @@ MODELS: tuple[Model, ...] = (
         ("pending", "queued", "copying", "host_ready", "written", "failed"),
         (("MCWrites.tla", "MCWrites.cfg"), ("MCWrites.tla", "MCWritesLive.cfg")),
         ("WriteMachine.tla",),
+        (("MCWrites.tla", "MCWritesReachStop.cfg"),),
     ),
 )
 
@@ -211,21 +218,29 @@ def _check(mutant: Mutant, tla_dir: Path, java: str, jar: Path, timeout_s: float
     out = []
     with tempfile.TemporaryDirectory(prefix="omni-mutant-") as tmp:
         work = Path(tmp)
-        for module in (mutant.model.spec, *mutant.model.extra_modules, *{s for s, _ in mutant.model.runs}):
+        runs = (*mutant.model.runs, *mutant.model.reach)
+        for module in (mutant.model.spec, *mutant.model.extra_modules, *{s for s, _ in runs}):
             shutil.copy(folder / module, work / module)
-        for _, cfg in mutant.model.runs:
+        for _, cfg in runs:
             shutil.copy(folder / cfg, work / cfg)
         spec_path = work / mutant.model.spec
         spec_path.write_text(mutant.apply(spec_path.read_text()))
-        for spec, cfg in mutant.model.runs:
+        for spec, cfg in runs:
             # Deadlock checking off: a stuck mutant must break a property to count as killed.
             run = run_tlc(work / spec, work / cfg, workdir=work / f"tlc-{cfg}", check_deadlock=False,
                           timeout_s=timeout_s, java=java, jar=jar, pool=pool)
             outcome = parse_tlc_output(run.output, run.exit_code, (work / cfg).read_text())
             out.append((cfg, run.exit_code, outcome.result))
-            if run.exit_code in (EXIT_INVARIANT, EXIT_PROPERTY):
+            if _kills(mutant.model, cfg, run.exit_code):
                 break
     return out
+
+
+def _kills(model: Model, cfg: str, exit_code: int) -> bool:
+    """A run's outcome kills the mutant: a violation of a CI cfg, or a reachability run that passed."""
+    if any(cfg == c for _, c in model.reach):
+        return exit_code == 0
+    return exit_code in (EXIT_INVARIANT, EXIT_PROPERTY)
 
 
 def load_equivalent(tla_dir: Path) -> dict[str, str]:
@@ -273,7 +288,7 @@ def run_mutants(
         futures = [pool.submit(_check, m, tla_dir, java, jar, timeout_s, tlc) for m in mutants]
         for mutant, fut in zip(mutants, futures, strict=True):
             runs = fut.result()
-            killed = any(code in (EXIT_INVARIANT, EXIT_PROPERTY) for _, code, _ in runs)
+            killed = any(_kills(mutant.model, cfg, code) for cfg, code, _ in runs)
             if killed:
                 res = MutantResult(mutant, "killed", runs)
             elif runs and all(code in EXIT_PARSE for _, code, _ in runs):

@@ -21,4 +21,9 @@ LiveSpec ==
 
 \* The cfgs that model shutdown substitute this for Writes' ShutdownModeled.
 MCShutdownModeled == TRUE
+
+\* Reachability, not safety: MCWritesReachStop.cfg expects TLC to violate it, i.e. to
+\* reach a shutdown whose committer stopped. A spec where shutdown or stop can never
+\* happen would check ShutdownDrains and NoSaveAfterShutdown vacuously.
+NeverStopped == ~stopped
 =============================================================================
