@@ -167,3 +167,21 @@ def test_an_engine_with_other_kv_blocks_than_asked_runs_nothing_and_is_incomplet
     res = VllmSimulation(VllmSimConfig(preset="mixed", requests=2)).run(llm)
     assert res.ok and res.kv_blocks_engine == 24 and res.requests_created == 0 and res.published == 0
     assert len(res.incomplete) == 1 and "got 24 KV blocks, the run asked for 48" in res.incomplete[0]
+
+
+def test_a_run_cut_by_the_steps_limit_is_incomplete_not_failed(llm, monkeypatch, capsys) -> None:
+    """``--steps-limit`` cuts the run: what is still running is aborted (the engine ends idle), the
+    finished requests are checked as usual, and the run exits 3 (0 with ``--allow-incomplete``), never
+    1 with the cut reported as a mismatch."""
+    real_run = VllmSimulation.run
+    monkeypatch.setattr(VllmSimulation, "run", lambda self, _llm=None: real_run(self, llm))
+    argv = ["simulate", "--engine", "vllm", "--requests", "4", "--seed", "2", "--num-blocks", "24", "--steps-limit", "5"]
+    assert main([*argv, "--json"]) == 3
+    summary = json.loads(capsys.readouterr().out)
+    assert not summary["ok"] and summary["num_mismatches"] == 0, summary["mismatches"]
+    assert any(r.startswith("--steps-limit 5 stopped the run after 5 engine steps") for r in summary["incomplete"])
+    assert summary["checks"]["c_step_ids"]["unconsumed_at_shutdown"] == 0
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert main([*argv, "--allow-incomplete"]) == 0
+    text = capsys.readouterr().out
+    assert "INCOMPLETE" in text and "Mismatches" not in text  # no empty error header under an incomplete run

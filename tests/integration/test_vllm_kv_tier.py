@@ -35,6 +35,21 @@ def test_simulate_kv_connector_example_serves_tier_hits_bit_exact() -> None:
     b = s["checks"]["b_recompute"]
     assert b["requests"] == s["requests"]["finished"] == s["config"]["requests"]
     assert b["rows"] > 0 and b["bit_identical_rows"] == b["rows"]
+    # the blocks the tier run asked for itself, not its preset's
+    assert s["kv_blocks"]["asked"] == s["config"]["kv_blocks"] == s["kv_blocks"]["engine"], s["kv_blocks"]
+
+
+def test_a_tier_run_cut_by_the_steps_limit_is_incomplete_and_runs_no_second_phase() -> None:
+    require_vllm()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)}
+    proc = subprocess.run([sys.executable, "-m", "omni_cache.cli", "simulate", "--engine", "vllm",
+                           "--kv-connector", "example", "--steps-limit", "5", "--json"], capture_output=True, text=True,
+                          timeout=600, env=env)
+    assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-3000:]  # not 1: nothing mismatched
+    s = json.loads(proc.stdout)
+    assert s["num_mismatches"] == 0 and not s["ok"], s["mismatches"]
+    assert s["incomplete"][0].startswith("--steps-limit 5 stopped the run after 5 engine steps"), s["incomplete"]
+    assert "the second phase" in s["incomplete"][1] and len(s["incomplete"]) == 2, s["incomplete"]
 
 
 def _tier_run(**kwargs):

@@ -342,10 +342,22 @@ class VllmSimulation:
             self._after_step(llm, res)
             step += 1
             if step >= self.config.steps_limit:
-                res.mismatches.append(Mismatch(step, None, None, None, None,
-                                               f"the workload did not finish within {step} engine steps"))
-                return
+                self._cut(le, res, step, aborted, len(arrivals) - i)
+                break
         res.finished = len({r.name for r in self._finished})
+
+    def _cut(self, le: Any, res: VllmSimResult, step: int, aborted: set[str], not_arrived: int) -> None:
+        """``--steps-limit`` reached: abort what is still running (the engine ends idle, so the checks of
+        the finished requests run as usual) and record the cut as the run doing less than asked."""
+        running = [name for name in self._internal
+                   if name not in aborted and name not in {r.name for r in self._finished}]
+        if running:
+            le.abort_request(running)
+        while le.has_unfinished_requests():  # the aborts take effect in the next step
+            for out in le.step():
+                self._on_output(out)
+        res.incomplete.append(f"--steps-limit {self.config.steps_limit} stopped the run after {step} engine steps "
+                              f"with {len(running)} request(s) unfinished and {not_arrived} not yet arrived")
 
     def _recompute(self, llm: Any, res: VllmSimResult) -> None:
         """Check (b): each finished prompt alone on an empty prefix cache."""

@@ -100,7 +100,7 @@ def render(s: dict[str, Any], console: Console) -> None:
     for name, value in rows:
         table.add_row(name, value)
     console.print(table)
-    if not s["ok"]:
+    if s["mismatches"]:  # an incomplete run has none to list: its reason is in the result row
         console.print("[red bold]Mismatches and contract errors:[/]")
         for m in s["mismatches"]:
             parts = [f"step {m['step']}" + (f" (step id {m['step_id']})" if m["step_id"] is not None else "")]

@@ -161,6 +161,9 @@ class TierSimulation(VllmSimulation):
         self.truth = TierTruth(self.capture, lambda: bridge.engine_step)
         bridge.step_observer = self.truth.on_step
         super()._drive(llm, res)
+        if res.incomplete:  # --steps-limit cut the first phase: the second (the restart) is not run
+            res.incomplete.append("the second phase (the tier's hits after a prefix-cache reset) was not run")
+            return
         internal, finished = dict(self._internal), list(self._finished)
         if not llm.llm_engine.reset_prefix_cache():
             raise RuntimeError("reset_prefix_cache refused with the engine idle")
@@ -182,8 +185,8 @@ class TierSimulation(VllmSimulation):
             else dict(applier.summary()) if applier is not None else {"tier_hit_tokens": 0})
         summary["external_tokens"] = truth.external_tokens if truth is not None else 0
         self.tier_summary = summary
-        if res.mismatches:
-            return  # the first finding is reported; the tier's own checks add nothing to it
+        if res.mismatches or res.incomplete:
+            return  # the first finding is reported (or the run was cut): the tier's own checks add nothing
         res.mismatches.extend(tier_findings(summary, expect_load_failures=self.expect_load_failures))
 
 
@@ -195,6 +198,7 @@ def add_tier_summary(summary: dict[str, Any], sim: VllmSimulation) -> None:
     if isinstance(sim, TierSimulation):  # the run's own sizes, not the preset's
         summary["config"].update(requests=len(sim.phase1) + len(sim.phase2), kv_blocks=sim.kv_blocks,
                                  max_batched_tokens=sim.max_batched_tokens, tier_bytes_budget=sim.tier_bytes)
+        summary["kv_blocks"]["asked"] = sim.kv_blocks
     summary["tier"] = tier
     for key in ("tier_hit_tokens", "tier_bytes", "tier_load_failures"):
         summary[key] = tier.get(key, 0)
