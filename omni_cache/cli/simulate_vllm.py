@@ -80,6 +80,9 @@ def run_vllm(args: argparse.Namespace) -> int:
     given = [f"--{name.replace('_', '-')}" for name in _SIM_ONLY if getattr(args, name, None) is not None]
     if given:
         args.error(f"{', '.join(given)} only {'applies' if len(given) == 1 else 'apply'} to --engine sim")
+    if args.preset is not None and getattr(args, "kv_connector", None) is not None:
+        args.error(f"--kv-connector runs its own two-phase workload (prompts, a prefix-cache reset, the same "
+                   f"prefixes through the tier): not --preset {args.preset}")
     if args.preset is not None and args.preset not in PRESETS:
         args.error(f"--preset {args.preset} is a preset of the simulated engine; --engine vllm takes "
                    f"{', '.join(sorted(PRESETS))}")

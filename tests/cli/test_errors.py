@@ -337,6 +337,7 @@ print(code, "torch" in sys.modules, "vllm" in sys.modules and sys.modules["vllm"
     (["--kv-connector", "example", "--model", "hybrid"],
      "--kv-connector runs the llama thinker (one KV-cache group): not --model hybrid"),
     (["--speculative", "ngram", "--kv-connector", "example"], "--speculative does not combine with --kv-connector"),
+    (["--kv-connector", "example", "--preset", "pressure"], "--kv-connector runs its own two-phase workload"),
 ])
 def test_simulate_vllm_refuses_a_grid_before_torch_and_without_vllm(argv: list[str], says: str, hide: str) -> None:
     """``simulate --engine vllm`` answers a combination the real thinker does not run as ``pipeline``
