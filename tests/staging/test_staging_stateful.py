@@ -226,3 +226,28 @@ def test_the_machine_reaches_abort_while_a_write_holds_the_page() -> None:
     ABORTS_WHILE_HELD.clear()
     run_state_machine_as_test(StagingMachineOpeningOnAHeldClaim)
     assert ABORTS_WHILE_HELD, "no run tried to abort a claimed page that a write holds (I3 unexercised)"
+
+
+class StagingMachineOpeningOnAConsumedStep(StagingMachine):
+    """The machine above, each program opening on a step's whole life with a write holding its page:
+    claim, hold, save, consume, a second consume (refused, I1), done reading while the write still
+    holds the page (no release, I3), the write landing (release); then going on at random. The
+    derandomized CI profile's programs need not consume at all: this one always does."""
+
+    @initialize()
+    def live_one_step_through(self) -> None:
+        self.claim()
+        self.write_holds_page(pick=0)
+        self.abort_or_save(pick=0, abort=False)
+        (step,) = self.step_of
+        i = self.step_of[step]
+        self.consume(pick=0, bogus=False)
+        assert step in self.consumed and self.reading[i]
+        self.consume(pick=0, bogus=True)  # the consumed step again: refused, nothing changes (I1)
+        self.finish_reading(i)  # the write still holds the page: it stays materialized (I3)
+        assert self.pool.slot_states()[i] == "materialized"
+        self.write_lands(i)  # now it is released
+        assert self.pool.slot_states()[i] == "free"
+
+
+TestStagingMachineOpeningOnAConsumedStep = StagingMachineOpeningOnAConsumedStep.TestCase
