@@ -99,6 +99,27 @@ def test_I3_page_not_reused_while_write_holds_it() -> None:
 
 
 @pytest.mark.parametrize("eager", MODES)
+@pytest.mark.parametrize("requests", [1, 2])
+def test_I4_materialized_rows_are_the_callers_own_after_the_page_is_reused(eager: bool, requests: int) -> None:
+    """What materialize returned stays as it was when the staging page it was read from is reused
+    (staging_depth 1: the next step's save writes the same page). One request per step (its output
+    is the page's whole row range, the case a view of the page would be cheapest) and two."""
+    m = manager(eager, staging_depth=1)
+    m.register_policy(ModelCachePolicy())
+    kept = []
+    for i in range(3):
+        reqs = [f"r{i}.{k}" for k in range(requests)]
+        m.new_step_starts([started(r) for r in reqs])
+        spans = [(r, [2 * (i * requests + k), 2 * (i * requests + k) + 1], 0, 8) for k, r in enumerate(reqs)]
+        step, rows = save(m, spans)
+        out = m.materialize(step, reqs)
+        kept.append((out, rows.clone(), reqs))
+    for out, rows, reqs in kept:
+        assert torch.equal(torch.cat([out.hidden_states[r] for r in reqs]), rows)  # never a later step's rows
+    m.shutdown()
+
+
+@pytest.mark.parametrize("eager", MODES)
 def test_I4_materialize_reads_save_snapshot(eager: bool) -> None:
     m = manager(eager)
     m.register_policy(ModelCachePolicy(deferred_keys=frozenset({"audio.embeds"})))
