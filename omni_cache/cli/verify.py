@@ -74,7 +74,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     parser.add_argument(
         "--spec", type=Path, default=None,
-        help="with --cfg: the spec module to check (default: MC<folder>.tla beside the cfg)",
+        help="with --cfg: the spec module to check (default: the one the manifest runs that cfg with, else "
+             "MC<cfg name>.tla or MC<folder>.tla beside it)",
     )
     parser.add_argument(
         "--expect", default=None, type=choice_pattern("ok", "deadlock", "invariant:", "property:"),
@@ -94,13 +95,16 @@ def _adhoc_entry(args: argparse.Namespace) -> tuple[ManifestEntry, Path]:
     )
 
     cfg: Path = args.cfg.resolve()
+    if cfg.is_dir():
+        raise ManifestError(f"--cfg {args.cfg} is a directory, not a TLC .cfg file")
     if not cfg.is_file():
         raise ManifestError(f"--cfg {args.cfg} does not exist")
     if args.spec is not None:
         spec = args.spec.resolve()
     else:
         candidates = sorted(cfg.parent.glob("MC*.tla"))
-        preferred = [c for c in candidates if c.stem == cfg.stem] or [
+        preferred = ([cfg.parent / s] if (s := _manifest_spec_of(cfg)) is not None else []) or [
+            c for c in candidates if c.stem == cfg.stem] or [
             c for c in candidates if c.stem.lower() == f"mc{cfg.parent.name}".lower()
         ]
         if len(preferred) != 1:
@@ -116,6 +120,19 @@ def _adhoc_entry(args: argparse.Namespace) -> tuple[ManifestEntry, Path]:
         model=spec.parent.name, spec=spec.name, cfg=str(cfg), expect=args.expect, exit=exit_code,
         why="ad-hoc run (--cfg)", expected_by="--expect wants",
     ), spec.parent.parent
+
+
+def _manifest_spec_of(cfg: Path) -> str | None:
+    """The spec module a manifest beside the model folder runs ``cfg`` with (``tla/<model>/<cfg>``
+    listed in ``tla/manifest.json``), or None."""
+    from omni_cache.verify.tlc import ManifestError, load_manifest
+
+    try:
+        entries = load_manifest(cfg.parent.parent)
+    except ManifestError:
+        return None
+    specs = {e.spec for e in entries if e.model == cfg.parent.name and Path(e.cfg).name == cfg.name}
+    return specs.pop() if len(specs) == 1 else None
 
 
 def run_mutant_table(args: argparse.Namespace) -> int:

@@ -119,3 +119,22 @@ def test_a_malformed_manifest_is_named_in_one_line(text: str, phrase: str, tmp_p
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("omni-cache verify: error: ") and phrase in err[0]
     assert str(tmp_path / "manifest.json") in err[0]
+
+
+@pytest.mark.tlc
+def test_verify_cfg_runs_with_the_spec_the_manifest_names_and_refuses_a_directory(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A manifest cfg whose spec is neither MC<cfg>.tla nor MC<folder>.tla (a broken variant's
+    module) runs with the manifest's spec without --spec; a directory is named as one."""
+    require_tlc()
+    # MCWritesBugs.tla and MCStagingEngineBugs.tla, from the manifest (MCWrites.tla and MCStaging.tla
+    # do not define the substituted actions: a parse error before)
+    assert main(["verify", "--cfg", str(TLA / "writes" / "MCWritesErrorUncounted.cfg"),
+                 "--expect", "invariant:FailureSticks"]) == 0
+    assert main(["verify", "--cfg", str(TLA / "staging" / "MCStagingAbortKeepsPage.cfg"),
+                 "--expect", "invariant:OnePagePerSave"]) == 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exited:
+        main(["verify", "--cfg", str(TLA / "writes")])
+    assert exited.value.code == 2
+    assert "is a directory, not a TLC .cfg file" in capsys.readouterr().err
