@@ -21,6 +21,7 @@ I3 PageExclusive (tla/staging), I6 NeverSilentMiss, I7 NoStaleTenant
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.resources
 import importlib.util
 import json
@@ -66,23 +67,44 @@ class ManifestError(ValueError):
 
 # ---- locating the tools -----------------------------------------------------
 def find_java() -> str:
-    """The java executable: $OMNI_CACHE_JAVA, $JAVA_HOME/bin/java, or ``java`` on PATH."""
+    """The java executable: $OMNI_CACHE_JAVA, $JAVA_HOME/bin/java, or ``java`` on PATH; one that does not
+    run or is older than Java 11 is refused here (``TLCUnavailable``), not reported as every run's surprise."""
     explicit = os.environ.get("OMNI_CACHE_JAVA")
     if explicit:
         found = shutil.which(explicit)
         if found is None:
             raise TLCUnavailable(f"OMNI_CACHE_JAVA={explicit} is not an executable java")
-        return found
+        return _checked_java(found)
     home = os.environ.get("JAVA_HOME")
     if home and (Path(home) / "bin" / "java").is_file():
-        return str(Path(home) / "bin" / "java")
+        return _checked_java(str(Path(home) / "bin" / "java"))
     found = shutil.which("java")
     if found is None:
         raise TLCUnavailable(
             "java was not found (not on PATH, no JAVA_HOME, no OMNI_CACHE_JAVA): TLC needs a "
             f"Java runtime ({JAVA_NEEDED}; e.g. `apt-get install openjdk-17-jre-headless`)"
         )
-    return found
+    return _checked_java(found)
+
+
+_JAVA_VERSION = re.compile(r'version "(\d+)(?:\.(\d+))?')
+
+
+@functools.cache
+def _checked_java(java: str) -> str:
+    """``java`` itself when ``java -version`` runs and names Java 11 or newer (checked once per path)."""
+    try:
+        done = subprocess.run([java, "-version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise TLCUnavailable(f"{java} -version did not run ({exc}): TLC needs {JAVA_NEEDED}") from None
+    found = _JAVA_VERSION.search(done.stderr + done.stdout)
+    if done.returncode != 0 or found is None:
+        raise TLCUnavailable(f"{java} -version exited {done.returncode} without naming a Java version: TLC needs "
+                             f"{JAVA_NEEDED}")
+    major = int(found.group(2) or 0) if found.group(1) == "1" else int(found.group(1))  # "1.8.0_392" is Java 8
+    if major < 11:
+        raise TLCUnavailable(f"{java} is Java {major}: TLC needs {JAVA_NEEDED}")
+    return java
 
 
 def find_tla2tools() -> Path:

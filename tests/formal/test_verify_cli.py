@@ -72,6 +72,24 @@ def test_verify_without_java_exits_2(monkeypatch: pytest.MonkeyPatch, capsys: py
     assert "not an executable java" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("java", "says"), [
+    ("#!/bin/sh\nexit 1\n", "-version exited 1 without naming a Java version"),
+    ('#!/bin/sh\necho \'openjdk version "1.8.0_392"\' >&2\n', "is Java 8: TLC needs Java 11 or newer"),
+])
+def test_verify_with_a_java_that_cannot_run_tlc_exits_2(java: str, says: str, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """A java that does not run, or is older than 11, is "TLC cannot run" (exit 2, one line), not a
+    surprise on every run with drifted state counts (exit 1)."""
+    fake = tmp_path / "java"
+    fake.write_text(java)
+    fake.chmod(0o755)
+    monkeypatch.setenv("OMNI_CACHE_JAVA", str(fake))
+    assert main(["verify", "--only", "MCStagingConformance"]) == 2
+    err = capsys.readouterr().err
+    assert says in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_require_tlc_skips_locally_and_fails_under_ci(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OMNI_CACHE_JAVA", "/nonexistent/java")
     monkeypatch.delenv("CI", raising=False)
