@@ -147,9 +147,12 @@ def _walk(config: Any, role: str | None, where: str, under_omni: bool, nested: b
     leaves.append(_Leaf(name, role, under_omni, nested, _as_dict(config, role)))
 
 
-def _suggest(role: str | None, leaves: list[_Leaf], omni: list[Mapping[str, Any]]) -> dict[str, Any]:
+def _suggest(role: str | None, leaves: list[_Leaf], omni: list[Mapping[str, Any]], policy: Any) -> dict[str, Any]:
     """One ``OmniKVConnector`` over every leaf in order (a ``MultiConnector`` flattened: the first
-    loader still loads, every child still saves), keeping an existing wrapper's settings."""
+    loader still loads, every child still saves), keeping an existing wrapper's settings and the
+    user's ``kv_load_failure_policy``; without one, ``"recompute"``: vLLM's default ``"fail"`` fails
+    every request that hits a block of the store whose hidden rows the tier does not hold (a store
+    older than this process), where recompute computes them again."""
     extra: dict[str, Any] = {"connectors": [leaf.config for leaf in leaves]}
     settings = next((o.get(SETTINGS_KEY) for o in omni if o.get(SETTINGS_KEY)), None)
     if settings:
@@ -157,6 +160,7 @@ def _suggest(role: str | None, leaves: list[_Leaf], omni: list[Mapping[str, Any]
     out: dict[str, Any] = {"kv_connector": OMNI_CONNECTOR, "kv_connector_module_path": OMNI_MODULE}
     if role is not None:
         out["kv_role"] = role
+    out["kv_load_failure_policy"] = policy if policy is not None else "recompute"
     out["kv_connector_extra_config"] = extra
     return out
 
@@ -191,7 +195,8 @@ def connector_verdict(kv_transfer_config: Any) -> ConnectorVerdict:
         if loads and not leaf.wrapped:
             return ConnectorVerdict(leaf.name, leaf.role, True, False,
                                     f"a MultiConnector child: {why}" if leaf.nested else why,
-                                    suggestion=_suggest(role, leaves, omni))
+                                    suggestion=_suggest(role, leaves, omni,
+                                                       _get(kv_transfer_config, "kv_load_failure_policy")))
     if omni:
         return ConnectorVerdict(str(name) if name == OMNI_CONNECTOR else OMNI_CONNECTOR, role, True, True)
     return ConnectorVerdict(str(name), role, False, False)

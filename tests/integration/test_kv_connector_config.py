@@ -111,6 +111,14 @@ def test_each_configuration_a_refusal_suggests_is_accepted(transfer: dict[str, A
     tier_settings(suggestion["kv_connector_extra_config"])  # and so do the wrapper's settings
     names = [c["kv_connector"] for c in suggestion["kv_connector_extra_config"]["connectors"]]
     assert "OmniKVConnector" not in names and "MultiConnector" not in names  # one wrapper, flat
+    # a restart's store hits blocks the new tier never held: recomputed, not failed (vLLM's default)
+    assert suggestion["kv_load_failure_policy"] == "recompute"
+
+
+def test_a_suggestion_keeps_the_users_own_load_failure_policy() -> None:
+    with pytest.raises(OmniPrefixCacheUnmatchError) as info:
+        _gate({**REFUSED_WITH_A_SUGGESTION["example-producer"], "kv_load_failure_policy": "fail"})
+    assert _suggested(str(info.value))["kv_load_failure_policy"] == "fail"
 
 
 def test_a_suggestion_keeps_the_wrappers_own_settings() -> None:
