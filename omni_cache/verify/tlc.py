@@ -358,7 +358,7 @@ def run_tlc(
     except subprocess.TimeoutExpired:
         proc.kill()
         stdout, _ = proc.communicate()
-        return TLCRun(-1, stdout + f"\nomni-cache: TLC timed out after {timeout_s:.0f}s", time.perf_counter() - start)
+        return TLCRun(-1, stdout + f"\nomni-cache: TLC timed out after {timeout_s:g}s", time.perf_counter() - start)
     except BaseException:  # Ctrl-C in this thread: the JVM goes with it
         proc.kill()
         proc.wait()
@@ -409,6 +409,8 @@ def judge(entry: ManifestEntry, exit_code: int, outcome: TLCOutcome) -> list[str
     edit that changes the state space without updating the manifest is a drift.
     """
     problems: list[str] = []
+    if exit_code == -1:  # killed at --timeout: nothing it printed is a result (no counts to compare)
+        return ["TLC timed out before it finished (raise --timeout); its state counts are not a result"]
     if exit_code != entry.exit:
         problems.append(f"TLC exit {exit_code}, {entry.expected_by} {entry.exit}")
     if outcome.result != entry.expect:

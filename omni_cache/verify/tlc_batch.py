@@ -208,7 +208,7 @@ class TLCPool:
         except queue.Empty:
             worker.close()
             text = output.read_text(errors="replace") if output.is_file() else ""
-            return -1, text + f"\nomni-cache: TLC timed out after {timeout_s:.0f}s"
+            return -1, text + f"\nomni-cache: TLC timed out after {timeout_s:g}s"
         except OSError:
             worker.close()
             return None

@@ -156,3 +156,13 @@ def test_verify_cfg_runs_with_the_spec_the_manifest_names_and_refuses_a_director
         main(["verify", "--cfg", str(TLA / "writes")])
     assert exited.value.code == 2
     assert "is a directory, not a TLC .cfg file" in capsys.readouterr().err
+
+
+@pytest.mark.tlc
+def test_a_run_stopped_by_the_timeout_says_so_not_that_its_counts_drifted(capsys: pytest.CaptureFixture[str]) -> None:
+    require_tlc()
+    assert main(["verify", "--timeout", "0.5", "--only", "MCTenancyTier.cfg"]) == 1
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert "TLC timed out before it finished (raise --timeout)" in text and "timed out after 0.5s" in text
+    assert "drifted" not in text
