@@ -129,7 +129,7 @@ def _manifest_spec_of(cfg: Path) -> str | None:
 
     try:
         entries = load_manifest(cfg.parent.parent)
-    except ManifestError:
+    except (ManifestError, ValueError, TypeError, KeyError, OSError):  # no usable manifest: the cfg's own lookup
         return None
     specs = {e.spec for e in entries if e.model == cfg.parent.name and Path(e.cfg).name == cfg.name}
     return specs.pop() if len(specs) == 1 else None

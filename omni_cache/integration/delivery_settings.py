@@ -1,6 +1,8 @@
 """The delivery settings: ``kv_connector_extra_config["omni_cache"]``'s delivery keys, checked.
 
-Owns: ``DeliverySettings`` (the checked values, with their defaults) and ``DELIVERY_KEYS``. No
+Owns: ``DeliverySettings`` (the checked values, with their defaults), ``DELIVERY_KEYS`` and
+``directory_problem`` (whether a directory setting can be made and written: the tier's ``tier_dir``
+too). No
 torch, no vLLM: the launcher (``omni-cache serve``) checks a server's settings with this before
 anything heavy is imported, and the connector checks them again at engine start, with the same
 messages.
@@ -22,7 +24,7 @@ from typing import Any
 
 from omni_cache.integration.delivery_paths import DeliveryPaths
 
-__all__ = ["DELIVERY_KEYS", "DeliverySettings"]
+__all__ = ["DELIVERY_KEYS", "DeliverySettings", "directory_problem"]
 
 _BOOL_KEYS = ("include_output_tokens", "allow_custom_save_path")
 _POSITIVE_KEYS = {"delivery_max_bytes": int, "delivery_max_age_s": float, "delivery_timeout_s": float,
@@ -83,12 +85,14 @@ class DeliverySettings:
 
 def directory_problem(path: str | os.PathLike[str]) -> str | None:
     """Why ``path`` cannot be a directory the cache creates and writes (None: it can, as far as can be
-    told before trying): an existing file, or a missing one whose nearest existing ancestor is not a
-    directory or is not writable. A setting's refusal at start, naming it, instead of an ``OSError``
+    told before trying): an existing file or unwritable directory, or a missing path whose nearest
+    existing ancestor is not a directory or is not writable. A setting's refusal at start, naming it, instead of an ``OSError``
     from deep inside the engine when the directory is first made."""
     path = os.path.abspath(os.fspath(path))
     if os.path.exists(path):
-        return None if os.path.isdir(path) else "is an existing file, not a directory"
+        if not os.path.isdir(path):
+            return "is an existing file, not a directory"
+        return None if os.access(path, os.W_OK | os.X_OK) else "is a directory that is not writable"
     parent = os.path.dirname(path)
     while not os.path.exists(parent) and os.path.dirname(parent) != parent:
         parent = os.path.dirname(parent)

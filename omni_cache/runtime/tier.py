@@ -16,8 +16,9 @@ mix of two versions), or ``None`` -- never zeros, never another block's rows.
 Rows of a block are never split: an entry that does not fit the budget is not
 stored (``put`` returns False). On disk:
 
-- the newest put wins: a put removes the hash's older file before it returns;
-  a spill writes to a temporary name and renames it atomically, and a spill
+- the newest put wins: a put removes the hash's older file before it returns
+  (one it cannot remove is never read again until a spill replaces it,
+  counted ``stale_files``); a spill writes to a temporary name and renames it atomically, and a spill
   that fails removes the older file and is counted (``spill_failures``), so a
   lost entry is a counted miss, never an older version served; a promotion
   from disk happens under the same lock hold as the read, so it never
@@ -73,6 +74,7 @@ class TierStats:
     disk_hits: int = 0
     refused: int = 0
     spill_failures: int = 0  # evicted entries that could not be written (lost, counted)
+    stale_files: int = 0  # older spill files a put could not remove (never read: a miss until replaced)
     load_failures: int = 0  # files that could not be read back (damaged, foreign): misses
 
 
@@ -112,6 +114,8 @@ class HiddenTier:
         self._lock = threading.Lock()
         # block hash -> rows, least recently used first; guarded by _lock.
         self._entries: OrderedDict[bytes, Rows] = OrderedDict()
+        # hashes whose older spill file a put could not remove: their file is never read (guarded by _lock)
+        self._stale: set[bytes] = set()
         self._stats = TierStats()
         self._closed = False  # guarded by _lock; set once by close()
 
@@ -158,7 +162,7 @@ class HiddenTier:
             if block_hash in self._entries:
                 return True
             path = self._path(block_hash)
-            return path is not None and os.path.exists(path)
+            return path is not None and block_hash not in self._stale and os.path.exists(path)
 
     def stats(self) -> TierStats:
         with self._lock:
@@ -242,8 +246,9 @@ class HiddenTier:
             os.remove(path)
         except (FileNotFoundError, NotADirectoryError):
             pass
-        except OSError as exc:
-            self._stats.spill_failures += 1
+        except OSError as exc:  # the older file stays: never read again until a spill replaces it
+            self._stale.add(block_hash)
+            self._stats.stale_files += 1
             log.warning("omni-cache: the hidden-state tier could not remove its spill file %s: %s", path, exc)
 
     def _save(self, rows: Rows, path: str, metadata: dict[str, str]) -> None:
@@ -259,6 +264,7 @@ class HiddenTier:
             os.makedirs(self._spill_dir, exist_ok=True)  # recreated if removed while running
             self._save(rows, tmp, {"block_hash": block_hash.hex(), "tier": self.instance})
             os.replace(tmp, path)  # a reader sees no file or the whole new one
+            self._stale.discard(block_hash)  # the file is this put's rows now
         except Exception:
             self._stats.spill_failures += 1
             for stale in (tmp, path):
@@ -269,7 +275,7 @@ class HiddenTier:
 
     def _read_file_locked(self, block_hash: bytes) -> Rows | None:
         path = self._path(block_hash)
-        if path is None or not os.path.exists(path):
+        if path is None or block_hash in self._stale or not os.path.exists(path):
             return None
         try:
             from safetensors import safe_open

@@ -289,6 +289,9 @@ def test_tier_settings_accept_delivery_without_a_wrapped_connector(tmp_path: Pat
     locked = tmp_path / "locked"
     locked.mkdir(mode=0o500)
     if not os.access(locked, os.W_OK):  # root may write anywhere: nothing to refuse then
+        with pytest.raises(OmniPrefixCacheUnmatchError, match=r"delivery_dir '.*locked' is a directory that is not "
+                                                              "writable"):
+            tier_settings({"omni_cache": {"delivery_dir": str(locked)}})
         with pytest.raises(OmniPrefixCacheUnmatchError, match=r"tier_dir'\] '.*locked/deep/er' cannot be created: "
                                                               r"'.*locked' is not writable"):
             tier_settings({"omni_cache": {"delivery_dir": str(tmp_path), "tier_dir": str(locked / "deep" / "er")}})

@@ -50,6 +50,7 @@ def test_a_tier_run_cut_by_the_steps_limit_is_incomplete_and_runs_no_second_phas
     assert s["num_mismatches"] == 0 and not s["ok"], s["mismatches"]
     assert s["incomplete"][0].startswith("--steps-limit 5 stopped the run after 5 engine steps"), s["incomplete"]
     assert "the second phase" in s["incomplete"][1] and len(s["incomplete"]) == 2, s["incomplete"]
+    assert s["tier"]["tier_entries"] > 0 and s["tier_bytes"] > 0, s["tier"]  # read before shutdown closed the tier
 
 
 def _tier_run(**kwargs):

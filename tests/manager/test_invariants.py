@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from cache_helpers import MODES, E, manager, save, settle, slots, started, truth
+from cache_helpers import MODES, E, config, manager, save, settle, slots, started, truth
 from thread_helpers import Gate
 
 from omni_cache import (
@@ -276,7 +276,7 @@ def test_I9_an_ended_requests_open_writes_go_to_the_front_of_the_queue(eager: bo
     from omni_cache.runtime.trace import TraceRecorder
 
     rec = TraceRecorder()
-    m = OmniPrefixCacheManager(manager(eager).config, eager=eager, recorder=rec)
+    m = OmniPrefixCacheManager(config(), eager=eager, recorder=rec)
     m.register_policy(ModelCachePolicy(deferred_keys=frozenset({"audio.embeds"})))
     m.new_step_starts([started("a"), started("b")])
     hidden = truth("a", range(8))

@@ -207,7 +207,7 @@ def test_a_users_omni_connector_gets_the_module_and_role_vllm_needs() -> None:
 @pytest.mark.parametrize(("setting", "phrase"), [
     ({"delivery_timeout_s": -1}, "omni_cache.delivery_timeout_s must be a positive number, got -1"),
     ({"delivery_dir": "FILE"}, "is an existing file, not a directory"),
-    ({"tier_dir": "FILE/sub"}, "['tier_dir'] '"),
+    ({"tier_dir": "FILE/sub"}, "a-file/sub' cannot be created: "),
     ({"delivery_dir": "FILE/sub"}, "cannot be created: "),
     ({"include_output_tokens": "yes"}, "omni_cache.include_output_tokens must be true or false, got 'yes'"),
     ({"delivery_timout_s": 3}, "unknown kv_connector_extra_config['omni_cache'] keys ['delivery_timout_s']"),

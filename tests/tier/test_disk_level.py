@@ -386,3 +386,31 @@ def test_a_spill_directory_turned_into_a_file_costs_spills_never_puts(tmp_path: 
     assert _same(tier.get(b"d"), "d")
     assert tier.stats().spill_failures >= 1
     tier.close()
+
+
+def test_an_older_file_a_put_cannot_remove_is_never_served(tmp_path: Path, monkeypatch) -> None:
+    """The older spilled version of a hash stays on disk (a read-only remount, a permission): the put
+    still wins, its file is never read until a spill replaces it, even after the new rows' spill fails."""
+    import os
+
+    tier = HiddenTier(ENTRY, directory=str(tmp_path))
+    tier.put(b"h", _rows("old"))
+    tier.put(b"x", _rows("x"))  # h (old) spills to disk
+    real_remove = os.remove
+
+    def stuck(path: str) -> None:
+        if path.endswith(".safetensors"):
+            raise PermissionError(13, "Permission denied", path)
+        real_remove(path)
+
+    monkeypatch.setattr(os, "remove", stuck)
+    assert tier.put(b"h", _rows("new"))  # the old file stays, counted
+    assert tier.stats().stale_files == 1
+    _fail_saves(monkeypatch)
+    tier.put(b"y", _rows("y"))  # evicting h (new): its spill fails, and the cleanup cannot remove either
+    assert tier.get(b"h") is None and b"h" not in tier  # a counted miss, never the old version
+    monkeypatch.undo()
+    tier.put(b"h", _rows("newest"))
+    tier.put(b"z", _rows("z"))  # h (newest) spills: its file replaces the stale one, readable again
+    assert _same(tier.get(b"h"), "newest")
+    tier.close()

@@ -18,7 +18,8 @@ user's own connector (the tree holds one, and the launcher adds it) and a delive
 flag that disagrees with the user's own ``OmniKVConnector`` setting of the same key are refused
 before anything starts (``ValueError``, one line naming the option), and so are settings the
 connector would refuse at engine start (``connector_settings.tier_settings``, the same message: an
-unknown ``omni_cache`` key, a ``delivery_dir`` that is an existing file, a non-positive
+unknown ``omni_cache`` key, a ``delivery_dir`` or ``tier_dir`` where no directory can be made (an
+existing file, a path below a file or an unwritable directory), a non-positive
 ``delivery_timeout_s``) and a ``delivery_dir`` of ``null`` (no delivery, which the launcher is for).
 """
 

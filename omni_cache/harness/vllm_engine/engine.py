@@ -341,7 +341,7 @@ class VllmSimulation:
                         self._finished.append(by_name[out.request_id])
             self._after_step(llm, res)
             step += 1
-            if step >= self.config.steps_limit:
+            if step >= self.config.steps_limit and (i < len(arrivals) or le.has_unfinished_requests()):
                 self._cut(le, res, step, aborted, len(arrivals) - i)
                 break
         res.finished = len({r.name for r in self._finished})
@@ -349,8 +349,8 @@ class VllmSimulation:
     def _cut(self, le: Any, res: VllmSimResult, step: int, aborted: set[str], not_arrived: int) -> None:
         """``--steps-limit`` reached: abort what is still running (the engine ends idle, so the checks of
         the finished requests run as usual) and record the cut as the run doing less than asked."""
-        running = [name for name in self._internal
-                   if name not in aborted and name not in {r.name for r in self._finished}]
+        ended = aborted | {r.name for r in self._finished} | set(res.failed_requests)
+        running = [name for name in self._internal if name not in ended]
         if running:
             le.abort_request(running)
         while le.has_unfinished_requests():  # the aborts take effect in the next step

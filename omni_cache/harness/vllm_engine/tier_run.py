@@ -163,6 +163,7 @@ class TierSimulation(VllmSimulation):
         super()._drive(llm, res)
         if res.incomplete:  # --steps-limit cut the first phase: the second (the restart) is not run
             res.incomplete.append("the second phase (the tier's hits after a prefix-cache reset) was not run")
+            self._keep_final_tier(bridge)
             return
         internal, finished = dict(self._internal), list(self._finished)
         if not llm.llm_engine.reset_prefix_cache():
@@ -173,8 +174,11 @@ class TierSimulation(VllmSimulation):
         self._finished = finished + self._finished
         res.finished = len({r.name for r in self._finished})
         self.plan = [*self.phase1, *self.phase2]
-        applier = getattr(bridge, "tier_applier", None)
+        self._keep_final_tier(bridge)
+
+    def _keep_final_tier(self, bridge: Any) -> None:
         # NOTE: read while the engine runs: its shutdown closes the tier (entries and spill files gone).
+        applier = getattr(bridge, "tier_applier", None)
         self._final_tier = dict(applier.summary()) if applier is not None else None
 
     def _check_tier(self, res: VllmSimResult) -> None:
