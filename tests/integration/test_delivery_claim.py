@@ -123,8 +123,11 @@ def test_the_launchers_probe_names_the_holder_and_takes_nothing(tmp_path: Path) 
 
 def test_a_directory_that_cannot_be_created_is_refused_at_start_naming_the_setting(tmp_path: Path) -> None:
     (tmp_path / "a-file").write_bytes(b"")
-    settings = DeliverySettings.from_settings({"delivery_dir": str(tmp_path / "a-file" / "files")})
-    assert settings is not None
+    with pytest.raises(ValueError, match=r"omni_cache\.delivery_dir '.*a-file/files' cannot be created: '.*a-file' is "
+                                         "a file, not a directory"):
+        DeliverySettings.from_settings({"delivery_dir": str(tmp_path / "a-file" / "files")})
+    # what the settings check cannot see (the path changed since, another host's view): the store's OSError
+    settings = DeliverySettings(delivery_dir=str(tmp_path / "a-file" / "files"))
     with pytest.raises(ValueError, match=r"omni_cache\.delivery_dir '.*a-file/files' cannot hold the delivered files"):
         RowDelivery(settings)
     RowDelivery(settings, claim=False).shutdown()  # a rank that does not deliver never touches it
