@@ -53,7 +53,9 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--preset", metavar="NAME", choices=sorted(set(PRESETS) | set(simulate_vllm.PRESETS)),
                         help=f"workload: {', '.join(sorted(PRESETS))} (default chat); with --engine vllm: "
                         f"{', '.join(sorted(simulate_vllm.PRESETS))} (default mixed)")
-    parser.add_argument("--requests", type=positive_int, help="number of requests, >= 1 (multiturn: turns; --kv-connector: per phase, each phase-1 prompt returning in phase 2)")
+    parser.add_argument("--requests", type=positive_int,
+                        help="number of requests, >= 1 (multiturn: turns; --kv-connector: per phase, each "
+                        "phase-1 prompt returning in phase 2)")
     parser.add_argument("--max-batched-tokens", type=int_range(1, 1 << 20),
                         help="scheduler token budget per step, 1 to 1,048,576")
     parser.add_argument("--num-blocks", type=int_range(1, 1 << 24), help="KV cache blocks (a request may use half)")

@@ -140,7 +140,7 @@ def run_mutant_table(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from omni_cache.verify.mutants import PER_MODEL, run_mutants
-    from omni_cache.verify.tlc import TLCUnavailable
+    from omni_cache.verify.tools import TLCUnavailable
 
     start = time.perf_counter()
     try:
@@ -169,7 +169,8 @@ def run_mutant_table(args: argparse.Namespace) -> int:
             table.add_row(r.mutant.ident, r.mutant.describe(), tlc, verdict)
         Console(width=200).print(table)
         scored = counts["killed"] + counts["survived"]
-        print(f"{len(results)} mutants: {counts['killed']} killed (an invariant or property violated, exit 12/13, or a reachability run passed), "
+        print(f"{len(results)} mutants: {counts['killed']} killed (an invariant or property violated, exit "
+              "12/13, or a reachability run passed), "
               f"{counts['equivalent']} equivalent, {counts['stillborn']} stillborn (do not parse), "
               f"{counts['survived']} survived; kill rate "
               f"{counts['killed']}/{scored} of non-equivalent; {wall_s:.1f} s wall")
@@ -204,13 +205,13 @@ def run(args: argparse.Namespace) -> int:
         return run_mutant_table(args)
     from omni_cache.verify.tlc import (
         ManifestError,
-        TLCUnavailable,
         default_jobs,
         default_tla_dir,
         load_manifest,
         run_manifest,
         select,
     )
+    from omni_cache.verify.tools import TLCUnavailable
 
     try:
         if args.cfg is not None:

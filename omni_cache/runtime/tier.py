@@ -238,7 +238,8 @@ class HiddenTier:
     def _remove_file_locked(self, block_hash: bytes) -> None:
         """Remove ``block_hash``'s spill file, if any. Never raises: a directory that is gone or
         is no longer a directory holds no file (NOTE: every put runs this, so a broken directory
-        must cost spills, counted, never the puts); any other failure is a counted spill failure."""
+        must cost spills, counted, never the puts); a file another failure leaves is never read again
+        until a spill of the hash replaces it (counted ``stale_files``)."""
         path = self._path(block_hash)
         if path is None:
             return

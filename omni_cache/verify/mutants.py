@@ -43,13 +43,12 @@ from omni_cache.verify.tlc import (
     EXIT_PROPERTY,
     default_jobs,
     default_tla_dir,
-    find_java,
-    find_tla2tools,
     open_pool,
     parse_tlc_output,
     run_tlc,
 )
 from omni_cache.verify.tlc_batch import TLCPool
+from omni_cache.verify.tools import find_java, find_tla2tools
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from omni_cache.runtime.trace import TraceEvent, TraceRecorder
-from omni_cache.verify.tlc import tlc_available
+from omni_cache.verify.tools import tlc_available
 from omni_cache.verify.traces import validate_trace
 
 

@@ -34,21 +34,7 @@ from typing import Any
 
 import omni_cache.verify.tlc_procs as tlc_procs
 from omni_cache.verify.tlc_batch import FAST_JVM_FLAGS, TLCPool, driver_classpath
-from omni_cache.verify.tools import (  # re-exported: callers of verify import these from here
-    JAVA_NEEDED as JAVA_NEEDED,
-)
-from omni_cache.verify.tools import (
-    TLCUnavailable as TLCUnavailable,
-)
-from omni_cache.verify.tools import (
-    find_java as find_java,
-)
-from omni_cache.verify.tools import (
-    find_tla2tools as find_tla2tools,
-)
-from omni_cache.verify.tools import (
-    tlc_available as tlc_available,
-)
+from omni_cache.verify.tools import find_java, find_tla2tools
 
 # TLC exit codes (tlc2.output.EC.ExitStatus).
 EXIT_OK = 0

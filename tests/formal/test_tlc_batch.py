@@ -16,12 +16,11 @@ from omni_cache.verify.tlc import (
     EXIT_DEADLOCK,
     EXIT_OK,
     default_tla_dir,
-    find_java,
-    find_tla2tools,
     open_pool,
     parse_tlc_output,
     run_tlc,
 )
+from omni_cache.verify.tools import find_java, find_tla2tools
 
 TLA = default_tla_dir()
 STAGING = TLA / "staging"

@@ -37,7 +37,7 @@ def test_one_java_version_everywhere_and_the_jar_runs_on_it() -> None:
     of the jar: its classes are no newer than Java 11's class-file version (55)."""
     import zipfile
 
-    from omni_cache.verify.tlc import JAVA_NEEDED, find_tla2tools
+    from omni_cache.verify.tools import JAVA_NEEDED, find_tla2tools
 
     texts = [ROOT / "README.md", ROOT / "tla" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
     said = {(p.name, m) for p in texts for m in re.findall(r"Java \d+(?: or newer)?", p.read_text())}
