@@ -249,17 +249,35 @@ def _is_int_like(value: Any) -> bool:
     return True
 
 
+def _snapshot_write(w: Any) -> PrefixCacheWrite:
+    """A frozen ``PrefixCacheWrite`` of a write-like object (duck-typed writes are accepted): the
+    step's rows are read from this snapshot at materialize, never from the caller's object, which
+    may change after the save (I4); its row and position spans are checked as a real write's."""
+    if isinstance(w, PrefixCacheWrite):
+        return w
+    if not all(hasattr(w, f) and (f == "req_id" or _is_int_like(getattr(w, f))) for f in _WRITE_FIELDS):
+        raise OmniPrefixCacheUnmatchError(
+            f"save_outputs: the {PHRASE_SLOT_MAPPING} rows of writes (a req_id and int row_start, row_end, "
+            f"token_start, token_end: a PrefixCacheWrite) only; got a {type(w).__name__} in the layout's "
+            f"writes ({w!r})")
+    try:
+        hash(w.req_id)
+    except TypeError:
+        raise OmniPrefixCacheUnmatchError(
+            f"save_outputs: write {w} names an unhashable request id: the {PHRASE_SLOT_MAPPING} "
+            "rows of requests only") from None
+    try:
+        return PrefixCacheWrite(w.req_id, w.row_start, w.row_end, w.token_start, w.token_end)
+    except (TypeError, ValueError) as exc:
+        raise OmniPrefixCacheUnmatchError(f"save_outputs: write {w!r} of the layout is refused: {exc}") from exc
+
+
 def _checked_spans(writes: tuple[PrefixCacheWrite, ...], n: int) -> dict[ReqId, PrefixCacheWrite]:
     """The full check, in row order: raises naming the first overlap, repeat, excess or gap."""
     rows_seen = 0
     spans: dict[ReqId, PrefixCacheWrite] = {}
-    for w in writes:  # every write first: the order below reads their rows
-        if not isinstance(w, PrefixCacheWrite) and not all(
-                hasattr(w, f) and (f == "req_id" or _is_int_like(getattr(w, f))) for f in _WRITE_FIELDS):
-            raise OmniPrefixCacheUnmatchError(
-                f"save_outputs: the {PHRASE_SLOT_MAPPING} rows of writes (a req_id and int row_start, row_end, "
-                f"token_start, token_end: a PrefixCacheWrite) only; got a {type(w).__name__} in the layout's "
-                f"writes ({w!r})")
+    if not all(type(w) is PrefixCacheWrite for w in writes):
+        writes = tuple(map(_snapshot_write, writes))  # every write first: the order below reads their rows
     if any(a.row_start > b.row_start for a, b in itertools.pairwise(writes)):
         writes = tuple(sorted(writes, key=lambda w: w.row_start))
     for w in writes:

@@ -237,3 +237,52 @@ def test_a_request_outside_a_step_of_ids_of_mixed_types_is_refused_by_name(eager
         assert torch.equal(m.materialize(step, ["a"]).hidden_states["a"], rows[:2])  # still unconsumed (I4)
     finally:
         m.shutdown()
+
+
+class _MutableWrite:
+    """A write-like object the engine keeps and may change after the save (duck-typed writes are accepted)."""
+
+    def __init__(self, req_id: str, row_start: int, row_end: int, token_start: int, token_end: int) -> None:
+        self.req_id, self.row_start, self.row_end = req_id, row_start, row_end
+        self.token_start, self.token_end = token_start, token_end
+
+
+@pytest.mark.parametrize("eager", MODES)
+def test_a_duck_typed_write_changed_after_the_save_changes_nothing_served(eager: bool) -> None:
+    """I4: materialize reads the rows the save snapshotted. A duck-typed write the caller changes
+    after the save must not widen a request's rows into a reused staging page (another step's
+    stale rows) nor swap two requests' rows."""
+    m = manager(eager=eager, staging_depth=1)  # one staging page: step 2 reuses step 1's
+    try:
+        m.new_step_starts([started("X")])
+        step, _ = save(m, [("X", [1, 2], 0, 8)])
+        m.materialize(step, ["X"])
+        m.new_step_starts([started("A"), started("B")])
+        wa, wb = _MutableWrite("A", 0, 2, 0, 2), _MutableWrite("B", 2, 4, 0, 2)
+        layout = PrefixCacheWriteLayout((wa, wb), 4, torch.cat([slots([3], 0, 2), slots([4], 0, 2)]))  # type: ignore[arg-type]
+        hidden = torch.cat([truth("A", range(2)), truth("B", range(2))])
+        step = m.save_outputs(hidden, {}, num_tokens_unpadded=4, num_tokens_padded=4, write_layout=layout)
+        wb.row_end, wb.token_end = 8, 6  # past the step's rows: step 1's rows in the reused page
+        wa.row_start, wa.row_end = 2, 4  # B's rows
+        out = m.materialize(step, ["B", "A"]).hidden_states
+        assert torch.equal(out["B"], truth("B", range(2))) and torch.equal(out["A"], truth("A", range(2)))
+    finally:
+        m.shutdown()
+
+
+def test_a_duck_typed_write_with_spans_of_different_lengths_is_refused() -> None:
+    """A duck-typed write is checked as a ``PrefixCacheWrite`` is: rows and positions of one length,
+    no negative position; refused before anything changes."""
+    m = manager()
+    try:
+        m.new_step_starts([started("C")])
+        before = m.stats()
+        for bad in (_MutableWrite("C", 0, 4, -10, 90), _MutableWrite("C", 0, 4, -2, 2)):
+            layout = PrefixCacheWriteLayout((bad,), 4, slots([0], 0, 4))  # type: ignore[arg-type]
+            with pytest.raises(OmniPrefixCacheUnmatchError, match="of the layout is refused: PrefixCacheWrite 'C'"):
+                m.save_outputs(truth("C", range(4)), {}, num_tokens_unpadded=4, num_tokens_padded=4, write_layout=layout)
+            _unchanged(m, before)
+        step, rows = save(m, [("C", [0], 0, 4)])
+        assert torch.equal(m.materialize(step, ["C"]).hidden_states["C"], rows)
+    finally:
+        m.shutdown()
