@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from omni_cache.runtime.errors import PHRASE_NOT_SAVED, PHRASE_OUTSIDE_SNAPSHOT, OmniPrefixCacheUnmatchError
+from omni_cache.runtime.events import StepRows
 from omni_cache.runtime.interface import ReqId, StageCacheOutputs, StepId
 from omni_cache.runtime.locks import OwnedLock
 from omni_cache.runtime.reader import StepReader
@@ -77,18 +78,23 @@ class StepConsumption:
             raise OmniPrefixCacheUnmatchError(
                 f"materialize step {step_id}: req_ids must be a sequence of request ids, got {req_ids!r}; "
                 "nothing was consumed (I4)") from exc
+        # A call naming requests outside the step is refused before it takes the context: a
+        # valid consumer racing it is never turned away for it (I1: the step stays consumable).
+        peeked: StepContext | None = None
+        checked: StepRows | None = None
+        if _is_step_id(step_id):
+            with self._lock:
+                peeked = self._contexts.get(step_id)
+            if peeked is not None:
+                checked = peeked.rows
+                self._check_req_ids(step_id, peeked, checked, req_ids)
         # NOTE: the context leaves ``_contexts`` before the consume and comes back only if this call
         # is refused, so a verdict (``trim``) racing this read is refused instead of changing
         # the rows while they are read, and a second consumer racing this one is refused (I1).
         ctx = self._take(step_id, "materialize")
         try:
-            if ctx is not None and not _same_ids(req_ids, ctx.rows.req_ids):  # the usual call: every request, in order
-                outside = [r for r in req_ids if ctx.rows.write_of(r) is None]
-                if outside:
-                    raise OmniPrefixCacheUnmatchError(
-                        f"materialize step {step_id}: requests {outside} are {PHRASE_OUTSIDE_SNAPSHOT} (saved at "
-                        f"{ctx.saved_at} with requests {list(ctx.rows.req_ids)} in row order); nothing was consumed (I4)"
-                    )
+            if ctx is not None and (ctx is not peeked or ctx.rows is not checked):  # trimmed meanwhile
+                self._check_req_ids(step_id, ctx, ctx.rows, req_ids)
             slot = self.staging.consume(step_id, caller="materialize")
         except BaseException:
             self._end(step_id, ctx, consumed=None)  # refused: the step stays unconsumed, its context with it
@@ -99,6 +105,16 @@ class StepConsumption:
             return self.reader.build_outputs(ctx, req_ids)
         finally:
             self.reader.release(ctx, slot)
+
+    @staticmethod
+    def _check_req_ids(step_id: StepId, ctx: StepContext, rows: StepRows, req_ids: tuple[Any, ...]) -> None:
+        """Refuse requests that are not the step's (I4)."""
+        if _same_ids(req_ids, rows.req_ids):  # the usual call: every request, in order
+            return
+        if outside := [r for r in req_ids if rows.write_of(r) is None]:
+            raise OmniPrefixCacheUnmatchError(
+                f"materialize step {step_id}: requests {outside} are {PHRASE_OUTSIDE_SNAPSHOT} (saved at "
+                f"{ctx.saved_at} with requests {list(rows.req_ids)} in row order); nothing was consumed (I4)")
 
     def discard(self, step_id: StepId) -> None:
         """Consume ``step_id`` without building outputs."""
@@ -116,18 +132,16 @@ class StepConsumption:
         """A verify step's verdict before its id is handed on: request ``r`` keeps its first
         ``keep[r]`` rows of the step, the rest are never materialized and their KV slots are
         vacated (I14). A refusal changes nothing."""
+        # NOTE: the cut is computed under the lock from the rows it replaces: a second verdict
+        # racing this one cuts from what the first kept (a trim can only cut more, I14).
         with self._lock:
             ctx = self._contexts.get(step_id) if _is_step_id(step_id) else None
-        if ctx is None:
-            raise OmniPrefixCacheUnmatchError(f"trim_step: step {step_id!r} was {PHRASE_NOT_SAVED} by this manager; "
-                                              "nothing was trimmed (I1)")
-        if (trimmed := trim_rows(ctx.rows, keep, what=f"trim_step {step_id} (saved at {ctx.saved_at})")) is None:
-            return
-        with self._lock:
-            if self._contexts.get(step_id) is not ctx:  # consumed meanwhile: its output is out already
+            if ctx is None:
                 raise OmniPrefixCacheUnmatchError(
-                    f"trim_step: step {step_id} was consumed while it was trimmed ({PHRASE_NOT_SAVED}): a verdict "
-                    "must come before the step id is handed to a consumer; nothing was trimmed (I14)")
+                    f"trim_step: step {step_id!r} was {PHRASE_NOT_SAVED} by this manager (or a consumer is "
+                    "consuming it: a verdict must come before the step id is handed on); nothing was trimmed (I1)")
+            if (trimmed := trim_rows(ctx.rows, keep, what=f"trim_step {step_id} (saved at {ctx.saved_at})")) is None:
+                return
             ctx.rows, dropped = trimmed
             self._count_locked("trimmed_rows", len(dropped))
         self._vacate(ctx.slots_np[dropped])

@@ -213,22 +213,71 @@ def test_I14_a_bool_is_no_step_id_even_where_step_1_is_this_managers(monkeypatch
     assert m.shutdown() == {}
 
 
-def test_I14_a_step_consumed_while_its_verdict_is_worked_out_is_not_trimmed(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """The verdict reads the step's rows, then a consumer takes the step before the verdict lands:
-    the verdict is refused, the consumer got every row, and no KV slot is vacated."""
+def test_I14_a_verdict_while_a_consumer_holds_the_step_is_refused() -> None:
+    """A consumer has taken the step (its outputs are being built) when the verdict comes: the
+    verdict is refused, the consumer gets every row, and no KV slot is vacated."""
+    m = manager()
+    step = _verify_step(m)
+    reader = m.consumption.reader
+    real = reader.build_outputs
+    refusals: list[str] = []
+
+    def verdict_meanwhile(*args: object, **kwargs: object) -> object:
+        with pytest.raises(OmniPrefixCacheUnmatchError, match=PHRASE_NOT_SAVED) as refused:
+            m.trim_step(step, {"A": 1})
+        refusals.append(str(refused.value))
+        return real(*args, **kwargs)
+
+    reader.build_outputs = verdict_meanwhile  # type: ignore[method-assign]
+    served = m.materialize(step, ["A"]).hidden_states["A"]
+    assert refusals and "a verdict must come before the step id is handed on" in refusals[0]
+    assert m.stats()["trimmed_rows"] == 0
+    assert torch.equal(served, torch.cat([truth("A", range(7, 9)), truth("draft", range(9, 12))]))
+    assert m.shutdown() == {}
+
+
+def test_I14_two_racing_verdicts_cut_from_each_other(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A second verdict (keep 1) arrives while the first (keep 3) is worked out: it cuts from what
+    the first kept, never from the untrimmed rows, so the stricter cut stands (a trim only cuts more)."""
+    import threading
+
     m = manager()
     step = _verify_step(m)
     real = consumption_module.trim_rows
+    racer: list[threading.Thread] = []
+
+    def second_verdict_meanwhile(*args: object, **kwargs: object) -> object:
+        if not racer:
+            racer.append(threading.Thread(target=m.trim_step, args=(step, {"A": 1})))
+            racer[0].start()
+            racer[0].join(timeout=0.5)  # it waits for this verdict to land (before: it landed first)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(consumption_module, "trim_rows", second_verdict_meanwhile)
+    m.trim_step(step, {"A": 3})
+    racer[0].join()
+    assert torch.equal(m.materialize(step, ["A"]).hidden_states["A"], truth("A", range(7, 8)))
+    assert m.stats()["trimmed_rows"] == 4  # 2 cut by the first verdict, 2 more by the second
+    assert m.shutdown() == {}
+
+
+def test_I1_a_materialize_naming_other_requests_never_turns_a_valid_consumer_away() -> None:
+    """A call naming a request outside the step is refused before it takes the step: a valid
+    consumer racing it (here: while its request ids are being looked at) consumes the step."""
+    m = manager()
+    m.new_step_starts([started("A")])
+    step = _save(m, [("A", A_BLOCKS, 0, 3, truth("A", range(3)))])
     served: list[torch.Tensor] = []
 
-    def consumed_meanwhile(*args: object, **kwargs: object) -> object:
-        result = real(*args, **kwargs)
-        served.append(m.materialize(step, ["A"]).hidden_states["A"])
-        return result
+    class SlowId(str):  # compared to the step's requests while the valid consumer runs
+        def __eq__(self, other: object) -> bool:
+            if not served:
+                served.append(m.materialize(step, ["A"]).hidden_states["A"])
+            return str.__eq__(self, other)
 
-    monkeypatch.setattr(consumption_module, "trim_rows", consumed_meanwhile)
-    with pytest.raises(OmniPrefixCacheUnmatchError, match="consumed while it was trimmed"):
-        m.trim_step(step, {"A": 1})
-    assert m.stats()["trimmed_rows"] == 0
-    assert torch.equal(served[0], torch.cat([truth("A", range(7, 9)), truth("draft", range(9, 12))]))
-    assert m.shutdown() == {}
+        __hash__ = str.__hash__
+
+    with pytest.raises(OmniPrefixCacheUnmatchError, match=PHRASE_OUTSIDE_SNAPSHOT):
+        m.materialize(step, [SlowId("Z")])
+    assert served and torch.equal(served[0], truth("A", range(3)))
+    assert m.shutdown() == {}  # consumed exactly once
