@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +27,7 @@ from omni_cache.harness.exit_codes import EXIT_FAILED as EXIT_FAILED
 from omni_cache.harness.exit_codes import EXIT_INCOMPLETE as EXIT_INCOMPLETE
 from omni_cache.harness.exit_codes import EXIT_OK as EXIT_OK
 from omni_cache.harness.exit_codes import EXIT_USAGE as EXIT_USAGE
+from omni_cache.integration.delivery_settings import write_problem
 
 PLOT_SUFFIXES = (".png", ".svg")
 
@@ -130,7 +132,8 @@ def int_list(lo: int = 1, hi: int | None = None) -> Callable[[str], list[int]]:
 
 
 def file_in_existing_folder(*suffixes: str) -> Callable[[str], Path]:
-    """A file path ending in one of ``suffixes`` whose folder exists (nothing is created but the file)."""
+    """A file path ending in one of ``suffixes`` whose folder exists and takes the file (nothing is left behind:
+    a probe file is made and removed at once; an existing file must be writable)."""
     shown = " or ".join(suffixes)
 
     def parse(text: str) -> Path:
@@ -143,6 +146,10 @@ def file_in_existing_folder(*suffixes: str) -> Callable[[str], Path]:
                 f"folder {str(folder)!r} does not exist (create it first), got {text!r}")
         if path.is_dir():
             raise argparse.ArgumentTypeError(f"{text!r} is a folder, not a file")
+        # NOTE: tried at parse time, so a long run never ends unable to write what it measured
+        problem = write_problem(folder) if not path.exists() else None if os.access(path, os.W_OK) else "read-only"
+        if problem is not None:
+            raise argparse.ArgumentTypeError(f"cannot write {text!r}: {problem}")
         return path
 
     parse.__name__ = "path"

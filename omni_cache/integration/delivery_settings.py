@@ -14,9 +14,11 @@ claimed by the worker, ``delivery_files.DeliveryStore``).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import secrets
+import tempfile
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -24,7 +26,7 @@ from typing import Any
 
 from omni_cache.integration.delivery_paths import DeliveryPaths
 
-__all__ = ["DELIVERY_KEYS", "DeliverySettings", "directory_problem"]
+__all__ = ["DELIVERY_KEYS", "DeliverySettings", "directory_problem", "write_problem"]
 
 _BOOL_KEYS = ("include_output_tokens", "allow_custom_save_path")
 _POSITIVE_KEYS = {"delivery_max_bytes": int, "delivery_max_age_s": float, "delivery_timeout_s": float,
@@ -84,22 +86,38 @@ class DeliverySettings:
 
 
 def directory_problem(path: str | os.PathLike[str]) -> str | None:
-    """Why ``path`` cannot be a directory the cache creates and writes (None: it can, as far as can be
-    told before trying): an existing file or unwritable directory, or a missing path whose nearest
-    existing ancestor is not a directory or is not writable. A setting's refusal at start, naming it, instead of an ``OSError``
+    """Why ``path`` cannot be a directory the cache creates and writes (None: it can): an existing file
+    or a directory no file can be made in, or a missing path whose nearest existing ancestor is not a
+    directory or takes no new entry. A setting's refusal at start, naming it, instead of an ``OSError``
     from deep inside the engine when the directory is first made."""
     path = os.path.abspath(os.fspath(path))
     if os.path.exists(path):
         if not os.path.isdir(path):
             return "is an existing file, not a directory"
-        return None if os.access(path, os.W_OK | os.X_OK) else "is a directory that is not writable"
+        problem = write_problem(path)
+        return None if problem is None else f"is a directory no file can be written in ({problem})"
     parent = os.path.dirname(path)
     while not os.path.exists(parent) and os.path.dirname(parent) != parent:
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent):
         return f"cannot be created: {parent!r} is a file, not a directory"
-    if not os.access(parent, os.W_OK | os.X_OK):
-        return f"cannot be created: {parent!r} is not writable"
+    if (problem := write_problem(parent)) is not None:
+        return f"cannot be created in {parent!r} ({problem})"
+    return None
+
+
+def write_problem(folder: str | os.PathLike[str]) -> str | None:
+    """Why no new file can be made in the existing directory ``folder`` (None: one can).
+
+    NOTE: tried, not predicted: a probe file is created and removed at once. ``os.access`` answers
+    yes for root on a read-only mount or ``/proc``, where the first real write fails."""
+    try:
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".omni-cache-probe-")
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
+    os.close(fd)
+    with contextlib.suppress(OSError):
+        os.unlink(probe)
     return None
 
 

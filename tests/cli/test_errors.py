@@ -79,6 +79,11 @@ USAGE_ERRORS = [
     (["bench", "--quick", "--profile", "--decode-steps", "0"], "usage: omni-cache bench", "--decode-steps >= 1, got 0"),
     (["bench", "--plot", "x.txt"], "usage: omni-cache bench", "argument --plot: wants a file ending in .png or .svg"),
     (["bench", "--plot", "no/such/folder/x.png"], "usage: omni-cache bench", "folder 'no/such/folder' does not exist"),
+    # a folder that takes no file (procfs: not even root's) is refused before the run, not after it
+    (["bench", "--plot", "/proc/x.png"], "usage: omni-cache bench", "argument --plot: cannot write '/proc/x.png'"),
+    (["bench", "--sweep", "/proc/x.svg"], "usage: omni-cache bench", "argument --sweep: cannot write '/proc/x.svg'"),
+    (["diagram", "--write", "--path", "/proc/x.md"], "usage: omni-cache diagram",
+     "argument --path: cannot write '/proc/x.md'"),
     (["diagram", "--write", "--path", "no/such/folder/state_machines.md"], "usage: omni-cache diagram",
      "argument --path: folder 'no/such/folder' does not exist"),
     (["diagram", "--check", "--machine", "write"], "usage: omni-cache diagram",

@@ -128,6 +128,8 @@ def test_sweep_covers_its_grid_and_plots(tmp_path: Any) -> None:
     assert all(p.python_lines <= min(several) for p in points if p.requests == 1)
     path = write_sweep_plot(points, tmp_path / "sweep.png", title="t")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    svg = write_sweep_plot(points, tmp_path / "sweep.svg", title="t")  # the suffix names the format
+    assert svg.read_text().lstrip().startswith("<?xml") and "<svg" in svg.read_text()
     assert [g.num_blocks for g in growth_per_request(points)] == [64, 128]
 
 

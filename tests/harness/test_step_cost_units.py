@@ -144,7 +144,10 @@ def test_the_width_sweeps_models_and_arithmetic(tmp_path: Any) -> None:
     assert row["20 layers: decode / prefill"] == "1.00% / 0.10%" and row["fwd µs/layer decode"] == "1,000"
     out = write_sweep_plot([p, SweepPoint(2048, "float32", 2, 8, 256, 220, 6000, 350, 90000, 160)],
                            str(tmp_path / "sweep.png"), title="t", footnote="f")
-    assert (tmp_path / "sweep.png").stat().st_size > 10_000 and out.endswith("sweep.png")
+    assert (tmp_path / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.endswith("sweep.png")
+    assert (tmp_path / "sweep.png").stat().st_size > 10_000
+    write_sweep_plot([p], str(tmp_path / "sweep.svg"), title="t", footnote="f")
+    assert "<svg" in (tmp_path / "sweep.svg").read_text()
 
 
 # ---------------------------------------------------------------------- pipeline speed targets

@@ -288,13 +288,20 @@ def test_tier_settings_accept_delivery_without_a_wrapped_connector(tmp_path: Pat
             tier_settings({"omni_cache": {"delivery_dir": str(tmp_path), key: str(a_file / "sub")}})
     locked = tmp_path / "locked"
     locked.mkdir(mode=0o500)
-    if not os.access(locked, os.W_OK):  # root may write anywhere: nothing to refuse then
-        with pytest.raises(OmniPrefixCacheUnmatchError, match=r"delivery_dir '.*locked' is a directory that is not "
-                                                              "writable"):
+    if not os.access(locked, os.W_OK):  # root may write anywhere: the /proc checks below still apply
+        with pytest.raises(OmniPrefixCacheUnmatchError, match=r"delivery_dir '.*locked' is a directory no file can "
+                                                              r"be written in \(Permission denied\)"):
             tier_settings({"omni_cache": {"delivery_dir": str(locked)}})
-        with pytest.raises(OmniPrefixCacheUnmatchError, match=r"tier_dir'\] '.*locked/deep/er' cannot be created: "
-                                                              r"'.*locked' is not writable"):
+        with pytest.raises(OmniPrefixCacheUnmatchError, match=r"tier_dir'\] '.*locked/deep/er' cannot be created in "
+                                                              r"'.*locked' \(Permission denied\)"):
             tier_settings({"omni_cache": {"delivery_dir": str(tmp_path), "tier_dir": str(locked / "deep" / "er")}})
+    if os.path.isdir("/proc/self"):  # procfs takes no new entry, not even from root (os.access says yes to root)
+        for key in ("tier_dir", "delivery_dir"):
+            with pytest.raises(OmniPrefixCacheUnmatchError, match=rf"{key}\W+'/proc/omni-cache-x' cannot be created "
+                                                                  r"in '/proc' \("):
+                tier_settings({"omni_cache": {"delivery_dir": str(tmp_path), key: "/proc/omni-cache-x"}})
+        with pytest.raises(OmniPrefixCacheUnmatchError, match=r"delivery_dir '/proc/self' is a directory no file"):
+            tier_settings({"omni_cache": {"delivery_dir": "/proc/self"}})
     assert tier_settings({"omni_cache": {"delivery_dir": str(tmp_path / "new" / "deep"),
                                          "tier_dir": str(tmp_path / "t")}})["tier_dir"] == str(tmp_path / "t")
 

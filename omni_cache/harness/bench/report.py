@@ -17,6 +17,7 @@ from rich.table import Table
 
 from omni_cache.harness.bench.machine import MachineBenchResult
 from omni_cache.harness.bench.runner import FLOOR, OMNI, BenchResult
+from omni_cache.harness.figures import save_figure
 
 
 def _fmt(value: float | None, digits: int = 1) -> str:
@@ -150,9 +151,6 @@ def write_plot(result: BenchResult, path: str | Path) -> Path:
     import matplotlib.pyplot as plt
 
     path = Path(path)
-    fmt = path.suffix.lower().lstrip(".")
-    if fmt not in ("png", "svg"):
-        raise ValueError(f"plot path must end in .png or .svg, got {str(path)!r}")
     if not path.parent.is_dir():
         raise ValueError(f"plot folder {str(path.parent)!r} does not exist")
     cfg = result.config
@@ -223,7 +221,4 @@ def write_plot(result: BenchResult, path: str | Path) -> Path:
              f"measured {when}, commit {cfg.get('commit', '?')}: {cfg.get('command') or 'omni-cache bench'}",
              ha="left", va="bottom", fontsize=7.5, color="0.25")
     fig.tight_layout(rect=(0, 0.09, 1, 0.86))
-    with matplotlib.rc_context({"svg.fonttype": "none"}):  # SVG keeps its text as text (searchable)
-        fig.savefig(path, format=fmt, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

@@ -47,6 +47,7 @@ from omni_cache.harness.bench.breakdown import step_breakdown
 from omni_cache.harness.bench.narrow import narrow_bookkeeping
 from omni_cache.harness.bench.runner import ManagerFactory, bench_batch
 from omni_cache.harness.bench.workload import WorkloadSpec
+from omni_cache.harness.figures import save_figure
 
 REQUESTS: tuple[int, ...] = (1, 8, 32, 128)
 NUM_BLOCKS: tuple[int, ...] = (1024, 4096, 16384)
@@ -283,7 +284,4 @@ def write_sweep_plot(points: list[SweepPoint], path: str | Path, *, title: str =
     if footnote:
         fig.text(0.01, 0.01, footnote, ha="left", va="bottom", fontsize=7.5, color="0.25")
     fig.tight_layout(rect=(0, 0.07 if footnote else 0, 1, 0.85))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format="png", dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

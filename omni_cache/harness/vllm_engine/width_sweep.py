@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from omni_cache.harness.figures import save_figure
 from omni_cache.harness.vllm_engine.models import BLOCK_SIZE, TINY_LLAMA
 
 __all__ = ["DTYPES", "WIDTHS", "SweepPoint", "run_width_sweep", "sweep_config", "sweep_rows", "write_sweep_plot"]
@@ -189,6 +190,4 @@ def write_sweep_plot(points: list[SweepPoint], path: str, *, title: str, footnot
     fig.suptitle(title, fontsize=10)
     fig.text(0.01, 0.01, footnote, fontsize=7, va="bottom")
     fig.tight_layout(rect=(0, 0.06, 1, 0.95))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return str(save_figure(fig, path))
