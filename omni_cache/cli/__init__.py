@@ -15,11 +15,14 @@ Upholds nothing (dispatch).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
 from omni_cache.cli.args import EXIT_FAILED, CliParser, add_debug_flag
+from omni_cache.harness.exit_codes import EXIT_BROKEN_PIPE
 
 # Subcommands, in the order ``omni-cache --help`` lists them.
 SUBCOMMANDS: tuple[str, ...] = ("selfcheck", "diagram", "simulate", "pipeline", "serve", "check-server", "bench",
@@ -61,6 +64,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
+        try:
+            return _run(argv)
+        finally:
+            sys.stdout.flush()  # a reader that left shows here, not in the interpreter's last flush
+    except BrokenPipeError:  # stdout's reader left (``| head``): it read what it wanted; no error line
+        with contextlib.suppress(OSError, ValueError):  # NOTE: so the interpreter's last flush cannot fail again
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+
+
+def _run(argv: Sequence[str] | None) -> int:
+    try:
         args = parse_args(argv)
     except KeyboardInterrupt:
         print("omni-cache: interrupted", file=sys.stderr)
@@ -70,6 +85,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C, also while torch loads: one line, exit 130
         print(f"omni-cache {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        raise
     except Exception as exc:
         if args.debug:
             raise

@@ -140,6 +140,19 @@ def _refuse_unused_flags(args: argparse.Namespace) -> None:
                                     ("--seed", args.seed != 0))):
         problems.append(f"{', '.join(unused)} {'does' if len(unused) == 1 else 'do'} not apply to "
                         f"{' and '.join(engines)} (a real vLLM engine's run)")
+    if args.machine and args.seed != 0:
+        problems.append("--seed does not apply to --machine (it draws no workload)")
+    own = given(("--preset", args.preset), ("--sweep", args.sweep))
+    if own and (unused := given(("--batch-sizes", args.batch_sizes), ("--seed", args.seed != 0))):
+        problems.append(f"{', '.join(unused)} {'does' if len(unused) == 1 else 'do'} not apply to "
+                        f"{' and '.join(own)} (its own workloads)")
+    if args.sweep and (unused := given(("--no-verify", args.no_verify), ("--quick", args.quick))):
+        problems.append(f"{', '.join(unused)} {'does' if len(unused) == 1 else 'do'} not apply to --sweep (its grid "
+                        "is its own; its passes are checked against the ground truth)")
+    if args.memory and not own and (unused := given(("--repeats", args.repeats is not None),
+                                                    ("--no-verify", args.no_verify), ("--async", args.async_))):
+        problems.append(f"{', '.join(unused)} {'does' if len(unused) == 1 else 'do'} not apply to --memory "
+                        "(it counts bytes; nothing is timed or served)")
     if args.num_prompts is not None and args.served is None:
         problems.append("--num-prompts goes with --served")
     if args.preset and args.quick:

@@ -69,8 +69,8 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--output-tolerance", type=float_range(0, 1), default=1e-5,
                         help="output-token rows (include_output_tokens requests): the same, for rows computed in "
                         "decode steps, which vLLM's CPU kernels do not compute batch-invariantly (default 1e-5)")
-    parser.add_argument("--timeout", type=float_range(0, lo_open=True), default=120.0,
-                        help="seconds per HTTP request (default 120)")
+    parser.add_argument("--timeout", type=float_range(0, 86_400, lo_open=True), default=120.0,
+                        help="seconds per HTTP request, > 0 and <= 86,400 (default 120)")
     parser.add_argument("--keep-files", action="store_true", help="leave the checked files in place")
     parser.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
     parser.set_defaults(func=run)

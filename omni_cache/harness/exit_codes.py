@@ -1,6 +1,6 @@
 """The exit codes every ``omni-cache`` command shares, for the runs that decide them.
 
-Owns: ``EXIT_OK``, ``EXIT_FAILED``, ``EXIT_USAGE`` and ``EXIT_INCOMPLETE``. A harness run's report
+Owns: ``EXIT_OK``, ``EXIT_FAILED``, ``EXIT_USAGE``, ``EXIT_INCOMPLETE`` and ``EXIT_BROKEN_PIPE``. A harness run's report
 (``pipeline``'s ``exit_code``) decides which one its command returns, so they sit in the harness
 wing, below the command line; ``omni_cache.cli.args`` hands them to the subcommands.
 
@@ -9,7 +9,7 @@ Upholds: nothing (a vocabulary).
 
 from __future__ import annotations
 
-__all__ = ["EXIT_FAILED", "EXIT_INCOMPLETE", "EXIT_OK", "EXIT_USAGE"]
+__all__ = ["EXIT_BROKEN_PIPE", "EXIT_FAILED", "EXIT_INCOMPLETE", "EXIT_OK", "EXIT_USAGE"]
 
 EXIT_OK = 0
 """Everything asked for ran and was verified."""
@@ -20,3 +20,6 @@ EXIT_USAGE = 2
 EXIT_INCOMPLETE = 3
 """It ran without a wrong result, but did less than asked or missed its target (simulate: requests
 dropped or steps cut; bench: a ratio below the target)."""
+EXIT_BROKEN_PIPE = 141
+"""stdout's reader left before the output was written (``| head``): 128 + SIGPIPE, as a shell
+reports such a writer; no error line (the reader took what it wanted)."""

@@ -1,5 +1,6 @@
 """Ctrl-C ends any ``omni-cache`` command at once: one line on stderr, exit 130, no traceback,
-and no TLC (java) process left running behind ``omni-cache verify``.
+and no TLC (java) process left running behind ``omni-cache verify``. A reader of stdout that
+leaves (``| head``) ends a command quietly with a shell's SIGPIPE status, 141.
 
 The verify test interrupts a real ``omni-cache verify`` subprocess while its TLC JVMs run (it
 waits for a java child, a bounded wait on a condition, then sends SIGINT to the Python process
@@ -168,3 +169,23 @@ def test_an_interrupted_simulation_stops_its_threads_and_logs_nothing(async_mode
     assert not any(t.name == "omni-sim-builder" and t.is_alive() for t in threading.enumerate())
     with pytest.raises(Exception, match="shut down"):
         sim.manager.check_usable("save_outputs")
+
+
+# stdout is a pipe whose reader has already left (``omni-cache ... | head`` once head exits).
+_READER_GONE = """
+import os, sys
+r, w = os.pipe()
+os.close(r)
+os.dup2(w, 1)
+from omni_cache.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("argv", [["diagram"], ["diagram", "--machine", "write"]])
+def test_a_reader_that_leaves_is_no_error(argv: list[str]) -> None:
+    """``| head``: the command stops with a shell's SIGPIPE status (141) and says nothing on stderr
+    (before: ``error: BrokenPipeError``, exit 1, the code of a failed check)."""
+    done = subprocess.run([sys.executable, "-c", _READER_GONE, *argv], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stderr) == (141, ""), (done.returncode, done.stderr[-2000:])

@@ -89,7 +89,8 @@ class FakeServer:
     ``None`` (correct), ``"perturb_hit"`` (a hit's cached row 1 is off), ``"overclaim"`` (a hit
     claims more cached rows than its family shares), ``"no_hits"``, ``"no_file"`` (a hit's
     response names no file), ``"short_hit"`` (a hit's file lacks its cached rows and their ids, the
-    shape of vLLM issue 44485), ``"bad_ids"`` (a hit's file has a wrong token id)."""
+    shape of vLLM issue 44485), ``"bad_ids"`` (a hit's file has a wrong token id), ``"not_vllm"``
+    (HTML, not JSON), ``"no_models"`` (an empty model list)."""
 
     def __init__(self, directory: Path, fault: str | None = None) -> None:
         self.directory, self.fault = directory, fault
@@ -99,7 +100,13 @@ class FakeServer:
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
-                self._reply({"object": "list", "data": [{"id": "fake-model"}]})
+                if server.fault == "not_vllm":  # another web server on the port
+                    self.send_response(200)
+                    self.send_header("Content-Length", "13")
+                    self.end_headers()
+                    self.wfile.write(b"<html></html>")
+                    return
+                self._reply({"object": "list", "data": [] if server.fault == "no_models" else [{"id": "fake-model"}]})
 
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -250,3 +257,19 @@ def test_an_unreachable_server_is_one_error_line(capsys) -> None:
     code = main(["check-server", f"http://127.0.0.1:{port}", "--timeout", "5"])
     err = capsys.readouterr().err
     assert code == 1 and err.count("\n") == 1 and err.startswith("omni-cache check-server: error: GET ")
+
+
+def test_a_loose_tolerance_still_catches_its_negative_control(serve, capsys) -> None:
+    """The control's perturbation grows with ``--tolerance``: every offered tolerance can pass a
+    correct server (before: any tolerance over 1e-3 failed its control)."""
+    for tolerance in ("0.01", "1"):
+        code, report = _check(serve().url, capsys, "--tolerance", tolerance)
+        assert code == 0 and report["control_caught"] and report["tolerance"] == float(tolerance)
+
+
+@pytest.mark.parametrize(("fault", "says"), [("not_vllm", "the answer is not a JSON object"),
+                                             ("no_models", "lists no model")])
+def test_a_server_that_is_not_vllm_is_one_error_line(serve, capsys, fault: str, says: str) -> None:
+    code = main(["check-server", serve(fault).url, "--timeout", "5"])
+    err = capsys.readouterr().err
+    assert code == 1 and err.count("\n") == 1 and says in err and "is this vLLM's OpenAI server" in err

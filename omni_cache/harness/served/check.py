@@ -104,23 +104,30 @@ class HttpError(RuntimeError):
 
 def _post(url: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
     request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            return json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        raise HttpError(f"POST {url}: HTTP {exc.code}: {exc.read()[:300]!r}") from None
-    except (urllib.error.URLError, TimeoutError, ConnectionError) as exc:
-        raise HttpError(f"POST {url}: {exc}") from None
+    return _json_of("POST", request, timeout_s)
 
 
 def _get(url: str, timeout_s: float) -> dict[str, Any]:
+    return _json_of("GET", urllib.request.Request(url), timeout_s)
+
+
+def _json_of(method: str, request: urllib.request.Request, timeout_s: float) -> dict[str, Any]:
+    """The JSON object a request answers; every other answer is one ``HttpError`` naming it."""
+    what = f"{method} {request.full_url}"
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as response:
-            return json.loads(response.read())
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            raw = response.read()
     except urllib.error.HTTPError as exc:
-        raise HttpError(f"GET {url}: HTTP {exc.code}") from None
+        raise HttpError(f"{what}: HTTP {exc.code}: {exc.read()[:300]!r}") from None
     except (urllib.error.URLError, TimeoutError, ConnectionError) as exc:
-        raise HttpError(f"GET {url}: {exc}") from None
+        raise HttpError(f"{what}: {exc}") from None
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        doc = None
+    if not isinstance(doc, dict):
+        raise HttpError(f"{what}: the answer is not a JSON object ({raw[:120]!r}): is this vLLM's OpenAI server?")
+    return doc
 
 
 def _reader() -> tuple[str, Any, Any]:
@@ -210,7 +217,11 @@ class ServerCheck:
         report = CheckReport(c.url, tolerance=c.tolerance, output_tolerance=c.output_tolerance)
         models = _get(self.base + "/v1/models", c.timeout_s)
         before = scrape_settled(self.base, c.timeout_s)
-        report.model = model = models["data"][0]["id"]
+        listed = models.get("data")
+        if not (isinstance(listed, list) and listed and isinstance(listed[0], dict) and listed[0].get("id")):
+            raise HttpError(f"GET {self.base}/v1/models lists no model ({str(models)[:120]}): is this vLLM's "
+                            "OpenAI server, with its model loaded?")
+        report.model = model = listed[0]["id"]
         reader_name, load, cleanup = _reader()
         report.reader = reader_name
         served: list[tuple[str, str, bool, dict[str, Any]]] = []
@@ -348,7 +359,8 @@ class ServerCheck:
         target = max(candidates, key=lambda c: c.cached_tokens)
         got, want = loaded[target.name]
         rows = got["hidden_states"].clone()
-        rows[0] = rows[0] + (rows[0].abs().max() + 1.0) * 1e-3
+        # NOTE: 10x the tolerance (at least 1e-3 of the row): a change any tolerance must catch
+        rows[0] = rows[0] + (rows[0].abs().max() + 1.0) * max(1e-3, 10 * self.config.tolerance)
         _, bad = compare_rows(rows[: target.prompt_tokens], want["hidden_states"][: target.prompt_tokens],
                               self.config.tolerance)
         if bad != 0:
