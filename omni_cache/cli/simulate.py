@@ -30,6 +30,7 @@ from omni_cache.cli.args import (
     non_negative_int,
     positive_int,
 )
+from omni_cache.cli.bench_gpu import no_cuda_before_torch
 from omni_cache.harness.sim_engine.workload import PRESETS
 
 
@@ -101,6 +102,8 @@ def run(args: argparse.Namespace) -> int:
         args.error("--kv-connector needs --engine vllm")
     if getattr(args, "model", None) is not None:
         args.error(f"--model {args.model} only applies to --engine vllm")
+    if args.device == "cuda" and (no_cuda := no_cuda_before_torch()) is not None:
+        args.error(f"--device cuda: {no_cuda}")
     if args.preset is None:
         args.preset = "chat"
     elif args.preset not in PRESETS:
