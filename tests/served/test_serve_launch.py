@@ -64,6 +64,9 @@ def _transfer(argv: list[str]) -> dict[str, Any]:
     (["--no-enable-prefix-caching"], "--no-enable-prefix-caching"),
     (["--kv-transfer-config", "{not json"], "--kv-transfer-config is not JSON"),
     (["--kv-transfer-config=[1, 2]"], "--kv-transfer-config must be a JSON object"),
+    (["--kv-transfer-config"], "--kv-transfer-config needs a JSON value"),  # before: dropped silently
+    (["--model", "other/model"], "--model other/model: serve's MODEL argument names the model"),
+    (["--model=other/model"], "--model other/model: serve's MODEL argument names the model"),
 ])
 def test_a_configuration_the_cache_cannot_run_is_refused(args: list[str], phrase: str) -> None:
     with pytest.raises(ValueError) as info:

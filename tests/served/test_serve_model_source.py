@@ -80,10 +80,30 @@ def test_a_cached_model_id_and_a_local_directory_are_served_offline(tmp_path: Pa
     (snapshot.parents[1] / "refs" / "main").write_text("0123abc")
     local = tmp_path / "my-model"
     local.mkdir()
-    for model in ("org/cached-model", str(local)):
+    (local / "config.json").write_text("{}")
+    mistral = tmp_path / "mistral-model"
+    mistral.mkdir()
+    (mistral / "params.json").write_text("{}")
+    gguf = tmp_path / "model.Q4.gguf"
+    gguf.write_bytes(b"GGUF")
+    for model in ("org/cached-model", str(local), str(mistral), str(gguf)):
         code, _, stdout, stderr = _serve(model, tmp_path, HF_HUB_OFFLINE="1")
         assert code == 0, stderr[-2000:]
         assert f"--model {model} " in stdout, stdout
+
+
+def test_an_existing_path_that_holds_no_model_is_refused(tmp_path: Path) -> None:
+    """A directory without a checkpoint's config, or a plain file, is refused before vLLM starts
+    (vLLM would fail after its slow start)."""
+    empty = tmp_path / "no-model"
+    empty.mkdir()
+    notes = tmp_path / "notes.txt"
+    notes.write_text("hello")
+    for model, phrase in ((empty, "is a directory with no config.json or params.json"),
+                          (notes, "is a file, not a model directory")):
+        code, _, _, stderr = _serve(str(model), tmp_path, HF_HUB_OFFLINE="1")
+        line = _one_error(stderr)
+        assert code == 2 and f"MODEL {str(model)!r}" in line and phrase in line, stderr[-2000:]
 
 
 def test_builtin_models_never_ask_the_hub(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -255,7 +255,12 @@ def serve_command(model: str, vllm_args: Sequence[str], *, delivery: dict[str, A
     if "--no-enable-prefix-caching" in args:
         raise ValueError("--no-enable-prefix-caching: the cache keeps the rows prefix caching skips; serve "
                          "with plain vLLM to run without it")
+    if (given := option_value(args, "--model")) is not None:
+        raise ValueError(f"--model {given[1]}: serve's MODEL argument names the model; a --model among vLLM's "
+                         "options would override it")
     user_config = option_value(args, "--kv-transfer-config")
+    if user_config is not None and user_config[1] is None:
+        raise ValueError("--kv-transfer-config needs a JSON value")
     if user_config is not None:
         del args[user_config[0] : user_config[0] + (1 if "=" in args[user_config[0]] else 2)]
     transfer = omni_transfer_config(user_config[1] if user_config else None, delivery, defaults)

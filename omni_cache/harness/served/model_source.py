@@ -6,8 +6,9 @@ or any id on a machine that cannot reach the hub) it retries the hub for about h
 ends in a traceback. The launcher asks first, without torch or vLLM, and refuses such a MODEL in
 one line:
 
-* a built-in model (``launch.BUILTIN``), an existing file or directory (as given: vLLM expands no
-  ``~``) or a URL (``s3://``, ``gs://``, ...: vLLM's to load): served;
+* a built-in model (``launch.BUILTIN``), a checkpoint directory (one with a ``config.json`` or a
+  Mistral ``params.json``) or ``.gguf`` file (as given: vLLM expands no ``~``) or a URL (``s3://``,
+  ``gs://``, ...: vLLM's to load): served; any other existing file or directory: refused;
 * a path that does not exist (absolute, ``.``/``~``-relative, or of more than two parts): refused;
 * a model id in the local Hugging Face cache: served (offline too);
 * otherwise, with ``HF_HUB_OFFLINE`` (or ``TRANSFORMERS_OFFLINE``): refused; without it the hub is
@@ -28,6 +29,7 @@ __all__ = ["model_problem"]
 
 _TRUE = ("1", "true", "yes", "on")  # huggingface_hub's reading of its boolean variables
 _HUB_TIMEOUT_S = 10.0
+_MODEL_DIR_FILES = ("config.json", "params.json")
 
 
 def _env_true(name: str, true: tuple[str, ...] = _TRUE) -> bool:
@@ -43,10 +45,18 @@ def model_problem(model: str, builtin: Iterable[str], *, token: str | None = Non
     """None when vLLM can load ``model``, else one line saying why not (see the module docstring).
     ``token`` and ``revision``: the server's ``--hf-token`` and ``--revision``."""
     names = sorted(builtin)
-    if model in names or os.path.exists(model) or "://" in model:
-        return None
     shown = _one_line(repr(model))
     choices = f"give a built-in model ({', '.join(names)}), a local directory or a Hugging Face model id"
+    if model in names or "://" in model:
+        return None
+    if os.path.isdir(model):  # a checkpoint directory: Hugging Face's config.json, or Mistral's params.json
+        if any(os.path.isfile(os.path.join(model, name)) for name in _MODEL_DIR_FILES):
+            return None
+        return f"MODEL {shown} is a directory with no {' or '.join(_MODEL_DIR_FILES)}: no model vLLM can load; {choices}"
+    if os.path.exists(model):
+        if model.lower().endswith(".gguf"):  # the one single-file checkpoint vLLM loads
+            return None
+        return f"MODEL {shown} is a file, not a model directory (or a .gguf checkpoint); {choices}"
     if os.path.isabs(model) or model.startswith((".", "~")) or model.count("/") > 1:
         return f"MODEL {shown}: no such file or directory; {choices}"
     if _env_true("VLLM_USE_MODELSCOPE", ("1", "true")):  # vLLM's own reading of it
