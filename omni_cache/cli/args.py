@@ -109,6 +109,8 @@ def _range_text(noun: str, lo: float | None, hi: float | None, *, lo_open: bool 
 
 positive_int = int_range(1)
 non_negative_int = int_range(0)
+seed_int = int_range(0, 2**32 - 1)
+"""A random seed: what every generator the runs seed takes (torch's overflows past 2**64)."""
 positive_float = float_range(0, lo_open=True)
 non_negative_float = float_range(0)
 
@@ -166,6 +168,13 @@ def existing_folder(text: str) -> Path:
     if not path.is_dir():
         raise argparse.ArgumentTypeError(f"wants an existing folder, got {text!r}")
     return path
+
+
+def non_empty_text(text: str) -> str:
+    """Any text but an empty (or blank) one: an empty filter would select everything."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"wants a non-empty text, got {text!r}")
+    return text
 
 
 def choice_pattern(*forms: str) -> Callable[[str], str]:

@@ -30,7 +30,14 @@ import sys
 import time
 from typing import Any, TypedDict
 
-from omni_cache.cli.args import EXIT_FAILED, EXIT_INCOMPLETE, int_list, int_range, non_negative_int, plot_path
+from omni_cache.cli.args import (
+    EXIT_FAILED,
+    EXIT_INCOMPLETE,
+    int_list,
+    int_range,
+    plot_path,
+    seed_int,
+)
 from omni_cache.cli.bench_engine import add_arguments as add_engine_arguments
 from omni_cache.cli.bench_gpu import add_arguments as add_gpu_arguments
 from omni_cache.cli.bench_gpu import run_gpu
@@ -82,7 +89,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                         help="run the manager with eager=False (committer thread); default is eager")
     parser.add_argument("--threads", type=int_range(1, 1024), default=1,
                         help="torch intra-op threads during the run, >= 1 (default 1: stable on shared machines)")
-    parser.add_argument("--seed", type=non_negative_int, default=0, help="ground-truth and block-table seed, >= 0")
+    parser.add_argument("--seed", type=seed_int, default=0, help="ground-truth and block-table seed, 0 to 2**32 - 1")
     parser.add_argument("--quick", action="store_true",
                         help="a tiny smoke run (batch 2,4; narrow rows; 6 decode steps): ratios, no verdict")
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of tables")

@@ -17,7 +17,7 @@ import json
 import sys
 from typing import Any
 
-from omni_cache.cli.args import EXIT_FAILED, EXIT_INCOMPLETE, EXIT_OK, float_range, int_range
+from omni_cache.cli.args import EXIT_FAILED, EXIT_INCOMPLETE, EXIT_OK, float_range, int_range, seed_int
 
 __all__ = ["register"]
 
@@ -63,7 +63,7 @@ def register(subparsers: Any) -> None:
                         help="words of each family's shared prefix (default 40)")
     parser.add_argument("--max-tokens", type=int_range(1, 256), default=4, help="tokens generated (default 4)")
     parser.add_argument("--concurrency", type=int_range(1, 64), default=6, help="requests in flight (default 6)")
-    parser.add_argument("--seed", type=int_range(0), default=0, help="prompt seed (default 0)")
+    parser.add_argument("--seed", type=seed_int, default=0, help="prompt seed, 0 to 2**32 - 1 (default 0)")
     parser.add_argument("--tolerance", type=float_range(0, 1), default=0.0,
                         help="prompt rows: largest |diff| / max |row| per row still equal (default 0: bit for bit)")
     parser.add_argument("--output-tolerance", type=float_range(0, 1), default=1e-5,

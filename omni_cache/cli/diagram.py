@@ -71,7 +71,9 @@ def run(args: argparse.Namespace) -> int:
         current = path.read_text(encoding="utf-8") if path.exists() else None
         if current != spec_render.render_state_machines_md():
             state = "is missing" if current is None else "is stale"
-            print(f"{path} {state}: {spec_render.REGENERATE_HINT}", file=sys.stderr)
+            hint = (spec_render.REGENERATE_HINT if args.path is None else
+                    f"run `omni-cache diagram --write --path {args.path}` and commit the result")
+            print(f"{path} {state}: {hint}", file=sys.stderr)
             return 1
         print(f"{path} is up to date")
         return 0

@@ -17,7 +17,7 @@ import json
 import sys
 from typing import Any
 
-from omni_cache.cli.args import EXIT_USAGE, float_range, int_range, non_negative_int
+from omni_cache.cli.args import EXIT_USAGE, float_range, int_range, seed_int
 from omni_cache.cli.simulate_vllm import add_model_argument, add_speculative_argument
 from omni_cache.harness.pipeline.workload import MAX_REQUESTS, PRESETS, plan_turns
 from omni_cache.harness.vllm_engine.grid import KV_CONNECTORS, check_kv_connector, check_parallel_config
@@ -51,8 +51,8 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--requests", type=int_range(1, MAX_REQUESTS),
                         help=f"thinker requests (conversation turns count one each), 1 to {MAX_REQUESTS} "
                         "(default: the preset's, 12)")
-    parser.add_argument("--seed", type=non_negative_int, default=0,
-                        help="workload and talker-weight seed, >= 0 (default: 0)")
+    parser.add_argument("--seed", type=seed_int, default=0,
+                        help="workload and talker-weight seed, 0 to 2**32 - 1 (default: 0)")
     parser.add_argument("--talker-tokens", type=int_range(1, 64), help="tokens the talker generates, 1 to 64 "
                         "(default: 8)")
     parser.add_argument("--tolerance", type=float_range(0, 1),

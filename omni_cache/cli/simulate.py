@@ -27,8 +27,8 @@ from omni_cache.cli.args import (
     float_range,
     incomplete_exit,
     int_range,
-    non_negative_int,
     positive_int,
+    seed_int,
 )
 from omni_cache.cli.bench_gpu import no_cuda_before_torch
 from omni_cache.harness.sim_engine.workload import PRESETS
@@ -62,7 +62,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--num-blocks", type=int_range(1, 1 << 24), help="KV cache blocks (a request may use half)")
     parser.add_argument("--block-size", type=int_range(1, 4096), help="tokens per KV block, 1 to 4096")
     parser.add_argument("--max-num-seqs", type=int_range(1, 1 << 16), help="most running requests, >= 1")
-    parser.add_argument("--seed", type=non_negative_int, default=0, help="workload seed, >= 0 (default: 0)")
+    parser.add_argument("--seed", type=seed_int, default=0, help="workload seed, 0 to 2**32 - 1 (default: 0)")
     parser.add_argument("--steps-limit", type=positive_int,
                         help="stop after this many engine steps (a cut run exits 3 unless --allow-incomplete)")
     parser.add_argument("--allow-incomplete", action="store_true",

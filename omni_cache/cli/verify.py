@@ -28,6 +28,7 @@ from omni_cache.cli.args import (
     existing_folder,
     float_range,
     int_range,
+    non_empty_text,
 )
 
 if TYPE_CHECKING:  # imported when a run needs them: the arguments are parsed first
@@ -48,7 +49,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             "tla/<model>/MC*.cfg, or check a copy: --cfg my.cfg --spec tla/staging/MCStaging.tla."
         ),
     )
-    parser.add_argument("--only", metavar="SUBSTRING", help="run only entries whose model/spec/cfg contains it")
+    parser.add_argument("--only", metavar="SUBSTRING", type=non_empty_text,
+                        help="run only entries whose model/spec/cfg contains it")
     parser.add_argument(
         "--tier", choices=("ci", "nightly", "all"), default=None,
         help="which manifest runs: ci (default; small constants), nightly (larger constants), all",
@@ -66,7 +68,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument("--jobs", type=int_range(1, 64), default=None,
                         help="TLC processes at a time, 1 to 64 (each -workers 1; default: one per core)")
     parser.add_argument("--timeout", type=float_range(0, 86_400, lo_open=True), default=300.0,
-                        help="seconds per TLC run, > 0 (default 300)")
+                        help="seconds per TLC run, > 0 and <= 86,400 (default 300)")
     parser.add_argument("--tla-dir", type=existing_folder, default=None, help="the tla/ folder (default: this checkout's)")
     parser.add_argument(
         "--cfg", type=Path, default=None,
@@ -240,7 +242,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(doc, indent=2))
     else:
         title = "omni-cache verify: TLC ad-hoc run" if args.cfg else "omni-cache verify: TLC on tla/manifest.json"
-        _print_table(results, title, wall_s, None if args.cfg else args.jobs or default_jobs())
+        _print_table(results, title, wall_s, None if args.cfg else args.jobs or default_jobs(),
+                     only=None if args.cfg else args.only)
         for r in surprises:
             print(f"SURPRISE {r.entry.name}: {'; '.join(r.problems)}", file=sys.stderr)
             if r.detail:
@@ -249,8 +252,10 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_FAILED if surprises else 0
 
 
-def _print_table(results: list[RunResult], title: str, wall_s: float, jobs: int | None) -> None:
-    """The runs' table and a summary line; ``jobs`` None: one ad-hoc run, judged by its --expect."""
+def _print_table(results: list[RunResult], title: str, wall_s: float, jobs: int | None, *,
+                 only: str | None = None) -> None:
+    """The runs' table and a summary line; ``jobs`` None: one ad-hoc run, judged by its --expect;
+    ``only``: the --only that selected the runs (the line then claims those runs, not the manifest)."""
     from rich.console import Console
     from rich.table import Table
 
@@ -280,5 +285,6 @@ def _print_table(results: list[RunResult], title: str, wall_s: float, jobs: int 
         return
     console.print(
         f"{len(results)} runs, {bad} surprise(s), {wall_s:.1f} s wall ({total:.1f} s of TLC runs, {jobs} at a time)"
-        + ("" if bad else ": every model and broken variant behaves as the manifest says")
+        + ("" if bad else f": every run --only {only!r} selects behaves as the manifest says" if only
+           else ": every model and broken variant behaves as the manifest says")
     )

@@ -99,6 +99,7 @@ USAGE_ERRORS = [
      "--path names the spec file of --write/--check; printing takes no file"),
     (["verify", "--tla-dir", "no/such/tla"], "usage: omni-cache verify", "argument --tla-dir: wants an existing folder"),
     (["verify", "--jobs", "0"], "usage: omni-cache verify", "argument --jobs: wants an integer from 1 to 64, got 0"),
+    (["verify", "--only", ""], "usage: omni-cache verify", "argument --only: wants a non-empty text, got ''"),
     (["verify", "--timeout", "0"], "usage: omni-cache verify", "argument --timeout: wants a number > 0"),
     (["verify", "--expect", "STARTED"], "usage: omni-cache verify", "argument --expect: wants one of ok, deadlock"),
     # Refused after parsing (they need the preset tables or the file system), with the usage all the same.

@@ -173,3 +173,12 @@ def test_diagram_write_outside_a_checkout_needs_a_path(
     assert err.startswith("usage: omni-cache diagram") and "pass --path" in err
     assert _run_diagram(["--write", "--path", str(tmp_path / "sm.md")]) == 0
     assert (tmp_path / "sm.md").read_text(encoding="utf-8") == spec_render.render_state_machines_md()
+
+
+def test_check_of_another_path_hints_the_write_of_that_path(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+    """``--check --path X`` of a missing or stale X names the command that writes X, not the default file."""
+    target = tmp_path / "machines.md"
+    assert _run_diagram(["--check", "--path", str(target)]) == 1
+    assert f"is missing: run `omni-cache diagram --write --path {target}`" in capsys.readouterr().err
+    assert _run_diagram(["--write", "--path", str(target)]) == 0
+    assert _run_diagram(["--check", "--path", str(target)]) == 0

@@ -32,6 +32,11 @@ def test_verify_only_json(capsys: pytest.CaptureFixture[str]) -> None:
     [run] = doc["runs"]
     assert run["cfg"] == "MCTenancyServeZeros.cfg" and run["result"] == "invariant:NeverSilentMiss"
     assert run["exit"] == 12 and run["distinct_states"] > 0 and run["seconds"] > 0
+    # the table's summary claims the runs --only selected, never the whole manifest
+    assert main(["verify", "--only", "ServeZeros"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "1 runs, 0 surprise(s)" in out and "every run --only 'ServeZeros' selects behaves as the manifest says" in out
+    assert "every model and broken variant" not in out
 
 
 @pytest.mark.tlc
