@@ -10,8 +10,9 @@ usable before each call (I8, shutdown) and delegates.
 
 Upholds: I1 (a context is taken by one call at a time and leaves before the staging consume,
 so a second consumer racing the first is refused, and a refused consume gives the context
-back: the step stays unconsumed with it), I4 (materialize names only the step's own requests;
-the rows come from the context's snapshot through ``StepReader``), I14 (a verdict trims a
+back: the step stays unconsumed with it; a call naming requests outside the step is refused
+before it takes the context, so it never turns a valid consumer away), I4 (materialize names only
+the step's own requests; the rows come from the context's snapshot through ``StepReader``), I14 (a verdict trims a
 context only while no consumer holds it, and the cut rows' KV slots are vacated).
 """
 
@@ -23,7 +24,6 @@ from typing import Any
 import numpy as np
 
 from omni_cache.runtime.errors import PHRASE_NOT_SAVED, PHRASE_OUTSIDE_SNAPSHOT, OmniPrefixCacheUnmatchError
-from omni_cache.runtime.events import StepRows
 from omni_cache.runtime.interface import ReqId, StageCacheOutputs, StepId
 from omni_cache.runtime.locks import OwnedLock
 from omni_cache.runtime.reader import StepReader
@@ -78,23 +78,11 @@ class StepConsumption:
             raise OmniPrefixCacheUnmatchError(
                 f"materialize step {step_id}: req_ids must be a sequence of request ids, got {req_ids!r}; "
                 "nothing was consumed (I4)") from exc
-        # A call naming requests outside the step is refused before it takes the context: a
-        # valid consumer racing it is never turned away for it (I1: the step stays consumable).
-        peeked: StepContext | None = None
-        checked: StepRows | None = None
-        if _is_step_id(step_id):
-            with self._lock:
-                peeked = self._contexts.get(step_id)
-            if peeked is not None:
-                checked = peeked.rows
-                self._check_req_ids(step_id, peeked, checked, req_ids)
         # NOTE: the context leaves ``_contexts`` before the consume and comes back only if this call
         # is refused, so a verdict (``trim``) racing this read is refused instead of changing
         # the rows while they are read, and a second consumer racing this one is refused (I1).
-        ctx = self._take(step_id, "materialize")
+        ctx = self._take(step_id, "materialize", req_ids)
         try:
-            if ctx is not None and (ctx is not peeked or ctx.rows is not checked):  # trimmed meanwhile
-                self._check_req_ids(step_id, ctx, ctx.rows, req_ids)
             slot = self.staging.consume(step_id, caller="materialize")
         except BaseException:
             self._end(step_id, ctx, consumed=None)  # refused: the step stays unconsumed, its context with it
@@ -105,16 +93,6 @@ class StepConsumption:
             return self.reader.build_outputs(ctx, req_ids)
         finally:
             self.reader.release(ctx, slot)
-
-    @staticmethod
-    def _check_req_ids(step_id: StepId, ctx: StepContext, rows: StepRows, req_ids: tuple[Any, ...]) -> None:
-        """Refuse requests that are not the step's (I4)."""
-        if _same_ids(req_ids, rows.req_ids):  # the usual call: every request, in order
-            return
-        if outside := [r for r in req_ids if rows.write_of(r) is None]:
-            raise OmniPrefixCacheUnmatchError(
-                f"materialize step {step_id}: requests {outside} are {PHRASE_OUTSIDE_SNAPSHOT} (saved at "
-                f"{ctx.saved_at} with requests {list(rows.req_ids)} in row order); nothing was consumed (I4)")
 
     def discard(self, step_id: StepId) -> None:
         """Consume ``step_id`` without building outputs."""
@@ -132,36 +110,68 @@ class StepConsumption:
         """A verify step's verdict before its id is handed on: request ``r`` keeps its first
         ``keep[r]`` rows of the step, the rest are never materialized and their KV slots are
         vacated (I14). A refusal changes nothing."""
-        # NOTE: the cut is computed under the lock from the rows it replaces: a second verdict
-        # racing this one cuts from what the first kept (a trim can only cut more, I14).
-        with self._lock:
-            ctx = self._contexts.get(step_id) if _is_step_id(step_id) else None
+        # NOTE: the cut is computed outside the lock (it runs the caller's keys and counts) from
+        # the rows it replaces, and lands only if those are still the step's: a second verdict
+        # racing this one is worked out again from what the first kept (a trim only cuts more, I14).
+        while True:
+            with self._lock:
+                ctx = self._contexts.get(step_id) if _is_step_id(step_id) else None
             if ctx is None:
                 raise OmniPrefixCacheUnmatchError(
                     f"trim_step: step {step_id!r} was {PHRASE_NOT_SAVED} by this manager (or a consumer is "
                     "consuming it: a verdict must come before the step id is handed on); nothing was trimmed (I1)")
-            if (trimmed := trim_rows(ctx.rows, keep, what=f"trim_step {step_id} (saved at {ctx.saved_at})")) is None:
+            rows = ctx.rows
+            if (trimmed := trim_rows(rows, keep, what=f"trim_step {step_id} (saved at {ctx.saved_at})")) is None:
                 return
-            ctx.rows, dropped = trimmed
-            self._count_locked("trimmed_rows", len(dropped))
+            with self._lock:
+                if self._contexts.get(step_id) is ctx and ctx.rows is rows:
+                    ctx.rows, dropped = trimmed
+                    self._count_locked("trimmed_rows", len(dropped))
+                    break
         self._vacate(ctx.slots_np[dropped])
 
     # ---- internals ------------------------------------------------------------
-    def _take(self, step_id: Any, caller: str) -> StepContext | None:
+    def _take(self, step_id: Any, caller: str, req_ids: tuple[Any, ...] | None = None) -> StepContext | None:
         """Take the context of ``step_id`` for this call, which alone may then consume it (I1). None
         when it has none (not an int id, never saved, or consumed: the staging consume refuses it);
-        refused while another call holds it (that call consumes it, or gives it back if refused)."""
+        refused while another call holds it (that call consumes it, or gives it back if refused).
+        ``req_ids`` (materialize's) must be the step's requests: checked before the context is
+        taken, so a call refused for them never turns a valid consumer away."""
         if not _is_step_id(step_id):
             return None
-        with self._lock:
-            ctx = self._contexts.pop(step_id, None)
-            if ctx is not None:
-                self._consuming.add(step_id)
-            elif step_id in self._consuming:
-                raise OmniPrefixCacheUnmatchError(
-                    f"{caller}: step id {step_id} was {PHRASE_NOT_SAVED}: another call is consuming it; "
-                    "nothing was consumed (I1)")
+        while True:
+            with self._lock:
+                ctx = self._contexts.get(step_id)
+                if ctx is None:
+                    if step_id in self._consuming:
+                        raise OmniPrefixCacheUnmatchError(
+                            f"{caller}: step id {step_id} was {PHRASE_NOT_SAVED}: another call is consuming it; "
+                            "nothing was consumed (I1)")
+                    return None
+                rows = ctx.rows
+                if req_ids is None or req_ids is rows.req_ids:
+                    return self._take_locked(step_id, ctx)
+            # NOTE: compared outside the lock (the ids' own ``==`` and hashes are the caller's code),
+            # then taken only if the step still has these rows; else looked at again.
+            if not _same_ids(req_ids, rows.req_ids):  # the usual call: every request, in order
+                self._check_req_ids(step_id, ctx, req_ids)
+            with self._lock:
+                if self._contexts.get(step_id) is ctx and ctx.rows is rows:
+                    return self._take_locked(step_id, ctx)
+
+    def _take_locked(self, step_id: StepId, ctx: StepContext) -> StepContext:
+        del self._contexts[step_id]
+        self._consuming.add(step_id)
         return ctx
+
+    @staticmethod
+    def _check_req_ids(step_id: StepId, ctx: StepContext, req_ids: tuple[Any, ...]) -> None:
+        """Refuse requests that are not the step's (I4)."""
+        rows = ctx.rows
+        if outside := [r for r in req_ids if rows.write_of(r) is None]:
+            raise OmniPrefixCacheUnmatchError(
+                f"materialize step {step_id}: requests {outside} are {PHRASE_OUTSIDE_SNAPSHOT} (saved at "
+                f"{ctx.saved_at} with requests {list(rows.req_ids)} in row order); nothing was consumed (I4)")
 
     def _end(self, step_id: Any, ctx: StepContext | None, *, consumed: str | None) -> None:
         """The call that took ``ctx`` is past its consume: count it (``consumed``: the counter), or,

@@ -4,8 +4,10 @@
 ``discard_step`` of the same id in that window is refused ("already consumed or never saved":
 another call is consuming it) and changes nothing, so no staging page is left consumed but
 never released, no stale context is left for ``trim_step`` to accept, and the winner's read is
-whole. The window is held open deterministically: a request id whose ``==`` blocks on a gate
-(materialize compares the ids it is given with the step's before it consumes). A consumer of
+whole. The window is held open deterministically: the first call's staging consume waits on a
+gate (the context is taken, the id not consumed yet). A call naming requests outside the step is
+refused before it takes the context (under the same lock), so it never turns a valid consumer
+away: its rival consumes the step. A consumer of
 an id whose save has not returned yet finds the step's context in place the moment the id is
 consumable (the context goes in before the staging save publishes the id).
 """
@@ -13,6 +15,7 @@ consumable (the context goes in before the staging save publishes the id).
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -20,50 +23,51 @@ import torch
 from cache_helpers import manager, save, settle, wait_until
 
 from omni_cache import ModelCachePolicy, OmniPrefixCacheUnmatchError, PrefixCacheWriteLayout
+from omni_cache.runtime.errors import PHRASE_OUTSIDE_SNAPSHOT
 
 JOIN_S = 30.0
 
 
-class _GatedId(str):
-    """A request id equal to its str; its first comparison waits until the test opens the gate."""
+class _Gate:
+    """Makes the first staging consume of ``m`` wait until the test opens the gate."""
 
-    entered = threading.Event()
-    gate = threading.Event()
+    def __init__(self, m: Any) -> None:
+        self.entered, self.opened = threading.Event(), threading.Event()
+        real = m.staging.consume
 
-    def __eq__(self, other: object) -> bool:
-        if not _GatedId.entered.is_set():
-            _GatedId.entered.set()
-            assert _GatedId.gate.wait(JOIN_S), "the test never opened the gate"
-        return str.__eq__(self, other)
+        def gated(*args: Any, **kwargs: Any) -> Any:
+            if not self.entered.is_set():
+                self.entered.set()
+                assert self.opened.wait(JOIN_S), "the test never opened the gate"
+            return real(*args, **kwargs)
 
-    __hash__ = str.__hash__
+        m.staging.consume = gated
 
 
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "async"])
 @pytest.mark.parametrize("rival", ["discard_step", "materialize"])
 def test_a_consumer_racing_a_materialize_is_refused_and_nothing_leaks(eager: bool, rival: str) -> None:
-    _GatedId.entered.clear()
-    _GatedId.gate.clear()
     m = manager(eager=eager)
+    gate = _Gate(m)
     try:
         step_id, rows = save(m, [("a", [0, 1], 0, 6), ("b", [2, 3], 0, 5)])
         got: dict[str, Any] = {}
 
         def first() -> None:
             try:
-                got["out"] = m.materialize(step_id, [_GatedId("b"), "a"])
+                got["out"] = m.materialize(step_id, ["b", "a"])
             except BaseException as exc:  # the test asserts there was none
                 got["error"] = exc
 
         reader = threading.Thread(target=first, daemon=True)
         reader.start()
-        assert _GatedId.entered.wait(JOIN_S), "materialize never compared the request ids"
+        assert gate.entered.wait(JOIN_S), "materialize never reached its consume"
         with pytest.raises(OmniPrefixCacheUnmatchError, match="already consumed or never saved: another call is "
                                                                "consuming it; nothing was consumed"):
             m.discard_step(step_id) if rival == "discard_step" else m.materialize(step_id, ["a", "b"])
         with pytest.raises(OmniPrefixCacheUnmatchError, match="already consumed or never saved"):
             m.trim_step(step_id, {"a": 1, "b": 1})  # no verdict on rows being read
-        _GatedId.gate.set()
+        gate.opened.set()
         reader.join(JOIN_S)
         assert not reader.is_alive() and "error" not in got, got.get("error")
         out = got["out"]
@@ -80,7 +84,50 @@ def test_a_consumer_racing_a_materialize_is_refused_and_nothing_leaks(eager: boo
         nxt, _ = save(m, [("a", [0, 1], 6, 7)])  # the pool is whole: a later save claims and consumes as usual
         m.discard_step(nxt)
     finally:
-        _GatedId.gate.set()
+        gate.opened.set()
+        m.shutdown()
+
+
+class _SlowId(str):
+    """A request id that is none of the step's; its first comparison lets the rival start, then
+    takes a while (the window in which the rival, before, was turned away)."""
+
+    comparing = threading.Event()
+
+    def __eq__(self, other: object) -> bool:
+        if not _SlowId.comparing.is_set():
+            _SlowId.comparing.set()
+            time.sleep(0.3)
+        return str.__eq__(self, other)
+
+    __hash__ = str.__hash__
+
+
+def test_a_materialize_naming_other_requests_never_turns_a_valid_consumer_away() -> None:
+    """I1: a call refused for naming a request outside the step changes nothing, and a valid
+    consumer racing it consumes the step (before: the refused call held the step while it
+    compared the ids, and the valid consumer was told the id was being consumed)."""
+    _SlowId.comparing.clear()
+    m = manager()
+    try:
+        step_id, rows = save(m, [("a", [0, 1], 0, 6)])
+        refused: list[BaseException] = []
+
+        def wrong() -> None:
+            try:
+                m.materialize(step_id, [_SlowId("z")])
+            except BaseException as exc:
+                refused.append(exc)
+
+        caller = threading.Thread(target=wrong, daemon=True)
+        caller.start()
+        assert _SlowId.comparing.wait(JOIN_S), "materialize never compared the request ids"
+        assert m.materialize(step_id, ["a"]).hidden_states["a"].equal(rows)
+        caller.join(JOIN_S)
+        assert len(refused) == 1 and isinstance(refused[0], OmniPrefixCacheUnmatchError)
+        assert PHRASE_OUTSIDE_SNAPSHOT in str(refused[0])
+        assert m.shutdown() == {}  # consumed exactly once
+    finally:
         m.shutdown()
 
 

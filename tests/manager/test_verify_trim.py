@@ -236,9 +236,11 @@ def test_I14_a_verdict_while_a_consumer_holds_the_step_is_refused() -> None:
     assert m.shutdown() == {}
 
 
-def test_I14_two_racing_verdicts_cut_from_each_other(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """A second verdict (keep 1) arrives while the first (keep 3) is worked out: it cuts from what
-    the first kept, never from the untrimmed rows, so the stricter cut stands (a trim only cuts more)."""
+def test_I14_a_verdict_never_undoes_a_stricter_one_that_landed_while_it_was_worked_out(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A second verdict (keep 1) lands while the first (keep 3) is worked out from the untrimmed
+    rows: the first is worked out again from what the second kept, and is refused (it would add
+    rows back), so the stricter cut stands (before: the first landed over it and served rows whose
+    KV slots were already vacated as rejected)."""
     import threading
 
     m = manager()
@@ -250,34 +252,47 @@ def test_I14_two_racing_verdicts_cut_from_each_other(monkeypatch) -> None:  # ty
         if not racer:
             racer.append(threading.Thread(target=m.trim_step, args=(step, {"A": 1})))
             racer[0].start()
-            racer[0].join(timeout=0.5)  # it waits for this verdict to land (before: it landed first)
+            racer[0].join()
         return real(*args, **kwargs)
 
     monkeypatch.setattr(consumption_module, "trim_rows", second_verdict_meanwhile)
-    m.trim_step(step, {"A": 3})
-    racer[0].join()
+    with pytest.raises(OmniPrefixCacheUnmatchError, match=f"request 'A' {PHRASE_TRIM} to 3 rows: the step saved 1"):
+        m.trim_step(step, {"A": 3})
     assert torch.equal(m.materialize(step, ["A"]).hidden_states["A"], truth("A", range(7, 8)))
-    assert m.stats()["trimmed_rows"] == 4  # 2 cut by the first verdict, 2 more by the second
+    assert m.stats()["trimmed_rows"] == 4  # the second verdict's cut, and nothing after it
     assert m.shutdown() == {}
 
 
-def test_I1_a_materialize_naming_other_requests_never_turns_a_valid_consumer_away() -> None:
-    """A call naming a request outside the step is refused before it takes the step: a valid
-    consumer racing it (here: while its request ids are being looked at) consumes the step."""
-    m = manager()
-    m.new_step_starts([started("A")])
-    step = _save(m, [("A", A_BLOCKS, 0, 3, truth("A", range(3)))])
-    served: list[torch.Tensor] = []
+def test_I11_the_callers_keys_and_counts_run_outside_the_state_lock() -> None:
+    """A verdict's counts and a materialize's request ids are the caller's objects: their code
+    (``__index__``, ``==``, hashing) runs outside the manager's non-reentrant state lock, so one that
+    calls back into the manager finishes instead of deadlocking."""
+    import threading
 
-    class SlowId(str):  # compared to the step's requests while the valid consumer runs
+    m = manager()
+    step = _verify_step(m)
+
+    class CallsBack:
+        def __index__(self) -> int:
+            m.stats()
+            return 2
+
+    class IdCallsBack(str):
         def __eq__(self, other: object) -> bool:
-            if not served:
-                served.append(m.materialize(step, ["A"]).hidden_states["A"])
+            m.stats()
             return str.__eq__(self, other)
 
         __hash__ = str.__hash__
 
-    with pytest.raises(OmniPrefixCacheUnmatchError, match=PHRASE_OUTSIDE_SNAPSHOT):
-        m.materialize(step, [SlowId("Z")])
-    assert served and torch.equal(served[0], truth("A", range(3)))
-    assert m.shutdown() == {}  # consumed exactly once
+    done: list[torch.Tensor] = []
+
+    def verdict_then_read() -> None:
+        m.trim_step(step, {"A": CallsBack()})
+        done.append(m.materialize(step, [IdCallsBack("A")]).hidden_states["A"])
+
+    worker = threading.Thread(target=verdict_then_read, daemon=True)
+    worker.start()
+    worker.join(30)
+    assert not worker.is_alive(), "a caller's object that calls back into the manager deadlocked it"
+    assert done and torch.equal(done[0], truth("A", range(7, 9)))
+    assert m.shutdown() == {}
