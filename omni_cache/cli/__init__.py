@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import importlib
 import os
+import select
 import sys
 from collections.abc import Sequence
 
@@ -67,11 +68,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             return _run(argv)
         finally:
-            sys.stdout.flush()  # a reader that left shows here, not in the interpreter's last flush
+            if sys.stdout is not None:  # None: started with stdout closed
+                sys.stdout.flush()  # a reader that left shows here, not in the interpreter's last flush
     except BrokenPipeError:  # stdout's reader left (``| head``): it read what it wanted; no error line
-        with contextlib.suppress(OSError, ValueError):  # NOTE: so the interpreter's last flush cannot fail again
+        with contextlib.suppress(OSError, ValueError, AttributeError):  # NOTE: so the last flush cannot fail again
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_BROKEN_PIPE
+
+
+def _stdout_reader_gone() -> bool:
+    """stdout is a pipe whose reader has closed it (poll reports an error on its write end)."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no real stdout, or no poll here
+        return False
 
 
 def _run(argv: Sequence[str] | None) -> int:
@@ -86,13 +98,20 @@ def _run(argv: Sequence[str] | None) -> int:
         print(f"omni-cache {args.command}: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
-        raise
+        if _stdout_reader_gone():
+            raise  # main ends it quietly
+        return _failed(args, sys.exc_info()[1])
     except Exception as exc:
-        if args.debug:
-            raise
-        print(f"omni-cache {args.command}: error: {type(exc).__name__}: {exc} (--debug shows the traceback)",
-              file=sys.stderr)
-        return EXIT_FAILED
+        return _failed(args, exc)
+
+
+def _failed(args: argparse.Namespace, exc: BaseException | None) -> int:
+    """A runtime error: one line and exit 1 (``--debug``: the traceback)."""
+    if args.debug:
+        raise
+    print(f"omni-cache {args.command}: error: {type(exc).__name__}: {exc} (--debug shows the traceback)",
+          file=sys.stderr)
+    return EXIT_FAILED
 
 
 if __name__ == "__main__":  # pragma: no cover

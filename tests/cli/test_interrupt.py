@@ -189,3 +189,31 @@ def test_a_reader_that_leaves_is_no_error(argv: list[str]) -> None:
     done = subprocess.run([sys.executable, "-c", _READER_GONE, *argv], cwd=ROOT, env=ENV,
                           capture_output=True, text=True, timeout=120)
     assert (done.returncode, done.stderr) == (141, ""), (done.returncode, done.stderr[-2000:])
+
+
+# A command whose own work raises BrokenPipeError (a dead worker's pipe), stdout a regular file.
+_OTHER_PIPE = """
+import sys
+from omni_cache.cli import diagram, main
+def broken(args):
+    raise BrokenPipeError(32, "a worker's pipe")
+diagram.run = broken
+sys.exit(main(["diagram"]))
+"""
+
+
+def test_a_broken_pipe_that_is_not_stdout_is_a_failure(tmp_path: Path) -> None:
+    """Only stdout's own reader leaving is quiet: any other broken pipe is an error line and exit 1."""
+    with open(tmp_path / "out.txt", "w") as out:
+        done = subprocess.run([sys.executable, "-c", _OTHER_PIPE], cwd=ROOT, env=ENV, stdout=out,
+                              stderr=subprocess.PIPE, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines() == [
+        "omni-cache diagram: error: BrokenPipeError: [Errno 32] a worker's pipe (--debug shows the traceback)"]
+
+
+def test_a_closed_stdout_is_no_crash() -> None:
+    """``omni-cache diagram >&-``: Python has no stdout; the command still ends without a traceback."""
+    done = subprocess.run(["bash", "-c", f'exec "{sys.executable}" -c "$0" diagram >&-', _MAIN], cwd=ROOT, env=ENV,
+                          stderr=subprocess.PIPE, text=True, timeout=120)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, (done.returncode, done.stderr[-2000:])
