@@ -133,9 +133,9 @@ def int_list(lo: int = 1, hi: int | None = None) -> Callable[[str], list[int]]:
     return parse
 
 
-def file_in_existing_folder(*suffixes: str) -> Callable[[str], Path]:
-    """A file path ending in one of ``suffixes`` whose folder exists and takes the file (nothing is left behind:
-    a probe file is made and removed at once; an existing file must be writable)."""
+def file_in_existing_folder(*suffixes: str, writable: bool = True) -> Callable[[str], Path]:
+    """A file path ending in one of ``suffixes`` whose folder exists; with ``writable``, one this
+    process can write (see ``file_write_problem``)."""
     shown = " or ".join(suffixes)
 
     def parse(text: str) -> Path:
@@ -149,13 +149,25 @@ def file_in_existing_folder(*suffixes: str) -> Callable[[str], Path]:
         if path.is_dir():
             raise argparse.ArgumentTypeError(f"{text!r} is a folder, not a file")
         # NOTE: tried at parse time, so a long run never ends unable to write what it measured
-        problem = write_problem(folder) if not path.exists() else None if os.access(path, os.W_OK) else "read-only"
-        if problem is not None:
+        if writable and (problem := file_write_problem(path)) is not None:
             raise argparse.ArgumentTypeError(f"cannot write {text!r}: {problem}")
         return path
 
     parse.__name__ = "path"
     return parse
+
+
+def file_write_problem(path: Path) -> str | None:
+    """Why this process cannot write the file ``path`` in its existing folder (None: it can). Tried,
+    not predicted: an existing file is opened for writing (not truncated), a new one's folder takes a
+    probe file made and removed at once (``os.access`` says yes to root on a read-only mount)."""
+    if not path.exists():
+        return write_problem(path.parent)
+    try:
+        os.close(os.open(path, os.O_WRONLY))
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
+    return None
 
 
 plot_path = file_in_existing_folder(*PLOT_SUFFIXES)

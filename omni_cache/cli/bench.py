@@ -91,7 +91,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                         help="torch intra-op threads during the run, >= 1 (default 1: stable on shared machines)")
     parser.add_argument("--seed", type=seed_int, default=0, help="ground-truth and block-table seed, 0 to 2**32 - 1")
     parser.add_argument("--quick", action="store_true",
-                        help="a tiny smoke run (batch 2,4; narrow rows; 6 decode steps): ratios, no verdict")
+                        help="a tiny smoke run (batch 2,4; narrow rows; 6 decode steps): ratios, no verdict; with "
+                             "--sweep: its own grid, one repeat; with --machine: fewer cycles, one repeat")
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
     parser.add_argument("--plot", metavar="FILE.png", type=plot_path, default=None,
                         help="write the figure (tokens/s, ratio to the floor with the target, µs per step) to a "
@@ -149,13 +150,14 @@ def _refuse_unused_flags(args: argparse.Namespace) -> None:
                         f"{' and '.join(engines)} (a real vLLM engine's run)")
     if args.machine and args.seed != 0:
         problems.append("--seed does not apply to --machine (it draws no workload)")
-    own = given(("--preset", args.preset), ("--sweep", args.sweep))
+    # --profile's breakdown and --memory take the default workload's sizes and seed unless a preset is given
+    own = given(("--preset", args.preset)) or ([] if args.profile or args.memory else given(("--sweep", args.sweep)))
     if own and (unused := given(("--batch-sizes", args.batch_sizes), ("--seed", args.seed != 0))):
         problems.append(f"{', '.join(unused)} {'does' if len(unused) == 1 else 'do'} not apply to "
                         f"{' and '.join(own)} (its own workloads)")
-    if args.sweep and (unused := given(("--no-verify", args.no_verify), ("--quick", args.quick))):
-        problems.append(f"{', '.join(unused)} {'does' if len(unused) == 1 else 'do'} not apply to --sweep (its grid "
-                        "is its own; its passes are checked against the ground truth)")
+    if args.sweep and args.no_verify:
+        problems.append("--no-verify does not apply to --sweep (its passes are always checked against the ground "
+                        "truth)")
     if args.memory and not own and (unused := given(("--repeats", args.repeats is not None),
                                                     ("--no-verify", args.no_verify), ("--async", args.async_))):
         problems.append(f"{', '.join(unused)} {'does' if len(unused) == 1 else 'do'} not apply to --memory "

@@ -12,9 +12,10 @@ Upholds nothing (rendering).
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 
-from omni_cache.cli.args import file_in_existing_folder
+from omni_cache.cli.args import file_in_existing_folder, file_write_problem
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -45,7 +46,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     parser.add_argument(
         "--path",
-        type=file_in_existing_folder(".md"),
+        type=file_in_existing_folder(".md", writable=False),
         default=None,
         help="the spec file for --write/--check (default: spec/state_machines.md of this checkout)",
     )
@@ -63,6 +64,8 @@ def run(args: argparse.Namespace) -> int:
         args.error(f"{spec_render.SPEC_FILE.parent.parent} is not a source checkout "
                    "(no pyproject.toml beside the package); pass --path spec/state_machines.md")
     if args.write:
+        if args.path is not None and (problem := file_write_problem(args.path)) is not None:
+            args.error(f"argument --path: cannot write {str(args.path)!r}: {problem}")
         path = spec_render.write_state_machines_md(args.path)
         print(f"wrote {path}")
         return 0
@@ -72,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
         if current != spec_render.render_state_machines_md():
             state = "is missing" if current is None else "is stale"
             hint = (spec_render.REGENERATE_HINT if args.path is None else
-                    f"run `omni-cache diagram --write --path {args.path}` and commit the result")
+                    f"run `omni-cache diagram --write --path {shlex.quote(str(args.path))}` and commit the result")
             print(f"{path} {state}: {hint}", file=sys.stderr)
             return 1
         print(f"{path} is up to date")

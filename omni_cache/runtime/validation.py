@@ -253,7 +253,7 @@ def _snapshot_write(w: Any) -> PrefixCacheWrite:
     """A frozen ``PrefixCacheWrite`` of a write-like object (duck-typed writes are accepted): the
     step's rows are read from this snapshot at materialize, never from the caller's object, which
     may change after the save (I4); its row and position spans are checked as a real write's."""
-    if isinstance(w, PrefixCacheWrite):
+    if type(w) is PrefixCacheWrite:  # frozen; a subclass may not be, so it is copied like any write-like
         return w
     if not all(hasattr(w, f) and (f == "req_id" or _is_int_like(getattr(w, f))) for f in _WRITE_FIELDS):
         raise OmniPrefixCacheUnmatchError(

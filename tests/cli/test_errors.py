@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from omni_cache.cli import main
-from omni_cache.cli.args import int_list, int_range, plot_path
+from omni_cache.cli.args import file_write_problem, int_list, int_range, plot_path, seed_int
 from omni_cache.harness.sim_engine import SimConfig, Simulation
 from omni_cache.harness.sim_engine.workload import PRESETS, Workload
 
@@ -71,7 +71,7 @@ USAGE_ERRORS = [
     (["bench", "--preset", "decode13", "--batch-sizes", "4"], "usage: omni-cache bench",
      "--batch-sizes does not apply to --preset (its own workloads)"),
     (["bench", "--sweep", "--seed", "3"], "usage: omni-cache bench", "--seed does not apply to --sweep"),
-    (["bench", "--sweep", "--quick"], "usage: omni-cache bench", "--quick does not apply to --sweep"),
+    (["bench", "--sweep", "--no-verify"], "usage: omni-cache bench", "--no-verify does not apply to --sweep"),
     (["bench", "--memory", "--repeats", "9"], "usage: omni-cache bench", "--repeats does not apply to --memory"),
     (["bench", "--machine", "--seed", "5"], "usage: omni-cache bench", "--seed does not apply to --machine"),
     (["bench", "--served", "--quick", "--async", "--seed", "3"], "usage: omni-cache bench",
@@ -224,6 +224,21 @@ def test_validators_name_the_range() -> None:
     assert int_list(1, 9)("3,1,3") == [1, 3]
     with pytest.raises(argparse.ArgumentTypeError, match=r"ending in \.png or \.svg"):
         plot_path("plot.pdf")
+    assert seed_int(str(2**32 - 1)) == 2**32 - 1  # a seed every generator the runs seed takes
+    with pytest.raises(argparse.ArgumentTypeError, match="an integer from 0 to 4,294,967,295, got 4294967296"):
+        seed_int(str(2**32))
+
+
+def test_a_plot_path_is_tried_and_the_probe_leaves_nothing(tmp_path: Path) -> None:
+    """The folder of a new file takes a probe file, removed at once; an existing file is opened for
+    writing, never truncated; a file no one may write is refused even for root (sysfs)."""
+    path = plot_path(str(tmp_path / "fig.png"))
+    assert path == tmp_path / "fig.png" and list(tmp_path.iterdir()) == []
+    kept = tmp_path / "kept.svg"
+    kept.write_text("<svg/>")
+    assert plot_path(str(kept)) == kept and kept.read_text() == "<svg/>"
+    if os.path.exists("/sys/kernel/notes"):  # read-only to root as well
+        assert file_write_problem(Path("/sys/kernel/notes")) == "Permission denied"
 
 
 # ---------------------------------------------------------------------------------------------

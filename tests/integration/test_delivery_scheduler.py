@@ -304,6 +304,7 @@ def test_tier_settings_accept_delivery_without_a_wrapped_connector(tmp_path: Pat
             tier_settings({"omni_cache": {"delivery_dir": "/proc/self"}})
     assert tier_settings({"omni_cache": {"delivery_dir": str(tmp_path / "new" / "deep"),
                                          "tier_dir": str(tmp_path / "t")}})["tier_dir"] == str(tmp_path / "t")
+    assert not [name for name in os.listdir(tmp_path) if "probe" in name]  # each tried directory is left as it was
 
 
 def test_delivery_beside_a_wrapped_hidden_states_connector_is_refused_at_start(tmp_path: Path) -> None:
