@@ -34,8 +34,8 @@ from omni_cache.cli.args import EXIT_FAILED, EXIT_USAGE, int_list, int_range
 
 DEFAULT_HIDDEN = (2048, 4096)
 DEFAULT_TOKENS = (512, 8192)
-# Where an NVIDIA driver shows itself without CUDA being loaded.
-NVIDIA_FILES = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia/version")
+# Where a GPU driver torch.cuda can use shows itself without CUDA being loaded (NVIDIA; AMD's ROCm: kfd).
+NVIDIA_FILES = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia/version", "/dev/kfd")
 # The CPU bench's options (attribute, its default) that --device cuda does not take.
 _CPU_ONLY = (("batch_sizes", None), ("decode_steps", None), ("async_", False), ("quick", False), ("plot", None),
              ("no_verify", False), ("machine", False), ("profile", False), ("preset", None), ("sweep", None),

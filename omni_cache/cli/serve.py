@@ -93,7 +93,11 @@ def run(args: argparse.Namespace) -> int:
 
     token, revision = (found[1] if (found := option_value(vllm_args, name)) else None
                        for name in ("--hf-token", "--revision"))
-    if (problem := model_problem(args.model, BUILTIN, token=token, revision=revision)) is not None:
+    config_format = option_value(vllm_args, "--config-format")
+    own_config = option_value(vllm_args, "--hf-config-path") is not None or (
+        config_format is not None and config_format[1] not in (None, "auto"))
+    if (problem := model_problem(args.model, BUILTIN, token=token, revision=revision,
+                                 own_config=own_config)) is not None:
         parser.error(problem)  # before vLLM retries the hub for half a minute
 
     if delivery_args.delivery_dir is not None and not delivery_args.delivery_dir.strip():

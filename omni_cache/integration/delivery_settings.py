@@ -1,15 +1,16 @@
 """The delivery settings: ``kv_connector_extra_config["omni_cache"]``'s delivery keys, checked.
 
-Owns: ``DeliverySettings`` (the checked values, with their defaults), ``DELIVERY_KEYS`` and
+Owns: ``DeliverySettings`` (the checked values, with their defaults), ``DELIVERY_KEYS``,
 ``directory_problem`` (whether a directory setting can be made and written: the tier's ``tier_dir``
-too). No
+too) and ``write_problem`` (whether a new file can be made in a directory, tried with a probe
+file; the command line's file options use it too). No
 torch, no vLLM: the launcher (``omni-cache serve``) checks a server's settings with this before
 anything heavy is imported, and the connector checks them again at engine start, with the same
 messages.
 
 Upholds: a bad value is refused with one ``ValueError`` naming its key
-(``omni_cache.<key> ...``); nothing is created or claimed here (the directory is created and
-claimed by the worker, ``delivery_files.DeliveryStore``).
+(``omni_cache.<key> ...``); nothing is created or claimed here but a probe file, removed at once
+(the directory is created and claimed by the worker, ``delivery_files.DeliveryStore``).
 """
 
 from __future__ import annotations

@@ -36,13 +36,13 @@ print("EXIT", code, json.dumps(sorted(m for m in ("torch", "numpy", "vllm") if m
 """
 
 
-def _serve(model: str, tmp_path: Path, **env: str) -> tuple[int, list[str], str, str]:
+def _serve(model: str, tmp_path: Path, *extra: str, **env: str) -> tuple[int, list[str], str, str]:
     """``omni-cache serve MODEL --dry-run`` in a fresh process with an empty Hugging Face cache of its
     own: (exit code, modules imported, stdout, stderr)."""
     hf_home = tmp_path / "hf"
     base = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_ENDPOINT",
                                                               "HF_HUB_CACHE", "VLLM_USE_MODELSCOPE")}
-    done = subprocess.run([sys.executable, "-c", _RUN, "serve", model, "--dry-run"], capture_output=True,
+    done = subprocess.run([sys.executable, "-c", _RUN, "serve", model, "--dry-run", *extra], capture_output=True,
                           text=True, cwd=ROOT, timeout=120,
                           env={**base, "HF_HOME": str(hf_home), "TMPDIR": str(tmp_path), **env})
     last = [line for line in done.stdout.splitlines() if line.startswith("EXIT ")][-1].split(maxsplit=2)
@@ -85,8 +85,10 @@ def test_a_cached_model_id_and_a_local_directory_are_served_offline(tmp_path: Pa
     mistral.mkdir()
     (mistral / "params.json").write_text("{}")
     gguf = tmp_path / "model.Q4.gguf"
-    gguf.write_bytes(b"GGUF")
-    for model in ("org/cached-model", str(local), str(mistral), str(gguf)):
+    gguf.write_bytes(b"GGUF\x03\x00")
+    blob = tmp_path / "sha256-0123"  # a GGUF file without the suffix (Ollama's blobs)
+    blob.write_bytes(b"GGUF\x03\x00")
+    for model in ("org/cached-model", str(local), str(mistral), str(gguf), str(blob)):
         code, _, stdout, stderr = _serve(model, tmp_path, HF_HUB_OFFLINE="1")
         assert code == 0, stderr[-2000:]
         assert f"--model {model} " in stdout, stdout
@@ -104,6 +106,10 @@ def test_an_existing_path_that_holds_no_model_is_refused(tmp_path: Path) -> None
         code, _, _, stderr = _serve(str(model), tmp_path, HF_HUB_OFFLINE="1")
         line = _one_error(stderr)
         assert code == 2 and f"MODEL {str(model)!r}" in line and phrase in line, stderr[-2000:]
+    # the server names the config itself: the directory needs none of its own
+    for extra in (["--hf-config-path", str(tmp_path)], ["--config-format=mistral"]):
+        code, _, stdout, stderr = _serve(str(empty), tmp_path, *extra, HF_HUB_OFFLINE="1")
+        assert code == 0 and f"--model {empty} " in stdout, stderr[-2000:]
 
 
 def test_builtin_models_never_ask_the_hub(monkeypatch: pytest.MonkeyPatch) -> None:

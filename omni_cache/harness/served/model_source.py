@@ -7,8 +7,10 @@ ends in a traceback. The launcher asks first, without torch or vLLM, and refuses
 one line:
 
 * a built-in model (``launch.BUILTIN``), a checkpoint directory (one with a ``config.json`` or a
-  Mistral ``params.json``) or ``.gguf`` file (as given: vLLM expands no ``~``) or a URL (``s3://``,
-  ``gs://``, ...: vLLM's to load): served; any other existing file or directory: refused;
+  Mistral ``params.json``; any existing path when the server names the config itself with
+  ``--hf-config-path`` or a ``--config-format``) or a GGUF file (by its magic bytes), as given (vLLM
+  expands no ``~``), or a URL (``s3://``, ``gs://``, ...: vLLM's to load): served; any other
+  existing file or directory: refused;
 * a path that does not exist (absolute, ``.``/``~``-relative, or of more than two parts): refused;
 * a model id in the local Hugging Face cache: served (offline too);
 * otherwise, with ``HF_HUB_OFFLINE`` (or ``TRANSFORMERS_OFFLINE``): refused; without it the hub is
@@ -32,6 +34,15 @@ _HUB_TIMEOUT_S = 10.0
 _MODEL_DIR_FILES = ("config.json", "params.json")
 
 
+def _is_gguf(path: str) -> bool:
+    """A GGUF file: its first four bytes are the format's magic."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
 def _env_true(name: str, true: tuple[str, ...] = _TRUE) -> bool:
     return os.environ.get(name, "").strip().lower() in true
 
@@ -41,22 +52,25 @@ def _one_line(text: str) -> str:
 
 
 def model_problem(model: str, builtin: Iterable[str], *, token: str | None = None,
-                  revision: str | None = None) -> str | None:
+                  revision: str | None = None, own_config: bool = False) -> str | None:
     """None when vLLM can load ``model``, else one line saying why not (see the module docstring).
-    ``token`` and ``revision``: the server's ``--hf-token`` and ``--revision``."""
+    ``token`` and ``revision``: the server's ``--hf-token`` and ``--revision``; ``own_config``: the
+    server names the model's config itself (``--hf-config-path``, a ``--config-format`` other than
+    ``auto``), so a local path needs none of its own."""
     names = sorted(builtin)
     shown = _one_line(repr(model))
     choices = f"give a built-in model ({', '.join(names)}), a local directory or a Hugging Face model id"
-    if model in names or "://" in model:
+    if model in names or "://" in model or (own_config and os.path.exists(model)):
         return None
     if os.path.isdir(model):  # a checkpoint directory: Hugging Face's config.json, or Mistral's params.json
         if any(os.path.isfile(os.path.join(model, name)) for name in _MODEL_DIR_FILES):
             return None
-        return f"MODEL {shown} is a directory with no {' or '.join(_MODEL_DIR_FILES)}: no model vLLM can load; {choices}"
+        return (f"MODEL {shown} is a directory with no {' or '.join(_MODEL_DIR_FILES)}: no model vLLM can load "
+                f"(pass --hf-config-path if its config is elsewhere); {choices}")
     if os.path.exists(model):
-        if model.lower().endswith(".gguf"):  # the one single-file checkpoint vLLM loads
+        if _is_gguf(model):  # a single-file GGUF checkpoint, whatever its name
             return None
-        return f"MODEL {shown} is a file, not a model directory (or a .gguf checkpoint); {choices}"
+        return f"MODEL {shown} is a file, not a model directory (or a GGUF checkpoint); {choices}"
     if os.path.isabs(model) or model.startswith((".", "~")) or model.count("/") > 1:
         return f"MODEL {shown}: no such file or directory; {choices}"
     if _env_true("VLLM_USE_MODELSCOPE", ("1", "true")):  # vLLM's own reading of it

@@ -4,7 +4,7 @@ Owns: ``sweep_config`` (a dummy-weight Llama of a given width, layers and dtype:
 a quarter as many KV heads, an MLP twice the width), ``SweepPoint`` (one width and dtype: the
 cache's cost and the forward's per step, decode and prefill, from ``step_cost``), ``run_width_sweep``
 (one engine per point, built, measured and shut down in turn), ``sweep_rows`` (the table) and
-``write_sweep_plot`` (the PNG).
+``write_sweep_plot`` (the figure, PNG or SVG).
 
 The forward is measured with ``layers`` layers and reported per layer too, so that a model of
 ``L`` layers reads its overhead as ``cache / (L x forward per layer)`` (the embedding and final
