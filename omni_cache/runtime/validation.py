@@ -280,13 +280,7 @@ def _checked_spans(writes: tuple[PrefixCacheWrite, ...], n: int) -> dict[ReqId, 
         writes = tuple(map(_snapshot_write, writes))  # every write first: the order below reads their rows
     if any(a.row_start > b.row_start for a, b in itertools.pairwise(writes)):
         writes = tuple(sorted(writes, key=lambda w: w.row_start))
-    for w in writes:
-        try:
-            hash(w.req_id)
-        except TypeError:
-            raise OmniPrefixCacheUnmatchError(
-                f"save_outputs: write {w} names an unhashable request id: the {PHRASE_SLOT_MAPPING} "
-                "rows of requests only") from None
+    for w in writes:  # each a PrefixCacheWrite now: its request id was hashed when it was made
         if w.row_start < rows_seen or w.row_end > n or w.req_id in spans:
             raise OmniPrefixCacheUnmatchError(
                 f"save_outputs: write {w} overlaps another, repeats a request, or exceeds the "

@@ -17,6 +17,8 @@ Invariants touched: I4 (a refused materialize consumes nothing), I5 (hits are in
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -174,23 +176,28 @@ def test_a_sparse_slot_mapping_is_refused_before_anything_is_claimed(eager: bool
         m.shutdown()
 
 
-def test_a_duck_typed_write_with_an_unhashable_request_id_is_refused() -> None:
-    from dataclasses import dataclass
+@dataclass(frozen=True)
+class _Loose:  # not a PrefixCacheWrite: the save checks it and keeps a PrefixCacheWrite of it
+    req_id: Any
+    row_start: int
+    row_end: int
+    token_start: int
+    token_end: int
 
-    @dataclass(frozen=True)
-    class Loose:  # not a PrefixCacheWrite: the save walks it itself
-        req_id: Any
-        row_start: int
-        row_end: int
-        token_start: int
-        token_end: int
 
+@pytest.mark.parametrize(("write", "says"), [
+    (_Loose(["A"], 0, 2, 0, 2), f"unhashable request id: the {PHRASE_SLOT_MAPPING}"),
+    # checked as a PrefixCacheWrite is: rows and positions of one length, no negative position
+    (_Loose("A", 0, 2, -10, 90), "of the layout is refused: PrefixCacheWrite 'A': rows"),
+    (_Loose("A", 0, 2, -2, 0), "of the layout is refused: PrefixCacheWrite 'A': rows"),
+])
+def test_a_duck_typed_write_that_is_no_valid_write_is_refused(write: Any, says: str) -> None:
     m = manager()
     try:
         m.new_step_starts([started("A")])
-        layout = PrefixCacheWriteLayout((Loose(["A"], 0, 2, 0, 2),), 2, slots([0], 0, 2))  # type: ignore[arg-type]
+        layout = PrefixCacheWriteLayout((write,), 2, slots([0], 0, 2))
         before = m.stats()
-        with pytest.raises(OmniPrefixCacheUnmatchError, match=f"unhashable request id: the {PHRASE_SLOT_MAPPING}"):
+        with pytest.raises(OmniPrefixCacheUnmatchError, match=re.escape(says)):
             m.save_outputs(truth("A", range(2)), {}, num_tokens_unpadded=2, num_tokens_padded=2, write_layout=layout)
         _unchanged(m, before)
         step, rows = save(m, [("A", [0], 0, 2)])
@@ -266,23 +273,5 @@ def test_a_duck_typed_write_changed_after_the_save_changes_nothing_served(eager:
         wa.row_start, wa.row_end = 2, 4  # B's rows
         out = m.materialize(step, ["B", "A"]).hidden_states
         assert torch.equal(out["B"], truth("B", range(2))) and torch.equal(out["A"], truth("A", range(2)))
-    finally:
-        m.shutdown()
-
-
-def test_a_duck_typed_write_with_spans_of_different_lengths_is_refused() -> None:
-    """A duck-typed write is checked as a ``PrefixCacheWrite`` is: rows and positions of one length,
-    no negative position; refused before anything changes."""
-    m = manager()
-    try:
-        m.new_step_starts([started("C")])
-        before = m.stats()
-        for bad in (_MutableWrite("C", 0, 4, -10, 90), _MutableWrite("C", 0, 4, -2, 2)):
-            layout = PrefixCacheWriteLayout((bad,), 4, slots([0], 0, 4))  # type: ignore[arg-type]
-            with pytest.raises(OmniPrefixCacheUnmatchError, match="of the layout is refused: PrefixCacheWrite 'C'"):
-                m.save_outputs(truth("C", range(4)), {}, num_tokens_unpadded=4, num_tokens_padded=4, write_layout=layout)
-            _unchanged(m, before)
-        step, rows = save(m, [("C", [0], 0, 4)])
-        assert torch.equal(m.materialize(step, ["C"]).hidden_states["C"], rows)
     finally:
         m.shutdown()
