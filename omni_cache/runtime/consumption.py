@@ -160,6 +160,7 @@ class StepConsumption:
                     return self._take_locked(step_id, ctx)
 
     def _take_locked(self, step_id: StepId, ctx: StepContext) -> StepContext:
+        """The context leaves ``_contexts`` for this call alone (I1). Caller holds the state lock."""
         del self._contexts[step_id]
         self._consuming.add(step_id)
         return ctx
