@@ -90,7 +90,8 @@ class FakeServer:
     claims more cached rows than its family shares), ``"no_hits"``, ``"no_file"`` (a hit's
     response names no file), ``"short_hit"`` (a hit's file lacks its cached rows and their ids, the
     shape of vLLM issue 44485), ``"bad_ids"`` (a hit's file has a wrong token id), ``"not_vllm"``
-    (HTML, not JSON), ``"no_models"`` (an empty model list)."""
+    (HTML, not JSON), ``"no_models"`` (an empty model list), ``"include_default"`` (not a fault:
+    output-token rows unless a request says otherwise, as ``--include-output-tokens``)."""
 
     def __init__(self, directory: Path, fault: str | None = None) -> None:
         self.directory, self.fault = directory, fault
@@ -140,7 +141,9 @@ class FakeServer:
     def complete(self, body: dict[str, Any]) -> dict[str, Any]:
         ids = [b + 3 for b in body["prompt"].encode()]
         n, max_tokens, salt = len(ids), int(body["max_tokens"]), body.get("cache_salt")
-        include = bool((body.get("kv_transfer_params") or {}).get("include_output_tokens"))
+        include = (body.get("kv_transfer_params") or {}).get("include_output_tokens")
+        if include is None:  # the server's default: "include_default" is a server started with --include-output-tokens
+            include = self.fault == "include_default"
         outputs = [3 + (sum(ids) * 31 + k * 7) % 26 + 94 for k in range(max_tokens)]
         with self.lock:  # prefix caching: full blocks seen before, never the last token
             cached = 0
@@ -273,3 +276,11 @@ def test_a_server_that_is_not_vllm_is_one_error_line(serve, capsys, fault: str, 
     code = main(["check-server", serve(fault).url, "--timeout", "5"])
     err = capsys.readouterr().err
     assert code == 1 and err.count("\n") == 1 and says in err and "is this vLLM's OpenAI server" in err
+
+
+def test_a_server_that_includes_output_tokens_by_default_passes(serve, capsys) -> None:
+    """A server started with ``--include-output-tokens``: the checker says which requests are
+    prompt-only instead of taking the server's default (before: every prompt-only file was "too long")."""
+    code, report = _check(serve("include_default").url, capsys)
+    assert code == 0 and report["ok"] and report["hit_requests"] >= 6, report["problems"]
+    assert report["include_output_files"] == 3

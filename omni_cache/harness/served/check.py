@@ -204,8 +204,8 @@ class ServerCheck:
     def _complete(self, model: str, prompt: str, include: bool, salt: str | None) -> dict[str, Any]:
         body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": self.config.max_tokens,
                                 "temperature": 0.0, "seed": self.config.seed}
-        if include:
-            body["kv_transfer_params"] = {"include_output_tokens": True}
+        # NOTE: said either way: a server started with --include-output-tokens defaults to true
+        body["kv_transfer_params"] = {"include_output_tokens": include}
         if salt is not None:
             body["cache_salt"] = salt
         return _post(self.base + "/v1/completions", body, self.config.timeout_s)
