@@ -25,7 +25,9 @@ existing name, so no file is ever overwritten, and the temporary name is never t
 name); no file name or path derives from client-controlled text without being made safe
 (``delivery_paths``); files and lock files are the server user's only (mode 0600, the directory 0700 when created);
 the directory holds at most ``max_bytes`` of delivered files per store (each data-parallel
-replica's store keeps its own bounds) and none older than ``max_age_s`` (oldest removed first,
+replica's store keeps its own bounds) and none older than ``max_age_s`` (applied on each write
+and, on an idle server, by a timer: a file outlives the bound by at most a quarter of it or a
+minute; oldest removed first,
 never the file just delivered; a file larger than ``max_bytes`` is refused before it is
 written), a failed delivery's lock file and ``.error`` note included (a dropped one's lock file is removed at once); a lock is never shared or waited for (a second
 request for a path whose lock exists fails at once: the engine thread never blocks on a lock).
@@ -209,7 +211,8 @@ class DeliveryStore:
     """The worker's side of the delivery directory (see the module docstring).
 
     Thread model: the engine thread holds locks (``hold_lock``) and forgets them; a writer
-    thread calls ``write``; retention runs under this object's lock after each write. Only files
+    thread calls ``write``; retention runs under this object's lock after each write and on the
+    age timer's thread (every quarter of ``max_age_s``, 0.5 s to 60 s, until ``close``). Only files
     this store delivered (and, at start, files of this naming already in the directory) are
     ever removed."""
 
@@ -228,6 +231,8 @@ class DeliveryStore:
         self.removed = 0  # files removed by retention
         self.fault = parse_fault(os.environ.get(FAULT_ENV))
         self._claim_fd: int | None = None
+        self._closed = threading.Event()
+        self.age_timer: threading.Thread | None = None  # the age bound's timer, while the store holds its directory
         if claim:
             os.makedirs(root, mode=0o700, exist_ok=True)
             self._claim_fd = _claim_directory(self.root, claim_name(replica))
@@ -237,6 +242,11 @@ class DeliveryStore:
             except BaseException:  # a half-built store gives the directory back
                 self.close()
                 raise
+            # NOTE: the age bound holds on an idle server too (writes apply the bounds; no write
+            # comes while nothing is served), so a timer applies them between writes.
+            self.age_timer = threading.Thread(target=self._apply_age_bound, name="omni-cache-delivery-retention",
+                                              daemon=True)
+            self.age_timer.start()
 
     @property
     def claimed(self) -> bool:
@@ -245,6 +255,7 @@ class DeliveryStore:
 
     def close(self) -> None:
         """Give the directory up (a later server may claim it); idempotent. Writes refused from now on."""
+        self._closed.set()
         _CLAIMING.discard(self)
         self._close_claim_fd()
 
@@ -363,9 +374,18 @@ class DeliveryStore:
             self._enforce_locked(keep=path)
 
     def enforce(self) -> None:
-        """Apply the bounds now (also called on each write)."""
+        """Apply the bounds now (also called on each write, and by the age timer)."""
         with self._lock:
             self._enforce_locked()
+
+    def _apply_age_bound(self) -> None:
+        """The timer's thread: ``enforce`` every quarter of the age bound (0.5 s to 60 s) until closed."""
+        period = min(60.0, max(0.5, self.max_age_s / 4))
+        while not self._closed.wait(period):
+            try:
+                self.enforce()
+            except Exception:  # NOTE: retention never takes the server down; the next round tries again
+                log.exception("omni-cache delivery retention failed in %s", self.root)
 
     @property
     def nbytes(self) -> int:

@@ -156,3 +156,24 @@ def test_adopted_files_older_than_the_age_bound_are_removed_at_start(tmp_path: P
     os.utime(os.path.join(root, new), (clock.now - 10, clock.now - 10))
     DeliveryStore(root, max_bytes=1 << 30, max_age_s=3600)
     assert delivered(root) == [new]
+
+
+def test_the_age_bound_holds_on_an_idle_server(tmp_path: Path) -> None:
+    """No write comes while nothing is served: a timer applies the age bound between writes, so a
+    file never outlives it by more than a quarter of it (here 0.5 s, the shortest period), and
+    ``close`` stops the timer."""
+    import time
+
+    root = _root(tmp_path)
+    store = DeliveryStore(root, max_bytes=1 << 30, max_age_s=1.0)
+    path = _deliver(store, "idle.safetensors", 10)
+    written = time.monotonic()
+    while os.path.lexists(path):
+        assert time.monotonic() - written < 30, "an idle store kept a file past its age bound"
+        time.sleep(0.05)
+    assert time.monotonic() - written >= 1.0 and store.removed == 1 and store.nbytes == 0
+    assert not os.path.lexists(path + ".lock")
+    assert store.age_timer is not None and store.age_timer.is_alive()
+    store.close()
+    store.age_timer.join(5)
+    assert not store.age_timer.is_alive()
