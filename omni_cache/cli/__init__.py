@@ -71,6 +71,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if sys.stdout is not None:  # None: started with stdout closed
                 sys.stdout.flush()  # a reader that left shows here, not in the interpreter's last flush
     except BrokenPipeError:  # stdout's reader left (``| head``): it read what it wanted; no error line
+        if not _stdout_reader_gone():
+            raise  # another pipe's, re-raised by --debug: its traceback
         with contextlib.suppress(OSError, ValueError, AttributeError):  # NOTE: so the last flush cannot fail again
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_BROKEN_PIPE
@@ -81,7 +83,7 @@ def _stdout_reader_gone() -> bool:
     try:
         poller = select.poll()
         poller.register(sys.stdout.fileno(), select.POLLOUT)
-        return any(events & select.POLLERR for _, events in poller.poll(0))
+        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
     except (AttributeError, OSError, ValueError):  # no real stdout, or no poll here
         return False
 

@@ -26,8 +26,8 @@ name); no file name or path derives from client-controlled text without being ma
 (``delivery_paths``); files and lock files are the server user's only (mode 0600, the directory 0700 when created);
 the directory holds at most ``max_bytes`` of delivered files per store (each data-parallel
 replica's store keeps its own bounds) and none older than ``max_age_s`` (applied on each write
-and, on an idle server, by a timer: a file outlives the bound by at most a quarter of it or a
-minute; oldest removed first,
+and, on an idle server, by a timer every quarter of the bound, from half a second to a minute;
+oldest removed first,
 never the file just delivered; a file larger than ``max_bytes`` is refused before it is
 written), a failed delivery's lock file and ``.error`` note included (a dropped one's lock file is removed at once); a lock is never shared or waited for (a second
 request for a path whose lock exists fails at once: the engine thread never blocks on a lock).
@@ -239,14 +239,16 @@ class DeliveryStore:
             _CLAIMING.add(self)
             try:
                 self._adopt_existing()
+                # NOTE: the age bound holds on an idle server too (writes apply the bounds; no write
+                # comes while nothing is served), so a timer applies them between writes. It holds
+                # the store weakly: a store dropped without ``close`` stops it too.
+                period = min(60.0, max(0.5, self.max_age_s / 4))
+                self.age_timer = threading.Thread(target=_apply_age_bound, args=(weakref.ref(self), self._closed, period),
+                                                  name="omni-cache-delivery-retention", daemon=True)
+                self.age_timer.start()
             except BaseException:  # a half-built store gives the directory back
                 self.close()
                 raise
-            # NOTE: the age bound holds on an idle server too (writes apply the bounds; no write
-            # comes while nothing is served), so a timer applies them between writes.
-            self.age_timer = threading.Thread(target=self._apply_age_bound, name="omni-cache-delivery-retention",
-                                              daemon=True)
-            self.age_timer.start()
 
     @property
     def claimed(self) -> bool:
@@ -254,10 +256,12 @@ class DeliveryStore:
         return self._claim_fd is not None
 
     def close(self) -> None:
-        """Give the directory up (a later server may claim it); idempotent. Writes refused from now on."""
+        """Give the directory up (a later server may claim it); idempotent. Writes refused from now on;
+        a retention pass under way finishes first (the claim is given up under the store's lock)."""
         self._closed.set()
         _CLAIMING.discard(self)
-        self._close_claim_fd()
+        with self._lock:
+            self._close_claim_fd()
 
     def _close_claim_fd(self) -> None:
         """Close this process's fd of the claim (in a forked child: its copy; the parent's claim holds)."""
@@ -284,6 +288,9 @@ class DeliveryStore:
         except BaseException:
             os.close(fd)
             raise
+        with self._lock:  # an earlier delivery to this (client) path is gone: retention must not count or remove it
+            if (old := self._delivered.pop(path, None)) is not None:
+                self._bytes -= old.nbytes
         return fd
 
     @staticmethod
@@ -378,15 +385,6 @@ class DeliveryStore:
         with self._lock:
             self._enforce_locked()
 
-    def _apply_age_bound(self) -> None:
-        """The timer's thread: ``enforce`` every quarter of the age bound (0.5 s to 60 s) until closed."""
-        period = min(60.0, max(0.5, self.max_age_s / 4))
-        while not self._closed.wait(period):
-            try:
-                self.enforce()
-            except Exception:  # NOTE: retention never takes the server down; the next round tries again
-                log.exception("omni-cache delivery retention failed in %s", self.root)
-
     @property
     def nbytes(self) -> int:
         with self._lock:
@@ -395,7 +393,9 @@ class DeliveryStore:
     def _enforce_locked(self, keep: str | None = None) -> None:
         """Remove the oldest deliveries until the bounds hold, never ``keep`` (the file just
         delivered: its client has not been told its path yet; the next write or ``enforce``
-        applies the bounds to it)."""
+        applies the bounds to it). A store that gave its directory up removes nothing."""
+        if self._claim_fd is None:
+            return
         now = time.time()
         while self._delivered:
             path, entry = next(iter(self._delivered.items()))
@@ -445,9 +445,24 @@ class DeliveryStore:
             self._enforce_locked()
 
 
+def _apply_age_bound(ref: weakref.ReferenceType[DeliveryStore], closed: threading.Event, period: float) -> None:
+    """A store's age timer: ``enforce`` every ``period`` seconds until it is closed or dropped."""
+    while not closed.wait(period):
+        store = ref()
+        if store is None:
+            return
+        try:
+            store.enforce()
+        except Exception:  # NOTE: retention never takes the server down; the next round tries again
+            log.exception("omni-cache delivery retention failed in %s", store.root)
+        del store
+
+
 def _forget_claims_in_child() -> None:
-    for store in list(_CLAIMING):
-        store._close_claim_fd()  # this module's own class
+    for store in list(_CLAIMING):  # this module's own class
+        store._closed.set()  # no timer thread crossed the fork; none is started again
+        store._lock = threading.Lock()  # NOTE: the parent's timer may have held it at the fork
+        store._close_claim_fd()
     _CLAIMING.clear()
 
 

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from omni_cache.runtime.errors import PHRASE_NOT_SAVED, PHRASE_OUTSIDE_SNAPSHOT, OmniPrefixCacheUnmatchError
+from omni_cache.runtime.events import StepRows
 from omni_cache.runtime.interface import ReqId, StageCacheOutputs, StepId
 from omni_cache.runtime.locks import OwnedLock
 from omni_cache.runtime.reader import StepReader
@@ -154,7 +155,7 @@ class StepConsumption:
             # NOTE: compared outside the lock (the ids' own ``==`` and hashes are the caller's code),
             # then taken only if the step still has these rows; else looked at again.
             if not _same_ids(req_ids, rows.req_ids):  # the usual call: every request, in order
-                self._check_req_ids(step_id, ctx, req_ids)
+                self._check_req_ids(step_id, ctx, rows, req_ids)
             with self._lock:
                 if self._contexts.get(step_id) is ctx and ctx.rows is rows:
                     return self._take_locked(step_id, ctx)
@@ -166,9 +167,8 @@ class StepConsumption:
         return ctx
 
     @staticmethod
-    def _check_req_ids(step_id: StepId, ctx: StepContext, req_ids: tuple[Any, ...]) -> None:
-        """Refuse requests that are not the step's (I4)."""
-        rows = ctx.rows
+    def _check_req_ids(step_id: StepId, ctx: StepContext, rows: StepRows, req_ids: tuple[Any, ...]) -> None:
+        """Refuse requests that are not the step's (I4): those ``rows`` (the context's, as compared) hold."""
         if outside := [r for r in req_ids if rows.write_of(r) is None]:
             raise OmniPrefixCacheUnmatchError(
                 f"materialize step {step_id}: requests {outside} are {PHRASE_OUTSIDE_SNAPSHOT} (saved at "

@@ -198,18 +198,22 @@ from omni_cache.cli import diagram, main
 def broken(args):
     raise BrokenPipeError(32, "a worker's pipe")
 diagram.run = broken
-sys.exit(main(["diagram"]))
+sys.exit(main(["diagram", *sys.argv[1:]]))
 """
 
 
 def test_a_broken_pipe_that_is_not_stdout_is_a_failure(tmp_path: Path) -> None:
-    """Only stdout's own reader leaving is quiet: any other broken pipe is an error line and exit 1."""
+    """Only stdout's own reader leaving is quiet: any other broken pipe is an error line and exit 1,
+    and ``--debug`` shows its traceback."""
     with open(tmp_path / "out.txt", "w") as out:
         done = subprocess.run([sys.executable, "-c", _OTHER_PIPE], cwd=ROOT, env=ENV, stdout=out,
                               stderr=subprocess.PIPE, text=True, timeout=120)
+        debug = subprocess.run([sys.executable, "-c", _OTHER_PIPE, "--debug"], cwd=ROOT, env=ENV, stdout=out,
+                               stderr=subprocess.PIPE, text=True, timeout=120)
     assert done.returncode == 1, done.stderr[-2000:]
     assert done.stderr.strip().splitlines() == [
         "omni-cache diagram: error: BrokenPipeError: [Errno 32] a worker's pipe (--debug shows the traceback)"]
+    assert debug.returncode == 1 and "Traceback" in debug.stderr and "a worker's pipe" in debug.stderr, debug.stderr
 
 
 def test_a_closed_stdout_is_no_crash() -> None:

@@ -166,14 +166,35 @@ def test_the_age_bound_holds_on_an_idle_server(tmp_path: Path) -> None:
 
     root = _root(tmp_path)
     store = DeliveryStore(root, max_bytes=1 << 30, max_age_s=1.0)
-    path = _deliver(store, "idle.safetensors", 10)
-    written = time.monotonic()
-    while os.path.lexists(path):
-        assert time.monotonic() - written < 30, "an idle store kept a file past its age bound"
-        time.sleep(0.05)
-    assert time.monotonic() - written >= 1.0 and store.removed == 1 and store.nbytes == 0
-    assert not os.path.lexists(path + ".lock")
-    assert store.age_timer is not None and store.age_timer.is_alive()
-    store.close()
+    try:
+        before = time.time()  # the file's age counts from a moment after this one
+        path = _deliver(store, "idle.safetensors", 10)
+        while os.path.lexists(path):
+            assert time.time() - before < 30, "an idle store kept a file past its age bound"
+            time.sleep(0.05)
+        assert time.time() - before >= 1.0 and store.removed == 1 and store.nbytes == 0
+        assert not os.path.lexists(path + ".lock")
+        assert store.age_timer is not None and store.age_timer.is_alive()
+    finally:
+        store.close()
     store.age_timer.join(5)
     assert not store.age_timer.is_alive()
+
+
+def test_a_client_path_delivered_again_is_not_removed_for_its_earlier_delivery(tmp_path: Path, clock: _Clock) -> None:
+    """A client cleaned up its file and asks for the same path again: the earlier delivery's age
+    is not the new one's, so retention removes neither the new lock file nor the new file."""
+    root = _root(tmp_path)
+    store = DeliveryStore(root, max_bytes=1 << 30, max_age_s=60)
+    path = _deliver(store, "mine.safetensors", 10)
+    os.remove(path)
+    os.remove(path + ".lock")
+    clock.now += 59
+    fd = store.hold_lock(path)  # the second delivery to the path is on its way
+    assert store.nbytes == 0
+    clock.now += 2  # the first delivery would now be 61 s old
+    store.enforce()
+    assert os.path.exists(path + ".lock") and store.removed == 0
+    store.release_lock(fd)
+    store.write(path, b"x" * 10)
+    assert os.path.exists(path) and store.nbytes == 10

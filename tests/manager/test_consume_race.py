@@ -15,7 +15,6 @@ consumable (the context goes in before the staging save publishes the id).
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any
 
 import pytest
@@ -90,14 +89,16 @@ def test_a_consumer_racing_a_materialize_is_refused_and_nothing_leaks(eager: boo
 
 class _SlowId(str):
     """A request id that is none of the step's; its first comparison lets the rival start, then
-    takes a while (the window in which the rival, before, was turned away)."""
+    waits until the rival's materialize is over (the window in which the rival, before, was
+    turned away: the refused call held the step while it compared)."""
 
     comparing = threading.Event()
+    rival_done = threading.Event()
 
     def __eq__(self, other: object) -> bool:
         if not _SlowId.comparing.is_set():
             _SlowId.comparing.set()
-            time.sleep(0.3)
+            _SlowId.rival_done.wait(JOIN_S)
         return str.__eq__(self, other)
 
     __hash__ = str.__hash__
@@ -108,6 +109,7 @@ def test_a_materialize_naming_other_requests_never_turns_a_valid_consumer_away()
     consumer racing it consumes the step (before: the refused call held the step while it
     compared the ids, and the valid consumer was told the id was being consumed)."""
     _SlowId.comparing.clear()
+    _SlowId.rival_done.clear()
     m = manager()
     try:
         step_id, rows = save(m, [("a", [0, 1], 0, 6)])
@@ -122,7 +124,10 @@ def test_a_materialize_naming_other_requests_never_turns_a_valid_consumer_away()
         caller = threading.Thread(target=wrong, daemon=True)
         caller.start()
         assert _SlowId.comparing.wait(JOIN_S), "materialize never compared the request ids"
-        assert m.materialize(step_id, ["a"]).hidden_states["a"].equal(rows)
+        try:
+            assert m.materialize(step_id, ["a"]).hidden_states["a"].equal(rows)
+        finally:
+            _SlowId.rival_done.set()
         caller.join(JOIN_S)
         assert len(refused) == 1 and isinstance(refused[0], OmniPrefixCacheUnmatchError)
         assert PHRASE_OUTSIDE_SNAPSHOT in str(refused[0])

@@ -252,7 +252,8 @@ def test_I14_a_verdict_never_undoes_a_stricter_one_that_landed_while_it_was_work
         if not racer:
             racer.append(threading.Thread(target=m.trim_step, args=(step, {"A": 1})))
             racer[0].start()
-            racer[0].join()
+            racer[0].join(30)
+            assert not racer[0].is_alive(), "the second verdict waited on the first (a cut worked out under the lock)"
         return real(*args, **kwargs)
 
     monkeypatch.setattr(consumption_module, "trim_rows", second_verdict_meanwhile)
