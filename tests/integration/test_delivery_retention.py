@@ -95,15 +95,26 @@ def test_retention_by_age_removes_files_older_than_the_bound(tmp_path: Path, clo
     assert delivered(root) == [] and store.nbytes == 0
 
 
-def test_a_file_the_client_cleaned_up_already_is_forgotten_quietly(tmp_path: Path, clock: _Clock) -> None:
+@pytest.mark.parametrize("again", [False, True], ids=["forgotten", "delivered_again"])
+def test_a_file_the_client_cleaned_up_already(tmp_path: Path, clock: _Clock, again: bool) -> None:
+    """Retention forgets it quietly; a client that asks for the same path again starts a new
+    delivery there, whose lock file and file retention never removes for the earlier one's age."""
     root = _root(tmp_path)
     store = DeliveryStore(root, max_bytes=1 << 30, max_age_s=60)
     path = _deliver(store, "a.safetensors", 10)
     os.remove(path)
     os.remove(path + ".lock")
-    clock.now += 61
+    clock.now += 59
+    fd = store.hold_lock(path) if again else None  # the second delivery to the path is on its way
+    clock.now += 2  # the first delivery is now 61 s old
     store.enforce()
-    assert store.removed == 1 and store.nbytes == 0
+    if not again:
+        assert store.removed == 1 and store.nbytes == 0
+        return
+    assert os.path.exists(path + ".lock") and store.removed == 0 and store.nbytes == 0
+    store.release_lock(fd)
+    store.write(path, b"x" * 10)
+    assert os.path.exists(path) and store.nbytes == 10
 
 
 def test_files_already_in_the_directory_are_adopted_oldest_first(tmp_path: Path, clock: _Clock) -> None:
@@ -180,21 +191,3 @@ def test_the_age_bound_holds_on_an_idle_server(tmp_path: Path) -> None:
     store.age_timer.join(5)
     assert not store.age_timer.is_alive()
 
-
-def test_a_client_path_delivered_again_is_not_removed_for_its_earlier_delivery(tmp_path: Path, clock: _Clock) -> None:
-    """A client cleaned up its file and asks for the same path again: the earlier delivery's age
-    is not the new one's, so retention removes neither the new lock file nor the new file."""
-    root = _root(tmp_path)
-    store = DeliveryStore(root, max_bytes=1 << 30, max_age_s=60)
-    path = _deliver(store, "mine.safetensors", 10)
-    os.remove(path)
-    os.remove(path + ".lock")
-    clock.now += 59
-    fd = store.hold_lock(path)  # the second delivery to the path is on its way
-    assert store.nbytes == 0
-    clock.now += 2  # the first delivery would now be 61 s old
-    store.enforce()
-    assert os.path.exists(path + ".lock") and store.removed == 0
-    store.release_lock(fd)
-    store.write(path, b"x" * 10)
-    assert os.path.exists(path) and store.nbytes == 10
