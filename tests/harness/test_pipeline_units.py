@@ -234,7 +234,7 @@ def test_exit_codes_and_summary_fields() -> None:
     (["--talker-tokens", "0"], "argument --talker-tokens: wants an integer from 1 to 64"),
     (["--tolerance", "-1"], "argument --tolerance: wants a number from 0 to 1"),
     (["--repeats", "9"], "argument --repeats: wants an integer from 1 to 5"),
-    (["--seed", "x"], "argument --seed: wants an integer >= 0"),
+    (["--seed", "x"], "argument --seed: wants an integer from 0 to 4,294,967,295"),
     (["--bogus"], "unrecognized arguments: --bogus"),
     (["--pp", "3"], "argument --pp: wants an integer from 1 to 2, got 3"),
     (["--tp", "0"], "argument --tp: wants an integer from 1 to 8, got 0"),
