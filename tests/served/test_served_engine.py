@@ -47,7 +47,9 @@ PREFIX = ("The omni thinker hands its hidden states to the talker, and the talke
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> ServedEngine:
     tmp = tmp_path_factory.mktemp("served")
-    engine = ServedEngine(tmp, "--delivery-timeout", str(TIMEOUT_S),
+    # --shutdown-timeout: SIGTERM drains the engine (vLLM's default, 0, may kill the engine process
+    # before its worker shuts down, and the shutdown's log line with it)
+    engine = ServedEngine(tmp, "--delivery-timeout", str(TIMEOUT_S), "--shutdown-timeout", "60",
                           env={"OMNI_CACHE_DELIVERY_FAULT": f"enospc@disk-full,slow:{SLOW_S:g}@slow-disk",
                                "VLLM_SERVER_DEV_MODE": "1"})  # /collective_rpc reads the worker's numbers
     yield engine
@@ -259,8 +261,8 @@ def test_sigterm_under_load_leaves_no_partial_file_and_no_unconsumed_step(server
     """Runs last: SIGTERM while requests are in flight; every file that exists is whole, no
     temporary file is left, and the worker's cache reports 0 unconsumed step ids at shutdown."""
     prompts = [f"load {i} " + PREFIX * 2 for i in range(10)]
-    # NOTE: vLLM's API server stops its engine at once (shutdown_timeout 0) but waits for open HTTP
-    # connections to close; requests cut off by the stop never answer, so the clients give up
+    # NOTE: the server drains its engine first (--shutdown-timeout 60), then waits for open HTTP
+    # connections to close; a request cut off by the stop never answers, so the clients give up
     # after 30 s and the server's exit is awaited well past that.
     with cf.ThreadPoolExecutor(10) as pool:
         futures = [pool.submit(server.complete, p, max_tokens=32, timeout_s=30.0) for p in prompts]

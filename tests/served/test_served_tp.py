@@ -24,6 +24,7 @@ pytestmark = pytest.mark.vllm
 
 def test_a_tensor_parallel_server_delivers_every_file_from_the_output_rank(tmp_path: Path) -> None:
     server = ServedEngine(tmp_path, "--tensor-parallel-size", "2", "--distributed-executor-backend", "mp",
+                          "--shutdown-timeout", "60",  # the workers shut down (vLLM's 0 may kill them first)
                           name="tp2", env={"VLLM_SERVER_DEV_MODE": "1"})
     try:
         out = subprocess.run([sys.executable, "-m", "omni_cache.cli", "check-server", server.url, "--json",
