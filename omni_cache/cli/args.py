@@ -164,7 +164,7 @@ def file_write_problem(path: Path) -> str | None:
     if not path.exists():
         return write_problem(path.parent)
     try:
-        os.close(os.open(path, os.O_WRONLY))
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))  # NOTE: a FIFO never blocks the parse
     except OSError as exc:
         return exc.strerror or type(exc).__name__
     return None
