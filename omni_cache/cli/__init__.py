@@ -99,15 +99,15 @@ def _run(argv: Sequence[str] | None) -> int:
     except KeyboardInterrupt:  # Ctrl-C, also while torch loads: one line, exit 130
         print(f"omni-cache {args.command}: interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:
+    except BrokenPipeError as exc:
         if _stdout_reader_gone():
             raise  # main ends it quietly
-        return _failed(args, sys.exc_info()[1])
+        return _failed(args, exc)
     except Exception as exc:
         return _failed(args, exc)
 
 
-def _failed(args: argparse.Namespace, exc: BaseException | None) -> int:
+def _failed(args: argparse.Namespace, exc: Exception) -> int:
     """A runtime error: one line and exit 1 (``--debug``: the traceback)."""
     if args.debug:
         raise

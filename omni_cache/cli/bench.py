@@ -123,12 +123,16 @@ def _refuse_unused_flags(args: argparse.Namespace) -> None:
     def given(*flags: tuple[str, Any]) -> list[str]:
         return [flag for flag, present in flags if present]
 
+    def not_for(unused: list[str], run: str) -> str:
+        return f"{', '.join(unused)} {'does' if len(unused) == 1 else 'do'} not apply to {run}"
+
     problems = []
     if args.machine and (unused := given(("--preset", args.preset), ("--sweep", args.sweep), ("--memory", args.memory),
                                          ("--profile", args.profile), ("--plot", args.plot),
                                          ("--batch-sizes", args.batch_sizes), ("--decode-steps", args.decode_steps is not None),
-                                         ("--no-verify", args.no_verify), ("--async", args.async_))):
-        problems.append(f"{', '.join(unused)} {'does' if len(unused) == 1 else 'do'} not apply to --machine")
+                                         ("--no-verify", args.no_verify), ("--async", args.async_),
+                                         ("--seed", args.seed != 0))):
+        problems.append(not_for(unused, "--machine (it draws no workload)"))
     if args.plot and (modes := given(("--preset", args.preset), ("--sweep", args.sweep), ("--memory", args.memory),
                                      ("--engine-step", args.engine_step is not None),
                                      ("--width-sweep", args.width_sweep is not None),
@@ -146,22 +150,17 @@ def _refuse_unused_flags(args: argparse.Namespace) -> None:
                                     ("--decode-steps", args.decode_steps is not None), ("--async", args.async_),
                                     ("--threads", args.threads != 1), ("--no-verify", args.no_verify),
                                     ("--seed", args.seed != 0))):
-        problems.append(f"{', '.join(unused)} {'does' if len(unused) == 1 else 'do'} not apply to "
-                        f"{' and '.join(engines)} (a real vLLM engine's run)")
-    if args.machine and args.seed != 0:
-        problems.append("--seed does not apply to --machine (it draws no workload)")
+        problems.append(not_for(unused, f"{' and '.join(engines)} (a real vLLM engine's run)"))
     # --profile's breakdown and --memory take the default workload's sizes and seed unless a preset is given
     own = given(("--preset", args.preset)) or ([] if args.profile or args.memory else given(("--sweep", args.sweep)))
     if own and (unused := given(("--batch-sizes", args.batch_sizes), ("--seed", args.seed != 0))):
-        problems.append(f"{', '.join(unused)} {'does' if len(unused) == 1 else 'do'} not apply to "
-                        f"{' and '.join(own)} (its own workloads)")
+        problems.append(not_for(unused, f"{' and '.join(own)} (its own workloads)"))
     if args.sweep and args.no_verify:
         problems.append("--no-verify does not apply to --sweep (its passes are always checked against the ground "
                         "truth)")
     if args.memory and not own and (unused := given(("--repeats", args.repeats is not None),
                                                     ("--no-verify", args.no_verify), ("--async", args.async_))):
-        problems.append(f"{', '.join(unused)} {'does' if len(unused) == 1 else 'do'} not apply to --memory "
-                        "(it counts bytes; nothing is timed or served)")
+        problems.append(not_for(unused, "--memory (it counts bytes; nothing is timed or served)"))
     if args.num_prompts is not None and args.served is None:
         problems.append("--num-prompts goes with --served")
     if args.preset and args.quick:
