@@ -29,8 +29,12 @@ readable", I6; its rows were computed over KV that never came).
 A plan the scheduler side never sends is refused whole before anything is
 applied (``OmniPrefixCacheUnmatchError`` naming the step, request, block and
 its KV slots, and what is wrong): an entry of the wrong type, a negative or
-non-integer block id or index, an empty block hash, two loads into one block,
-or two stores of one block under different hashes.
+non-integer block id or index, a block outside the pool, an empty block hash,
+two loads into one block, or two stores of one block under different hashes.
+A tier entry that does not fit the pool (a key the pool never held, a row count
+other than the block size, a dtype or row shape other than the pool's) is a
+load the tier cannot serve, like a miss; every load's entry is fetched and
+checked before the first restore, so no load fails half applied.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ import torch
 
 from omni_cache.runtime.errors import OmniPrefixCacheUnmatchError
 from omni_cache.runtime.tier import HiddenTier
-from omni_cache.runtime.tier_rows import block_rows, restore_rows, vacate_rows
+from omni_cache.runtime.tier_rows import block_rows, restore_problem, restore_rows, vacate_rows
 
 __all__ = ["TierApplier", "TierLoad", "TierPlan", "TierStore"]
 
@@ -107,8 +111,9 @@ class TierApplier:
         bs = self.block_size
         return torch.from_numpy(np.arange(block_id * bs, (block_id + 1) * bs, dtype=np.int64))
 
-    def check_plan(self, plan: TierPlan) -> None:
-        """Refuse a malformed plan (see the module docstring) before any of it is applied."""
+    def check_plan(self, plan: TierPlan, num_blocks: int | None = None) -> None:
+        """Refuse a malformed plan (see the module docstring) before any of it is applied; with
+        ``num_blocks`` (the pool's), a block outside ``[0, num_blocks)`` too."""
         if not isinstance(plan, TierPlan):
             raise OmniPrefixCacheUnmatchError(f"tier plan refused: {type(plan).__name__} is not a TierPlan")
         stored: dict[int, bytes] = {}
@@ -123,6 +128,9 @@ class TierApplier:
                 for name, value in ints:
                     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                         raise OmniPrefixCacheUnmatchError(f"{where}: {name} must be an integer >= 0, got {value!r}")
+                if num_blocks is not None and e.block_id >= num_blocks:
+                    raise OmniPrefixCacheUnmatchError(f"{where}: block_id is outside the pool's blocks "
+                                                      f"[0, {num_blocks})")
                 if not isinstance(e.req_id, str) or not isinstance(e.block_hash, bytes) or not e.block_hash:
                     raise OmniPrefixCacheUnmatchError(f"{where}: needs a str request id and a non-empty bytes "
                                                       f"block hash, got {e.req_id!r}, {e.block_hash!r}")
@@ -152,7 +160,8 @@ class TierApplier:
     def apply(self, plan: TierPlan, manager: Any) -> set[int]:
         """Stores, then loads (see the module docstring); engine thread, before the forward.
         Returns the block ids of the loads the tier could not serve (also held for ``take_load_errors``)."""
-        self.check_plan(plan)
+        bs = self.block_size
+        self.check_plan(plan, manager.pool.num_slots // bs)
         failed: set[int] = set()
         for store in plan.stores:
             rows = block_rows(manager, self.slots_of(store.block_id))
@@ -163,14 +172,19 @@ class TierApplier:
             if self.tier.put(store.block_hash, rows):
                 with self._lock:
                     self.stored_blocks += 1
+        fetched = []  # every entry fetched and checked before the first restore
         for load in plan.loads:
             rows = self.tier.get(load.block_hash)
+            why = "the tier holds no rows for its hash" if rows is None else restore_problem(manager, rows, bs)
+            fetched.append((load, None if why else rows, why))
+        for load, rows, why in fetched:
             if rows is None:
                 with self._lock:
                     self.num_load_failures += 1
                     if len(self.load_failures) < _KEPT_FAILURES:
                         self.load_failures.append({"req_id": load.req_id, "block_index": load.block_index,
-                                                   "block_id": load.block_id, "block_hash": load.block_hash.hex()})
+                                                   "block_id": load.block_id, "block_hash": load.block_hash.hex(),
+                                                   "why": why})
                     self._load_errors.add(load.block_id)
                 failed.add(load.block_id)
                 # the new block's previous tenant (another content) must not serve the hit: it

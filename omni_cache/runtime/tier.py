@@ -26,9 +26,11 @@ stored (``put`` returns False). On disk:
 - a tier reads only its own files: each instance spills into its own fresh
   subdirectory of ``directory`` (two engines or a restart sharing one
   directory never read each other's rows); every file also carries the
-  instance id and block hash in its metadata and is served only when both match.
-- a damaged file (truncated, foreign, not safetensors) is a miss with
-  ``load_failures`` counted and the file removed -- never raised out of ``get``.
+  instance id, the block hash and a digest of its rows (every key's name, dtype,
+  shape and bytes) in its metadata and is served only when all three match.
+- a damaged file (truncated, foreign, not safetensors, rows whose bytes changed
+  on disk) is a miss with ``load_failures`` counted and the file removed -- never
+  raised out of ``get``, never served.
 - a removed ``directory`` is recreated by the next spill.
 - ``directory`` needs the ``safetensors`` package: refused at construction
   when it is missing, never at the first spill.
@@ -82,6 +84,22 @@ def _nbytes(rows: Rows) -> int:
     return sum(t.numel() * t.element_size() for t in rows.values())
 
 
+def _digest(rows: Rows) -> str:
+    """A digest of every key's name, dtype, shape and bytes (a spill file's rows, checked on read)."""
+    h = hashlib.blake2b(digest_size=16)
+    for key in sorted(rows):
+        t = rows[key].contiguous()
+        h.update(f"{key}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().data)
+    return h.hexdigest()
+
+
+def _check_hash(what: str, block_hash: object) -> None:
+    if not isinstance(block_hash, bytes) or not block_hash:
+        raise ValueError(f"HiddenTier.{what}: a block hash is non-empty bytes (vLLM's BlockHash), "
+                         f"got {block_hash!r}")
+
+
 def _budget(budget_bytes: object) -> int:
     """``budget_bytes`` as a non-negative integer, or one ValueError naming it."""
     value: int | None = None
@@ -127,8 +145,13 @@ class HiddenTier:
     # ------------------------------------------------------------------ API
     def put(self, block_hash: bytes, rows: Rows) -> bool:
         """Store private copies of ``rows`` under ``block_hash`` (replacing any entry)."""
+        _check_hash("put", block_hash)
         if not rows:
             raise ValueError("HiddenTier.put: no rows to store")
+        bad = [k for k, t in rows.items() if not isinstance(t, torch.Tensor) or t.dim() < 1]
+        if bad:
+            raise ValueError(f"HiddenTier.put: the rows of {bad[0]!r} are not a tensor of one row per token "
+                             f"(got {type(rows[bad[0]]).__name__})")
         lengths = {int(t.shape[0]) for t in rows.values()}
         if len(lengths) != 1:
             raise ValueError(f"HiddenTier.put: keys have different row counts {sorted(lengths)}")
@@ -139,6 +162,7 @@ class HiddenTier:
 
     def get(self, block_hash: bytes) -> Rows | None:
         """The rows stored for ``block_hash`` (private copies), or ``None``."""
+        _check_hash("get", block_hash)
         with self._lock:
             self._check_open_locked("get")
             rows = self._entries.get(block_hash)
@@ -152,11 +176,14 @@ class HiddenTier:
                 return None
             self._stats.hits += 1
             self._stats.disk_hits += 1
-            if _nbytes(rows) <= self.budget_bytes:  # promote, in the same hold as the read
-                self._put_locked(block_hash, {k: t.clone() for k, t in rows.items()})
+            if _nbytes(rows) <= self.budget_bytes:  # promote, in the same hold as the read (not a put)
+                self._put_locked(block_hash, {k: t.clone() for k, t in rows.items()}, promoted=True)
             return rows
 
     def __contains__(self, block_hash: bytes) -> bool:
+        """Whether an entry is held, in memory or as a file. A file is only read by ``get``: one
+        damaged on disk is ``in`` the tier until a ``get`` finds it damaged (a miss)."""
+        _check_hash("__contains__", block_hash)
         with self._lock:
             self._check_open_locked("__contains__")
             if block_hash in self._entries:
@@ -202,7 +229,7 @@ class HiddenTier:
     def _sync_locked(self) -> None:
         self._stats.entries = len(self._entries)
 
-    def _put_locked(self, block_hash: bytes, copy: Rows) -> bool:
+    def _put_locked(self, block_hash: bytes, copy: Rows, *, promoted: bool = False) -> bool:
         old = self._entries.pop(block_hash, None)
         if old is not None:
             self._stats.bytes -= _nbytes(old)
@@ -214,7 +241,7 @@ class HiddenTier:
             return False
         self._entries[block_hash] = copy
         self._stats.bytes += size
-        self._stats.puts += 1
+        self._stats.puts += not promoted
         for h, evicted in self._evict_locked():
             self._write_file_locked(h, evicted)
         return True
@@ -263,7 +290,7 @@ class HiddenTier:
         tmp = path + ".tmp"
         try:
             os.makedirs(self._spill_dir, exist_ok=True)  # recreated if removed while running
-            self._save(rows, tmp, {"block_hash": block_hash.hex(), "tier": self.instance})
+            self._save(rows, tmp, {"block_hash": block_hash.hex(), "tier": self.instance, "rows": _digest(rows)})
             os.replace(tmp, path)  # a reader sees no file or the whole new one
             self._stale.discard(block_hash)  # the file is this put's rows now
         except Exception:
@@ -288,6 +315,8 @@ class HiddenTier:
                 rows = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (no __iter__)
             if not rows or len({int(t.shape[0]) for t in rows.values()}) != 1:
                 raise ValueError("no rows or ragged rows")
+            if meta.get("rows") != _digest(rows):
+                raise ValueError("rows changed on disk")
             return rows
         except Exception:
             self._stats.load_failures += 1

@@ -37,7 +37,7 @@ from omni_cache.runtime.reader import StepReader
 from omni_cache.runtime.tenancy import SlotTenancy
 from omni_cache.runtime.validation import RowSig, row_sig
 
-__all__ = ["TierHost", "TierPort", "block_rows", "restore_rows", "vacate_rows"]
+__all__ = ["TierHost", "TierPort", "block_rows", "restore_problem", "restore_rows", "vacate_rows"]
 
 
 @dataclass(frozen=True)
@@ -88,6 +88,24 @@ def block_rows(manager: TierHost, slots: torch.Tensor) -> dict[str, torch.Tensor
         return {key: manager.reader.read_planned(plan, key, what=what) for key in keys}
     finally:
         manager.tenancy.unplan(plan)
+
+
+def restore_problem(manager: TierHost, rows: dict[str, torch.Tensor], num_slots: int) -> str | None:
+    """Why ``rows`` (a tier entry) cannot be restored onto ``num_slots`` KV slots, or None: a key the
+    pool never held (a tier entry only holds keys the pool had when it was stored), a row count
+    other than ``num_slots``, or a dtype or row shape other than the pool's. Changes nothing."""
+    if not rows:
+        return "the entry holds no rows"
+    for key, t in rows.items():
+        if not manager.pool.has_key(key):
+            return f"the entry holds key {key!r}, which the block pool never held"
+        if int(t.shape[0]) != num_slots:
+            return f"the entry holds {int(t.shape[0])} rows of {key!r} for a block of {num_slots} KV slots"
+        try:
+            manager.pool.check_sigs({key: row_sig(t)})
+        except OmniPrefixCacheUnmatchError as exc:
+            return str(exc)
+    return None
 
 
 def restore_rows(manager: TierHost, slots: torch.Tensor, rows: dict[str, torch.Tensor]) -> StepId:

@@ -54,7 +54,7 @@ def test_a_whole_float_budget_is_accepted() -> None:
     assert HiddenTier(2048.0).budget_bytes == 2048  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("damage", ["truncated", "garbage", "foreign", "empty"])
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "foreign", "empty", "bitflip"])
 def test_a_damaged_file_is_a_counted_miss_never_raised(tmp_path: Path, damage: str) -> None:
     tier = HiddenTier(ENTRY, directory=str(tmp_path))
     tier.put(b"1", _rows("1"))
@@ -67,6 +67,8 @@ def test_a_damaged_file_is_a_counted_miss_never_raised(tmp_path: Path, damage: s
         path.write_bytes(b"not a safetensors file at all" * 10)
     elif damage == "empty":
         path.write_bytes(b"")
+    elif damage == "bitflip":  # bit rot in the rows: the header (hash, instance) still matches
+        path.write_bytes(data[:-3] + bytes([data[-3] ^ 0x01]) + data[-2:])
     else:  # a valid safetensors file without this tier's metadata
         from safetensors.torch import save_file
         save_file({"hidden": torch.ones(4, 8)}, str(path))
@@ -214,6 +216,10 @@ def _applied() -> tuple[TierApplier, Any]:
     (TierPlan(loads=(TierLoad("b", 0, b"", 3),)), "block hash"),
     (TierPlan(loads=(TierLoad("b", 0, "h1", 3),)), "block hash"),  # type: ignore[arg-type]
     (TierPlan(loads=(TierStore("a", b"h1", 2),)), "is not a TierLoad"),  # type: ignore[arg-type]
+    # a block outside the pool (32 blocks), after an entry that alone would apply
+    (TierPlan(stores=(TierStore("a", b"h1", 2), TierStore("a", b"h2", 32))),
+     r"store #1 \(request 'a', block 32\): block_id is outside the pool's blocks \[0, 32\)"),
+    (TierPlan(loads=(TierLoad("b", 0, b"h1", 3), TierLoad("b", 1, b"h2", 40))), r"load #1 .*outside the pool's blocks"),
     ({"stores": ()}, "is not a TierPlan"),
 ])
 def test_a_malformed_plan_is_refused_whole_and_changes_nothing(plan: object, match: str) -> None:
@@ -284,6 +290,7 @@ def test_a_disk_hit_that_fits_is_promoted_to_memory(tmp_path: Path) -> None:
     assert _same(tier.get(b"a"), "a")
     first = tier.stats()
     assert (first.disk_hits, first.entries, first.spilled) == (1, 1, 2)  # b spilled by the promotion
+    assert first.puts == 2  # a promotion is not a put
     assert _same(tier.get(b"a"), "a")
     assert tier.stats().disk_hits == 1  # served from memory this time
     assert _same(tier.get(b"b"), "b")
@@ -414,3 +421,63 @@ def test_an_older_file_a_put_cannot_remove_is_never_served(tmp_path: Path, monke
     tier.put(b"z", _rows("z"))  # h (newest) spills: its file replaces the stale one, readable again
     assert _same(tier.get(b"h"), "newest")
     tier.close()
+
+
+@pytest.mark.parametrize("rows", [
+    {"hidden": torch.arange(32, dtype=torch.float32).reshape(4, 8).to(torch.bfloat16)},
+    {"hidden": torch.ones(4, 3, dtype=torch.bool), "audio.codes": torch.arange(8, dtype=torch.int8).reshape(4, 2)},
+    {"hidden": torch.empty(4, 0)},
+], ids=["bfloat16", "bool-int8", "zero-width"])
+def test_a_spilled_entry_of_any_dtype_comes_back_bit_for_bit(tmp_path: Path, rows: dict[str, torch.Tensor]) -> None:
+    """The rows' digest covers every dtype a pool key may have: a spill and its read agree on it."""
+    tier = HiddenTier(1, directory=str(tmp_path))  # every entry spills
+    tier.put(b"h", rows)
+    got = tier.get(b"h")
+    assert got is not None and set(got) == set(rows)
+    assert all(got[k].dtype == rows[k].dtype and torch.equal(got[k], rows[k]) for k in rows)
+    assert tier.stats().load_failures == 0
+
+
+@pytest.mark.parametrize(("call", "arg", "match"), [
+    ("put", "h", "a block hash is non-empty bytes"), ("get", "h", "a block hash is non-empty bytes"),
+    ("put", b"", "a block hash is non-empty bytes"), ("put", b"h", "'hidden' are not a tensor of one row per token"),
+])
+def test_a_tier_call_with_a_bad_hash_or_rows_is_one_value_error(tmp_path: Path, call: str, arg: object,
+                                                                 match: str) -> None:
+    """With or without a directory, a hash that is not bytes and rows that are not per-token tensors are
+    refused the same way (ValueError naming them), never a TypeError or IndexError from inside."""
+    for tier in (HiddenTier(1 << 20), HiddenTier(1 << 20, directory=str(tmp_path))):
+        with pytest.raises(ValueError, match=match):
+            if call == "put":
+                tier.put(arg, {"hidden": torch.tensor(1.0)} if arg == b"h" else _rows("a"))  # type: ignore[arg-type]
+            else:
+                tier.get(arg)  # type: ignore[arg-type]
+        assert tier.stats().puts == 0
+
+
+@pytest.mark.parametrize("entry", ["unknown key", "wrong dtype", "wrong width", "wrong rows"])
+def test_a_tier_entry_that_does_not_fit_the_pool_is_a_miss_and_the_rest_of_the_plan_applies(entry: str) -> None:
+    """Every load's entry is checked before the first restore: one that does not fit the pool is a
+    counted miss (its block vacated, reported to vLLM), never an exception after other loads were
+    restored; the plan's other loads restore their rows."""
+    applier, m = _applied()  # the pool holds 'hidden' rows of width 8 (float32)
+    good = _rows("g")["hidden"]
+    bad = {"unknown key": {"hidden": good, "never.seen": good},
+           "wrong dtype": {"hidden": good.to(torch.float64)},
+           "wrong width": {"hidden": good[:, :3]},
+           "wrong rows": {"hidden": torch.cat([good, good])}}[entry]
+    applier.tier.put(b"good", {"hidden": good})
+    applier.tier.put(b"bad", bad)
+    m.new_step_starts([started("b")])
+    failed = applier.apply(TierPlan(loads=(TierLoad("b", 0, b"bad", 5), TierLoad("b", 1, b"good", 6))), m)
+    assert failed == {5} and applier.take_load_errors() == {5}
+    assert applier.restored_blocks == 1 and applier.num_load_failures == 1
+    why = applier.load_failures[0]["why"]
+    assert {"unknown key": "never held", "wrong dtype": "width and dtype never change",
+            "wrong width": "width and dtype never change", "wrong rows": "8 rows"}[entry] in why
+    assert "never.seen" not in m.stats()["pool_bytes"]  # no pool column for a key it never held
+    m.new_step_starts([finished("b"), started("c", hit_end=2 * BS, blocks=[6, 5])])
+    step, _ = save(m, [("c", [6, 5, 7], 8, 9)])
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="is not readable"):  # block 5 vacated (I6)
+        m.materialize(step, ["c"])
+    m.shutdown()

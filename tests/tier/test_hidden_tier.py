@@ -178,7 +178,8 @@ def test_the_applier_stores_before_it_loads_and_counts_a_miss() -> None:
     applier.apply(TierPlan(stores=(TierStore("a", b"h2", 2),),
                            loads=(TierLoad("b", 0, b"h2", 2), TierLoad("b", 1, b"unknown", 3))), m)
     assert applier.stored_blocks == 1 and applier.restored_blocks == 1 and applier.tier_hit_tokens == BS
-    assert applier.load_failures == [{"req_id": "b", "block_index": 1, "block_id": 3, "block_hash": b"unknown".hex()}]
+    assert applier.load_failures == [{"req_id": "b", "block_index": 1, "block_id": 3, "block_hash": b"unknown".hex(),
+                                       "why": "the tier holds no rows for its hash"}]
     got = applier.tier.get(b"h2")
     assert got is not None and torch.equal(got["hidden"], rows_a)
     m.shutdown()
