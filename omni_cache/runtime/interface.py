@@ -84,6 +84,10 @@ MAX_SLOTS = 1 << 40
 """The most KV slots (``num_blocks x block_size``) a config may address: per-slot bookkeeping is
 allocated for each at start, and no engine has more."""
 
+MAX_STAGING_DEPTH = 1024
+"""The most staging slots (``staging_depth``, steps in flight) a config may ask for: each slot's
+bookkeeping is built at start, and no engine keeps more steps unconsumed."""
+
 
 @dataclass(frozen=True)
 class PrefixCacheConfig:
@@ -132,6 +136,9 @@ class PrefixCacheConfig:
                 f"PrefixCacheConfig.staging_claim_timeout_s must be a positive finite "
                 f"number of seconds up to {threading.TIMEOUT_MAX:.0f}, got {timeout!r}"
             )
+        if self.staging_depth > MAX_STAGING_DEPTH:
+            raise ValueError(f"PrefixCacheConfig.staging_depth must be at most {MAX_STAGING_DEPTH} (staging slots "
+                             f"are built at start), got {self.staging_depth}")
         if self.num_slots > MAX_SLOTS:
             raise ValueError(
                 f"PrefixCacheConfig.num_blocks x block_size must address at most {MAX_SLOTS} KV slots "

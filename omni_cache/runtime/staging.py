@@ -350,11 +350,16 @@ class StagingPool:
         """The per-slot page views of ``key`` (allocated on first use), checked against ``sig``."""
         page = self._pages.get(key)
         if page is None:
-            fresh = torch.empty(
-                (self.depth, self.capacity_tokens, *like.shape[1:]),
-                dtype=like.dtype,
-                pin_memory=self.pin_memory,
-            )
+            shape = (self.depth, self.capacity_tokens, *like.shape[1:])
+            try:
+                fresh = torch.empty(shape, dtype=like.dtype, pin_memory=self.pin_memory)
+            except RuntimeError as exc:  # the allocator's refusal: a sizing problem, named as one
+                nbytes = like.element_size() * torch.Size(shape).numel()
+                raise OmniPrefixCacheUnmatchError(
+                    f"save_outputs: cannot allocate the staging pages of {key!r}: staging_depth {self.depth} x "
+                    f"staging_capacity_tokens {self.capacity_tokens} rows of shape {tuple(like.shape[1:])} "
+                    f"{like.dtype} = {nbytes:,} bytes ({exc.__class__.__name__}: {str(exc).splitlines()[0]})"
+                ) from exc
             with self._lock:
                 page = self._pages.setdefault(key, fresh)
                 if page is fresh:

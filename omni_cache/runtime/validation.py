@@ -45,8 +45,8 @@ from omni_cache.runtime.interface import HIDDEN_KEY, ModelCachePolicy, PrefixCac
 
 
 def validate_hit(event: PrefixCacheRequestEvent, config: PrefixCacheConfig) -> None:
-    """A hit is block aligned, starts at 0 and carries enough in-range block ids in the output
-    KV-cache group (``config.output_group_id``) (I5)."""
+    """A hit is block aligned, starts at 0 and carries enough in-range, distinct block ids in the
+    output KV-cache group (``config.output_group_id``) (I5)."""
     bs = config.block_size
     where = (
         f"new_step_starts: {event.kind.name} request {event.req_id!r} "
@@ -72,6 +72,12 @@ def validate_hit(event: PrefixCacheRequestEvent, config: PrefixCacheConfig) -> N
     if bad:
         raise OmniPrefixCacheUnmatchError(
             f"{where}: block ids {bad[:8]} are outside [0, {config.num_blocks}) (I5)"
+        )
+    if len(set(blocks[:need])) != need:  # two prefix positions at one KV slot: no engine's prefix
+        twice = next(b for i, b in enumerate(blocks[:need]) if b in blocks[:i])
+        raise OmniPrefixCacheUnmatchError(
+            f"{where}: block id {twice} appears twice among its {need} hit blocks; a prefix's blocks are "
+            f"distinct (I5)"
         )
 
 

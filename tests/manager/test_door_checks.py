@@ -183,6 +183,22 @@ def test_a_hit_on_a_block_outside_the_pool_is_refused_and_changes_nothing(blocks
     m.shutdown()
 
 
+@pytest.mark.parametrize(("blocks", "twice"), [([1, 1, 3], 1), ([2, 5, 2], 2), ([4, 4], 4)],
+                         ids=["adjacent", "apart", "whole-hit"])
+def test_a_hit_naming_one_block_twice_is_refused_and_changes_nothing(blocks: list[int], twice: int) -> None:
+    """A hit whose blocks repeat one id would serve one block's rows at two prefix positions: no
+    engine's prefix maps two positions to one KV slot. Refused at the door, naming the block (I5)."""
+    m = manager(True)
+    with pytest.raises(OmniPrefixCacheUnmatchError, match=rf"block id {twice} appears twice among its {len(blocks)} hit blocks.*\(I5\)"):
+        m.new_step_starts([started("a", hit_end=4 * len(blocks), blocks=blocks)])
+    stats = m.stats()
+    assert (stats["hits"], stats["live_requests"]) == (0, 0)
+    # a longer block list repeats nothing within the hit: only the hit's blocks count
+    m.new_step_starts([started("a", hit_end=8, blocks=[1, 3, 1])])
+    assert m.stats()["hits"] == 1
+    m.shutdown()
+
+
 @pytest.mark.parametrize("deferred", [True, False], ids=["deferred", "immediate"])
 def test_width_change_is_refused_at_save_and_burns_no_step_id(deferred: bool) -> None:
     m = manager()

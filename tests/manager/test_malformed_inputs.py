@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from cache_helpers import config, manager, save, slots
+from cache_helpers import config, manager, save, slots, started
 
 from omni_cache import (
     ModelCachePolicy,
@@ -126,6 +126,26 @@ def test_a_config_refuses_what_no_wait_or_allocation_can_take() -> None:
     with pytest.raises(ValueError, match=r"num_blocks x block_size must address at most \d+ KV slots"):
         PrefixCacheConfig(num_blocks=2**62, block_size=4)
     assert config(staging_claim_timeout_s=threading.TIMEOUT_MAX).staging_claim_timeout_s == threading.TIMEOUT_MAX
+    with pytest.raises(ValueError, match=r"staging_depth must be at most 1024 .*got 1025"):
+        config(staging_depth=1025)  # each slot's bookkeeping is built at start: 10**9 never returned
+    assert config(staging_depth=1024).staging_depth == 1024
+
+
+def test_staging_pages_the_allocator_refuses_fail_the_save_naming_the_sizing_and_change_nothing() -> None:
+    """A staging page of ``staging_depth x staging_capacity_tokens`` rows no allocator can give (here
+    about 2**48 bytes) is a contract error of the save naming the key, the fields and the bytes --
+    never the allocator's bare RuntimeError -- and the save changes nothing."""
+    m = manager(True, staging_capacity_tokens=2**40)
+    m.new_step_starts([started("a")])
+    before = m.stats()
+    with pytest.raises(OmniPrefixCacheUnmatchError, match=r"cannot allocate the staging pages of 'hidden': staging_depth 3 "
+                       r"x staging_capacity_tokens 1099511627776 rows of shape \(8,\) torch.float32 = "
+                       r"105,553,116,266,496 bytes"):
+        save(m, [("a", [0], 0, 4)])
+    after = m.stats()
+    assert after["saved"] == before["saved"] == 0 and after["failed"] is None and after["unconsumed_step_ids"] == {}
+    assert after["staging"]["slots"]["free"] == 3 and after["staging"]["page_bytes"] == {} and after["writes_in_flight"] == 0
+    assert m.shutdown() == {}
 
 
 @pytest.mark.parametrize("value", [True, np.bool_(True), torch.tensor(True), torch.tensor([3]), torch.tensor([[3]])],
