@@ -33,8 +33,10 @@ non-integer block id or index, a block outside the pool, an empty block hash,
 two loads into one block, or two stores of one block under different hashes.
 A tier entry that does not fit the pool (a key the pool never held, a row count
 other than the block size, a dtype or row shape other than the pool's) is a
-load the tier cannot serve, like a miss; every load's entry is fetched and
-checked before the first restore, so no load fails half applied.
+load the tier cannot serve, like a miss, and is dropped from the tier; every
+load's entry is fetched and checked before the first restore, so an unusable
+entry never raises after other loads were applied (a manager that fails or shuts
+down meanwhile refuses the rest: I8).
 """
 
 from __future__ import annotations
@@ -176,6 +178,8 @@ class TierApplier:
         for load in plan.loads:
             rows = self.tier.get(load.block_hash)
             why = "the tier holds no rows for its hash" if rows is None else restore_problem(manager, rows, bs)
+            if rows is not None and why is not None:  # never restorable into this pool: not kept
+                self.tier.discard(load.block_hash)
             fetched.append((load, None if why else rows, why))
         for load, rows, why in fetched:
             if rows is None:

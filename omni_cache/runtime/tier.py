@@ -180,16 +180,28 @@ class HiddenTier:
                 self._put_locked(block_hash, {k: t.clone() for k, t in rows.items()}, promoted=True)
             return rows
 
-    def __contains__(self, block_hash: bytes) -> bool:
-        """Whether an entry is held, in memory or as a file. A file is only read by ``get``: one
-        damaged on disk is ``in`` the tier until a ``get`` finds it damaged (a miss)."""
-        _check_hash("__contains__", block_hash)
+    def __contains__(self, block_hash: object) -> bool:
+        """Whether an entry is held, in memory or as a file (a non-bytes hash never is). A file is only
+        read by ``get``: one damaged on disk is ``in`` the tier until a ``get`` finds it damaged (a miss)."""
+        if not isinstance(block_hash, bytes):
+            return False
         with self._lock:
             self._check_open_locked("__contains__")
             if block_hash in self._entries:
                 return True
             path = self._path(block_hash)
             return path is not None and block_hash not in self._stale and os.path.exists(path)
+
+    def discard(self, block_hash: bytes) -> None:
+        """Drop ``block_hash``'s entry and its file, if any (an entry its reader found unusable)."""
+        _check_hash("discard", block_hash)
+        with self._lock:
+            self._check_open_locked("discard")
+            old = self._entries.pop(block_hash, None)
+            if old is not None:
+                self._stats.bytes -= _nbytes(old)
+            self._remove_file_locked(block_hash)
+            self._sync_locked()
 
     def stats(self) -> TierStats:
         with self._lock:

@@ -131,10 +131,19 @@ def test_a_config_refuses_what_no_wait_or_allocation_can_take() -> None:
     assert config(staging_depth=1024).staging_depth == 1024
 
 
-def test_staging_pages_the_allocator_refuses_fail_the_save_naming_the_sizing_and_change_nothing() -> None:
-    """A staging page of ``staging_depth x staging_capacity_tokens`` rows no allocator can give (here
-    about 2**48 bytes) is a contract error of the save naming the key, the fields and the bytes --
-    never the allocator's bare RuntimeError -- and the save changes nothing."""
+def test_staging_pages_the_allocator_refuses_fail_the_save_naming_the_sizing_and_change_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A staging page of ``staging_depth x staging_capacity_tokens`` rows the allocator refuses (about
+    2**47 bytes here; the refusal is forced, since an overcommitting host may hand out the address space)
+    is a contract error of the save naming the key, the fields and the bytes -- never the allocator's
+    bare RuntimeError -- and the save changes nothing."""
+    import omni_cache.runtime.staging as staging
+
+    def refuse(*args: object, **kwargs: object) -> torch.Tensor:
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 105553116266496 bytes")
+
+    monkeypatch.setattr(staging.torch, "empty", refuse)
     m = manager(True, staging_capacity_tokens=2**40)
     m.new_step_starts([started("a")])
     before = m.stats()

@@ -227,6 +227,7 @@ def test_a_malformed_plan_is_refused_whole_and_changes_nothing(plan: object, mat
     with pytest.raises(OmniPrefixCacheUnmatchError, match=match):
         applier.apply(plan, m)  # type: ignore[arg-type]
     assert applier.tier.stats().puts == 0 and applier.restored_blocks == 0
+    assert applier.num_load_failures == 0 and applier.take_load_errors() == set()  # no load vacated a block
     m.shutdown()
 
 
@@ -430,12 +431,14 @@ def test_an_older_file_a_put_cannot_remove_is_never_served(tmp_path: Path, monke
 ], ids=["bfloat16", "bool-int8", "zero-width"])
 def test_a_spilled_entry_of_any_dtype_comes_back_bit_for_bit(tmp_path: Path, rows: dict[str, torch.Tensor]) -> None:
     """The rows' digest covers every dtype a pool key may have: a spill and its read agree on it."""
-    tier = HiddenTier(1, directory=str(tmp_path))  # every entry spills
+    tier = HiddenTier(0, directory=str(tmp_path))  # nothing fits in memory: every entry spills (a 0-byte one too)
     tier.put(b"h", rows)
+    tier.put(b"other", _rows("o"))
     got = tier.get(b"h")
     assert got is not None and set(got) == set(rows)
     assert all(got[k].dtype == rows[k].dtype and torch.equal(got[k], rows[k]) for k in rows)
-    assert tier.stats().load_failures == 0
+    stats = tier.stats()
+    assert (stats.disk_hits, stats.load_failures) == (1, 0)  # read back from its file
 
 
 @pytest.mark.parametrize(("call", "arg", "match"), [
@@ -445,8 +448,10 @@ def test_a_spilled_entry_of_any_dtype_comes_back_bit_for_bit(tmp_path: Path, row
 def test_a_tier_call_with_a_bad_hash_or_rows_is_one_value_error(tmp_path: Path, call: str, arg: object,
                                                                  match: str) -> None:
     """With or without a directory, a hash that is not bytes and rows that are not per-token tensors are
-    refused the same way (ValueError naming them), never a TypeError or IndexError from inside."""
+    refused the same way (ValueError naming them), never a TypeError or IndexError from inside; a hash
+    that is not bytes is never ``in`` the tier."""
     for tier in (HiddenTier(1 << 20), HiddenTier(1 << 20, directory=str(tmp_path))):
+        assert "h" not in tier and 3 not in tier
         with pytest.raises(ValueError, match=match):
             if call == "put":
                 tier.put(arg, {"hidden": torch.tensor(1.0)} if arg == b"h" else _rows("a"))  # type: ignore[arg-type]
@@ -472,6 +477,7 @@ def test_a_tier_entry_that_does_not_fit_the_pool_is_a_miss_and_the_rest_of_the_p
     failed = applier.apply(TierPlan(loads=(TierLoad("b", 0, b"bad", 5), TierLoad("b", 1, b"good", 6))), m)
     assert failed == {5} and applier.take_load_errors() == {5}
     assert applier.restored_blocks == 1 and applier.num_load_failures == 1
+    assert b"bad" not in applier.tier and b"good" in applier.tier  # an entry no load can use is dropped
     why = applier.load_failures[0]["why"]
     assert {"unknown key": "never held", "wrong dtype": "width and dtype never change",
             "wrong width": "width and dtype never change", "wrong rows": "8 rows"}[entry] in why
