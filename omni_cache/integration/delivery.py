@@ -174,7 +174,10 @@ class RowDelivery:
         for req_id, token_ids in plan.finished:
             rows = self._requests.get(req_id)
             if rows is not None and not rows.done:
-                self._complete(req_id, rows, len(token_ids), tuple(token_ids))
+                # NOTE: a prompt given as prompt_embeds has no token ids (vLLM counts it in placeholder
+                # zeros): its file's token_ids stay empty, as with prompt rows only (vLLM's own connector)
+                ids = None if rows.prompt_token_ids is None else tuple(token_ids)
+                self._complete(req_id, rows, len(token_ids), ids)
         for req_id in plan.dropped:
             rows = self._requests.pop(req_id, None)
             if rows is not None and not rows.done and rows.target.path is not None:

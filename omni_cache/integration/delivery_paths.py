@@ -94,7 +94,10 @@ class DeliveryPaths:
         if parent != self.root and not parent.startswith(self.root + os.sep):
             return None, (f"hidden_states_path {requested!r} is outside the delivery directory {self.root} "
                           "(after resolving symlinks)")
-        final = os.path.join(parent, os.path.basename(path))
+        name = os.path.basename(path)
+        if name.startswith("."):  # the directory's own files (the server's lock) start with a dot
+            return None, f"hidden_states_path {requested!r} names a hidden file (a leading '.'); name a visible one"
+        final = os.path.join(parent, name)
         if os.path.lexists(final) or os.path.lexists(final + ".lock"):
             return None, f"hidden_states_path {requested!r} exists already: a delivery never overwrites a file"
         return final, None

@@ -5,7 +5,7 @@ leading dot, bounded length, only ``[A-Za-z0-9._-]``) and two distinct ids never
 (Hypothesis over arbitrary text, the hostile ids by name); a client-given path is ignored unless
 the operator allows it, and then refused outside the directory (also through a symlinked
 directory, and for a sibling whose name only starts like the directory's), for an existing file,
-lock or symlink, and for a name that is not ``.safetensors``. The write and its lock files are in
+lock or symlink, for a hidden file and for a name that is not ``.safetensors``. The write and its lock files are in
 test_delivery_files.py, retention in test_delivery_retention.py.
 """
 
@@ -168,3 +168,14 @@ def test_a_requested_path_that_is_not_a_safetensors_file_name_is_refused(tmp_pat
     root = _root(tmp_path)
     path, error = DeliveryPaths(root, NONCE, allow_custom_path=True).target("r", requested)
     assert path is None and error and "hidden_states_path" in error
+
+
+@pytest.mark.parametrize("requested", [".safetensors", ".omni-cache-server.lock.safetensors", "sub/.x.safetensors"])
+def test_a_requested_hidden_file_is_refused(tmp_path: Path, requested: str) -> None:
+    """The delivery directory's own files (the server's lock) start with a dot: a client's path never
+    names a hidden file, so it can neither shadow nor sit beside them unseen."""
+    root = _root(tmp_path)
+    os.mkdir(os.path.join(root, "sub"))
+    path, error = DeliveryPaths(root, NONCE, allow_custom_path=True).target("r", requested)
+    assert path is None and "names a hidden file (a leading '.')" in error
+    assert DeliveryPaths(root, NONCE, allow_custom_path=True).target("r", "sub/x.safetensors")[1] is None

@@ -60,10 +60,11 @@ class Worker:
     def path(self, req: str) -> str:
         return self.settings.paths().default_path(req)
 
-    def admit(self, req: str, num_prompt_tokens: int, *, include: bool = False) -> None:
+    def admit(self, req: str, num_prompt_tokens: int, *, include: bool = False, embeds: bool = False) -> None:
+        """``embeds``: the prompt came as prompt_embeds (vLLM's new request then has no prompt token ids)."""
         self.ids[req] = [1000 + 7 * i + len(req) for i in range(num_prompt_tokens)]
         target = DeliveryTarget(req, self.path(req), None, num_prompt_tokens, include)
-        self.delivery.begin_step(DeliveryPlan(targets=(target,)), {req: self.ids[req]})
+        self.delivery.begin_step(DeliveryPlan(targets=(target,)), {req: None if embeds else self.ids[req]})
 
     def step(self, events: list[Any], spans: list[tuple[str, list[int], int, int]], **kw: Any) -> torch.Tensor:
         """One engine step: events, the save, the delivery's consume, the end of the step."""
@@ -233,6 +234,24 @@ def test_include_output_tokens_adds_the_decode_rows_once_the_request_finished(wo
     assert w.results()["a"].num_tokens == 6
     _assert_file(w.path("a"), torch.cat(parts), token_ids)
     assert _lock_is_free(w.path("a"))
+    w.assert_every_step_consumed_once()
+
+
+@pytest.mark.parametrize("include", [False, True], ids=["prompt", "include_output_tokens"])
+def test_a_prompt_embeds_request_gets_its_rows_and_no_token_ids_never_placeholder_zeros(worker, include: bool) -> None:
+    """A prompt given as prompt_embeds has no token ids (vLLM counts it in placeholder zeros in
+    ``all_token_ids``): the file holds every row and an empty ``token_ids``, with or without the output
+    tokens, as vLLM's own connector writes a prompt-only file -- never zeros presented as ids."""
+    w = worker()
+    w.admit("a", 4, include=include, embeds=True)
+    parts = [w.step([started("a")], [("a", [1, 2], 0, 4)])]
+    if include:
+        parts.append(w.step([PrefixCacheRequestEvent("a", E.EXTENDED)], [("a", [1, 2], 4, 5)]))
+        w.delivery.begin_step(DeliveryPlan(finished=(("a", (0, 0, 0, 0, 9)),)), {})  # the scheduler's view
+        w.delivery.finish_step()
+    assert w.results()["a"].num_tokens == (5 if include else 4)
+    data = read(w.path("a"))
+    assert torch.equal(data["hidden_states"], torch.cat(parts)) and data["token_ids"].tolist() == []
     w.assert_every_step_consumed_once()
 
 
