@@ -77,6 +77,10 @@ def run(args: argparse.Namespace) -> int:
     delivery_args, vllm_args = _delivery_parser().parse_known_args(args.vllm_args)
     if not args.model or args.model.startswith("-"):
         parser.error(f"MODEL comes first, got {args.model!r}")
+    switches = [a.option_strings[0] for a in _delivery_parser()._actions if a.nargs == 0]
+    for flag, after in zip(args.vllm_args, args.vllm_args[1:], strict=False):
+        if flag in switches and not after.startswith("-"):  # vLLM would get the stray value unseen
+            parser.error(f"{flag} takes no value, got {after!r}")
     if importlib.util.find_spec("vllm") is None:
         print("omni-cache serve: error: vLLM is not installed; see the README's set-up with the [vllm] extra",
               file=sys.stderr)
@@ -88,8 +92,14 @@ def run(args: argparse.Namespace) -> int:
         delivery_dir_of,
         option_value,
         serve_command,
+        vllm_spelling,
     )
     from omni_cache.harness.served.model_source import model_problem
+
+    try:
+        vllm_args = vllm_spelling(vllm_args)  # as vLLM reads them: --hf_token is --hf-token
+    except ValueError as exc:
+        parser.error(str(exc))
 
     token, revision = (found[1] if (found := option_value(vllm_args, name)) else None
                        for name in ("--hf-token", "--revision"))

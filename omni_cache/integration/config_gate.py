@@ -1,6 +1,7 @@
 """The configuration gate: may this engine stage run the omni prefix cache?
 
-Owns: ``stage_prefix_cache_config(vllm_config, kv_cache_config)``, which reads
+Owns: ``stage_prefix_cache_config(vllm_config, kv_cache_config)`` (and ``refuse_unservable_config``,
+its refusals that read the engine config alone), which reads
 vLLM's config objects by their field names (never importing vLLM) and returns
 the ``PrefixCacheConfig`` for the stage, ``None`` when the cache has nothing to
 do, or raises ``OmniPrefixCacheUnmatchError`` naming the one setting that makes
@@ -106,6 +107,30 @@ def _dcp_world_size(vllm_config: Any) -> int:
     return 1
 
 
+def refuse_unservable_config(vllm_config: Any) -> bool:
+    """The gate's refusals that read ``vllm_config`` alone (a KV connector that loads KV unwrapped,
+    unverifiable speculative decoding, decode context parallel); False when the cache is off on this
+    stage (prefix caching off, a pooling model), True when it will run. The omni workers call it
+    before their device starts, so a setting vLLM itself cannot start with on this device (the GPU
+    n-gram proposer on a CPU) still gets the cache's one-line refusal first."""
+    cache_config = getattr(vllm_config, "cache_config", None)
+    if cache_config is None or not bool(getattr(cache_config, "enable_prefix_caching", False)):
+        return False
+    if _is_pooling(getattr(vllm_config, "model_config", None)):
+        return False
+    _refuse_loading_connector(getattr(vllm_config, "kv_transfer_config", None))
+    _refuse_unverifiable_speculation(vllm_config)
+    dcp = _dcp_world_size(vllm_config)
+    if dcp > 1:
+        raise _refuse(
+            f"decode context parallel is enabled (parallel_config.decode_context_parallel_size={dcp}): "
+            "each rank holds only a stripe of every block's tokens, so this rank's KV slots do not "
+            "address the prefix's rows. Run the stage with decode_context_parallel_size=1 or disable "
+            "prefix caching on it"
+        )
+    return True
+
+
 def stage_prefix_cache_config(vllm_config: Any, kv_cache_config: Any) -> PrefixCacheConfig | None:
     """The stage's ``PrefixCacheConfig``, ``None``, or a refusal.
 
@@ -127,26 +152,10 @@ def stage_prefix_cache_config(vllm_config: Any, kv_cache_config: Any) -> PrefixC
     chosen group. Raises ``ValueError`` when
     ``kv_cache_config`` lacks what sizing needs.
     """
-    cache_config = getattr(vllm_config, "cache_config", None)
+    if not refuse_unservable_config(vllm_config):
+        return None
+    cache_config = vllm_config.cache_config
     model_config = getattr(vllm_config, "model_config", None)
-    if cache_config is None or not bool(getattr(cache_config, "enable_prefix_caching", False)):
-        return None
-    if _is_pooling(model_config):
-        return None
-
-    kv_transfer_config = getattr(vllm_config, "kv_transfer_config", None)
-    _refuse_loading_connector(kv_transfer_config)
-    _refuse_unverifiable_speculation(vllm_config)
-
-    dcp = _dcp_world_size(vllm_config)
-    if dcp > 1:
-        raise _refuse(
-            f"decode context parallel is enabled (parallel_config.decode_context_parallel_size={dcp}): "
-            "each rank holds only a stripe of every block's tokens, so this rank's KV slots do not "
-            "address the prefix's rows. Run the stage with decode_context_parallel_size=1 or disable "
-            "prefix caching on it"
-        )
-
     try:
         output = select_output_group(kv_cache_config)
     except LookupError as exc:

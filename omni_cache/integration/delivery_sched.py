@@ -18,7 +18,9 @@ same step (its prompt completed in the step that finished it) gets a dict from `
 ``hidden_states_error``. Upholds: every finished request that was scheduled gets exactly one
 of the two (an ``include_output_tokens`` file is written after the output: its path is given
 and the reader waits on the file's lock); no request's output names a file another request's
-rows went to (the worker writes each target once, ``DeliveryPaths`` makes names unique).
+rows went to (the worker writes each target once, ``DeliveryPaths`` makes names unique). Every
+``hidden_states_error`` the scheduler itself writes (a request that ended before its file, an
+outcome the worker never reported) is counted once in ``take_failures`` (the worker counts its own).
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ class DeliveryScheduler:
         self._awaiting: dict[str, dict[str, Any]] = {}  # finished this step, outcome due in this step
         self._finished: list[tuple[str, tuple[int, ...]]] = []
         self._dropped: list[str] = []
+        self._failures = 0  # hidden_states_error outcomes made here, not yet taken by the metrics
 
     def build_plan(self, scheduler_output: Any) -> DeliveryPlan:
         """This step's news for the worker: targets of requests scheduled for the first time,
@@ -104,6 +107,7 @@ class DeliveryScheduler:
             how = "was aborted" if _aborted(request) else "ended"
             when = (f"after {computed} of its {target.num_prompt_tokens} prompt tokens"
                     if computed < target.num_prompt_tokens else "before its file was written")
+            self._failures += 1
             return {"hidden_states_error": f"request {req_id!r}: hidden states not delivered: the request {how} "
                                            f"{when}"}
         params: dict[str, Any] = {"hidden_states_path": target.path}
@@ -121,9 +125,17 @@ class DeliveryScheduler:
             elif result.error is not None:  # include_output_tokens: the output went out already
                 log.error("omni-cache delivery after the request's output: %s", result.error)
         for req_id, params in self._awaiting.items():  # never happens unless the worker lost a file
+            self._failures += 1
             _replace_ours(params, {"hidden_states_error": f"request {req_id!r}: hidden states not delivered: the "
                                    "worker reported no outcome in the step the request finished"})
         self._awaiting.clear()
+
+
+    def take_failures(self) -> int:
+        """How many ``hidden_states_error`` outcomes the scheduler wrote since the last call (the
+        ``delivery_failures`` the worker cannot see: it was never told, or never answered)."""
+        failures, self._failures = self._failures, 0
+        return failures
 
 
 _OUR_KEYS = ("hidden_states_path", "hidden_states_error", "hidden_states_num_tokens", "hidden_states_cached_tokens")

@@ -30,7 +30,9 @@ Upholds contract section 4.10 on the scheduler side: a load names, for each
 block the connector fills, the block hash vLLM computed for the request's tokens
 there (content identity) and the block id it was given now (the new slots); a
 store names the full blocks a finished request computed (``num_computed_tokens
-// block_size``, never a partial block), by the same hash.
+// block_size``, never a partial block), by the same hash. An engine whose
+``parallel_config.worker_cls`` is not omni-cache's worker (or a subclass) is refused
+at start on both sides: nothing there would apply a plan or write a file.
 """
 
 from __future__ import annotations
@@ -92,6 +94,23 @@ def _output_group(kv_cache_config: Any, vllm_config: Any) -> tuple[int, int]:
     return 0, int(vllm_config.cache_config.block_size)
 
 
+def _refuse_foreign_worker(vllm_config: Any) -> None:
+    """The connector carries the rows of omni-cache's worker (its runner bridge applies the tier plans
+    and writes the delivery's files): beside any other worker every request's delivery would fail and
+    no tier plan would be applied, so it is refused at engine start, naming the setting. Read on both
+    sides; a config without ``parallel_config`` (a test's stand-in) has no worker to check."""
+    from omni_cache.integration.vllm_worker import OMNI_WORKERS, omni_worker_problem
+
+    parallel = getattr(vllm_config, "parallel_config", None)
+    if parallel is None:
+        return
+    problem = omni_worker_problem(getattr(parallel, "worker_cls", "auto"))
+    if problem is not None:
+        raise ValueError(f"OmniKVConnector: parallel_config.{problem}: the connector serves the rows of "
+                         f"omni-cache's worker; run the engine with worker_cls={OMNI_WORKERS[0]} (OmniGPUWorker "
+                         "on a GPU), as `omni-cache serve` does")
+
+
 def _group_ids(block_ids: Any, group: int) -> list[int]:
     """The block ids of KV-cache group ``group`` (``[]`` when the request has fewer groups)."""
     return list(block_ids[group]) if group < len(block_ids) else []
@@ -142,6 +161,7 @@ def _build() -> dict[str, type]:
         def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
             use_vllm_logging()
             settings = tier_settings(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+            _refuse_foreign_worker(vllm_config)
             super().__init__(_without_hybrid_manager(vllm_config, kv_cache_config), role, kv_cache_config)
             # The KV-cache group whose blocks address the rows (hybrid layouts: the full-attention one, as
             # the config gate picks it), and its block size: tier plans name that group's blocks.
@@ -200,8 +220,12 @@ def _build() -> dict[str, type]:
 
         # ---------------------------------------------------------- metrics (metrics_vllm)
         def get_kv_connector_stats(self) -> Any:
-            """The wrapped connectors' stats plus this worker's cache report (output rank only)."""
+            """The wrapped connectors' stats plus this worker's cache report (output rank only); on the
+            scheduler side, the delivery failures the scheduler itself wrote (vLLM adds them in)."""
             children = super().get_kv_connector_stats()
+            if self.omni_delivery_sched is not None:
+                failures = self.omni_delivery_sched.take_failures()
+                return combine_stats(children, {"counters": {"delivery_failures": failures}} if failures else None)
             if self.omni_metrics is None or not self.omni_metrics.reporting:
                 return children
             if self._omni_deferred and not self._omni_waited:  # before this step's wait: report it there

@@ -89,7 +89,7 @@ SERIES: tuple[Series, ...] = (
            "RowDelivery.counters['bytes']"),
     Series("delivery_failures", "counter", "requests",
            "Requests whose hidden-state file was not delivered (hidden_states_error).",
-           "RowDelivery.counters['failures']"),
+           "RowDelivery.counters['failures'] + DeliveryScheduler.take_failures()"),
     Series("staging_slots_in_use", "gauge", "slots", "Staging slots not free (claimed, saved or being read).",
            "staging depth - stats()['staging']['slots']['free']"),
     Series("staging_depth", "gauge", "slots", "Staging slots in all (staging_depth).",

@@ -22,6 +22,7 @@ import fcntl
 import logging
 import os
 import pickle
+import re
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -31,6 +32,7 @@ from cache_helpers import manager, save, started
 from vllm_support import require_vllm
 
 from omni_cache.integration.delivery import DeliveryResult, RowDelivery
+from omni_cache.integration.vllm_worker import OMNI_WORKERS
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +135,7 @@ def _replica_config(rank: int, *, dense: bool) -> Any:
     keeps the replica in ``data_parallel_index``), a MoE model's keeps its rank."""
     from vllm.config import ParallelConfig
 
-    config = ParallelConfig(data_parallel_size=2, data_parallel_rank=rank)
+    config = ParallelConfig(data_parallel_size=2, data_parallel_rank=rank, worker_cls=OMNI_WORKERS[0])
     config.data_parallel_index = rank
     if dense:
         config.reconfigure_for_independent_dp_rank()
@@ -287,3 +289,41 @@ def test_shutdown_releases_the_lock_files_of_open_deliveries(vllm, tmp_path: Pat
 
 def test_without_a_kv_transfer_group_there_is_no_delivery_or_tier(vllm) -> None:
     assert vllm.kv_tier.worker_delivery() is None and vllm.kv_tier.worker_tier_applier() is None
+
+
+@pytest.mark.parametrize("worker_cls", ["vllm.v1.worker.cpu_worker.CPUWorker", "auto", "no.such.Worker", "json.JSONDecoder"])
+def test_the_connector_beside_a_worker_that_runs_no_cache_is_refused_at_start(vllm, tmp_path: Path,
+                                                                              worker_cls: str) -> None:
+    """Beside any worker but omni-cache's, no runner applies a tier plan or writes a file: every
+    request's delivery would fail. Both sides refuse at engine start, naming the setting."""
+    from vllm.config import ParallelConfig
+
+    config = _config(vllm, str(tmp_path))
+    config.parallel_config = ParallelConfig(worker_cls=worker_cls)
+    for role in (vllm.Role.SCHEDULER, vllm.Role.WORKER):
+        with pytest.raises(ValueError, match=rf"OmniKVConnector: parallel_config.worker_cls '{re.escape(worker_cls)}' "
+                                             r"(is not omni-cache's worker|cannot be imported).*worker_cls=omni_cache"):
+            vllm.kv_tier.OmniKVConnector(copy.deepcopy(config), role, None)
+    from omni_cache.integration.delivery_files import CLAIM_NAME
+
+    assert not (tmp_path / CLAIM_NAME).exists()  # refused before the worker side claimed the directory
+    for ours in OMNI_WORKERS:
+        config.parallel_config = ParallelConfig(worker_cls=ours)
+        vllm.kv_tier.OmniKVConnector(copy.deepcopy(config), vllm.Role.WORKER, None).shutdown()
+
+
+def test_delivery_failures_the_scheduler_writes_reach_the_metrics_once(vllm, tmp_path: Path) -> None:
+    """A request that ended before its file (here: aborted) is told ``hidden_states_error`` by the
+    scheduler; the worker never hears of it, so the scheduler side's stats carry it (vLLM adds them to
+    the worker's), counted once."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiKVConnectorStats
+
+    sched, worker = _pair(vllm, tmp_path)
+    sched.build_connector_meta(_so(_new("a")))
+    aborted = _request("a")
+    aborted.status = SimpleNamespace(name="FINISHED_ABORTED")
+    assert "hidden_states_error" in sched.request_finished_all_groups(aborted, ([7],))[1]
+    taken = sched.get_kv_connector_stats()
+    assert isinstance(taken, MultiKVConnectorStats) and taken["OmniKVConnector"].data["counters"] == {"delivery_failures": 1}
+    assert sched.get_kv_connector_stats() is None  # counted once
+    worker.shutdown()

@@ -155,6 +155,7 @@ def test_a_missing_outcome_becomes_an_error_never_a_path(tmp_path: Path) -> None
     assert list(params) == ["hidden_states_error"] and "reported no outcome" in params["hidden_states_error"]
     sched.absorb(())  # settled: nothing left waiting
     assert list(params) == ["hidden_states_error"]
+    assert sched.take_failures() == 1 and sched.take_failures() == 0  # a delivery failure, counted once
 
 
 @pytest.mark.parametrize(("how", "said"), [
@@ -169,6 +170,7 @@ def test_a_request_that_ended_early_is_dropped_with_an_error(tmp_path: Path, how
                "prompt not computed": _request("a", outputs=0, computed=5)}[how]
     params = sched.finish(request)
     assert params == {"hidden_states_error": f"request 'a': hidden states not delivered: {said}"}
+    assert sched.take_failures() == 1  # the worker never hears of it: the scheduler counts it
     assert sched.build_plan(_so()) == DeliveryPlan(dropped=("a",))
     assert not sched.build_plan(_so())  # sent once
 
@@ -177,6 +179,7 @@ def test_a_request_never_scheduled_gets_nothing(tmp_path: Path) -> None:
     sched = DeliveryScheduler(_settings(tmp_path))
     assert sched.finish(_request("never")) is None
     assert not sched.build_plan(_so())
+    assert sched.take_failures() == 0  # it asked for nothing: no failure
 
 
 def test_an_include_output_tokens_request_is_told_its_path_and_written_next_step(tmp_path: Path, caplog) -> None:

@@ -86,6 +86,34 @@ def test_the_gate_refuses_real_engine_configs(base_kwargs, extra, phrase) -> Non
     assert "cannot run on this stage" in str(info.value)
 
 
+class _DeviceStarted(Exception):
+    """Raised by a stand-in for vLLM's own ``init_device``: the worker got past the cache's checks."""
+
+
+@pytest.mark.parametrize("worker", ["OmniCPUWorker", "OmniGPUWorker"])
+def test_the_omni_workers_refuse_before_their_device_starts(base_kwargs, monkeypatch, worker: str) -> None:
+    """vLLM's CPU runner cannot even start the GPU n-gram proposer (it pins memory): the omni workers
+    run the gate's config-only refusals before vLLM's own ``init_device``, so the user gets the cache's
+    one-line refusal, not vLLM's traceback; an accepted config goes on to vLLM's start."""
+    import omni_cache.integration.vllm_worker as workers
+
+    cls = getattr(workers, worker)
+
+    def started(self) -> None:
+        raise _DeviceStarted
+
+    monkeypatch.setattr(cls.__mro__[1], "init_device", started)
+    refused = object.__new__(cls)
+    refused.vllm_config = _vllm_config(base_kwargs, speculative_config={
+        "method": "ngram_gpu", "num_speculative_tokens": 2, "prompt_lookup_max": 3, "prompt_lookup_min": 2})
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="GPU n-gram proposer"):
+        refused.init_device()
+    accepted = object.__new__(cls)
+    accepted.vllm_config = _vllm_config(base_kwargs)
+    with pytest.raises(_DeviceStarted):
+        accepted.init_device()
+
+
 def test_the_gate_accepts_speculative_decoding_on_real_engine_configs(base_kwargs, tmp_path) -> None:
     """I14: ngram and a draft model pass (the bridge gives every verify step its verdict)."""
     from omni_cache.harness.vllm_engine.speculative import draft_model_dir

@@ -67,6 +67,15 @@ def _transfer(argv: list[str]) -> dict[str, Any]:
     (["--kv-transfer-config"], "--kv-transfer-config needs a JSON value"),  # before: dropped silently
     (["--model", "other/model"], "--model other/model: serve's MODEL argument names the model"),
     (["--model=other/model"], "--model other/model: serve's MODEL argument names the model"),
+    # vLLM's own spellings of the same options: underscores (read as dashes), unique prefixes, dotted keys
+    (["--worker_cls", "my.Worker"], "--worker-cls my.Worker"),
+    (["--no_enable_prefix_caching"], "--no-enable-prefix-caching"),
+    (["--worker-cl", "vllm.v1.worker.cpu_worker.CPUWorker"], "--worker-cl: spell out --worker-cls"),
+    (["--worker_c=my.Worker"], "--worker_c: spell out --worker-cls"),
+    (["--kv-transfer-conf", "{}"], "--kv-transfer-conf: spell out --kv-transfer-config"),
+    (["--no-enable-prefix-cach"], "--no-enable-prefix-cach: spell out --no-enable-prefix-caching"),
+    (["--kv-transfer-config.kv_connector=ExampleConnector"], "give --kv-transfer-config whole, as one JSON value"),
+    (["--kv_transfer_config.kv_role", "kv_both"], "--kv_transfer_config.kv_role: give --kv-transfer-config whole"),
 ])
 def test_a_configuration_the_cache_cannot_run_is_refused(args: list[str], phrase: str) -> None:
     with pytest.raises(ValueError) as info:
@@ -101,6 +110,17 @@ def test_a_host_the_user_chose_is_kept(host: list[str]) -> None:
 def test_flags_the_user_gave_are_not_doubled() -> None:
     argv, _ = serve_command("some/model", ["--enable-prefix-caching", "--worker-cls", WORKER_CLS], delivery=DELIVERY)
     assert argv.count("--enable-prefix-caching") == 1 and _option(argv, "--worker-cls") == [WORKER_CLS]
+
+
+def test_options_are_read_as_vllm_spells_them() -> None:
+    """An underscore spelling is the same option to vLLM: the launcher reads it as such (a user's
+    ``--max_model_len`` replaces the built-in model's ``--max-model-len``, never beside it), and an
+    option that only starts like one the launcher reads is left alone."""
+    argv, _ = serve_command("tiny-llama", ["--max_model_len", "512", "--enable_prefix_caching", "--host=::",
+                                           "--model-impl", "vllm", "--kv-cache-dtype.x=1"], delivery=DELIVERY)
+    assert _option(argv, "--max-model-len") == ["512"] and "--max_model_len" not in argv
+    assert argv.count("--enable-prefix-caching") == 1 and _option(argv, "--host") == ["::"]
+    assert _option(argv, "--model-impl") == ["vllm"] and "--kv-cache-dtype.x=1" in argv
 
 
 @pytest.mark.parametrize("form", ["separate", "equals"])
@@ -319,6 +339,11 @@ except SystemExit as exc:
     (["serve", "tiny-llama", "--worker-cls", "my.Worker"], "--worker-cls my.Worker: the cache runs in"),
     (["serve", "tiny-llama", "--no-enable-prefix-caching"], "--no-enable-prefix-caching: the cache keeps"),
     (["serve", "tiny-llama", "--kv-transfer-config", "{bad"], "--kv-transfer-config is not JSON"),
+    (["serve", "tiny-llama", "--worker-cl", "my.Worker"], "--worker-cl: spell out --worker-cls"),
+    (["serve", "tiny-llama", "--include-output-tokens", "yes", "--port", "8011"],
+     "--include-output-tokens takes no value, got 'yes'"),
+    (["serve", "tiny-llama", "--port", "8011", "--allow-custom-save-path", "true"],
+     "--allow-custom-save-path takes no value, got 'true'"),
     (["serve", "--port", "8011"], "unrecognized arguments: --port"),
     (["serve", "tiny-llama", "--tensor-parallel-size", "two"], "--tensor-parallel-size wants an integer"),
     (["serve", "tiny-llama", "--delivery-dir", ""], "--delivery-dir wants a directory path, got ''"),

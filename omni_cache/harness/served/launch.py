@@ -34,7 +34,8 @@ from collections.abc import Sequence
 from typing import Any
 
 __all__ = ["BUILTIN", "DELIVERY_FLAGS", "TINY_LLAMA", "WORKER_CLS", "builtin_model_dir", "default_delivery_dir",
-           "delivery_dir_of", "option_value", "plain_server_command", "serve_command", "tiny_llama_dir"]
+           "delivery_dir_of", "option_value", "plain_server_command", "serve_command", "tiny_llama_dir",
+           "vllm_spelling"]
 
 WORKER_CLS = "omni_cache.integration.vllm_worker.OmniCPUWorker"
 CONNECTOR = {"kv_connector": "OmniKVConnector", "kv_connector_module_path": "omni_cache.integration.kv_tier",
@@ -237,6 +238,35 @@ def _without_policy(connector: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in connector.items() if k != LOAD_FAILURE_POLICY}
 
 
+# The options the launcher reads or adds: vLLM's parser takes a unique prefix of an option, and an
+# underscore for a dash, so those spellings are read here as vLLM reads them (or refused).
+_OWN_OPTIONS = ("--worker-cls", "--enable-prefix-caching", "--no-enable-prefix-caching", "--kv-transfer-config",
+                "--model", "--host", "--tensor-parallel-size", "--pipeline-parallel-size")
+
+
+def vllm_spelling(args: Sequence[str]) -> list[str]:
+    """``args`` with every option named as vLLM's parser reads it (underscores before the first ``.`` as
+    dashes, as ``FlexibleArgumentParser`` does); ``ValueError`` for an abbreviation of an option the
+    launcher reads (``--worker-cl``: vLLM would take it for ``--worker-cls`` unseen) or a dotted
+    sub-key of one (``--kv-transfer-config.kv_connector``: set it in the one JSON value)."""
+    out = []
+    for arg in args:
+        if not arg.startswith("--") or arg == "--":
+            out.append(arg)
+            continue
+        name, eq, value = arg.partition("=")
+        head, dot, tail = name.partition(".")
+        spelled = "--" + head[2:].replace("_", "-")
+        if dot and spelled in _OWN_OPTIONS:
+            raise ValueError(f"{name}: give {spelled} whole, as one JSON value (the launcher merges it; a dotted "
+                             "sub-key would reach vLLM unseen)")
+        if spelled not in _OWN_OPTIONS and (meant := [o for o in _OWN_OPTIONS if o.startswith(spelled)]):
+            raise ValueError(f"{name}: spell out {' or '.join(meant)} (vLLM would take the abbreviation for it, "
+                             "past the launcher's checks)")
+        out.append(spelled + dot + tail + eq + value)
+    return out
+
+
 def delivery_dir_of(argv: Sequence[str]) -> str:
     """The ``delivery_dir`` a ``serve_command`` argv delivers into."""
     transfer = json.loads(argv[list(argv).index("--kv-transfer-config") + 1])
@@ -248,7 +278,7 @@ def serve_command(model: str, vllm_args: Sequence[str], *, delivery: dict[str, A
                   python: str = sys.executable) -> tuple[list[str], dict[str, str]]:
     """The server's argv and the environment variables it needs (see the module docstring);
     ``delivery`` and ``defaults`` as ``omni_transfer_config``'s."""
-    args = list(vllm_args)
+    args = vllm_spelling(vllm_args)
     worker = option_value(args, "--worker-cls")
     if worker is not None and worker[1] not in (WORKER_CLS, "omni_cache.integration.vllm_worker.OmniGPUWorker"):
         raise ValueError(f"--worker-cls {worker[1]}: the cache runs in {WORKER_CLS} (or OmniGPUWorker)")
@@ -300,7 +330,7 @@ def plain_server_command(model: str, vllm_args: Sequence[str], *, prefix_caching
                          python: str = sys.executable) -> tuple[list[str], dict[str, str]]:
     """vLLM's own server for ``model`` with the same built-in options and no cache (for comparisons):
     prefix caching on or off."""
-    args = list(vllm_args)
+    args = vllm_spelling(vllm_args)
     model, extra = _model_options(model, args)
     extra.append("--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching")
     argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, *extra, *args]
