@@ -130,7 +130,6 @@ class DeliveryScheduler:
                                    "worker reported no outcome in the step the request finished"})
         self._awaiting.clear()
 
-
     def take_failures(self) -> int:
         """How many ``hidden_states_error`` outcomes the scheduler wrote since the last call (the
         ``delivery_failures`` the worker cannot see: it was never told, or never answered)."""

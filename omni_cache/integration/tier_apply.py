@@ -31,8 +31,8 @@ applied (``OmniPrefixCacheUnmatchError`` naming the step, request, block and
 its KV slots, and what is wrong): an entry of the wrong type, a negative or
 non-integer block id or index, a block outside the pool, an empty block hash,
 two loads into one block, or two stores of one block under different hashes.
-A tier entry that does not fit the pool (a key the pool never held, a row count
-other than the block size, a dtype or row shape other than the pool's) is a
+A tier entry that does not fit the pool (a row count other than the block size,
+a dtype or row shape other than the pool's for a key it holds) is a
 load the tier cannot serve, like a miss, and is dropped from the tier; every
 load's entry is fetched and checked before the first restore, so an unusable
 entry never raises after other loads were applied (a manager that fails or shuts

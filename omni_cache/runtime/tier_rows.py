@@ -91,14 +91,13 @@ def block_rows(manager: TierHost, slots: torch.Tensor) -> dict[str, torch.Tensor
 
 
 def restore_problem(manager: TierHost, rows: dict[str, torch.Tensor], num_slots: int) -> str | None:
-    """Why ``rows`` (a tier entry) cannot be restored onto ``num_slots`` KV slots, or None: a key the
-    pool never held (a tier entry only holds keys the pool had when it was stored), a row count
-    other than ``num_slots``, or a dtype or row shape other than the pool's. Changes nothing."""
+    """Why ``rows`` (a tier entry) cannot be restored onto ``num_slots`` KV slots, or None: a row
+    count other than ``num_slots``, or a dtype or row shape other than the pool's for a key it holds
+    (a key it does not hold yet is new to it: a cache started afresh restores from the tier its
+    predecessor filled). Changes nothing."""
     if not rows:
         return "the entry holds no rows"
     for key, t in rows.items():
-        if not manager.pool.has_key(key):
-            return f"the entry holds key {key!r}, which the block pool never held"
         if int(t.shape[0]) != num_slots:
             return f"the entry holds {int(t.shape[0])} rows of {key!r} for a block of {num_slots} KV slots"
         try:

@@ -22,6 +22,7 @@ import pytest
 from test_vllm_gate import _vllm_config, base_kwargs  # noqa: F401  (fixture)
 from vllm_support import require_vllm
 
+from omni_cache.harness.served.launch import WORKER_CLS
 from omni_cache.integration.kv_capability import connector_verdict
 from omni_cache.integration.tier_apply import TierLoad, TierStore
 
@@ -49,7 +50,7 @@ def test_scheduler_half_names_new_blocks_by_hash_and_stores_finished_full_blocks
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-    vllm_config = _vllm_config(base_kwargs, kv_transfer_config=_wrapped(str(tmp_path)))
+    vllm_config = _vllm_config(base_kwargs, worker_cls=WORKER_CLS, kv_transfer_config=_wrapped(str(tmp_path)))
     cls = KVConnectorFactory.get_connector_class(vllm_config.kv_transfer_config)
     assert cls.__name__ == "OmniKVConnector"
     conn = cls(vllm_config, KVConnectorRole.SCHEDULER, None)
@@ -118,7 +119,7 @@ def test_the_wrapped_connectors_get_each_steps_worker_output(base_kwargs, tmp_pa
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.v1.outputs import KVConnectorOutput
 
-    vllm_config = _vllm_config(base_kwargs, kv_transfer_config=_wrapped(str(tmp_path)))
+    vllm_config = _vllm_config(base_kwargs, worker_cls=WORKER_CLS, kv_transfer_config=_wrapped(str(tmp_path)))
     cls = KVConnectorFactory.get_connector_class(vllm_config.kv_transfer_config)
     conn = cls(vllm_config, KVConnectorRole.SCHEDULER, None)
     seen: list[object] = []
@@ -136,7 +137,7 @@ def test_a_hybrid_layout_with_a_wrapped_connector_lacking_hma_is_refused(base_kw
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-    vllm_config = _vllm_config(base_kwargs, kv_transfer_config=_wrapped(str(tmp_path)))
+    vllm_config = _vllm_config(base_kwargs, worker_cls=WORKER_CLS, kv_transfer_config=_wrapped(str(tmp_path)))
     assert not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
     cls = KVConnectorFactory.get_connector_class(vllm_config.kv_transfer_config)
     with pytest.raises(ValueError, match=r"2 KV-cache groups .* set disable_hybrid_kv_cache_manager=True"):
@@ -153,7 +154,7 @@ def test_the_wrappers_records_go_out_through_vllms_log_handler(base_kwargs, tmp_
 
     ours, theirs = logging.getLogger("omni_cache"), logging.getLogger("vllm")
     probe = logging.NullHandler()  # stands for the handler vLLM configures outside pytest
-    vllm_config = _vllm_config(base_kwargs, kv_transfer_config=_wrapped(str(tmp_path)))
+    vllm_config = _vllm_config(base_kwargs, worker_cls=WORKER_CLS, kv_transfer_config=_wrapped(str(tmp_path)))
     cls = KVConnectorFactory.get_connector_class(vllm_config.kv_transfer_config)
     saved, level = list(ours.handlers), ours.level
     for handler in saved:
@@ -191,7 +192,7 @@ def test_on_a_hybrid_layout_tier_plans_name_the_output_groups_blocks(base_kwargs
 
     transfer = {"kv_connector": "OmniKVConnector", "kv_connector_module_path": "omni_cache.integration.kv_tier",
                 "kv_role": "kv_both", "kv_connector_extra_config": {"omni_cache": {"delivery_dir": str(tmp_path)}}}
-    vllm_config = _vllm_config(base_kwargs, kv_transfer_config=transfer)
+    vllm_config = _vllm_config(base_kwargs, worker_cls=WORKER_CLS, kv_transfer_config=transfer)
     cls = KVConnectorFactory.get_connector_class(vllm_config.kv_transfer_config)
     conn = cls(vllm_config, KVConnectorRole.SCHEDULER, _hybrid_kv_cache_config(BS))
     groups = ([0, 0, 31, 32], [0, 0, 41, 42], [0, 0, 51, 52], [10, 11, 12, 13])
@@ -257,7 +258,7 @@ def test_a_failing_load_policy_beside_a_wrapped_connector_is_warned_about(base_k
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-    vllm_config = _vllm_config(base_kwargs, kv_transfer_config={**_wrapped(str(tmp_path)),
+    vllm_config = _vllm_config(base_kwargs, worker_cls=WORKER_CLS, kv_transfer_config={**_wrapped(str(tmp_path)),
                                                                 "kv_load_failure_policy": policy})
     cls = KVConnectorFactory.get_connector_class(vllm_config.kv_transfer_config)
     with caplog.at_level(logging.WARNING, logger="omni_cache"):

@@ -257,6 +257,31 @@ def test_metrics_equal_the_workers_numbers_and_what_a_prefix_sharing_workload_im
     assert sum(v for k, v in after.samples.items() if k.startswith("vllm:omni_cache_errors_total")) == 0
 
 
+def test_an_abandoned_include_output_tokens_request_is_a_delivery_failure_on_metrics(server: ServedEngine) -> None:
+    """A streaming client that leaves makes vLLM abort its request; with include_output_tokens its file
+    was still due, so the scheduler side answers ``hidden_states_error`` (the worker is only told to
+    drop the request's rows) and /metrics counts the failure beside the worker's own."""
+    from served_support import worker_stats
+
+    from omni_cache.harness.served.scrape import scrape_metrics
+
+    key = "vllm:omni_cache_delivery_failures_total"
+    before, (worker,) = metrics_matching_worker(server.url)
+    body = {"model": "tiny-llama", "prompt": "abandoned " + PREFIX, "max_tokens": 1500, "stream": True,
+            "ignore_eos": True, "kv_transfer_params": {"include_output_tokens": True}}
+    request = urllib.request.Request(server.url + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        assert response.readline()  # the first chunk: the request runs; then the client leaves
+    deadline = time.monotonic() + 60
+    while scrape_metrics(server.url).samples[key] < before.samples[key] + 1:
+        assert time.monotonic() < deadline, "the abandoned request's delivery failure never reached /metrics"
+        time.sleep(0.5)
+    assert scrape_metrics(server.url).samples[key] == before.samples[key] + 1
+    assert worker_stats(server.url)[0]["delivery"]["failures"] == worker["delivery"]["failures"]  # not the worker's
+    assert server.healthy()
+
+
 def test_sigterm_under_load_leaves_no_partial_file_and_no_unconsumed_step(server: ServedEngine) -> None:
     """Runs last: SIGTERM while requests are in flight; every file that exists is whole, no
     temporary file is left, and the worker's cache reports 0 unconsumed step ids at shutdown."""

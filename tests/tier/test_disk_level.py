@@ -460,15 +460,14 @@ def test_a_tier_call_with_a_bad_hash_or_rows_is_one_value_error(tmp_path: Path, 
         assert tier.stats().puts == 0
 
 
-@pytest.mark.parametrize("entry", ["unknown key", "wrong dtype", "wrong width", "wrong rows"])
+@pytest.mark.parametrize("entry", ["wrong dtype", "wrong width", "wrong rows"])
 def test_a_tier_entry_that_does_not_fit_the_pool_is_a_miss_and_the_rest_of_the_plan_applies(entry: str) -> None:
     """Every load's entry is checked before the first restore: one that does not fit the pool is a
     counted miss (its block vacated, reported to vLLM), never an exception after other loads were
     restored; the plan's other loads restore their rows."""
     applier, m = _applied()  # the pool holds 'hidden' rows of width 8 (float32)
     good = _rows("g")["hidden"]
-    bad = {"unknown key": {"hidden": good, "never.seen": good},
-           "wrong dtype": {"hidden": good.to(torch.float64)},
+    bad = {"wrong dtype": {"hidden": good.to(torch.float64)},
            "wrong width": {"hidden": good[:, :3]},
            "wrong rows": {"hidden": torch.cat([good, good])}}[entry]
     applier.tier.put(b"good", {"hidden": good})
@@ -479,11 +478,28 @@ def test_a_tier_entry_that_does_not_fit_the_pool_is_a_miss_and_the_rest_of_the_p
     assert applier.restored_blocks == 1 and applier.num_load_failures == 1
     assert b"bad" not in applier.tier and b"good" in applier.tier  # an entry no load can use is dropped
     why = applier.load_failures[0]["why"]
-    assert {"unknown key": "never held", "wrong dtype": "width and dtype never change",
-            "wrong width": "width and dtype never change", "wrong rows": "8 rows"}[entry] in why
-    assert "never.seen" not in m.stats()["pool_bytes"]  # no pool column for a key it never held
+    assert {"wrong dtype": "width and dtype never change", "wrong width": "width and dtype never change",
+            "wrong rows": "8 rows"}[entry] in why
     m.new_step_starts([finished("b"), started("c", hit_end=2 * BS, blocks=[6, 5])])
     step, _ = save(m, [("c", [6, 5, 7], 8, 9)])
     with pytest.raises(OmniPrefixCacheUnmatchError, match="is not readable"):  # block 5 vacated (I6)
         m.materialize(step, ["c"])
     m.shutdown()
+
+
+def test_a_cache_started_afresh_restores_what_its_predecessor_stored() -> None:
+    """The tier outlives a cache (a pipeline's second run, a cache rebuilt on the same worker): its
+    entries hold keys the fresh pool never held, and they restore, bit for bit (a key new to the
+    pool is not a misfit)."""
+    applier, old = _applied()  # 'a' wrote block 2
+    applier.apply(TierPlan(stores=(TierStore("a", b"ha", 2),)), old)
+    want = applier.tier.get(b"ha")
+    old.shutdown()
+    fresh = manager(True)
+    assert fresh.pool.keys() == []
+    fresh.new_step_starts([started("b", hit_end=BS, blocks=[5])])
+    assert applier.apply(TierPlan(loads=(TierLoad("b", 0, b"ha", 5),)), fresh) == set()
+    step, _ = save(fresh, [("b", [5, 6], BS, BS + 1)])
+    got = fresh.materialize(step, ["b"]).hidden_states["b"][:BS]
+    assert want is not None and torch.equal(got, want["hidden"]) and applier.num_load_failures == 0
+    fresh.shutdown()
