@@ -1,7 +1,8 @@
 """The configuration gate: may this engine stage run the omni prefix cache?
 
 Owns: ``stage_prefix_cache_config(vllm_config, kv_cache_config)`` (and ``refuse_unservable_config``,
-its refusals that read the engine config alone), which reads
+its refusals that read the engine config alone, and ``omni_worker_problem``: is a ``worker_cls`` one that
+runs the cache -- it imports the class the config names, as vLLM's workers do), which reads
 vLLM's config objects by their field names (never importing vLLM) and returns
 the ``PrefixCacheConfig`` for the stage, ``None`` when the cache has nothing to
 do, or raises ``OmniPrefixCacheUnmatchError`` naming the one setting that makes
@@ -28,6 +29,7 @@ lowest-id one (``kv_groups.select_output_group``), carried as
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from omni_cache.integration.kv_capability import connector_verdict
@@ -35,7 +37,7 @@ from omni_cache.integration.kv_groups import select_output_group
 from omni_cache.runtime.errors import OmniPrefixCacheUnmatchError
 from omni_cache.runtime.interface import PrefixCacheConfig
 
-__all__ = ["stage_prefix_cache_config"]
+__all__ = ["OMNI_WORKERS", "omni_worker_problem", "refuse_unservable_config", "stage_prefix_cache_config"]
 
 _CONSUMER_ROLES = frozenset({"kv_consumer", "kv_both"})
 
@@ -105,6 +107,28 @@ def _dcp_world_size(vllm_config: Any) -> int:
         if value is not None:
             return int(value)
     return 1
+
+
+OMNI_WORKERS = ("omni_cache.integration.vllm_worker.OmniCPUWorker", "omni_cache.integration.vllm_worker.OmniGPUWorker")
+"""The workers that run the cache (``parallel_config.worker_cls``), by qualified name."""
+
+
+def omni_worker_problem(worker_cls: Any) -> str | None:
+    """Why ``worker_cls`` (vLLM's ``parallel_config.worker_cls``: a qualified name or a class) is not
+    a worker that runs the cache, or None: one of ``OMNI_WORKERS`` or a subclass of one (which
+    carries ``runs_omni_cache``). A name is imported to tell (vLLM imports it in every worker)."""
+    cls = worker_cls
+    if isinstance(worker_cls, str):
+        if worker_cls in OMNI_WORKERS:
+            return None
+        module, _, name = worker_cls.rpartition(".")
+        try:
+            cls = getattr(importlib.import_module(module), name) if module else None
+        except (ImportError, AttributeError) as exc:
+            return f"worker_cls {worker_cls!r} cannot be imported ({exc})"
+    if isinstance(cls, type) and getattr(cls, "runs_omni_cache", False):
+        return None
+    return f"worker_cls {worker_cls!r} is not omni-cache's worker ({' or '.join(OMNI_WORKERS)}, or a subclass)"
 
 
 def refuse_unservable_config(vllm_config: Any) -> bool:

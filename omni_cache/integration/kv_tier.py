@@ -99,7 +99,7 @@ def _refuse_foreign_worker(vllm_config: Any) -> None:
     and writes the delivery's files): beside any other worker every request's delivery would fail and
     no tier plan would be applied, so it is refused at engine start, naming the setting. Read on both
     sides; a config without ``parallel_config`` (a test's stand-in) has no worker to check."""
-    from omni_cache.integration.vllm_worker import OMNI_WORKERS, omni_worker_problem
+    from omni_cache.integration.config_gate import OMNI_WORKERS, omni_worker_problem
 
     parallel = getattr(vllm_config, "parallel_config", None)
     if parallel is None:

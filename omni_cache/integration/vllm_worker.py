@@ -30,34 +30,12 @@ intermediate tensors; ``OmniCPUWorker`` allocates it as that warm-up would.
 from __future__ import annotations
 
 import functools
-import importlib
 import logging
 from typing import Any
 
 _LAZY = ("OmniCPUModelRunner", "OmniCPUWorker", "OmniGPUWorker")  # built by __getattr__ on first access
-__all__: list[str] = ["OMNI_WORKERS", "allocate_intermediate_tensors", "omni_runner_class", "omni_worker_problem",
-                      "shutdown_worker_cache", "worker_cache_stats"]
-
-OMNI_WORKERS = ("omni_cache.integration.vllm_worker.OmniCPUWorker", "omni_cache.integration.vllm_worker.OmniGPUWorker")
-"""The workers that run the cache (``parallel_config.worker_cls``), by qualified name."""
-
-
-def omni_worker_problem(worker_cls: Any) -> str | None:
-    """Why ``worker_cls`` (vLLM's ``parallel_config.worker_cls``: a qualified name or a class) is not
-    a worker that runs the cache, or None: one of ``OMNI_WORKERS`` or a subclass of one (which
-    carries ``runs_omni_cache``). A name is imported to tell (vLLM imports it in every worker)."""
-    cls = worker_cls
-    if isinstance(worker_cls, str):
-        if worker_cls in OMNI_WORKERS:
-            return None
-        module, _, name = worker_cls.rpartition(".")
-        try:
-            cls = getattr(importlib.import_module(module), name) if module else None
-        except (ImportError, AttributeError) as exc:
-            return f"worker_cls {worker_cls!r} cannot be imported ({exc})"
-    if isinstance(cls, type) and getattr(cls, "runs_omni_cache", False):
-        return None
-    return f"worker_cls {worker_cls!r} is not omni-cache's worker ({' or '.join(OMNI_WORKERS)}, or a subclass)"
+__all__: list[str] = ["allocate_intermediate_tensors", "omni_runner_class", "shutdown_worker_cache",
+                      "worker_cache_stats"]
 
 
 @functools.cache
@@ -200,7 +178,7 @@ def _build_classes() -> dict[str, type]:
     class OmniCPUWorker(CPUWorker):
         """vLLM's CPU worker whose model runner is ``OmniCPUModelRunner`` (V1)."""
 
-        runs_omni_cache = True  # omni_worker_problem: this class and its subclasses run the cache
+        runs_omni_cache = True  # config_gate.omni_worker_problem: this class and its subclasses run the cache
 
         def init_device(self) -> None:
             refuse_unservable_config(self.vllm_config)  # before vLLM's own start can fail on it

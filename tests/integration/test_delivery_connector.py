@@ -31,8 +31,8 @@ import pytest
 from cache_helpers import manager, save, started
 from vllm_support import require_vllm
 
+from omni_cache.integration.config_gate import OMNI_WORKERS
 from omni_cache.integration.delivery import DeliveryResult, RowDelivery
-from omni_cache.integration.vllm_worker import OMNI_WORKERS
 
 
 @pytest.fixture(scope="module")
