@@ -94,7 +94,8 @@ def worker_stats(url: str) -> list[dict[str, Any]]:
 
 
 def expected_series(worker: dict[str, Any]) -> dict[str, float]:
-    """The ``/metrics`` samples one worker's numbers (``omni_cache_stats``) make, as docs/metrics.md says."""
+    """The ``/metrics`` samples one worker's numbers (``omni_cache_stats``) make, as docs/metrics.md says
+    (``delivery_failures``: the worker's part; ``metrics_matching_worker`` adds the scheduler's)."""
     from omni_cache.runtime.errors import ERROR_KINDS
 
     stats, tier, delivery = worker["manager"], worker["tier"], worker["delivery"]
@@ -118,10 +119,13 @@ def expected_series(worker: dict[str, Any]) -> dict[str, float]:
     }
 
 
-def metrics_matching_worker(url: str, rank: int = 0, timeout_s: float = 30.0) -> tuple[Any, list[dict[str, Any]]]:
+def metrics_matching_worker(url: str, rank: int = 0, timeout_s: float = 30.0, *,
+                            scheduler_failures: int = 0) -> tuple[Any, list[dict[str, Any]]]:
     """The scrape of ``/metrics`` and the workers' numbers once every sample ``expected_series``
     names equals worker ``rank``'s (the engine's last steps reach the API server a moment after
-    their outputs); an ``AssertionError`` listing the differences if they never do."""
+    their outputs); an ``AssertionError`` listing the differences if they never do.
+    ``scheduler_failures``: the delivery failures the scheduler answered on this server so far (a
+    request that ended before its file), which /metrics adds to the worker's own."""
     from omni_cache.harness.served.scrape import scrape_metrics
 
     deadline = time.monotonic() + timeout_s
@@ -130,6 +134,7 @@ def metrics_matching_worker(url: str, rank: int = 0, timeout_s: float = 30.0) ->
         workers = worker_stats(url)
         assert scrape.available, scrape.note
         want = expected_series(workers[rank])
+        want["vllm:omni_cache_delivery_failures_total"] += scheduler_failures
         diff = {k: (scrape.samples.get(k), v) for k, v in want.items() if scrape.samples.get(k) != v}
         if not diff:
             return scrape, workers

@@ -74,6 +74,12 @@ def run(args: argparse.Namespace) -> int:
     parser: argparse.ArgumentParser = args._parser
     if args.model is None:
         parser.error("MODEL is required: 'tiny-llama' or a model vLLM serves")
+    from omni_cache.harness.served.launch import vllm_spelling  # no torch, no vLLM
+
+    try:
+        args.vllm_args = vllm_spelling(args.vllm_args)  # as vLLM reads them: --delivery_dir is --delivery-dir
+    except ValueError as exc:
+        parser.error(str(exc))
     delivery_args, vllm_args = _delivery_parser().parse_known_args(args.vllm_args)
     if not args.model or args.model.startswith("-"):
         parser.error(f"MODEL comes first, got {args.model!r}")
@@ -92,14 +98,8 @@ def run(args: argparse.Namespace) -> int:
         delivery_dir_of,
         option_value,
         serve_command,
-        vllm_spelling,
     )
     from omni_cache.harness.served.model_source import model_problem
-
-    try:
-        vllm_args = vllm_spelling(vllm_args)  # as vLLM reads them: --hf_token is --hf-token
-    except ValueError as exc:
-        parser.error(str(exc))
 
     token, revision = (found[1] if (found := option_value(vllm_args, name)) else None
                        for name in ("--hf-token", "--revision"))

@@ -107,7 +107,8 @@ class DeliveryScheduler:
             how = "was aborted" if _aborted(request) else "ended"
             when = (f"after {computed} of its {target.num_prompt_tokens} prompt tokens"
                     if computed < target.num_prompt_tokens else "before its file was written")
-            self._failures += 1
+            if target.error is None and target.path is not None:  # a refused target: the worker counted it
+                self._failures += 1
             return {"hidden_states_error": f"request {req_id!r}: hidden states not delivered: the request {how} "
                                            f"{when}"}
         params: dict[str, Any] = {"hidden_states_path": target.path}

@@ -8,7 +8,8 @@ the metric classes vLLM hands it -- so vLLM's registry, its multiprocess mode an
 ``model_name``/``engine`` labels apply -- and updated by ``observe``) and
 ``OmniMultiPromMetrics`` (ours beside the wrapped connectors' own, each fed its part of the
 stats by key), plus the three functions ``OmniKVConnector`` delegates to:
-``combine_stats`` (the worker side of ``get_kv_connector_stats``), ``rebuild_stats`` (its
+``combine_stats`` (``get_kv_connector_stats``: a worker's report, or the scheduler side's delivery
+failures), ``rebuild_stats`` (its
 ``build_kv_connector_stats``) and ``build_prom_metrics``. The classes are built on first use
 (PEP 562), so importing this module never imports vLLM.
 

@@ -32,7 +32,8 @@ its KV slots, and what is wrong): an entry of the wrong type, a negative or
 non-integer block id or index, a block outside the pool, an empty block hash,
 two loads into one block, or two stores of one block under different hashes.
 A tier entry that does not fit the pool (a row count other than the block size,
-a dtype or row shape other than the pool's for a key it holds) is a
+a dtype or row shape other than the pool's -- or an earlier entry's of the same
+plan -- for a key, a key the pool holds missing) is a
 load the tier cannot serve, like a miss, and is dropped from the tier; every
 load's entry is fetched and checked before the first restore, so an unusable
 entry never raises after other loads were applied (a manager that fails or shuts
@@ -175,9 +176,10 @@ class TierApplier:
                 with self._lock:
                     self.stored_blocks += 1
         fetched = []  # every entry fetched and checked before the first restore
+        held = manager.pool.sigs()  # and, as entries are accepted, the keys they bring
         for load in plan.loads:
             rows = self.tier.get(load.block_hash)
-            why = "the tier holds no rows for its hash" if rows is None else restore_problem(manager, rows, bs)
+            why = "the tier holds no rows for its hash" if rows is None else restore_problem(rows, bs, held)
             if rows is not None and why is not None:  # never restorable into this pool: not kept
                 self.tier.discard(load.block_hash)
             fetched.append((load, None if why else rows, why))

@@ -123,6 +123,11 @@ class PrefixBlockPool:
         with self.lock:
             return key in self._tensors
 
+    def sigs(self) -> dict[TensorName, RowSig]:
+        """Each key's (dtype, row shape): a copy (keys are only ever added)."""
+        with self.lock:
+            return dict(self._sigs)
+
     def ensure_key(self, key: TensorName, rows: torch.Tensor) -> torch.Tensor:
         """The tensor of ``key``, allocated (zeros) on first use; shape/dtype checked.
 

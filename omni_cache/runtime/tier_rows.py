@@ -1,6 +1,7 @@
 """Rows in and out of the block pool for the hidden-state tier (contract section 4.10).
 
-Owns: ``TierPort`` (the type of the manager's door for the tier), ``block_rows(manager, slots)`` (the rows of one KV block at the versions its
+Owns: ``TierPort`` (the type of the manager's door for the tier), ``restore_problem`` (whether a tier
+entry fits the pool), ``block_rows(manager, slots)`` (the rows of one KV block at the versions its
 slots' tenant wrote, for every key the pool holds, or ``None`` when any key is
 absent there, or when a later slot of the block holds an older version than an
 earlier one: a tenant that wrote only part of it), ``restore_rows(manager, slots, rows)`` (rows that came back
@@ -35,7 +36,7 @@ from omni_cache.runtime.errors import OmniPrefixCacheUnmatchError
 from omni_cache.runtime.interface import StepId
 from omni_cache.runtime.reader import StepReader
 from omni_cache.runtime.tenancy import SlotTenancy
-from omni_cache.runtime.validation import RowSig, row_sig
+from omni_cache.runtime.validation import RowSig, check_held_sigs, row_sig
 
 __all__ = ["TierHost", "TierPort", "block_rows", "restore_problem", "restore_rows", "vacate_rows"]
 
@@ -90,20 +91,28 @@ def block_rows(manager: TierHost, slots: torch.Tensor) -> dict[str, torch.Tensor
         manager.tenancy.unplan(plan)
 
 
-def restore_problem(manager: TierHost, rows: dict[str, torch.Tensor], num_slots: int) -> str | None:
-    """Why ``rows`` (a tier entry) cannot be restored onto ``num_slots`` KV slots, or None: a row
-    count other than ``num_slots``, or a dtype or row shape other than the pool's for a key it holds
-    (a key it does not hold yet is new to it: a cache started afresh restores from the tier its
-    predecessor filled). Changes nothing."""
+def restore_problem(rows: dict[str, torch.Tensor], num_slots: int, held: dict[str, RowSig]) -> str | None:
+    """Why ``rows`` (a tier entry) cannot be restored onto ``num_slots`` KV slots, or None (then
+    ``held`` learns its keys' signatures). ``held``: each key's (dtype, row shape) the pool holds
+    (``PrefixBlockPool.sigs``) plus those of the entries already accepted for the same restore pass.
+    Refused: a row count other than ``num_slots``; a key of another dtype or row shape than
+    ``held``'s; an entry without a key ``held`` has (its block would read "is not readable" there:
+    a miss recomputes it). A key ``held`` lacks is new to the pool: a cache started afresh restores
+    what its predecessor stored."""
     if not rows:
         return "the entry holds no rows"
+    if missing := sorted(set(held) - set(rows)):
+        return f"the entry lacks key(s) {missing} the block pool holds"
+    sigs = {}
     for key, t in rows.items():
         if int(t.shape[0]) != num_slots:
             return f"the entry holds {int(t.shape[0])} rows of {key!r} for a block of {num_slots} KV slots"
+        sigs[key] = row_sig(t)
         try:
-            manager.pool.check_sigs({key: row_sig(t)})
+            check_held_sigs("block pool key", held, sigs, (key,))
         except OmniPrefixCacheUnmatchError as exc:
             return str(exc)
+    held.update(sigs)
     return None
 
 

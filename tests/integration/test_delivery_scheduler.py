@@ -207,6 +207,19 @@ def test_a_refused_target_reaches_its_request_as_the_workers_error(tmp_path: Pat
     sched.absorb((DeliveryResult("a", None, f"request 'a': hidden states not delivered: {target.error}"),))
     params = sched.finish(_request("a"))
     assert list(params) == ["hidden_states_error"] and "outside the delivery directory" in params["hidden_states_error"]
+    assert sched.take_failures() == 0  # the worker counted it when it refused the target
+
+
+def test_a_refused_target_aborted_before_its_outcome_is_counted_once_by_the_worker(tmp_path: Path) -> None:
+    """The worker counts a target it refuses (a path outside the directory); the request aborted before
+    that outcome reached the scheduler is not counted again there."""
+    sched = DeliveryScheduler(_settings(tmp_path, allow_custom_save_path=True))
+    sched.build_plan(_so(_new("a", 8, hidden_states_path="/etc/x.safetensors")))
+    assert "hidden_states_error" in sched.finish(_request("a", aborted=True, computed=5))
+    assert sched.take_failures() == 0
+    sched.build_plan(_so(_new("b", 8)))
+    assert "hidden_states_error" in sched.finish(_request("b", aborted=True, computed=5))
+    assert sched.take_failures() == 1  # an ordinary target: only the scheduler knows
 
 
 # ------------------------------------------------------------------------------------ settings

@@ -237,24 +237,6 @@ def test_include_output_tokens_adds_the_decode_rows_once_the_request_finished(wo
     w.assert_every_step_consumed_once()
 
 
-@pytest.mark.parametrize("include", [False, True], ids=["prompt", "include_output_tokens"])
-def test_a_prompt_embeds_request_gets_its_rows_and_no_token_ids_never_placeholder_zeros(worker, include: bool) -> None:
-    """A prompt given as prompt_embeds has no token ids (vLLM counts it in placeholder zeros in
-    ``all_token_ids``): the file holds every row and an empty ``token_ids``, with or without the output
-    tokens, as vLLM's own connector writes a prompt-only file -- never zeros presented as ids."""
-    w = worker()
-    w.admit("a", 4, include=include, embeds=True)
-    parts = [w.step([started("a")], [("a", [1, 2], 0, 4)])]
-    if include:
-        parts.append(w.step([PrefixCacheRequestEvent("a", E.EXTENDED)], [("a", [1, 2], 4, 5)]))
-        w.delivery.begin_step(DeliveryPlan(finished=(("a", (0, 0, 0, 0, 9)),)), {})  # the scheduler's view
-        w.delivery.finish_step()
-    assert w.results()["a"].num_tokens == (5 if include else 4)
-    data = read(w.path("a"))
-    assert torch.equal(data["hidden_states"], torch.cat(parts)) and data["token_ids"].tolist() == []
-    w.assert_every_step_consumed_once()
-
-
 def test_positions_no_step_covered_fail_the_delivery_never_zeros(worker) -> None:
     w = worker()
     w.step([started("a")], [("a", [1, 2], 0, 4)])  # a's first chunk, before its target arrived: discarded

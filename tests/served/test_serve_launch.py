@@ -76,6 +76,7 @@ def _transfer(argv: list[str]) -> dict[str, Any]:
     (["--no-enable-prefix-cach"], "--no-enable-prefix-cach: spell out --no-enable-prefix-caching"),
     (["--kv-transfer-config.kv_connector=ExampleConnector"], "give --kv-transfer-config whole, as one JSON value"),
     (["--kv_transfer_config.kv_role", "kv_both"], "--kv_transfer_config.kv_role: give --kv-transfer-config whole"),
+    (["--revis", "main"], "--revis: spell out --revision"),
 ])
 def test_a_configuration_the_cache_cannot_run_is_refused(args: list[str], phrase: str) -> None:
     with pytest.raises(ValueError) as info:
@@ -340,6 +341,7 @@ except SystemExit as exc:
     (["serve", "tiny-llama", "--no-enable-prefix-caching"], "--no-enable-prefix-caching: the cache keeps"),
     (["serve", "tiny-llama", "--kv-transfer-config", "{bad"], "--kv-transfer-config is not JSON"),
     (["serve", "tiny-llama", "--worker-cl", "my.Worker"], "--worker-cl: spell out --worker-cls"),
+    (["serve", "tiny-llama", "--delivery_timeout", "-1"], "argument --delivery-timeout: wants a number > 0"),
     (["serve", "tiny-llama", "--include-output-tokens", "yes", "--port", "8011"],
      "--include-output-tokens takes no value, got 'yes'"),
     (["serve", "tiny-llama", "--port", "8011", "--allow-custom-save-path", "true"],

@@ -279,6 +279,7 @@ def test_an_abandoned_include_output_tokens_request_is_a_delivery_failure_on_met
         time.sleep(0.5)
     assert scrape_metrics(server.url).samples[key] == before.samples[key] + 1
     assert worker_stats(server.url)[0]["delivery"]["failures"] == worker["delivery"]["failures"]  # not the worker's
+    metrics_matching_worker(server.url, scheduler_failures=1)  # every other series still the worker's
     assert server.healthy()
 
 

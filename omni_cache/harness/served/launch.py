@@ -7,7 +7,8 @@ replaced), the built-in models (``BUILTIN``: ``tiny-llama``, a 2-layer Llama of 
 ``wide-llama``, a 16-layer Llama of width 1024 whose forward dominates a step; dummy weights and a
 259-token byte-level tokenizer with a plain-text chat template, built once into a cache directory
 by ``builtin_model_dir``, so a try-out needs no download and serves ``/v1/chat/completions`` too),
-``plain_server_command`` (the same server without the cache, for comparisons) and
+``plain_server_command`` (the same server without the cache, for comparisons),
+``vllm_spelling`` (the user's options named as vLLM's parser reads them) and
 ``default_delivery_dir`` (a directory of the server's user only). vLLM is not imported here; the
 launcher execs the server, so signals reach it directly.
 
@@ -21,6 +22,8 @@ connector would refuse at engine start (``connector_settings.tier_settings``, th
 unknown ``omni_cache`` key, a ``delivery_dir`` or ``tier_dir`` where no directory can be made (an
 existing file, a path below a file or an unwritable directory), a non-positive
 ``delivery_timeout_s``) and a ``delivery_dir`` of ``null`` (no delivery, which the launcher is for).
+Options are read as vLLM reads them (an underscore for a dash), and an abbreviation or a dotted
+sub-key of an option the launcher reads is refused (vLLM would take it past these checks).
 """
 
 from __future__ import annotations
@@ -241,7 +244,9 @@ def _without_policy(connector: dict[str, Any]) -> dict[str, Any]:
 # The options the launcher reads or adds: vLLM's parser takes a unique prefix of an option, and an
 # underscore for a dash, so those spellings are read here as vLLM reads them (or refused).
 _OWN_OPTIONS = ("--worker-cls", "--enable-prefix-caching", "--no-enable-prefix-caching", "--kv-transfer-config",
-                "--model", "--host", "--tensor-parallel-size", "--pipeline-parallel-size")
+                "--model", "--host", "--tensor-parallel-size", "--pipeline-parallel-size", "--hf-token",
+                "--revision", "--hf-config-path")
+# NOTE: not --config-format, which vLLM's own --config is a prefix of (the launcher only reads it).
 
 
 def vllm_spelling(args: Sequence[str]) -> list[str]:

@@ -1,0 +1,128 @@
+"""Tier entries in and out: what a spill file's digest covers, the tier's refusals of bad calls, and
+the worker's check of every load's entry against the pool before the first restore.
+
+Protected: a spilled entry of any dtype comes back bit for bit (its digest is computed alike on
+write and read); a hash that is not bytes or rows that are not per-token tensors are one
+``ValueError`` (with or without a directory); an entry that does not fit the pool (row count,
+dtype or row shape against the pool or an earlier entry of the same plan, a key the pool holds
+missing) is a counted miss, vacated and dropped from the tier, and never raises after other loads
+of its plan were restored; a cache started afresh restores what its predecessor stored.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from cache_helpers import BS, finished, manager, save, started
+from test_disk_level import _applied, _rows
+
+from omni_cache.integration.tier_apply import TierApplier, TierLoad, TierPlan, TierStore
+from omni_cache.runtime.errors import OmniPrefixCacheUnmatchError
+from omni_cache.runtime.tier import HiddenTier
+
+
+@pytest.mark.parametrize("rows", [
+    {"hidden": torch.arange(32, dtype=torch.float32).reshape(4, 8).to(torch.bfloat16)},
+    {"hidden": torch.ones(4, 3, dtype=torch.bool), "audio.codes": torch.arange(8, dtype=torch.int8).reshape(4, 2)},
+    {"hidden": torch.empty(4, 0)},
+], ids=["bfloat16", "bool-int8", "zero-width"])
+def test_a_spilled_entry_of_any_dtype_comes_back_bit_for_bit(tmp_path: Path, rows: dict[str, torch.Tensor]) -> None:
+    """The rows' digest covers every dtype a pool key may have: a spill and its read agree on it."""
+    tier = HiddenTier(0, directory=str(tmp_path))  # nothing fits in memory: every entry spills (a 0-byte one too)
+    tier.put(b"h", rows)
+    tier.put(b"other", _rows("o"))
+    got = tier.get(b"h")
+    assert got is not None and set(got) == set(rows)
+    assert all(got[k].dtype == rows[k].dtype and torch.equal(got[k], rows[k]) for k in rows)
+    stats = tier.stats()
+    assert (stats.disk_hits, stats.load_failures) == (1, 0)  # read back from its file
+
+
+@pytest.mark.parametrize(("call", "arg", "match"), [
+    ("put", "h", "a block hash is non-empty bytes"), ("get", "h", "a block hash is non-empty bytes"),
+    ("put", b"", "a block hash is non-empty bytes"), ("put", b"h", "'hidden' are not a tensor of one row per token"),
+])
+def test_a_tier_call_with_a_bad_hash_or_rows_is_one_value_error(tmp_path: Path, call: str, arg: object,
+                                                                 match: str) -> None:
+    """With or without a directory, a hash that is not bytes and rows that are not per-token tensors are
+    refused the same way (ValueError naming them), never a TypeError or IndexError from inside; a hash
+    that is not bytes is never ``in`` the tier."""
+    for tier in (HiddenTier(1 << 20), HiddenTier(1 << 20, directory=str(tmp_path))):
+        assert "h" not in tier and 3 not in tier
+        with pytest.raises(ValueError, match=match):
+            if call == "put":
+                tier.put(arg, {"hidden": torch.tensor(1.0)} if arg == b"h" else _rows("a"))  # type: ignore[arg-type]
+            else:
+                tier.get(arg)  # type: ignore[arg-type]
+        assert tier.stats().puts == 0
+
+
+@pytest.mark.parametrize("entry", ["wrong dtype", "wrong width", "wrong rows"])
+def test_a_tier_entry_that_does_not_fit_the_pool_is_a_miss_and_the_rest_of_the_plan_applies(entry: str) -> None:
+    """Every load's entry is checked before the first restore: one that does not fit the pool is a
+    counted miss (its block vacated, reported to vLLM), never an exception after other loads were
+    restored; the plan's other loads restore their rows."""
+    applier, m = _applied()  # the pool holds 'hidden' rows of width 8 (float32)
+    good = _rows("g")["hidden"]
+    bad = {"wrong dtype": {"hidden": good.to(torch.float64)},
+           "wrong width": {"hidden": good[:, :3]},
+           "wrong rows": {"hidden": torch.cat([good, good])}}[entry]
+    applier.tier.put(b"good", {"hidden": good})
+    applier.tier.put(b"bad", bad)
+    m.new_step_starts([started("b")])
+    failed = applier.apply(TierPlan(loads=(TierLoad("b", 0, b"bad", 5), TierLoad("b", 1, b"good", 6))), m)
+    assert failed == {5} and applier.take_load_errors() == {5}
+    assert applier.restored_blocks == 1 and applier.num_load_failures == 1
+    assert b"bad" not in applier.tier and b"good" in applier.tier  # an entry no load can use is dropped
+    why = applier.load_failures[0]["why"]
+    assert {"wrong dtype": "width and dtype never change", "wrong width": "width and dtype never change",
+            "wrong rows": "8 rows"}[entry] in why
+    m.new_step_starts([finished("b"), started("c", hit_end=2 * BS, blocks=[6, 5])])
+    step, _ = save(m, [("c", [6, 5, 7], 8, 9)])
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="is not readable"):  # block 5 vacated (I6)
+        m.materialize(step, ["c"])
+    m.shutdown()
+
+
+def test_a_cache_started_afresh_restores_what_its_predecessor_stored() -> None:
+    """The tier outlives a cache (a pipeline's second run, a cache rebuilt on the same worker): its
+    entries hold keys the fresh pool never held, and they restore, bit for bit (a key new to the
+    pool is not a misfit)."""
+    applier, old = _applied()  # 'a' wrote block 2
+    applier.apply(TierPlan(stores=(TierStore("a", b"ha", 2),)), old)
+    want = applier.tier.get(b"ha")
+    old.shutdown()
+    fresh = manager(True)
+    assert fresh.pool.keys() == []
+    fresh.new_step_starts([started("b", hit_end=BS, blocks=[5])])
+    assert applier.apply(TierPlan(loads=(TierLoad("b", 0, b"ha", 5),)), fresh) == set()
+    step, _ = save(fresh, [("b", [5, 6], BS, BS + 1)])
+    got = fresh.materialize(step, ["b"]).hidden_states["b"][:BS]
+    assert want is not None and torch.equal(got, want["hidden"]) and applier.num_load_failures == 0
+    fresh.shutdown()
+
+
+
+def test_entries_of_one_plan_that_disagree_on_a_new_key_restore_the_first_only() -> None:
+    """A fresh pool holds no key: the first entry of a plan fixes a key's dtype and width, and a later
+    entry of the same plan that disagrees is a miss (checked before any restore), never a refusal raised
+    after the first was restored; an entry without a key the pool holds is a miss too (its block would
+    read "is not readable" there)."""
+    applier = TierApplier(HiddenTier(1 << 20), BS)
+    fresh = manager(True)
+    good = _rows("g")["hidden"]
+    applier.tier.put(b"f32", {"hidden": good})
+    applier.tier.put(b"f64", {"hidden": good.to(torch.float64)})
+    applier.tier.put(b"more", {"hidden": good, "audio.codes": good[:, :2]})
+    applier.tier.put(b"less", {"hidden": good})
+    fresh.new_step_starts([started("b")])
+    plan = TierPlan(loads=(TierLoad("b", 0, b"f32", 5), TierLoad("b", 1, b"f64", 6)))
+    assert applier.apply(plan, fresh) == {6} and applier.restored_blocks == 1
+    assert "width and dtype never change" in applier.load_failures[0]["why"]
+    assert applier.apply(TierPlan(loads=(TierLoad("b", 2, b"more", 7),)), fresh) == set()  # brings audio.codes
+    assert applier.apply(TierPlan(loads=(TierLoad("b", 3, b"less", 8),)), fresh) == {8}
+    assert "lacks key(s) ['audio.codes']" in applier.load_failures[-1]["why"]
+    fresh.shutdown()
+
