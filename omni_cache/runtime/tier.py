@@ -197,10 +197,7 @@ class HiddenTier:
         _check_hash("discard", block_hash)
         with self._lock:
             self._check_open_locked("discard")
-            old = self._entries.pop(block_hash, None)
-            if old is not None:
-                self._stats.bytes -= _nbytes(old)
-            self._remove_file_locked(block_hash)
+            self._drop_locked(block_hash)
             self._sync_locked()
 
     def stats(self) -> TierStats:
@@ -241,11 +238,15 @@ class HiddenTier:
     def _sync_locked(self) -> None:
         self._stats.entries = len(self._entries)
 
-    def _put_locked(self, block_hash: bytes, copy: Rows, *, promoted: bool = False) -> bool:
+    def _drop_locked(self, block_hash: bytes) -> None:
+        """Forget ``block_hash``'s entry and remove its file: no older version outlives what follows."""
         old = self._entries.pop(block_hash, None)
         if old is not None:
             self._stats.bytes -= _nbytes(old)
-        self._remove_file_locked(block_hash)  # an older spilled version never outlives this put
+        self._remove_file_locked(block_hash)
+
+    def _put_locked(self, block_hash: bytes, copy: Rows, *, promoted: bool = False) -> bool:
+        self._drop_locked(block_hash)  # an older spilled version never outlives this put
         size = _nbytes(copy)
         if size > self.budget_bytes and self._spill_dir is None:
             self._stats.refused += 1

@@ -103,15 +103,14 @@ def restore_problem(rows: dict[str, torch.Tensor], num_slots: int, held: dict[st
         return "the entry holds no rows"
     if missing := sorted(set(held) - set(rows)):
         return f"the entry lacks key(s) {missing} the block pool holds"
-    sigs = {}
     for key, t in rows.items():
         if int(t.shape[0]) != num_slots:
             return f"the entry holds {int(t.shape[0])} rows of {key!r} for a block of {num_slots} KV slots"
-        sigs[key] = row_sig(t)
-        try:
-            check_held_sigs("block pool key", held, sigs, (key,))
-        except OmniPrefixCacheUnmatchError as exc:
-            return str(exc)
+    sigs = {key: row_sig(t) for key, t in rows.items()}
+    try:
+        check_held_sigs("block pool key", held, sigs, sigs)
+    except OmniPrefixCacheUnmatchError as exc:
+        return str(exc)
     held.update(sigs)
     return None
 
