@@ -114,6 +114,8 @@ class PrefixBlockPool:
         self._tensors: dict[TensorName, torch.Tensor] = {}
         # key -> (dtype, row shape) of its tensor, set with it: row checks compare tuples.
         self._sigs: dict[TensorName, RowSig] = {}
+        # key -> (signature, zeros) ``prepare_keys`` allocated, published by the key's first landing.
+        self._reserved: dict[TensorName, tuple[RowSig, torch.Tensor]] = {}
 
     def keys(self) -> list[TensorName]:
         with self.lock:
@@ -144,18 +146,57 @@ class PrefixBlockPool:
         always matches)."""
         check_held_sigs("block pool key", self._sigs, sigs, sigs)  # no lock: keys are only ever added
 
+    def prepare_keys(self, sigs: dict[TensorName, RowSig]) -> None:
+        """Allocate the tensor of every key of ``sigs`` the pool does not hold yet, unpublished.
+
+        A save calls this before it claims anything, so an allocator's refusal is a refused save
+        that changed nothing, never a failed landing (which would fail the cache for good, I8).
+        The tensor is published (its key held, its row shape fixed) by the key's first landing:
+        a save refused later fixes no key's row shape.
+        """
+        if self._sigs.keys() >= sigs.keys():  # keys are only ever added (one C-level set comparison)
+            return
+        for key, sig in sigs.items():
+            with self.lock:
+                needed = key not in self._sigs and self._reserved.get(key, (None,))[0] != sig
+            if needed:
+                fresh = self._allocate(key, sig)
+                with self.lock:
+                    if key not in self._sigs:  # else a landing published one meanwhile
+                        self._reserved[key] = (sig, fresh)
+
     def _tensor_for(self, key: TensorName, rows: torch.Tensor) -> torch.Tensor:
         sig = row_sig(rows)
         with self.lock:
             tensor = self._tensors.get(key)
+            if tensor is None:  # the first landing publishes the tensor ``prepare_keys`` allocated
+                reserved = self._reserved.pop(key, None)
+                if reserved is not None and reserved[0] == sig:
+                    tensor = self._tensors[key] = reserved[1]
+                    self._sigs[key] = sig
         if tensor is None:
-            fresh = torch.zeros((self.num_slots, *sig[1]), dtype=sig[0], pin_memory=self.pin_memory)
+            fresh = self._allocate(key, sig)
             with self.lock:
                 tensor = self._tensors.setdefault(key, fresh)
                 if tensor is fresh:
                     self._sigs[key] = sig
+                    self._reserved.pop(key, None)
         check_sig(f"block pool key {key!r}", self._sigs[key], sig)
         return tensor
+
+    def _allocate(self, key: TensorName, sig: RowSig) -> torch.Tensor:
+        """Zeros of ``num_slots`` rows of ``sig`` (outside the lock); the allocator's refusal is a
+        sizing problem and is named as one."""
+        shape = (self.num_slots, *sig[1])
+        try:
+            return torch.zeros(shape, dtype=sig[0], pin_memory=self.pin_memory)
+        except (RuntimeError, MemoryError) as exc:
+            nbytes = torch.Size(shape).numel() * torch.empty((), dtype=sig[0]).element_size()
+            raise OmniPrefixCacheUnmatchError(
+                f"cannot allocate the block pool of {key!r}: {self.num_slots:,} KV slots (num_blocks x block_size) "
+                f"x rows of shape {tuple(sig[1])} {sig[0]} = {nbytes:,} bytes "
+                f"({exc.__class__.__name__}: {(str(exc).splitlines() or [''])[0]})"
+            ) from exc
 
     def check_slots(self, slots: torch.Tensor, *, where: str = "block pool", distinct: bool = False,
                     describe_row: Callable[[int], str] | None = None) -> np.ndarray:

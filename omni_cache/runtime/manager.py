@@ -122,7 +122,13 @@ class OmniPrefixCacheManager:
         self.faults = faults or FaultHooks()
         self.recorder = recorder
         self.pool = PrefixBlockPool(config.num_slots, pin_memory=self.use_cuda)
-        self.tenancy = SlotTenancy(self.pool, recorder)
+        try:
+            self.tenancy = SlotTenancy(self.pool, recorder)
+        except MemoryError as exc:  # one int64 per KV slot at start: a sizing problem, named as one
+            raise ValueError(
+                f"PrefixCacheConfig.num_blocks x block_size = {config.num_blocks} x {config.block_size} = "
+                f"{config.num_slots:,} KV slots: their per-slot bookkeeping ({8 * config.num_slots:,} bytes at "
+                f"start, more per key) cannot be allocated ({exc})") from exc
         self.book = WriteBook(config.staging_claim_timeout_s, recorder)
         self.staging = StagingPool(
             config.staging_depth,
@@ -304,7 +310,7 @@ class OmniPrefixCacheManager:
             # so registration below allocates nothing.
             # NOTE: a claim refused after it (staging timeout, shutdown) keeps a new key's empty
             # columns: no version of it is registered, so its slots read as absent (I7).
-            self.tenancy.prepare_keys(sigs.keys())  # every per-token key, immediate and deferred
+            self.tenancy.prepare_keys(sigs)  # every per-token key, immediate and deferred
             self.faults.on_blocking("save claims a staging slot")
             slot = self.staging.claim(n)  # refused once shutdown began (contract 4.6)
             self.faults.after_claim(slot)
@@ -336,7 +342,8 @@ class OmniPrefixCacheManager:
             planned: dict[ReqId, PlannedRead] = {}
             if hit_keys:
                 for req_id, (_, blocks) in hits.items():
-                    planned[req_id] = self.tenancy.plan(list(hit_keys), self.hits.slots_of(blocks))
+                    planned[req_id] = self.tenancy.plan(list(hit_keys), self.hits.slots_of(blocks),
+                                                         block_size=self.config.block_size)
                     plans.append(planned[req_id])
             ctx = StepContext(step_id, slot, saved_at, step_rows, planned, tuple(split.immediate), imm, deferred_host,
                               leftover, hit_keys, policy.hidden_key is not None, host_events, slots_np)

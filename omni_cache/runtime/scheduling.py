@@ -163,7 +163,7 @@ class WriteScheduler:
         """``TierPort.register_restored_write``: ``source`` (host rows, checked against the pool's
         signatures by the caller) as one immediate write on ``slots``, queued like a save's."""
         self.check_deferred_sigs(sigs, self.held_deferred_keys(sigs))
-        self.tenancy.prepare_keys(sigs.keys())
+        self.tenancy.prepare_keys(sigs)
         step_id = self._issue_step_id()
         self._count("tier_restores")
         # an older tenant's open (deferred) write on these slots lands first, then is skipped there (I7)

@@ -61,7 +61,11 @@ def classify_outputs(
         split.immediate[hidden_key] = _unpadded_rows(hidden_states, shape, num_unpadded)
         sigs[hidden_key] = (hidden_states.dtype, shape[1:])
     for key, value in mm_outputs.items():
-        if isinstance(value, torch.Tensor) and _is_token_major(shape := value.shape, num_unpadded, num_padded):
+        if isinstance(value, torch.Tensor) and value.is_nested:  # a strided nested tensor has no ``shape``
+            if value.dim() >= 2 and value.size(0) in (num_unpadded, num_padded):
+                _check_dense(key, value)  # raises: a nested tensor's rows are not rows of one width
+            split.leftover[key] = value
+        elif isinstance(value, torch.Tensor) and _is_token_major(shape := value.shape, num_unpadded, num_padded):
             _check_dense(key, value)
             target = split.deferred if key in policy.deferred_keys else split.immediate
             target[key] = _unpadded_rows(value, shape, num_unpadded)
@@ -74,10 +78,11 @@ def classify_outputs(
 def _check_dense(key: TensorName, value: torch.Tensor) -> None:
     """Per-token rows are copied row by row: a sparse or a meta tensor (no rows, or no data) is
     refused here, before anything is claimed."""
-    if value.layout is not torch.strided or value.is_meta:
+    if value.layout is not torch.strided or value.is_meta or value.is_nested:
+        kind = "meta" if value.is_meta else str(value.layout) if value.layout is not torch.strided else "nested"
         raise OmniPrefixCacheUnmatchError(
-            f"save_outputs: per-token key {key!r} is a {'meta' if value.is_meta else str(value.layout)} tensor; "
-            "its rows must be a dense tensor with data (strided, not meta); nothing was claimed (I4)")
+            f"save_outputs: per-token key {key!r} is a {kind} tensor; its rows must be a dense tensor with "
+            "data (strided, not nested, not meta); nothing was claimed (I4)")
 
 
 def _unpadded_rows(value: torch.Tensor, shape: torch.Size, n: int) -> torch.Tensor:

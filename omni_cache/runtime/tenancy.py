@@ -142,16 +142,19 @@ class SlotTenancy:
         return versions
 
     # ---- engine thread: registration and planning --------------------------
-    def prepare_keys(self, keys: Set[TensorName]) -> None:
-        """Allocate the version vectors of ``keys`` now, so ``register`` allocates nothing.
+    def prepare_keys(self, sigs: dict[TensorName, RowSig]) -> None:
+        """Allocate the pool tensors and the version vectors of the keys of ``sigs`` now, so neither
+        ``register`` nor a landing allocates.
 
-        The manager calls this before a save claims anything: a ``MemoryError`` of a
-        huge pool's per-slot bookkeeping then surfaces with nothing to undo.
+        The manager calls this before a save claims anything: a pool tensor the allocator refuses
+        is an ``OmniPrefixCacheUnmatchError`` naming the key and its bytes, and a ``MemoryError`` of a
+        huge pool's per-slot bookkeeping surfaces as itself, both with nothing to undo.
         """
-        if self._keys.keys() >= keys:  # keys are only ever added (one C-level set comparison)
+        self.pool.prepare_keys(sigs)
+        if self._keys.keys() >= sigs.keys():  # keys are only ever added (one C-level set comparison)
             return
         with self.pool.lock:
-            for key in keys:
+            for key in sigs:
                 self._versions_locked(key)
 
     def register(
@@ -201,19 +204,32 @@ class SlotTenancy:
         assert self.recorder is not None, "tenancy note without a recorder: tenancy bug"
         self.recorder.note("tenancy", "tenancy", what, "-", step_id, **data)
 
-    def plan(self, keys: list[TensorName], slots: torch.Tensor) -> PlannedRead:
+    def plan(self, keys: list[TensorName], slots: torch.Tensor, *, block_size: int | None = None) -> PlannedRead:
         """Pin ``slots`` for ``keys`` at their current registered versions.
 
         A key whose version was not written by the slot's tenant is planned
-        as absent (version 0): ``read`` refuses it (I6/I7).
+        as absent (version 0): ``read`` refuses it (I6/I7). With ``block_size``, ``slots`` are
+        whole KV blocks in token order: a block is written in token order, each write newer than
+        the last, so a slot holding an older version than an earlier slot of its block holds
+        another tenant's row (a newer tenant wrote only the block's first slots) and is planned
+        as absent too (I6): a hit is never served half of one tenant's block and half of another's.
         """
         slots_np = slots.numpy()
         expected: dict[TensorName, np.ndarray] = {}
+        bs = block_size if block_size is not None and block_size > 1 and len(slots_np) % block_size == 0 else 0
+        mixed: set[int] = set()  # slots planned absent by the block rule (trace notes only)
         with self.pool.lock:
             tenant = self._tenant[slots_np]
             for key in keys:
                 v = self._versions_locked(key)
-                expected[key] = np.where(v.tenant[slots_np] == tenant, v.registered[slots_np], 0)
+                planned = np.where(v.tenant[slots_np] == tenant, v.registered[slots_np], 0)
+                if bs:  # whole blocks
+                    by_block = planned.reshape(-1, bs)
+                    behind = by_block < np.maximum.accumulate(by_block, axis=1)
+                    planned = np.where(behind, 0, by_block).ravel()
+                    if self.recorder is not None:
+                        mixed.update(slots_np[behind.ravel()].tolist())
+                expected[key] = planned
                 v.pins[slots_np] += 1
                 v.num_pins += len(slots_np)
             plan = PlannedRead(slots, slots_np, expected)
@@ -222,7 +238,8 @@ class SlotTenancy:
                 self._num_plans += 1
                 plan.plan_id = self._num_plans
                 self._note("plan", None, plan=plan.plan_id, slots=tuple(slots_np.tolist()),
-                           expected=tuple((k, tuple(e.tolist())) for k, e in expected.items()))
+                           expected=tuple((k, tuple(e.tolist())) for k, e in expected.items()),
+                           mixed=tuple(sorted(mixed)))
         return plan
 
     def unplan(self, read: PlannedRead) -> None:
@@ -381,8 +398,9 @@ class SlotTenancy:
                     self._note("read", None, plan=read.plan_id, key=key, slot=int(slots_np[first]), raised=True)
             raise OmniPrefixCacheUnmatchError(
                 f"{what}: key {key!r} at KV slot {int(slots_np[first])} {PHRASE_NOT_READABLE}: "
-                f"{int(absent.sum())} of {len(slots_np)} hit rows are absent (never written, or the "
-                "KV slot's newest tenant did not write this key); the omni cache diverged from the "
+                f"{int(absent.sum())} of {len(slots_np)} hit rows are absent (never written, the "
+                "KV slot's newest tenant did not write this key, or an earlier slot of its block holds a "
+                "newer tenant's row); the omni cache diverged from the "
                 "KV cache (I6/I7) -- never served as zeros nor from an older tenant"
             )
         with self.pool.lock:

@@ -76,14 +76,11 @@ def block_rows(manager: TierHost, slots: torch.Tensor) -> dict[str, torch.Tensor
     keys = manager.pool.keys()
     if not keys:
         return None
-    plan = manager.tenancy.plan(keys, slots)
+    # one block: a slot holding an older tenant's row than an earlier slot of it is planned absent,
+    # so half a block, or another tenant's rows, is never stored
+    plan = manager.tenancy.plan(keys, slots, block_size=len(slots))
     try:
         if any((expected == 0).any() for expected in plan.expected.values()):
-            return None
-        # a block is written in token order, each write newer than the last: a version that falls
-        # along the block means its tenant wrote only its first slots and a later slot still holds
-        # an older tenant's row -- never stored (never half a block, never another tenant's rows)
-        if any(len(e) > 1 and bool((np.diff(e.astype(np.int64)) < 0).any()) for e in plan.expected.values()):
             return None
         what = f"tier store of KV slots [{int(slots[0])}, {int(slots[-1])}]"
         return {key: manager.reader.read_planned(plan, key, what=what) for key in keys}

@@ -196,9 +196,10 @@ def validate_save(
             f"save_outputs: mm_outputs uses the reserved key {HIDDEN_KEY!r}; pass hidden as hidden_states"
         )
     if policy.hidden_key is not None:
-        if not isinstance(hidden, torch.Tensor) or len(hidden_shape := hidden.shape) < 2:
+        if not isinstance(hidden, torch.Tensor) or hidden.is_nested or len(hidden_shape := hidden.shape) < 2:
             raise OmniPrefixCacheUnmatchError(
                 "save_outputs: the policy caches hidden states but hidden_states is not a 2-D+ tensor"
+                + (" (a nested tensor: its rows must be one dense tensor)" if getattr(hidden, "is_nested", False) else "")
             )
         if hidden_shape[0] < n:
             raise OmniPrefixCacheUnmatchError(

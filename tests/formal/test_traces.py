@@ -296,6 +296,41 @@ def test_a_tenant_that_writes_no_key_maps_onto_the_tenancy_spec() -> None:
     assert tenancy.accepted and tenancy.num_events >= 20, tenancy.explain() + tenancy.output
 
 
+@pytest.mark.tlc
+def test_a_block_a_newer_tenant_wrote_only_in_part_maps_onto_the_tenancy_spec() -> None:
+    """a writes blocks 1 and 2, c (block 2's next tenant) writes only its first two slots, and b's
+    hit on both blocks is refused ("is not readable": the runtime's block rule plans the slots behind
+    c's rows absent, the plan note's ``mixed``, which the per-slot model leaves out); then c writes the
+    rest of block 2 and d's hit reads a's and c's rows. TLC accepts the whole trace."""
+    from cache_helpers import config, save, started
+
+    from omni_cache import OmniPrefixCacheUnmatchError
+    from omni_cache.runtime.events import PrefixCacheEventKind as E
+    from omni_cache.runtime.events import PrefixCacheRequestEvent
+    from omni_cache.runtime.manager import OmniPrefixCacheManager
+
+    rec = TraceRecorder()
+    m = OmniPrefixCacheManager(config(), eager=True, recorder=rec)
+    try:
+        m.new_step_starts([started("a")])
+        m.materialize(save(m, [("a", [1, 2], 0, 8)])[0], ["a"])
+        m.new_step_starts([PrefixCacheRequestEvent("a", E.FINISHED), started("c")])
+        m.materialize(save(m, [("c", [2], 0, 2)])[0], ["c"])
+        m.new_step_starts([started("b", hit_end=8, blocks=[1, 2, 3])])
+        refused = save(m, [("b", [1, 2, 3], 8, 9)])[0]
+        with pytest.raises(OmniPrefixCacheUnmatchError, match="at KV slot 10 is not readable"):
+            m.materialize(refused, ["b"])
+        m.materialize(save(m, [("c", [2], 2, 4)])[0], ["c"])
+        m.new_step_starts([PrefixCacheRequestEvent("b", E.FINISHED), started("d", hit_end=8, blocks=[1, 2, 4])])
+        m.materialize(save(m, [("d", [1, 2, 4], 8, 9)])[0], ["d"])
+    finally:
+        m.shutdown()
+    plans = [e for e in rec.events("tenancy", notes=True) if e.trigger == "plan"]
+    assert [p.ints_of("mixed") for p in plans] == [(10, 11), ()], plans
+    tenancy = check_tenancy_trace_tlc(rec)
+    assert tenancy.accepted and tenancy.num_events >= 20, tenancy.explain() + tenancy.output
+
+
 def test_trace_module_is_plain_tla() -> None:
     ev = TraceEvent("staging_slot", "staging slot 3", "claim", "free", "claimed", None)
     note = TraceEvent("staging_slot", "staging slot 3", "hold", "claimed", "claimed", 7, "note",

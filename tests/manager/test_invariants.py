@@ -182,6 +182,35 @@ def test_I6_absent_hit_rows_raise_never_zeros(eager: bool) -> None:
 
 
 @pytest.mark.parametrize("eager", MODES)
+def test_I6_a_hit_on_a_block_a_newer_tenant_wrote_only_in_part_is_not_readable(eager: bool) -> None:
+    """A block is written in token order, each write newer than the last. A hit whose block holds a
+    newer tenant's rows in its first slots and an older tenant's after them (the KV cache gave the block
+    to another request, yet the hit names it: the caches diverged) is refused, never served as half of
+    one tenant's block and half of another's; the block, once its new tenant wrote all of it over two
+    steps, is served as that tenant's."""
+    m = manager(eager)
+    m.new_step_starts([started("a")])
+    step, rows_a = save(m, [("a", [1, 2], 0, 8)])
+    m.materialize(step, ["a"])
+    m.new_step_starts([PrefixCacheRequestEvent("a", E.FINISHED), started("c")])
+    step, rows_c = save(m, [("c", [2], 0, 2)])  # c, block 2's new tenant, writes its slots 8 and 9 only
+    m.materialize(step, ["c"])
+    m.new_step_starts([started("b", hit_end=8, blocks=[1, 2, 3])])
+    step, _ = save(m, [("b", [1, 2, 3], 8, 9)])
+    with pytest.raises(OmniPrefixCacheUnmatchError, match=f"at KV slot 10 {PHRASE_NOT_READABLE}: 2 of 8 hit rows "
+                       "are absent .*an earlier slot of its block holds a newer tenant's row"):
+        m.materialize(step, ["b"])
+    step, rows_c2 = save(m, [("c", [2], 2, 4)])  # c completes block 2 a step later
+    m.materialize(step, ["c"])
+    m.new_step_starts([PrefixCacheRequestEvent("b", E.FINISHED), started("d", hit_end=8, blocks=[1, 2, 4])])
+    step, rows_d = save(m, [("d", [1, 2, 4], 8, 9)])
+    served = m.materialize(step, ["d"]).hidden_states["d"]
+    assert torch.equal(served, torch.cat([rows_a[:4], rows_c, rows_c2, rows_d]))
+    assert m.stats()["failed"] is None and m.stats()["unconsumed_step_ids"] == {}
+    m.shutdown()
+
+
+@pytest.mark.parametrize("eager", MODES)
 def test_I7_delayed_read_never_returns_newer_tenant(eager: bool) -> None:
     m = manager(eager, staging_depth=4)
     m.new_step_starts([started("a")])

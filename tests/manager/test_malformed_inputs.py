@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import threading
+import warnings
 from typing import Any
 
 import numpy as np
@@ -27,6 +28,15 @@ from omni_cache import (
     PrefixCacheWriteLayout,
 )
 from omni_cache.runtime.events import as_index
+from omni_cache.runtime.manager import OmniPrefixCacheManager
+
+
+def _strided_nested(parts: list[torch.Tensor]) -> torch.Tensor:
+    """A nested tensor of the strided layout (torch's prototype: no ``shape``), without its warning."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.nested.as_nested_tensor(parts)
+
 
 H = torch.ones(4, 8)
 SLOTS = slots([0], 0, 4)
@@ -41,6 +51,9 @@ CASES: list[tuple[str, Any, Any, str]] = [  # id, hidden, mm, layout, phrase
     ("sparse hidden", torch.eye(4, 8).to_sparse(), None, LAYOUT, "is a torch.sparse_coo tensor"),
     ("meta hidden", torch.empty(4, 8, device="meta"), None, LAYOUT, "is a meta tensor"),
     ("sparse per-token mm", H, {"k": torch.eye(4, 8).to_sparse()}, LAYOUT, "per-token key 'k' is a torch.sparse_coo"),
+    ("nested hidden", _strided_nested([torch.ones(2, 8)] * 4), None, LAYOUT, "(a nested tensor: "),
+    ("nested per-token mm", H, {"k": _strided_nested([torch.ones(2, 3)] * 4)}, LAYOUT,
+     "per-token key 'k' is a nested tensor"),
     ("writes are tuples", H, None, PrefixCacheWriteLayout([("a", 0, 4, 0, 4)], 4, SLOTS),
      "token_start, token_end: a PrefixCacheWrite) only; got a tuple"),
     ("a duck-typed write with a float row", H, None,
@@ -155,6 +168,81 @@ def test_staging_pages_the_allocator_refuses_fail_the_save_naming_the_sizing_and
     assert after["saved"] == before["saved"] == 0 and after["failed"] is None and after["unconsumed_step_ids"] == {}
     assert after["staging"]["slots"]["free"] == 3 and after["staging"]["page_bytes"] == {} and after["writes_in_flight"] == 0
     assert m.shutdown() == {}
+
+
+def test_a_nested_tensor_that_is_not_per_token_is_kept_as_a_leftover() -> None:
+    """A nested tensor whose first dimension is not the step's token count (a list of images'
+    embeddings) is no per-token key: it is kept as the step's leftover, a private copy."""
+    m = manager()
+    images = _strided_nested([torch.ones(2, 3), torch.ones(5, 3)])
+    m.new_step_starts([started("a")])
+    step, _ = save(m, [("a", [0], 0, 4)], mm={"images": images})
+    kept = m.materialize(step, ["a"]).mm_outputs["images"]["a"]
+    assert kept.is_nested and [t.shape[0] for t in kept.unbind()] == [2, 5]
+    images.unbind()[0].fill_(7.0)
+    assert kept.unbind()[0].eq(1.0).all(), "the leftover shares storage with the caller's tensor"
+    m.shutdown()
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "async"])
+def test_a_block_pool_the_allocator_refuses_is_a_refused_save_that_changes_nothing(
+    eager: bool, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The block pool of a per-token key first seen mid-run (a pool tensor of num_slots rows) that the
+    allocator refuses is a contract error of that save naming the key, num_blocks x block_size and the
+    bytes, before anything is claimed -- never a failed landing that fails the cache for good (I8). The
+    refused key's row shape is not fixed: the key is saved later at another width, and hidden-only
+    saves go on."""
+    import omni_cache.runtime.block_pool as block_pool
+
+    real_zeros = torch.zeros
+
+    def refuse_wide(*shape: Any, **kwargs: Any) -> torch.Tensor:
+        dims = shape[0] if len(shape) == 1 and isinstance(shape[0], tuple) else shape
+        if dims[-1:] == (4096,):
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8589934592 bytes")
+        return real_zeros(*shape, **kwargs)
+
+    m = manager(eager)
+    m.new_step_starts([started("a")])
+    first, _ = save(m, [("a", [0], 0, 4)])
+    m.discard_step(first)
+    monkeypatch.setattr(block_pool.torch, "zeros", refuse_wide)
+    before = m.stats()
+    wide = {"audio": torch.ones(4, 4096)}
+    with pytest.raises(OmniPrefixCacheUnmatchError, match=r"cannot allocate the block pool of 'audio': 128 KV slots "
+                       r"\(num_blocks x block_size\) x rows of shape \(4096,\) torch.float32 = 2,097,152 bytes"):
+        save(m, [("a", [0, 1], 4, 8)], mm=wide)
+    monkeypatch.undo()
+    after = m.stats()
+    assert after["failed"] is None and after["saved"] == before["saved"] and after["staging"]["claims"] == 1
+    assert sorted(after["pool_bytes"]) == ["hidden"], after["pool_bytes"]
+    step, rows = save(m, [("a", [0, 1], 4, 8)], mm={"audio": torch.full((4, 16), 2.0)})  # another width: accepted
+    out = m.materialize(step, ["a"])
+    assert torch.equal(out.hidden_states["a"], rows) and out.mm_outputs["audio"]["a"].shape == (4, 16)
+    assert m.shutdown() == {}
+
+
+def test_a_config_whose_per_slot_bookkeeping_cannot_be_allocated_is_refused_naming_its_fields(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A config within the bounds whose per-slot bookkeeping the host cannot hold is refused at
+    construction with one ``ValueError`` naming num_blocks x block_size and the bytes, never
+    numpy's bare ``MemoryError`` (refused by the host here: forced, since a host that overcommits
+    may hand out the address space)."""
+    import omni_cache.runtime.tenancy as tenancy
+
+    real_zeros = np.zeros
+
+    def refuse_huge(shape: Any, *args: Any, **kwargs: Any) -> np.ndarray:
+        if (shape[0] if isinstance(shape, tuple) else shape) >= 2**36:
+            raise MemoryError("Unable to allocate 8.00 TiB for an array with shape (1099511627776, 1)")
+        return real_zeros(shape, *args, **kwargs)
+
+    monkeypatch.setattr(tenancy.np, "zeros", refuse_huge)
+    with pytest.raises(ValueError, match=r"PrefixCacheConfig.num_blocks x block_size = 274877906944 x 4 = "
+                       r"1,099,511,627,776 KV slots: their per-slot bookkeeping \(8,796,093,022,208 bytes"):
+        OmniPrefixCacheManager(PrefixCacheConfig(num_blocks=2**38, block_size=4), eager=True)
 
 
 @pytest.mark.parametrize("value", [True, np.bool_(True), torch.tensor(True), torch.tensor([3]), torch.tensor([[3]])],
