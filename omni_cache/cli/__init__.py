@@ -7,7 +7,9 @@ heavy imports happen inside ``func``. Validation of arguments lives in
 ``omni_cache.cli.args`` (exit codes there): a user mistake gets one line and the
 usage of the (sub)command it belongs to, exit 2, never a traceback. A runtime
 error that escapes a subcommand is one line too (exit 1); the hidden ``--debug``
-flag shows its traceback.
+flag shows its traceback. SIGTERM (``kill``, ``timeout``, a cancelled job) ends a command as
+Ctrl-C does -- every server it started stopped, every temporary folder removed -- with one line
+and exit 143.
 
 Upholds nothing (dispatch).
 """
@@ -19,11 +21,12 @@ import contextlib
 import importlib
 import os
 import select
+import signal
 import sys
 from collections.abc import Sequence
 
 from omni_cache.cli.args import EXIT_FAILED, CliParser, add_debug_flag
-from omni_cache.harness.exit_codes import EXIT_BROKEN_PIPE
+from omni_cache.harness.exit_codes import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, EXIT_TERMINATED
 
 # Subcommands, in the order ``omni-cache --help`` lists them.
 SUBCOMMANDS: tuple[str, ...] = ("selfcheck", "diagram", "simulate", "pipeline", "serve", "check-server", "bench",
@@ -35,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="omni-cache",
         description="A formally specified prefix cache for multi-stage (omni) model serving.",
         epilog="Exit codes: 0 ok; 1 a check failed; 2 bad arguments; 3 ran, but did less than asked "
-        "or missed its target. `omni-cache COMMAND --help` describes each command.",
+        "or missed its target; 130 Ctrl-C; 143 SIGTERM; 141 stdout's reader left (| head). "
+        "`omni-cache COMMAND --help` describes each command.",
     )
     add_debug_flag(parser, top_level=True)
     # Not required here: main() reports a missing command itself, so `omni-cache --bogus` names --bogus.
@@ -88,23 +92,40 @@ def _stdout_reader_gone() -> bool:
         return False
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the command is: a ``KeyboardInterrupt``, so every cleanup an interrupt
+    runs (a server stopped, a temporary folder removed) runs for it too."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated()
+
+
 def _run(argv: Sequence[str] | None) -> int:
+    with contextlib.suppress(ValueError):  # ValueError: not the main thread (an embedding caller's)
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # never over a handler someone installed
+            signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         args = parse_args(argv)
-    except KeyboardInterrupt:
-        print("omni-cache: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:
+        return _interrupted("omni-cache", exc)
     try:
         return int(args.func(args) or 0)  # torch and the rest are imported in here, after parsing
-    except KeyboardInterrupt:  # Ctrl-C, also while torch loads: one line, exit 130
-        print(f"omni-cache {args.command}: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM, also while torch loads: one line
+        return _interrupted(f"omni-cache {args.command}", exc)
     except BrokenPipeError as exc:
         if _stdout_reader_gone():
             raise  # main ends it quietly
         return _failed(args, exc)
     except Exception as exc:
         return _failed(args, exc)
+
+
+def _interrupted(who: str, exc: KeyboardInterrupt) -> int:
+    """Ctrl-C (exit 130) or SIGTERM (exit 143): one line."""
+    terminated = isinstance(exc, Terminated)
+    print(f"{who}: {'terminated' if terminated else 'interrupted'}", file=sys.stderr)
+    return EXIT_TERMINATED if terminated else EXIT_INTERRUPTED
 
 
 def _failed(args: argparse.Namespace, exc: Exception) -> int:

@@ -121,9 +121,9 @@ def int_list(lo: int = 1, hi: int | None = None) -> Callable[[str], list[int]]:
     what = f"comma-separated {_range_text('integers', lo, hi)}"
 
     def parse(text: str) -> list[int]:
-        parts = [x.strip() for x in text.split(",") if x.strip()]
-        if not parts:
-            raise argparse.ArgumentTypeError(f"wants {what}, got {text!r}")
+        parts = [x.strip() for x in text.split(",")]
+        if not all(parts):  # "8,,32", "8," or "": a missing number is a mistake, never skipped
+            raise argparse.ArgumentTypeError(f"wants {what}, got {text!r} (an empty item)")
         try:
             return sorted({one(x) for x in parts})
         except argparse.ArgumentTypeError:

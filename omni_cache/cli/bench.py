@@ -88,7 +88,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument("--async", dest="async_", action="store_true",
                         help="run the manager with eager=False (committer thread); default is eager")
     parser.add_argument("--threads", type=int_range(1, 1024), default=1,
-                        help="torch intra-op threads during the run, >= 1 (default 1: stable on shared machines)")
+                        help="torch intra-op threads during the run, 1 to 1,024 (default 1: stable on shared machines)")
     parser.add_argument("--seed", type=seed_int, default=0, help="ground-truth and block-table seed, 0 to 2**32 - 1")
     parser.add_argument("--quick", action="store_true",
                         help="a tiny smoke run (batch 2,4; narrow rows; 6 decode steps): ratios, no verdict; with "
@@ -179,13 +179,13 @@ def run(args: argparse.Namespace) -> int:
     if (gpu := run_gpu(args)) is not None:  # --device cuda: refused without CUDA, before torch
         return gpu
     if any(v is not None for v in (args.engine_step, args.width_sweep, args.served)):  # real engines: refused without vLLM, before torch
-        from rich.console import Console
-
         from omni_cache.cli.bench_engine import run_engine_extra
+        from omni_cache.cli.output import OutputConsole as Console
 
         return run_engine_extra(args, Console(stderr=args.json, width=200)) or 0
     import torch
-    from rich.console import Console
+
+    from omni_cache.cli.output import OutputConsole as Console
 
     console = Console(stderr=args.json)
     if not console.is_terminal:

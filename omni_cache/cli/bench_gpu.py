@@ -56,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--forward-layers", type=int_range(1, 512), default=None,
                         help="--device cuda: layers of the stand-in forward (default 36 at width 2048, 32 else)")
     parser.add_argument("--timed-steps", type=int_range(2, 10_000), default=None,
-                        help="--device cuda: timed steps per run, after 3 warm-up steps (default 12)")
+                        help="--device cuda: timed steps per run, 2 to 10,000, after 3 warm-up steps (default 12)")
 
 
 def _flag(attr: str) -> str:
@@ -99,8 +99,7 @@ def _refuse(message: str) -> int:
 
 
 def _run(args: argparse.Namespace, hidden: list[int], tokens: list[int]) -> int:
-    from rich.console import Console
-
+    from omni_cache.cli.output import OutputConsole as Console
     from omni_cache.harness.bench.gpu import GpuBenchError, run_gpu_bench
     from omni_cache.harness.bench.provenance import source_commit
 

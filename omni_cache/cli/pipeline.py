@@ -64,10 +64,10 @@ def register(subparsers: Any) -> None:
     add_model_argument(parser)
     add_speculative_argument(parser, "the thinker with prefix caching and the cache: ")
     parser.add_argument("--tp", type=int_range(1, 8), default=1,
-                        help="the thinker's tensor-parallel worker processes (default 1: the engine in this "
+                        help="the thinker's tensor-parallel worker processes, 1 to 8 (default 1: the engine in this "
                         "process); the cache lives on the output rank only")
-    parser.add_argument("--pp", type=int_range(1, 2), default=1, help="the thinker's pipeline-parallel stages "
-                        "(default 1)")
+    parser.add_argument("--pp", type=int_range(1, 2), default=1, help="the thinker's pipeline-parallel stages, "
+                        "1 or 2 (default 1)")
     parser.add_argument("--kv-connector", choices=list(KV_CONNECTORS), default=None,
                         help="the thinker with prefix caching runs vLLM's ExampleConnector under omni-cache's "
                         "OmniKVConnector (disk store in a temp dir); each run after the first finds its prefixes "
@@ -100,8 +100,7 @@ def run(args: argparse.Namespace) -> int:
     if refusal:
         print(f"omni-cache pipeline: {refusal}", file=sys.stderr)
         return EXIT_USAGE
-    from rich.console import Console
-
+    from omni_cache.cli.output import OutputConsole as Console
     from omni_cache.harness.pipeline.checks import DEFAULT_LOGPROB_TOLERANCE
     from omni_cache.harness.pipeline.report import exit_code, render, summarize
     from omni_cache.harness.pipeline.run import PipelineConfig, run_pipeline

@@ -59,13 +59,14 @@ def register(subparsers: Any) -> None:
             "OmniKVConnector delivering each finished request's full-prompt hidden states (cached prefix rows "
             "and computed rows) as a safetensors file that vLLM's load_hidden_states reads; the path comes back "
             "in the response's kv_transfer_params.hidden_states_path. MODEL 'tiny-llama' is a built-in 2-layer "
-            "Llama with dummy weights and a byte-level tokenizer (no download). Every argument after MODEL that "
+            "Llama with dummy weights and a byte-level tokenizer (no download); 'wide-llama' the same at 16 layers "
+            "of width 1024, a forward that dominates a step. Every argument after MODEL that "
             "is not a delivery option below goes to vLLM unchanged (e.g. --port 8011). A --kv-transfer-config "
             "of yours is wrapped by OmniKVConnector. docs/serving.md has the equivalent vllm serve line."),
         epilog="Delivery options (anywhere after MODEL): " + "; ".join(
             f"{a.option_strings[0]}: {a.help}" for a in _delivery_parser()._actions),
     )
-    parser.add_argument("model", metavar="MODEL", nargs="?", help="'tiny-llama' or a model vLLM serves")
+    parser.add_argument("model", metavar="MODEL", nargs="?", help="'tiny-llama', 'wide-llama' or a model vLLM serves")
     parser.add_argument("vllm_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     parser.set_defaults(func=run, _parser=parser)
 
@@ -73,7 +74,7 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     parser: argparse.ArgumentParser = args._parser
     if args.model is None:
-        parser.error("MODEL is required: 'tiny-llama' or a model vLLM serves")
+        parser.error("MODEL is required: 'tiny-llama', 'wide-llama' or a model vLLM serves")
     from omni_cache.harness.served.launch import vllm_spelling  # no torch, no vLLM
 
     try:

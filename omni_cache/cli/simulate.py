@@ -61,10 +61,11 @@ def register(subparsers: Any) -> None:
                         help="scheduler token budget per step, 1 to 1,048,576")
     parser.add_argument("--num-blocks", type=int_range(1, 1 << 24), help="KV cache blocks (a request may use half)")
     parser.add_argument("--block-size", type=int_range(1, 4096), help="tokens per KV block, 1 to 4096")
-    parser.add_argument("--max-num-seqs", type=int_range(1, 1 << 16), help="most running requests, >= 1")
+    parser.add_argument("--max-num-seqs", type=int_range(1, 1 << 16), help="most running requests, 1 to 65,536")
     parser.add_argument("--seed", type=seed_int, default=0, help="workload seed, 0 to 2**32 - 1 (default: 0)")
     parser.add_argument("--steps-limit", type=positive_int,
-                        help="stop after this many engine steps (a cut run exits 3 unless --allow-incomplete)")
+                        help="stop after this many engine steps, >= 1 (default 100,000; a cut run exits 3 unless "
+                        "--allow-incomplete)")
     parser.add_argument("--allow-incomplete", action="store_true",
                         help="exit 0 even when requests were dropped or steps were cut (still reported)")
     mode = parser.add_mutually_exclusive_group()
@@ -109,9 +110,9 @@ def run(args: argparse.Namespace) -> int:
     elif args.preset not in PRESETS:
         args.error(f"--preset {args.preset} needs --engine vllm (the simulated engine's presets: "
                    f"{', '.join(sorted(PRESETS))})")
-    from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from omni_cache.cli.output import OutputConsole as Console
     from omni_cache.harness.sim_engine.config import SimConfig
     from omni_cache.harness.sim_engine.engine import Simulation
     from omni_cache.harness.sim_engine.report import render, summarize

@@ -43,9 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_speculative_argument(parser, "--engine vllm: ")
     parser.add_argument("--tolerance", type=float_range(0, 1, lo_open=True),
                         help="--engine vllm: check (b) tolerance, max |diff| over the row's max |value| (default 1e-5)")
-    parser.add_argument("--tp", type=int_range(1, 8), help="--engine vllm: tensor-parallel worker processes "
+    parser.add_argument("--tp", type=int_range(1, 8), help="--engine vllm: tensor-parallel worker processes, 1 to 8 "
                         "(default 1: the engine in this process); the cache lives on the output rank only")
-    parser.add_argument("--pp", type=int_range(1, 2), help="--engine vllm: pipeline-parallel stages (default 1)")
+    parser.add_argument("--pp", type=int_range(1, 2), help="--engine vllm: pipeline-parallel stages, 1 or 2 (default 1)")
     parser.add_argument("--check-ranks", action="store_true", default=None,
                         help="--engine vllm --tp N: a cache on every TP rank, each one's served rows compared "
                         "bit for bit with the output rank's")
@@ -97,7 +97,7 @@ def run_vllm(args: argparse.Namespace) -> int:
         check_speculative(grid)
     except ValueError as exc:
         args.error(str(exc))
-    from rich.console import Console
+    from omni_cache.cli.output import OutputConsole as Console
 
     err = Console(stderr=True)
     if importlib.util.find_spec("vllm") is None:

@@ -138,9 +138,9 @@ def _manifest_spec_of(cfg: Path) -> str | None:
 
 
 def run_mutant_table(args: argparse.Namespace) -> int:
-    from rich.console import Console
     from rich.table import Table
 
+    from omni_cache.cli.output import OutputConsole as Console
     from omni_cache.verify.mutants import PER_MODEL, run_mutants
     from omni_cache.verify.tools import TLCUnavailable
 
@@ -256,8 +256,9 @@ def _print_table(results: list[RunResult], title: str, wall_s: float, jobs: int 
                  only: str | None = None) -> None:
     """The runs' table and a summary line; ``jobs`` None: one ad-hoc run, judged by its --expect;
     ``only``: the --only that selected the runs (the line then claims those runs, not the manifest)."""
-    from rich.console import Console
     from rich.table import Table
+
+    from omni_cache.cli.output import OutputConsole as Console
 
     table = Table(title=title)
     columns: tuple[tuple[str, JustifyMethod], ...] = (

@@ -222,6 +222,9 @@ def test_validators_name_the_range() -> None:
     with pytest.raises(argparse.ArgumentTypeError, match="got 'x'"):
         int_range(0)("x")
     assert int_list(1, 9)("3,1,3") == [1, 3]
+    for text in ("8,,3", "8,", ",", ""):  # a missing number is refused, never skipped
+        with pytest.raises(argparse.ArgumentTypeError, match=r"\(an empty item\)"):
+            int_list(1, 9)(text)
     with pytest.raises(argparse.ArgumentTypeError, match=r"ending in \.png or \.svg"):
         plot_path("plot.pdf")
     assert seed_int(str(2**32 - 1)) == 2**32 - 1  # a seed every generator the runs seed takes

@@ -1,6 +1,7 @@
 """Ctrl-C ends any ``omni-cache`` command at once: one line on stderr, exit 130, no traceback,
-and no TLC (java) process left running behind ``omni-cache verify``. A reader of stdout that
-leaves (``| head``) ends a command quietly with a shell's SIGPIPE status, 141.
+and no TLC (java) process left running behind ``omni-cache verify``; SIGTERM (``kill``,
+``timeout``, a cancelled job) the same way, exit 143. A reader of stdout that leaves (``| head``)
+ends a command quietly with a shell's SIGPIPE status, 141, also where the output is a rich table.
 
 The verify test interrupts a real ``omni-cache verify`` subprocess while its TLC JVMs run (it
 waits for a java child, a bounded wait on a condition, then sends SIGINT to the Python process
@@ -75,9 +76,16 @@ def _alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
+SIGNALS = [pytest.param(signal.SIGINT, 130, "interrupted", id="ctrl-c"),
+           pytest.param(signal.SIGTERM, 143, "terminated", id="sigterm")]
+
+
 @pytest.mark.tlc
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads child processes from Linux /proc")
-def test_ctrl_c_ends_verify_at_once_with_one_line_exit_130_and_its_tlc_processes_gone() -> None:
+@pytest.mark.parametrize(("sig", "code", "word"), SIGNALS)
+def test_ctrl_c_or_sigterm_ends_verify_at_once_with_one_line_and_its_tlc_processes_gone(
+    sig: signal.Signals, code: int, word: str,
+) -> None:
     require_tlc()
     baseline = _start_and_exit_s()
     proc = subprocess.Popen([sys.executable, "-c", _MAIN, "verify", "--jobs", "2"], cwd=ROOT, env=ENV,
@@ -92,15 +100,15 @@ def test_ctrl_c_ends_verify_at_once_with_one_line_exit_130_and_its_tlc_processes
         time.sleep(0.5)  # let the runs get going (the test holds either way)
         java |= _java_children(proc.pid)
         start = time.monotonic()
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         out, err = proc.communicate(timeout=60)
         elapsed = time.monotonic() - start
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode == 130, (proc.returncode, out[-800:], err[-800:])
-    assert err.strip().splitlines() == ["omni-cache verify: interrupted"], err[-2000:]
+    assert proc.returncode == code, (proc.returncode, out[-800:], err[-800:])
+    assert err.strip().splitlines() == [f"omni-cache verify: {word}"], err[-2000:]
     # The load now, measured twice around the run (it changes while it runs): the bound is 2 s or
     # five times the slower of the two, whichever is larger.
     load = max(baseline, _start_and_exit_s())
@@ -113,14 +121,15 @@ def test_ctrl_c_ends_verify_at_once_with_one_line_exit_130_and_its_tlc_processes
     assert not [p for p in java if _alive(p)], "TLC processes outlived omni-cache verify"
 
 
-# Raise SIGINT in the process at the moment the command starts importing torch.
-_INTERRUPT_AT_TORCH = _SIGINT_AS_IN_A_TERMINAL + """
+# Send the signal (argv[1]) to the process at the moment the command starts importing torch.
+_SIGNAL_AT_TORCH = _SIGINT_AS_IN_A_TERMINAL + """
 import builtins, os, signal, sys
 real_import = builtins.__import__
+sig = signal.Signals[sys.argv.pop(1)]
 def interrupting_import(name, *args, **kwargs):
     if name == "torch" or name.startswith("torch."):
         builtins.__import__ = real_import
-        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), sig)
     return real_import(name, *args, **kwargs)
 builtins.__import__ = interrupting_import
 from omni_cache.cli import main
@@ -128,12 +137,15 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+@pytest.mark.parametrize(("sig", "code", "word"), SIGNALS)
 @pytest.mark.parametrize("argv", [["simulate", "--requests", "2"], ["bench", "--quick"]])
-def test_ctrl_c_while_torch_loads_is_one_line_not_a_traceback(argv: list[str]) -> None:
-    done = subprocess.run([sys.executable, "-c", _INTERRUPT_AT_TORCH, *argv], cwd=ROOT, env=ENV,
+def test_ctrl_c_or_sigterm_while_torch_loads_is_one_line_not_a_traceback(
+    argv: list[str], sig: signal.Signals, code: int, word: str,
+) -> None:
+    done = subprocess.run([sys.executable, "-c", _SIGNAL_AT_TORCH, sig.name, *argv], cwd=ROOT, env=ENV,
                           capture_output=True, text=True, timeout=300)
-    assert done.returncode == 130, (done.returncode, done.stderr[-2000:])
-    assert done.stderr.strip().splitlines() == [f"omni-cache {argv[0]}: interrupted"], done.stderr[-2000:]
+    assert done.returncode == code, (done.returncode, done.stderr[-2000:])
+    assert done.stderr.strip().splitlines() == [f"omni-cache {argv[0]}: {word}"], done.stderr[-2000:]
 
 
 @pytest.mark.parametrize("async_mode", [False, True], ids=["eager", "async"])
@@ -182,10 +194,11 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-@pytest.mark.parametrize("argv", [["diagram"], ["diagram", "--machine", "write"]])
+@pytest.mark.parametrize("argv", [["diagram"], ["diagram", "--machine", "write"], ["simulate", "--requests", "2"]])
 def test_a_reader_that_leaves_is_no_error(argv: list[str]) -> None:
     """``| head``: the command stops with a shell's SIGPIPE status (141) and says nothing on stderr
-    (before: ``error: BrokenPipeError``, exit 1, the code of a failed check)."""
+    (before: ``error: BrokenPipeError``, exit 1, the code of a failed check; and rich's own handling
+    of a table's broken pipe, ``simulate``'s, exit 1 too)."""
     done = subprocess.run([sys.executable, "-c", _READER_GONE, *argv], cwd=ROOT, env=ENV,
                           capture_output=True, text=True, timeout=120)
     assert (done.returncode, done.stderr) == (141, ""), (done.returncode, done.stderr[-2000:])

