@@ -71,16 +71,18 @@ class DeliveryTarget:
 @dataclass(frozen=True)
 class DeliveryPlan:
     """One step's delivery news from the scheduler: requests first scheduled now (``targets``),
-    ``include_output_tokens`` requests that finished (their token ids, all but the last) and
+    ``include_output_tokens`` requests that finished (their token ids, all but the last),
     requests that ended without needing a file any more (``dropped``: aborted, or finished
-    before their prompt was computed)."""
+    before their prompt was computed) and prompt-only requests that ended (``told``: their
+    outputs, which name the file, are out, so retention may count the file from now)."""
 
     targets: tuple[DeliveryTarget, ...] = ()
     finished: tuple[tuple[str, tuple[int, ...]], ...] = ()
     dropped: tuple[str, ...] = ()
+    told: tuple[str, ...] = ()
 
     def __bool__(self) -> bool:
-        return bool(self.targets or self.finished or self.dropped)
+        return bool(self.targets or self.finished or self.dropped or self.told)
 
 
 @dataclass(frozen=True)
@@ -154,6 +156,9 @@ class RowDelivery:
         self.store = store
         self._writers = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="omni-cache-delivery")
         self._requests: dict[str, _Rows] = {}
+        # Prompt-only files handed to a writer whose request still runs: held from retention until the
+        # plan's ``told`` (the request's output, which names the file, is out). Engine thread only.
+        self._held: dict[str, str] = {}
         self._step_jobs: list[_Job] = []  # submitted this step: waited for by finish_step
         self._abandoned: list[_Job] = []  # timed out, still running: count against max_pending
         self._results: list[DeliveryResult] = []
@@ -182,6 +187,8 @@ class RowDelivery:
             rows = self._requests.pop(req_id, None)
             if rows is not None and not rows.done and rows.target.path is not None:
                 self.store.discard_lock(rows.target.path, rows.lock_fd)  # its client was told no path
+        for req_id in plan.told:
+            self._unhold(req_id)
 
     def consume(self, manager: Any, step_id: StepId, spans: Iterable[tuple[str, int, int]]) -> None:
         """Consume ``step_id`` (exactly once): materialize the rows the step's requests still
@@ -259,6 +266,7 @@ class RowDelivery:
                         job.cancelled.set()
                 self._abandoned.append(job)  # still running: it counts against max_pending
                 if job.cancelled.is_set():
+                    self._unhold(job.target.req_id)  # its client is told an error, never this path
                     self._record_failure(job.target, f"the file was not written within delivery_timeout_s="
                                          f"{self.settings.delivery_timeout_s:g}s (a slow or stuck disk)")
                     continue
@@ -267,6 +275,7 @@ class RowDelivery:
                 # waits on the lock, which the writer releases when it returns.
                 nbytes = job.nbytes
             except Exception as exc:  # the request fails, the engine does not
+                self._unhold(job.target.req_id)  # its client is told an error, never this path
                 self._record_failure(job.target, f"writing the file failed: {type(exc).__name__}: {exc}")
                 continue
             self._record_success(job, nbytes)
@@ -347,6 +356,10 @@ class RowDelivery:
             self._fail(req_id, rows, f"{backlog} earlier files are still being written "
                        f"(delivery_max_pending={self.settings.delivery_max_pending}): the disk is behind")
             return
+        if not target.include_output_tokens:  # written before its output names it: held until then
+            assert target.path is not None
+            self.store.hold(target.path)
+            self._held[req_id] = target.path
         job = _Job(target, num_tokens, rows.cached_tokens, time.monotonic())
         metadata = {"format": FORMAT, "req_id": req_id, "num_tokens": str(num_tokens),
                     "cached_tokens": str(rows.cached_tokens)}
@@ -373,6 +386,12 @@ class RowDelivery:
             raise
         finally:
             self.store.release_lock(lock_fd)
+
+    def _unhold(self, req_id: str) -> None:
+        """End the hold of ``req_id``'s file, if it has one (``DeliveryStore.release``)."""
+        path = self._held.pop(req_id, None)
+        if path is not None:
+            self.store.release(path)
 
     def _fail(self, req_id: str, rows: _Rows, reason: str) -> None:
         rows.done = True

@@ -28,7 +28,8 @@ the directory holds at most ``max_bytes`` of delivered files per store (each dat
 replica's store keeps its own bounds) and none older than ``max_age_s`` (applied on each write
 and, on an idle server, by a timer every quarter of the bound, from half a second to a minute;
 oldest removed first,
-never the file just delivered; a file larger than ``max_bytes`` is refused before it is
+never the file just delivered nor a held one, whose client has not been told its path yet: a file's
+age counts from its ``release``; a file larger than ``max_bytes`` is refused before it is
 written), a failed delivery's lock file and ``.error`` note included (a dropped one's lock file is removed at once); a lock is never shared or waited for (a second
 request for a path whose lock exists fails at once: the engine thread never blocks on a lock).
 
@@ -227,6 +228,9 @@ class DeliveryStore:
         self.max_age_s = max_age_s
         self._lock = threading.Lock()
         self._delivered: OrderedDict[str, _Delivered] = OrderedDict()  # oldest first; guarded by _lock
+        # Paths whose client has not been told them yet (their request still runs): retention skips
+        # them; ``release`` ends the hold. Guarded by _lock.
+        self._held: set[str] = set()
         self._bytes = 0
         self.removed = 0  # files removed by retention
         self.fault = parse_fault(os.environ.get(FAULT_ENV))
@@ -373,6 +377,27 @@ class DeliveryStore:
         self._track(path, nbytes)
 
     # -------------------------------------------------------------- retention
+    def hold(self, path: str) -> None:
+        """Keep ``path`` (written or still to be written) from retention until ``release``: its
+        request still runs, so no client has been told the path yet. Held files count against
+        ``max_bytes``; while they alone exceed it, the directory holds more until they are released."""
+        with self._lock:
+            self._held.add(path)
+
+    def release(self, path: str) -> None:
+        """End ``path``'s hold: its client is told the path now, so its age counts from now and it is
+        the newest file (the last one the bounds remove). A path never held or never written: nothing."""
+        with self._lock:
+            self._held.discard(path)
+            entry = self._delivered.pop(path, None)
+            if entry is not None:
+                self._delivered[path] = _Delivered(entry.nbytes, time.time())
+
+    @property
+    def num_held(self) -> int:
+        with self._lock:
+            return len(self._held)
+
     def _track(self, path: str, nbytes: int) -> None:
         with self._lock:
             old = self._delivered.pop(path, None)  # e.g. a failed write over an adopted name
@@ -393,15 +418,17 @@ class DeliveryStore:
     def _enforce_locked(self, keep: str | None = None) -> None:
         """Remove the oldest deliveries until the bounds hold, never ``keep`` (the file just
         delivered: its client has not been told its path yet; the next write or ``enforce``
-        applies the bounds to it). A store that gave its directory up removes nothing."""
+        applies the bounds to it) nor a held file (``hold``). A store that gave its directory up
+        removes nothing."""
         if self._claim_fd is None:
             return
         now = time.time()
-        while self._delivered:
-            path, entry = next(iter(self._delivered.items()))
-            if path == keep or (self._bytes <= self.max_bytes and now - entry.at <= self.max_age_s):
-                break
-            self._delivered.popitem(last=False)
+        for path, entry in list(self._delivered.items()):  # oldest first
+            if self._bytes <= self.max_bytes and now - entry.at <= self.max_age_s:
+                break  # the rest are younger
+            if path == keep or path in self._held:
+                continue
+            del self._delivered[path]
             self._bytes -= entry.nbytes
             for p in (path, path + ".lock", path + ".error"):
                 try:

@@ -62,6 +62,7 @@ class DeliveryScheduler:
         self._awaiting: dict[str, dict[str, Any]] = {}  # finished this step, outcome due in this step
         self._finished: list[tuple[str, tuple[int, ...]]] = []
         self._dropped: list[str] = []
+        self._told: list[str] = []  # prompt-only requests that ended: their files' holds end
         self._failures = 0  # hidden_states_error outcomes made here, not yet taken by the metrics
 
     def build_plan(self, scheduler_output: Any) -> DeliveryPlan:
@@ -83,8 +84,8 @@ class DeliveryScheduler:
             target = DeliveryTarget(req_id, path, error, _num_prompt_tokens(new_req), include)
             self._targets[req_id] = target
             targets.append(target)
-        plan = DeliveryPlan(tuple(targets), tuple(self._finished), tuple(self._dropped))
-        self._finished, self._dropped = [], []
+        plan = DeliveryPlan(tuple(targets), tuple(self._finished), tuple(self._dropped), tuple(self._told))
+        self._finished, self._dropped, self._told = [], [], []
         return plan
 
     def finish(self, request: Any) -> dict[str, Any] | None:
@@ -94,6 +95,8 @@ class DeliveryScheduler:
         outcome = self._outcomes.pop(req_id, None)
         if target is None:
             return None  # never scheduled (aborted while waiting): no rows, no file
+        if not target.include_output_tokens:  # its prompt-only file, if written, is held until now
+            self._told.append(req_id)
         if outcome is not None:
             return outcome.as_params()
         if target.include_output_tokens and target.path is not None and target.error is None:

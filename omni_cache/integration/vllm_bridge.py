@@ -304,7 +304,7 @@ class VllmRunnerBridge:
         group = self._output_group()
         try:
             view = self.view_v1(input_batch)
-        except ValueError as exc:  # the engine's batch does not address the rows: nothing saved
+        except Exception as exc:  # the engine's batch does not address the rows: nothing saved
             self._contain(exc, "its block-table view")
             return None
         # The engine's own slot mapping, for the observer: the buffer vLLM's slot-mapping kernel
@@ -348,7 +348,7 @@ class VllmRunnerBridge:
                 [(rid, int(c), int(c) + int(n)) for rid, c, n in
                  zip(view.req_ids, view.num_computed_tokens, input_batch.num_scheduled_tokens, strict=False) if n]
             )
-        except (ValueError, RuntimeError) as exc:  # the batch does not address the rows (or the mirror drifted)
+        except Exception as exc:  # the batch does not address the rows (or the mirror drifted)
             self._contain(exc, "its block-table view")
             return None
         return self._save(so, view, hidden_states, input_batch.input_ids, input_batch.positions, slots)
@@ -386,14 +386,20 @@ class VllmRunnerBridge:
             step_id = self.hooks.after_forward(
                 hidden_states, mm, view=view, num_tokens_unpadded=num_unpadded, num_tokens_padded=num_padded
             )
-        except (OmniPrefixCacheUnmatchError, ValueError) as exc:  # ValueError: the step's write layout
+        except Exception as exc:  # a contract error, the step's write layout, or any other fault: contained
             self._contain(exc, "save_outputs")
             return None
         if self.observer is not None:
             self.observe_forward(so, view, spans, step_id, mm, hidden_states[:num_unpadded],
                                  input_ids[:num_unpadded], positions[:num_unpadded], slot_mapping[:num_unpadded])
         if self._unrestorable and step_id is not None:  # a failed KV load's requests: not served this step
-            withheld = self.hooks.withhold_failed_loads(step_id, view, spans, self._unrestorable, self.engine_step)
+            try:
+                withheld = self.hooks.withhold_failed_loads(step_id, view, spans, self._unrestorable, self.engine_step)
+            except Exception as exc:
+                with contextlib.suppress(OmniPrefixCacheUnmatchError):  # never left unconsumed (I1, I2)
+                    self.hooks.discard(step_id)
+                self._contain(exc, "withholding the rows of failed KV loads")
+                return None
             spans = tuple(span for span in spans if span[0] not in withheld)
         if step_id is not None:
             held = self.speculative and self.verify_steps.hold(step_id, self.engine_step, spans, so)
@@ -450,9 +456,10 @@ class VllmRunnerBridge:
                 self.delivery.consume(self.hooks.manager, published.step_id, published.spans)
             else:
                 self.hooks.manager.discard_step(published.step_id)
-        except OmniPrefixCacheUnmatchError as exc:
+        except Exception as exc:  # a fault of the cache fails the cache, never the engine
             self.errors.record(exc)
-            self.fail(f"engine step {self.engine_step}: consuming step {published.step_id} failed: {exc}")
+            why = str(exc) if isinstance(exc, OmniPrefixCacheUnmatchError) else f"{type(exc).__name__}: {exc}"
+            self.fail(f"engine step {self.engine_step}: consuming step {published.step_id} failed: {why}")
 
     def observe_forward(self, so: Any, view: BlockTableView, spans: tuple[tuple[ReqId, int, int], ...],
                         step_id: StepId | None, mm: dict[str, Any], hidden_states: torch.Tensor, input_ids: Any,

@@ -1,7 +1,8 @@
 """Retention of a served engine's delivered files: what keeps the delivery directory bounded.
 
 Protected: retention by bytes and by age, oldest first, removes the file with its lock and
-``.error`` (never the file just delivered; a file the byte bound could never hold is refused);
+``.error`` (never the file just delivered nor a file held until its client is told its path; a
+file the byte bound could never hold is refused);
 files already in the directory are adopted and stale temporary files removed at start; a failed
 delivery's notes are bounded too. Safe names and client-given paths are in test_delivery_names.py,
 the write and its lock files in test_delivery_files.py.
@@ -78,6 +79,35 @@ def test_a_file_larger_than_the_bound_is_refused_and_the_newest_file_is_never_re
     clock.now += 1
     third = _deliver(store, "c.safetensors", 10)  # over the bound again: the oldest (b) goes, never c
     assert os.path.exists(third) and not os.path.exists(second) and store.nbytes == 10
+
+
+def test_a_held_file_is_never_removed_and_its_age_counts_from_its_release(tmp_path: Path, clock: _Clock) -> None:
+    """A prompt-only file is written when its prompt completes but named to its client only when the
+    request ends: until then it is held, kept by both bounds (others go first); once released its age
+    counts from the release, so its client gets the whole age bound to read it."""
+    root = _root(tmp_path)
+    store = DeliveryStore(root, max_bytes=250, max_age_s=60)
+    held = os.path.join(store.root, "held.safetensors")
+    store.hold(held)
+    _deliver(store, "held.safetensors", 100)
+    clock.now += 1
+    second = _deliver(store, "b.safetensors", 100)
+    clock.now += 1
+    third = _deliver(store, "c.safetensors", 100)  # 300 bytes: the oldest file not held goes
+    assert os.path.exists(held) and not os.path.exists(second) and os.path.exists(third)
+    clock.now += 120  # both older than the age bound: only the one not held goes
+    store.enforce()
+    assert os.path.exists(held) and not os.path.exists(third) and store.num_held == 1
+    store.release(held)
+    assert store.num_held == 0
+    clock.now += 59
+    store.enforce()
+    assert os.path.exists(held), "released a minute ago at most: its client is still reading"
+    clock.now += 2
+    store.enforce()
+    assert not os.path.exists(held) and store.nbytes == 0
+    store.release(os.path.join(store.root, "never.safetensors"))  # never held nor written: nothing
+    store.close()
 
 
 def test_retention_by_age_removes_files_older_than_the_bound(tmp_path: Path, clock: _Clock) -> None:

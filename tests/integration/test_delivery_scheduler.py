@@ -171,7 +171,7 @@ def test_a_request_that_ended_early_is_dropped_with_an_error(tmp_path: Path, how
     params = sched.finish(request)
     assert params == {"hidden_states_error": f"request 'a': hidden states not delivered: {said}"}
     assert sched.take_failures() == 1  # the worker never hears of it: the scheduler counts it
-    assert sched.build_plan(_so()) == DeliveryPlan(dropped=("a",))
+    assert sched.build_plan(_so()) == DeliveryPlan(dropped=("a",), told=("a",))
     assert not sched.build_plan(_so())  # sent once
 
 
@@ -192,6 +192,20 @@ def test_an_include_output_tokens_request_is_told_its_path_and_written_next_step
     with caplog.at_level(logging.ERROR, logger="omni_cache.integration.delivery_sched"):
         sched.absorb((DeliveryResult("a", None, "request 'a': hidden states not delivered: disk full"),))
     assert "disk full" in caplog.text  # the output went out already: the operator hears of it
+
+
+def test_every_ended_prompt_only_request_is_told_once(tmp_path: Path) -> None:
+    """The worker holds a prompt-only file from retention until its request's output (which names it)
+    is out: the next plan tells it, once, for every prompt-only request that ended; an
+    include_output_tokens request (its file written after the output) is never told."""
+    sched = DeliveryScheduler(_settings(tmp_path))
+    sched.build_plan(_so(_new("a", 8), _new("b", 8, include_output_tokens=True)))
+    sched.absorb((DeliveryResult("a", "/x/a.safetensors", None, 8),))
+    assert "hidden_states_path" in sched.finish(_request("a", prompt=8, outputs=3))
+    sched.finish(_request("b", prompt=8, outputs=3))
+    plan = sched.build_plan(_so())
+    assert plan.told == ("a",) and [r for r, _ in plan.finished] == ["b"]
+    assert not sched.build_plan(_so()).told
 
 
 def test_an_aborted_include_output_tokens_request_is_dropped(tmp_path: Path) -> None:

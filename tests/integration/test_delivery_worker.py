@@ -473,6 +473,30 @@ def test_two_requests_given_one_path_never_block_the_engine_thread(worker) -> No
 
 
 # --------------------------------------------------------------------------- bounded directory
+def test_a_prompt_only_file_is_held_from_retention_until_its_request_ended(worker) -> None:
+    """Written when its prompt completes, named to its client when the request ends: its file is held
+    (``DeliveryStore.hold``) until the scheduler's plan says the request ended (``told``); a failed
+    write holds nothing, and an include_output_tokens file (written after its output) is never held."""
+    w = worker()
+    w.admit("a", 4)
+    w.step([started("a")], [("a", [1], 0, 4)])
+    assert w.results()["a"].path == w.path("a") and w.store.num_held == 1
+    w.delivery.begin_step(DeliveryPlan(told=("a",)), {})
+    assert w.store.num_held == 0 and os.path.exists(w.path("a"))
+    w.admit("b", 4, include=True)
+    w.step([started("b")], [("b", [2], 0, 4)])
+    w.delivery.begin_step(DeliveryPlan(finished=(("b", tuple(w.ids["b"])),)), {})
+    w.delivery.finish_step()
+    assert w.results()["b"].path == w.path("b") and w.store.num_held == 0
+
+
+def test_a_failed_write_holds_nothing(worker) -> None:
+    w = worker(store_cls=FullDisk)
+    w.admit("failed", 4)
+    w.step([started("failed")], [("failed", [1], 0, 4)])
+    assert w.results()["failed"].error and w.store.num_held == 0
+
+
 def test_failed_and_dropped_deliveries_leave_nothing_retention_does_not_remove(worker, monkeypatch) -> None:
     clock = SimpleNamespace(now=1_000_000.0)
     monkeypatch.setattr(delivery_files, "time", SimpleNamespace(time=lambda: clock.now))

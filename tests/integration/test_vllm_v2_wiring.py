@@ -186,6 +186,33 @@ def test_a_mirror_that_drifted_fails_a_served_cache_not_the_engine(v2) -> None:
     assert bridge.shutdown() == {}
 
 
+@pytest.mark.parametrize("where", ["save", "consume"])
+def test_any_fault_of_the_cache_fails_a_served_cache_not_the_engine(v2, where: str,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Served, a fault of any kind in the cache's own calls (here a RuntimeError, as torch raises:
+    not a contract error) is contained like a contract error: the cache fails for good naming it and
+    nothing reaches the engine."""
+    from omni_cache.runtime.manager import OmniPrefixCacheManager
+
+    bridge = VllmRunnerBridge({"consumer": "discard"})
+    bridge.hooks.configure(PrefixCacheConfig(num_blocks=16, block_size=BS, staging_capacity_tokens=256))
+    bridge.on_model_loaded(SimpleNamespace())
+    assert bridge.resolve_consumer(None) == "discard" and bridge.contained
+    runner = _Runner(v2, bridge)
+
+    def boom(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("an internal fault of the cache")
+
+    target = bridge.hooks if where == "save" else OmniPrefixCacheManager
+    monkeypatch.setattr(target, "after_forward" if where == "save" else "discard_step", boom)
+    runner.step(_so(v2, new=[_new(v2, "A", 40, 0, [7, 3])], scheduled={"A": 40}), ["A"], {"A": 0})  # no raise
+    monkeypatch.undo()
+    assert bridge.failed is not None and "RuntimeError: an internal fault of the cache" in bridge.failed
+    assert sum(bridge.errors.counts().values()) == 1
+    unconsumed = bridge.shutdown()
+    assert len(unconsumed) == (1 if where == "consume" else 0)  # the fault kept that step id from its consume
+
+
 def test_a_zero_token_step_still_passes_finished_ids(v2) -> None:
     bridge = _bridge()
     runner = _Runner(v2, bridge)
