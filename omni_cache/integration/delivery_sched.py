@@ -30,6 +30,7 @@ from typing import Any
 
 from omni_cache.integration.delivery import DeliveryPlan, DeliveryResult, DeliveryTarget
 from omni_cache.integration.delivery_settings import DeliverySettings
+from omni_cache.integration.request_check import request_params_problem
 
 __all__ = ["DeliveryScheduler"]
 
@@ -76,11 +77,10 @@ class DeliveryScheduler:
             params = _request_params(getattr(new_req, "sampling_params", None))
             path, error = self.paths.target(req_id, params.get("hidden_states_path"))
             include = params.get("include_output_tokens")
-            if include is None:  # absent, or JSON null: the server's setting
+            if (problem := request_params_problem(params)) is not None:  # a server without the API check
+                path, error, include = None, problem, False
+            elif include is None:  # absent, or JSON null: the server's setting
                 include = self.settings.include_output_tokens
-            if not isinstance(include, bool):
-                path, error = None, f"include_output_tokens must be true or false, got {include!r}"
-                include = False
             target = DeliveryTarget(req_id, path, error, _num_prompt_tokens(new_req), include)
             self._targets[req_id] = target
             targets.append(target)

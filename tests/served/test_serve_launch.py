@@ -388,7 +388,8 @@ def test_serve_dry_run_prints_the_server_command(capsys: pytest.CaptureFixture[s
     assert code == 0 and out.startswith("VLLM_USE_V2_MODEL_RUNNER=")
     argv = out.split()
     assert _option(argv, "--port") == ["8011"] and _option(argv, "--host") == ["127.0.0.1"]
-    config = json.loads(out.split("--kv-transfer-config ", 1)[1].split(" --port")[0].strip("'"))
+    assert _option(argv, "--middleware") == ["omni_cache.integration.request_check.KvTransferParamsCheck"]
+    config = json.loads(out.split("--kv-transfer-config ", 1)[1].split(" --middleware")[0].strip("'"))
     assert config["kv_connector_extra_config"]["omni_cache"] == {
         "delivery_dir": str(tmp_path / "files"), "include_output_tokens": True, "delivery_timeout_s": 2.5}
 

@@ -179,6 +179,30 @@ def test_a_client_path_is_ignored_unless_the_operator_allows_it(server: ServedEn
     assert load(path)["hidden_states"].shape[0] == response["usage"]["prompt_tokens"]
 
 
+@pytest.mark.parametrize("value", ["yes", 1])
+def test_a_bad_delivery_option_is_a_400_before_the_request_runs(server: ServedEngine, value: object) -> None:
+    """The API server's check (the launcher's ``--middleware``): a ``kv_transfer_params.include_output_tokens``
+    that is not true, false or null is answered 400 naming it, in the OpenAI error format, on both
+    endpoints; the request never runs (no file appears) and the server keeps serving."""
+    import urllib.error
+
+    before = sorted(os.listdir(server.delivery_dir))
+    for endpoint, body in (("/v1/completions", {"prompt": "a bad option " + PREFIX}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a bad option"}]})):
+        payload = {"model": "tiny-llama", "max_tokens": 2, **body, "kv_transfer_params": {"include_output_tokens": value}}
+        request = urllib.request.Request(server.url + endpoint, data=json.dumps(payload).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(request, timeout=60)
+        assert info.value.code == 400, endpoint
+        error = json.loads(info.value.read())["error"]
+        assert error == {"message": f"kv_transfer_params.include_output_tokens must be true or false, got {value!r}",
+                         "type": "BadRequestError", "param": "kv_transfer_params", "code": 400}, error
+    assert sorted(os.listdir(server.delivery_dir)) == before, "a refused request wrote something"
+    after = server.complete("after a bad option " + PREFIX, kv_transfer_params={"include_output_tokens": None})
+    assert load(params(after)["hidden_states_path"])["hidden_states"].shape[0] == after["usage"]["prompt_tokens"]
+
+
 def test_a_full_disk_fails_that_request_and_the_server_keeps_serving(server: ServedEngine) -> None:
     response = server.complete("disk full " + PREFIX, headers={"X-Request-Id": "disk-full-1"})
     error = params(response).get("hidden_states_error", "")

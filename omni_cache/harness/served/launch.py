@@ -3,7 +3,7 @@
 Owns: ``serve_command`` (the ``python -m vllm.entrypoints.openai.api_server`` command line for a
 model plus the user's own vLLM options: the omni worker class, prefix caching, and
 ``OmniKVConnector`` with ``delivery_dir`` -- a connector the user configured is wrapped, not
-replaced), the built-in models (``BUILTIN``: ``tiny-llama``, a 2-layer Llama of width 128, and
+replaced -- and the API server's check of a request's delivery options, ``request_check``), the built-in models (``BUILTIN``: ``tiny-llama``, a 2-layer Llama of width 128, and
 ``wide-llama``, a 16-layer Llama of width 1024 whose forward dominates a step; dummy weights and a
 259-token byte-level tokenizer with a plain-text chat template, built once into a cache directory
 by ``builtin_model_dir``, so a try-out needs no download and serves ``/v1/chat/completions`` too),
@@ -35,6 +35,8 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from typing import Any
+
+from omni_cache.integration.request_check import MIDDLEWARE as REQUEST_CHECK
 
 __all__ = ["BUILTIN", "DELIVERY_FLAGS", "TINY_LLAMA", "WORKER_CLS", "builtin_model_dir", "default_delivery_dir",
            "delivery_dir_of", "option_value", "plain_server_command", "serve_command", "tiny_llama_dir",
@@ -306,7 +308,7 @@ def serve_command(model: str, vllm_args: Sequence[str], *, delivery: dict[str, A
     if "--enable-prefix-caching" not in args:
         extra.append("--enable-prefix-caching")
     argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, *extra,
-            "--kv-transfer-config", json.dumps(transfer), *args]
+            "--kv-transfer-config", json.dumps(transfer), "--middleware", REQUEST_CHECK, *args]
     world_size = _world_size(args)  # the last refusal: a -tp/-pp that is not an integer
     # NOTE: imported only now: the integration package imports torch, and a user's mistake is one
     # line before torch

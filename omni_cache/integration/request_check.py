@@ -1,0 +1,93 @@
+"""A served request's own delivery options, checked before vLLM takes the request.
+
+Owns: ``request_params_problem`` (what is wrong with a request's ``kv_transfer_params`` for
+delivery, or ``None``) and ``KvTransferParamsCheck``, an ASGI middleware that answers such a
+request at once with HTTP 400 in the OpenAI error format, naming the key and the value, so the
+request never runs. ``omni-cache serve`` installs it (vLLM's ``--middleware``); the scheduler side
+(``delivery_sched``) applies the same check to a request that reaches the engine without it (a
+server started without the middleware): that request runs and its response carries the reason as
+``hidden_states_error``.
+
+No torch, no vLLM: the API server process imports this by name. Upholds: a request whose body
+names no ``kv_transfer_params`` is passed on untouched (its body is read once and replayed as it
+came); only a JSON body whose ``kv_transfer_params`` object has a bad delivery option is answered
+here.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+__all__ = ["MIDDLEWARE", "KvTransferParamsCheck", "request_params_problem"]
+
+MIDDLEWARE = "omni_cache.integration.request_check.KvTransferParamsCheck"
+"""The import path vLLM's ``--middleware`` takes."""
+
+_MARK = b"kv_transfer_params"
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+
+def request_params_problem(params: Any) -> str | None:
+    """What is wrong with a request's ``kv_transfer_params`` for delivery (one sentence), or ``None``.
+
+    ``include_output_tokens`` is true, false, or null (null or absent: the server's setting)."""
+    if not isinstance(params, dict) or "include_output_tokens" not in params:
+        return None
+    include = params["include_output_tokens"]
+    if include is None or isinstance(include, bool):
+        return None
+    return f"include_output_tokens must be true or false, got {include!r}"
+
+
+class KvTransferParamsCheck:
+    """ASGI middleware: a POST whose JSON body has a ``kv_transfer_params`` object with a bad
+    delivery option is answered 400 (see the module docstring); anything else goes to ``app``."""
+
+    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]]) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope.get("type") != "http" or scope.get("method") != "POST":
+            await self.app(scope, receive, send)
+            return
+        messages: list[Message] = []
+        while True:  # the whole body (vLLM reads it whole too), kept to replay as it came
+            message = await receive()
+            messages.append(message)
+            if message.get("type") != "http.request" or not message.get("more_body", False):
+                break
+        body = b"".join(m.get("body", b"") for m in messages if m.get("type") == "http.request")
+        problem = _problem(body) if _MARK in body else None
+        if problem is not None:
+            await _bad_request(send, problem)
+            return
+        pending = list(messages)
+
+        async def replay() -> Message:
+            return pending.pop(0) if pending else await receive()
+
+        await self.app(scope, replay, send)
+
+
+def _problem(body: bytes) -> str | None:
+    try:
+        request = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return None  # not JSON: vLLM answers it
+    params = request.get("kv_transfer_params") if isinstance(request, dict) else None
+    problem = request_params_problem(params)
+    return None if problem is None else f"kv_transfer_params.{problem}"
+
+
+async def _bad_request(send: Send, message: str) -> None:
+    payload = json.dumps({"error": {"message": message, "type": "BadRequestError",
+                                    "param": "kv_transfer_params", "code": 400}}).encode()
+    await send({"type": "http.response.start", "status": 400,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]})
+    await send({"type": "http.response.body", "body": payload})

@@ -1,0 +1,86 @@
+"""The API server's check of a request's delivery options (``request_check``), as ASGI middleware.
+
+Protected: a POST whose JSON ``kv_transfer_params`` has a bad ``include_output_tokens`` is answered
+400 in the OpenAI error format and never reaches the app; every other request reaches the app with
+its body exactly as it came (a body in several chunks included), and GETs are never read. The
+scheduler side gives a request that arrives without the check the same reason
+(tests/integration/test_delivery_scheduler.py); the real server: tests/served/test_served_engine.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+
+from omni_cache.integration.request_check import KvTransferParamsCheck, request_params_problem
+
+
+class _App:
+    def __init__(self) -> None:
+        self.bodies: list[bytes] = []
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        chunks = []
+        while True:
+            message = await receive()
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        self.bodies.append(b"".join(chunks))
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+
+def _call(body: bytes, *, method: str = "POST", chunk: int = 0) -> tuple[_App, list[dict[str, Any]]]:
+    app, sent = _App(), []
+    parts = [body[i:i + chunk] for i in range(0, len(body), chunk)] if chunk else [body]
+    messages = [{"type": "http.request", "body": p, "more_body": i < len(parts) - 1} for i, p in enumerate(parts)]
+
+    async def receive() -> dict[str, Any]:
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    asyncio.run(KvTransferParamsCheck(app)({"type": "http", "method": method}, receive, send))
+    return app, sent
+
+
+@pytest.mark.parametrize("value", ["yes", 1, 0, [], {}])
+def test_a_bad_include_output_tokens_is_a_400_that_never_reaches_the_app(value: object) -> None:
+    body = json.dumps({"prompt": "x", "kv_transfer_params": {"include_output_tokens": value}}).encode()
+    app, sent = _call(body, chunk=7)
+    assert app.bodies == [] and sent[0]["status"] == 400
+    assert json.loads(sent[1]["body"]) == {"error": {
+        "message": f"kv_transfer_params.include_output_tokens must be true or false, got {value!r}",
+        "type": "BadRequestError", "param": "kv_transfer_params", "code": 400}}
+
+
+@pytest.mark.parametrize("body", [
+    {"prompt": "x"},
+    {"prompt": "x", "kv_transfer_params": {"include_output_tokens": True}},
+    {"prompt": "x", "kv_transfer_params": {"include_output_tokens": None, "hidden_states_path": "a.safetensors"}},
+    {"prompt": "x", "kv_transfer_params": "not an object: vLLM answers it"},
+    ["not", "an", "object"],
+], ids=repr)
+@pytest.mark.parametrize("chunk", [0, 5])
+def test_any_other_request_reaches_the_app_with_its_body_as_it_came(body: Any, chunk: int) -> None:
+    raw = json.dumps(body).encode()
+    app, sent = _call(raw, chunk=chunk)
+    assert app.bodies == [raw] and sent[0]["status"] == 200
+
+
+def test_a_body_that_is_not_json_and_a_get_reach_the_app() -> None:
+    app, _ = _call(b'{"kv_transfer_params": {"include_output_tokens": "yes"')  # cut short: vLLM answers it
+    assert len(app.bodies) == 1
+    app, _ = _call(b"", method="GET")
+    assert app.bodies == [b""]
+
+
+def test_the_problem_names_the_value() -> None:
+    assert request_params_problem({"include_output_tokens": "no"}) == "include_output_tokens must be true or false, got 'no'"
+    assert request_params_problem({"include_output_tokens": False}) is None
+    assert request_params_problem(None) is None and request_params_problem({}) is None
