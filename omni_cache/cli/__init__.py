@@ -102,9 +102,19 @@ def _raise_terminated(signum: int, frame: object) -> None:
 
 
 def _run(argv: Sequence[str] | None) -> int:
+    installed = False
     with contextlib.suppress(ValueError):  # ValueError: not the main thread (an embedding caller's)
         if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # never over a handler someone installed
             signal.signal(signal.SIGTERM, _raise_terminated)
+            installed = True
+    try:
+        return _dispatch(argv)
+    finally:
+        if installed:  # a caller that runs main() in its own process gets its default back
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _dispatch(argv: Sequence[str] | None) -> int:
     try:
         args = parse_args(argv)
     except KeyboardInterrupt as exc:

@@ -33,8 +33,9 @@ def _url(text: str) -> str:
         raise argparse.ArgumentTypeError(f"wants http://HOST:PORT, got {text!r} ({exc})") from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise argparse.ArgumentTypeError(f"wants http://HOST:PORT, got {text!r}")
-    if parts.path not in ("", "/") or parts.query or parts.fragment:  # the client adds /v1/...
-        raise argparse.ArgumentTypeError(f"wants http://HOST:PORT (the server's root, no path), got {text!r}")
+    if parts.path.rstrip("/").endswith("/v1") or parts.query or parts.fragment:  # the client adds /v1/...
+        raise argparse.ArgumentTypeError(f"wants http://HOST:PORT (the server's root: the checker adds /v1/...; "
+                                         f"a proxy's prefix may come before it), got {text!r}")
     if port == 0:
         raise argparse.ArgumentTypeError(f"wants a port from 1 to 65535, got {text!r}")
     return text

@@ -363,7 +363,12 @@ class RowDelivery:
         job = _Job(target, num_tokens, rows.cached_tokens, time.monotonic())
         metadata = {"format": FORMAT, "req_id": req_id, "num_tokens": str(num_tokens),
                     "cached_tokens": str(rows.cached_tokens)}
-        job.future = self._writers.submit(self._write, job, tensors, metadata, rows.lock_fd)
+        try:
+            job.future = self._writers.submit(self._write, job, tensors, metadata, rows.lock_fd)
+        except RuntimeError as exc:  # the writers were shut down: no file, and no hold left behind
+            self._unhold(req_id)
+            self._fail(req_id, rows, f"no writer takes the file: {exc}")
+            return
         rows.lock_fd = None  # the writer releases it
         self._step_jobs.append(job)
         del self._requests[req_id]

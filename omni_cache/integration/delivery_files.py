@@ -28,9 +28,9 @@ the directory holds at most ``max_bytes`` of delivered files per store (each dat
 replica's store keeps its own bounds) and none older than ``max_age_s`` (applied on each write
 and, on an idle server, by a timer every quarter of the bound, from half a second to a minute;
 oldest removed first,
-never the file just delivered nor a held one, whose client has not been told its path yet: a file's
-age counts from its ``release``; a file larger than ``max_bytes`` is refused before it is
-written), a failed delivery's lock file and ``.error`` note included (a dropped one's lock file is removed at once); a lock is never shared or waited for (a second
+never the file just delivered nor a held one, whose client has not been told its path yet: held
+files are not counted against ``max_bytes``, and a file's age counts from its ``release``; a file
+larger than ``max_bytes`` is refused before it is written), a failed delivery's lock file and ``.error`` note included (a dropped one's lock file is removed at once); a lock is never shared or waited for (a second
 request for a path whose lock exists fails at once: the engine thread never blocks on a lock).
 
 Fault injection (for tests of a served engine, where no Python hook reaches the worker): the
@@ -52,7 +52,7 @@ import re
 import threading
 import time
 import weakref
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -228,9 +228,9 @@ class DeliveryStore:
         self.max_age_s = max_age_s
         self._lock = threading.Lock()
         self._delivered: OrderedDict[str, _Delivered] = OrderedDict()  # oldest first; guarded by _lock
-        # Paths whose client has not been told them yet (their request still runs): retention skips
-        # them; ``release`` ends the hold. Guarded by _lock.
-        self._held: set[str] = set()
+        # Paths whose client has not been told them yet (their request still runs), with how many
+        # holds each has: retention skips them; ``release`` ends a hold. Guarded by _lock.
+        self._held: Counter[str] = Counter()
         self._bytes = 0
         self.removed = 0  # files removed by retention
         self.fault = parse_fault(os.environ.get(FAULT_ENV))
@@ -379,22 +379,26 @@ class DeliveryStore:
     # -------------------------------------------------------------- retention
     def hold(self, path: str) -> None:
         """Keep ``path`` (written or still to be written) from retention until ``release``: its
-        request still runs, so no client has been told the path yet. Held files count against
-        ``max_bytes``; while they alone exceed it, the directory holds more until they are released."""
+        request still runs, so no client has been told the path yet. Held files are not counted
+        against ``max_bytes`` (the directory holds up to ``max_bytes`` of released files besides them)."""
         with self._lock:
-            self._held.add(path)
+            self._held[path] += 1
 
     def release(self, path: str) -> None:
-        """End ``path``'s hold: its client is told the path now, so its age counts from now and it is
-        the newest file (the last one the bounds remove). A path never held or never written: nothing."""
+        """End a hold of ``path``; at its last, its client is told the path now, so its age counts from
+        now and it is the newest file (the last one the bounds remove). A path not held: nothing."""
         with self._lock:
-            self._held.discard(path)
+            if self._held[path] > 1:
+                self._held[path] -= 1
+                return
+            del self._held[path]
             entry = self._delivered.pop(path, None)
             if entry is not None:
                 self._delivered[path] = _Delivered(entry.nbytes, time.time())
 
     @property
     def num_held(self) -> int:
+        """Paths held (``hold``) and not released yet."""
         with self._lock:
             return len(self._held)
 
@@ -423,11 +427,16 @@ class DeliveryStore:
         if self._claim_fd is None:
             return
         now = time.time()
-        for path, entry in list(self._delivered.items()):  # oldest first
-            if self._bytes <= self.max_bytes and now - entry.at <= self.max_age_s:
+        # bytes of files not held beyond the bound (held files are not counted: see ``hold``)
+        over = self._bytes - self.max_bytes - sum(self._delivered[p].nbytes for p in self._held if p in self._delivered)
+        doomed: list[tuple[str, _Delivered]] = []
+        for path, entry in self._delivered.items():  # oldest first
+            if over <= 0 and now - entry.at <= self.max_age_s:
                 break  # the rest are younger
-            if path == keep or path in self._held:
-                continue
+            if path != keep and path not in self._held:
+                doomed.append((path, entry))
+                over -= entry.nbytes
+        for path, entry in doomed:
             del self._delivered[path]
             self._bytes -= entry.nbytes
             for p in (path, path + ".lock", path + ".error"):

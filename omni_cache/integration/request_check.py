@@ -9,23 +9,29 @@ server started without the middleware): that request runs and its response carri
 ``hidden_states_error``.
 
 No torch, no vLLM: the API server process imports this by name. Upholds: a request whose body
-names no ``kv_transfer_params`` is passed on untouched (its body is read once and replayed as it
-came); only a JSON body whose ``kv_transfer_params`` object has a bad delivery option is answered
-here.
+names no ``kv_transfer_params``, or to an endpoint that takes none (``CHECKED_PATHS``), is passed on
+untouched (its body is read once and replayed as it came); only a JSON body whose
+``kv_transfer_params`` object has a bad delivery option is answered here. NOTE: vLLM adds
+``--middleware`` classes after its own, so this check runs before its API-key check: a request
+with a bad option is answered 400 before it is authenticated (nothing runs for it either way).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-__all__ = ["MIDDLEWARE", "KvTransferParamsCheck", "request_params_problem"]
+__all__ = ["CHECKED_PATHS", "MIDDLEWARE", "KvTransferParamsCheck", "request_params_problem"]
 
 MIDDLEWARE = "omni_cache.integration.request_check.KvTransferParamsCheck"
 """The import path vLLM's ``--middleware`` takes."""
 
 _MARK = b"kv_transfer_params"
+CHECKED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
+"""The endpoints whose requests carry ``kv_transfer_params`` to the engine."""
+_INLINE_BYTES = 1 << 20  # bodies above this are parsed on a worker thread
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -53,7 +59,7 @@ class KvTransferParamsCheck:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope.get("type") != "http" or scope.get("method") != "POST":
+        if scope.get("type") != "http" or scope.get("method") != "POST" or scope.get("path") not in CHECKED_PATHS:
             await self.app(scope, receive, send)
             return
         messages: list[Message] = []
@@ -63,14 +69,16 @@ class KvTransferParamsCheck:
             if message.get("type") != "http.request" or not message.get("more_body", False):
                 break
         body = b"".join(m.get("body", b"") for m in messages if m.get("type") == "http.request")
-        problem = _problem(body) if _MARK in body else None
+        problem = None
+        if _MARK in body:  # NOTE: a large body (multimodal data) is parsed off the event loop
+            problem = await asyncio.to_thread(_problem, body) if len(body) > _INLINE_BYTES else _problem(body)
+        del body  # NOTE: the replayed messages are the only copy held while the request runs
         if problem is not None:
             await _bad_request(send, problem)
             return
-        pending = list(messages)
 
         async def replay() -> Message:
-            return pending.pop(0) if pending else await receive()
+            return messages.pop(0) if messages else await receive()
 
         await self.app(scope, replay, send)
 
@@ -78,8 +86,8 @@ class KvTransferParamsCheck:
 def _problem(body: bytes) -> str | None:
     try:
         request = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        return None  # not JSON: vLLM answers it
+    except Exception:  # not JSON, or JSON no parser takes (nested too deep): vLLM answers it
+        return None
     params = request.get("kv_transfer_params") if isinstance(request, dict) else None
     problem = request_params_problem(params)
     return None if problem is None else f"kv_transfer_params.{problem}"

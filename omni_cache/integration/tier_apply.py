@@ -51,7 +51,13 @@ import torch
 
 from omni_cache.runtime.errors import OmniPrefixCacheUnmatchError
 from omni_cache.runtime.tier import HiddenTier
-from omni_cache.runtime.tier_rows import block_rows, restore_problem, restore_rows, vacate_rows
+from omni_cache.runtime.tier_rows import (
+    block_rows,
+    reserve_problem,
+    restore_problem,
+    restore_rows,
+    vacate_rows,
+)
 
 __all__ = ["TierApplier", "TierLoad", "TierPlan", "TierStore"]
 
@@ -182,6 +188,8 @@ class TierApplier:
             why = "the tier holds no rows for its hash" if rows is None else restore_problem(rows, bs, held)
             if rows is not None and why is not None:  # never restorable into this pool: not kept
                 self.tier.discard(load.block_hash)
+            elif rows is not None:  # a key new to the pool gets its tensor now (a refusal: this load's miss)
+                why = reserve_problem(manager, rows)
             fetched.append((load, None if why else rows, why))
         for load, rows, why in fetched:
             if rows is None:

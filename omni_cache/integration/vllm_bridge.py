@@ -396,7 +396,7 @@ class VllmRunnerBridge:
             try:
                 withheld = self.hooks.withhold_failed_loads(step_id, view, spans, self._unrestorable, self.engine_step)
             except Exception as exc:
-                with contextlib.suppress(OmniPrefixCacheUnmatchError):  # never left unconsumed (I1, I2)
+                with contextlib.suppress(Exception):  # never left unconsumed (I1, I2); the first fault stands
                     self.hooks.discard(step_id)
                 self._contain(exc, "withholding the rows of failed KV loads")
                 return None

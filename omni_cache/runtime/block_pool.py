@@ -4,8 +4,9 @@ Owns: the pool tensors and the pool data lock. Rows are addressed by the engine'
 KV slots (``slot = block_id * block_size + offset``); rows never written read as
 zeros, which is why readers consult ``omni_cache.runtime.tenancy`` before trusting them
 (I6). The committer's landing writes here (``SlotTenancy.land_all``, under the data
-lock, into the tensors ``ensure_key`` allocates); ``write`` is the pool's own scatter of one
-key. Keys are never dropped.
+lock, into the tensors ``ensure_key`` publishes: allocated by ``prepare_keys`` before the save
+that brings a new key claims anything, or by ``ensure_key`` itself); ``write`` is the pool's own
+scatter of one key. Published keys are never dropped.
 
 ``scatter_rows`` is the one way rows land at their slots (the pool's ``write``, the tenancy's
 landing, and the bench's raw-copy floors).
@@ -146,16 +147,19 @@ class PrefixBlockPool:
         always matches)."""
         check_held_sigs("block pool key", self._sigs, sigs, sigs)  # no lock: keys are only ever added
 
-    def prepare_keys(self, sigs: dict[TensorName, RowSig]) -> None:
-        """Allocate the tensor of every key of ``sigs`` the pool does not hold yet, unpublished.
+    def prepare_keys(self, sigs: dict[TensorName, RowSig]) -> list[TensorName]:
+        """Allocate the tensor of every key of ``sigs`` the pool does not hold yet, unpublished;
+        return the keys reserved now.
 
         A save calls this before it claims anything, so an allocator's refusal is a refused save
         that changed nothing, never a failed landing (which would fail the cache for good, I8).
-        The tensor is published (its key held, its row shape fixed) by the key's first landing:
-        a save refused later fixes no key's row shape.
+        The tensor is published (its key held, its row shape fixed) by the key's first landing; a
+        save refused before it registers gives its reservations back (``drop_reserved``), so it
+        fixes no key's row shape and keeps no memory.
         """
         if self._sigs.keys() >= sigs.keys():  # keys are only ever added (one C-level set comparison)
-            return
+            return []
+        reserved = []
         for key, sig in sigs.items():
             with self.lock:
                 needed = key not in self._sigs and self._reserved.get(key, (None,))[0] != sig
@@ -164,6 +168,14 @@ class PrefixBlockPool:
                 with self.lock:
                     if key not in self._sigs:  # else a landing published one meanwhile
                         self._reserved[key] = (sig, fresh)
+                        reserved.append(key)
+        return reserved
+
+    def drop_reserved(self, keys: list[TensorName]) -> None:
+        """Give back the tensors ``prepare_keys`` reserved for ``keys`` that no landing published."""
+        with self.lock:
+            for key in keys:
+                self._reserved.pop(key, None)
 
     def _tensor_for(self, key: TensorName, rows: torch.Tensor) -> torch.Tensor:
         sig = row_sig(rows)

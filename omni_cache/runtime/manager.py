@@ -302,15 +302,16 @@ class OmniPrefixCacheManager:
         step_id: StepId | None = None
         plans: list[PlannedRead] = []
         registered: list[PoolWrite] = []
+        reserved: list[str] = []  # new keys' pool tensors, given back if this save is refused
         slot = None
         ctx: StepContext | None = None
         try:
-            # Per-slot bookkeeping of new keys is allocated after every refusal that reads the step
-            # and before anything is claimed (a MemoryError here has nothing to undo but the hits),
-            # so registration below allocates nothing.
+            # A new key's pool tensor and per-slot bookkeeping are allocated after every refusal that
+            # reads the step and before anything is claimed (a refusal here has nothing to undo but
+            # the hits), so neither registration nor landing below allocates.
             # NOTE: a claim refused after it (staging timeout, shutdown) keeps a new key's empty
             # columns: no version of it is registered, so its slots read as absent (I7).
-            self.tenancy.prepare_keys(sigs)  # every per-token key, immediate and deferred
+            reserved = self.tenancy.prepare_keys(sigs)  # every per-token key, immediate and deferred
             self.faults.on_blocking("save claims a staging slot")
             slot = self.staging.claim(n)  # refused once shutdown began (contract 4.6)
             self.faults.after_claim(slot)
@@ -361,6 +362,7 @@ class OmniPrefixCacheManager:
                 raise  # the original exception itself; later entries chain it (I8)
             for plan in plans:
                 self.tenancy.unplan(plan)
+            self.pool.drop_reserved(reserved)
             with self._lock:
                 self.hits.restore(hits)
             if slot is not None and slot.state == "claimed":

@@ -142,20 +142,26 @@ class SlotTenancy:
         return versions
 
     # ---- engine thread: registration and planning --------------------------
-    def prepare_keys(self, sigs: dict[TensorName, RowSig]) -> None:
+    def prepare_keys(self, sigs: dict[TensorName, RowSig]) -> list[TensorName]:
         """Allocate the pool tensors and the version vectors of the keys of ``sigs`` now, so neither
-        ``register`` nor a landing allocates.
+        ``register`` nor a landing allocates; return the keys whose pool tensor was reserved now
+        (``PrefixBlockPool.drop_reserved`` gives them back if the save is refused).
 
         The manager calls this before a save claims anything: a pool tensor the allocator refuses
         is an ``OmniPrefixCacheUnmatchError`` naming the key and its bytes, and a ``MemoryError`` of a
         huge pool's per-slot bookkeeping surfaces as itself, both with nothing to undo.
         """
-        self.pool.prepare_keys(sigs)
+        reserved = self.pool.prepare_keys(sigs)
         if self._keys.keys() >= sigs.keys():  # keys are only ever added (one C-level set comparison)
-            return
-        with self.pool.lock:
-            for key in sigs:
-                self._versions_locked(key)
+            return reserved
+        try:
+            with self.pool.lock:
+                for key in sigs:
+                    self._versions_locked(key)
+        except BaseException:
+            self.pool.drop_reserved(reserved)
+            raise
+        return reserved
 
     def register(
         self, keys: list[TensorName], slots: np.ndarray, tid: Tid, *, step_id: int, scan_older: bool = True
@@ -217,7 +223,7 @@ class SlotTenancy:
         slots_np = slots.numpy()
         expected: dict[TensorName, np.ndarray] = {}
         bs = block_size if block_size is not None and block_size > 1 and len(slots_np) % block_size == 0 else 0
-        mixed: set[int] = set()  # slots planned absent by the block rule (trace notes only)
+        mixed: dict[TensorName, tuple[int, ...]] = {}  # per key, slots the block rule planned absent (trace notes)
         with self.pool.lock:
             tenant = self._tenant[slots_np]
             for key in keys:
@@ -226,9 +232,9 @@ class SlotTenancy:
                 if bs:  # whole blocks
                     by_block = planned.reshape(-1, bs)
                     behind = by_block < np.maximum.accumulate(by_block, axis=1)
+                    if self.recorder is not None and (dropped := slots_np[(behind & (by_block > 0)).ravel()]).size:
+                        mixed[key] = tuple(dropped.tolist())
                     planned = np.where(behind, 0, by_block).ravel()
-                    if self.recorder is not None:
-                        mixed.update(slots_np[behind.ravel()].tolist())
                 expected[key] = planned
                 v.pins[slots_np] += 1
                 v.num_pins += len(slots_np)
@@ -239,7 +245,7 @@ class SlotTenancy:
                 plan.plan_id = self._num_plans
                 self._note("plan", None, plan=plan.plan_id, slots=tuple(slots_np.tolist()),
                            expected=tuple((k, tuple(e.tolist())) for k, e in expected.items()),
-                           mixed=tuple(sorted(mixed)))
+                           mixed=tuple(mixed.items()))
         return plan
 
     def unplan(self, read: PlannedRead) -> None:

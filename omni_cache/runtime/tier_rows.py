@@ -1,7 +1,8 @@
 """Rows in and out of the block pool for the hidden-state tier (contract section 4.10).
 
 Owns: ``TierPort`` (the type of the manager's door for the tier), ``restore_problem`` (whether a tier
-entry fits the pool), ``block_rows(manager, slots)`` (the rows of one KV block at the versions its
+entry fits the pool), ``reserve_problem`` (a new key's pool tensor, allocated before any restore),
+``block_rows(manager, slots)`` (the rows of one KV block at the versions its
 slots' tenant wrote, for every key the pool holds, or ``None`` when any key is
 absent there, or when a later slot of the block holds an older version than an
 earlier one: a tenant that wrote only part of it), ``restore_rows(manager, slots, rows)`` (rows that came back
@@ -109,6 +110,17 @@ def restore_problem(rows: dict[str, torch.Tensor], num_slots: int, held: dict[st
     except OmniPrefixCacheUnmatchError as exc:
         return str(exc)
     held.update(sigs)
+    return None
+
+
+def reserve_problem(manager: TierHost, rows: dict[str, torch.Tensor]) -> str | None:
+    """Allocate now the pool tensor of each key of ``rows`` (an entry ``restore_problem`` accepted)
+    that the pool does not hold yet, or say why the allocator refused it: before anything is
+    restored, so the refusal is this load's miss, never a restore that fails the cache (I8)."""
+    try:
+        manager.pool.prepare_keys({key: row_sig(t) for key, t in rows.items()})
+    except OmniPrefixCacheUnmatchError as exc:
+        return str(exc)
     return None
 
 

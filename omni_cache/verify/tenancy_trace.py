@@ -27,7 +27,8 @@ per-token key: ``SlotTenancy.take_slots``, a ``tenant`` note): in the model that
 such a hit with "is not readable" (I6/I7). So is a hit's slot that the runtime plans absent by its
 block rule (an earlier slot of the KV block holds a newer tenant's row: a newer tenant wrote only
 the block's first slots, a diverged KV cache; the plan note's ``mixed`` slots): the per-slot model
-has no blocks, and the runtime refuses such a hit with "is not readable" (I6).
+has no blocks, and the runtime refuses such a hit with "is not readable" (I6). Only the (slot, key)
+readers the rule itself changed are left out (a slot absent for another reason stays in).
 
 Upholds nothing itself: TLC checks I6 and I7 along a recorded trace.
 """
@@ -99,11 +100,11 @@ def tenancy_trace_data(events: Sequence[TraceEvent], name: str = "TenancyTraceDa
             for slot in e.ints_of("slots"):
                 records.append(_record("land", s_of(slot), version.get((slot, tid), _UNKNOWN), keys))
         elif e.trigger == "plan":
-            pid, slots, mixed = e.int_of("plan"), e.ints_of("slots"), set(e.ints_of("mixed"))
+            pid, slots, mixed = e.int_of("plan"), e.ints_of("slots"), dict(e.versions_of("mixed"))
             plans[pid] = slots
             for key, expected in e.versions_of("expected"):
                 for j, (slot, tid) in enumerate(zip(slots, expected, strict=True)):
-                    if slot not in tenants or slot in blank or slot in mixed:  # outside the model: see above
+                    if slot not in tenants or slot in blank or slot in mixed.get(key, ()):  # outside the model: see above
                         reader[(pid, j, key)] = None
                         continue
                     r = reader[(pid, j, key)] = 1 + sum(1 for x in reader.values() if x is not None)

@@ -234,3 +234,14 @@ def test_a_closed_stdout_is_no_crash() -> None:
     done = subprocess.run(["bash", "-c", f'exec "{sys.executable}" -c "$0" diagram >&-', _MAIN], cwd=ROOT, env=ENV,
                           stderr=subprocess.PIPE, text=True, timeout=120)
     assert done.returncode == 0 and "Traceback" not in done.stderr, (done.returncode, done.stderr[-2000:])
+
+
+def test_main_run_in_process_leaves_the_sigterm_handler_as_it_found_it(capsys: pytest.CaptureFixture[str]) -> None:
+    """The command line turns SIGTERM into an interrupt only while it runs: a caller that runs
+    ``main`` in its own process (a test, an embedding tool) gets its own handler back."""
+    from omni_cache.cli import main
+
+    before = signal.getsignal(signal.SIGTERM)
+    assert main(["diagram"]) == 0
+    capsys.readouterr()
+    assert signal.getsignal(signal.SIGTERM) is before

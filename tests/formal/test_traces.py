@@ -326,7 +326,7 @@ def test_a_block_a_newer_tenant_wrote_only_in_part_maps_onto_the_tenancy_spec() 
     finally:
         m.shutdown()
     plans = [e for e in rec.events("tenancy", notes=True) if e.trigger == "plan"]
-    assert [p.ints_of("mixed") for p in plans] == [(10, 11), ()], plans
+    assert [p.versions_of("mixed") for p in plans] == [(("hidden", (10, 11)),), ()], plans
     tenancy = check_tenancy_trace_tlc(rec)
     assert tenancy.accepted and tenancy.num_events >= 20, tenancy.explain() + tenancy.output
 

@@ -83,8 +83,9 @@ def test_a_file_larger_than_the_bound_is_refused_and_the_newest_file_is_never_re
 
 def test_a_held_file_is_never_removed_and_its_age_counts_from_its_release(tmp_path: Path, clock: _Clock) -> None:
     """A prompt-only file is written when its prompt completes but named to its client only when the
-    request ends: until then it is held, kept by both bounds (others go first); once released its age
-    counts from the release, so its client gets the whole age bound to read it."""
+    request ends: until then it is held, kept by both bounds and not counted against the byte bound
+    (the files whose clients were told keep their whole bound); once released its age counts from the
+    release, so its client gets the whole age bound to read it."""
     root = _root(tmp_path)
     store = DeliveryStore(root, max_bytes=250, max_age_s=60)
     held = os.path.join(store.root, "held.safetensors")
@@ -93,11 +94,14 @@ def test_a_held_file_is_never_removed_and_its_age_counts_from_its_release(tmp_pa
     clock.now += 1
     second = _deliver(store, "b.safetensors", 100)
     clock.now += 1
-    third = _deliver(store, "c.safetensors", 100)  # 300 bytes: the oldest file not held goes
-    assert os.path.exists(held) and not os.path.exists(second) and os.path.exists(third)
-    clock.now += 120  # both older than the age bound: only the one not held goes
+    third = _deliver(store, "c.safetensors", 100)  # 200 bytes besides the held file: within the bound
+    assert store.removed == 0
+    clock.now += 1
+    fourth = _deliver(store, "d.safetensors", 100)  # 300 besides it: the oldest file not held goes
+    assert os.path.exists(held) and not os.path.exists(second) and os.path.exists(third) and os.path.exists(fourth)
+    clock.now += 120  # all older than the age bound: only those not held go
     store.enforce()
-    assert os.path.exists(held) and not os.path.exists(third) and store.num_held == 1
+    assert os.path.exists(held) and not os.path.exists(third) and not os.path.exists(fourth) and store.num_held == 1
     store.release(held)
     assert store.num_held == 0
     clock.now += 59
@@ -107,6 +111,13 @@ def test_a_held_file_is_never_removed_and_its_age_counts_from_its_release(tmp_pa
     store.enforce()
     assert not os.path.exists(held) and store.nbytes == 0
     store.release(os.path.join(store.root, "never.safetensors"))  # never held nor written: nothing
+    twice = os.path.join(store.root, "twice.safetensors")  # two requests named one client path in turn
+    store.hold(twice)
+    store.hold(twice)
+    store.release(twice)
+    assert store.num_held == 1, "the first request's end ended the second one's hold"
+    store.release(twice)
+    assert store.num_held == 0
     store.close()
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from omni_cache.integration.request_check import KvTransferParamsCheck, request_params_problem
+from omni_cache.integration.request_check import CHECKED_PATHS, KvTransferParamsCheck, request_params_problem
 
 
 class _App:
@@ -34,7 +34,8 @@ class _App:
         await send({"type": "http.response.body", "body": b"ok"})
 
 
-def _call(body: bytes, *, method: str = "POST", chunk: int = 0) -> tuple[_App, list[dict[str, Any]]]:
+def _call(body: bytes, *, method: str = "POST", chunk: int = 0,
+          path: str = "/v1/completions") -> tuple[_App, list[dict[str, Any]]]:
     app, sent = _App(), []
     parts = [body[i:i + chunk] for i in range(0, len(body), chunk)] if chunk else [body]
     messages = [{"type": "http.request", "body": p, "more_body": i < len(parts) - 1} for i, p in enumerate(parts)]
@@ -45,14 +46,15 @@ def _call(body: bytes, *, method: str = "POST", chunk: int = 0) -> tuple[_App, l
     async def send(message: dict[str, Any]) -> None:
         sent.append(message)
 
-    asyncio.run(KvTransferParamsCheck(app)({"type": "http", "method": method}, receive, send))
+    asyncio.run(KvTransferParamsCheck(app)({"type": "http", "method": method, "path": path}, receive, send))
     return app, sent
 
 
+@pytest.mark.parametrize("path", sorted(CHECKED_PATHS))
 @pytest.mark.parametrize("value", ["yes", 1, 0, [], {}])
-def test_a_bad_include_output_tokens_is_a_400_that_never_reaches_the_app(value: object) -> None:
+def test_a_bad_include_output_tokens_is_a_400_that_never_reaches_the_app(value: object, path: str) -> None:
     body = json.dumps({"prompt": "x", "kv_transfer_params": {"include_output_tokens": value}}).encode()
-    app, sent = _call(body, chunk=7)
+    app, sent = _call(body, chunk=7, path=path)
     assert app.bodies == [] and sent[0]["status"] == 400
     assert json.loads(sent[1]["body"]) == {"error": {
         "message": f"kv_transfer_params.include_output_tokens must be true or false, got {value!r}",
@@ -73,11 +75,27 @@ def test_any_other_request_reaches_the_app_with_its_body_as_it_came(body: Any, c
     assert app.bodies == [raw] and sent[0]["status"] == 200
 
 
-def test_a_body_that_is_not_json_and_a_get_reach_the_app() -> None:
+def test_a_body_that_is_not_json_a_get_and_other_endpoints_reach_the_app() -> None:
     app, _ = _call(b'{"kv_transfer_params": {"include_output_tokens": "yes"')  # cut short: vLLM answers it
     assert len(app.bodies) == 1
+    deep = b'{"kv_transfer_params": ' + b"[" * 200_000  # no parser takes it (RecursionError): vLLM answers it
+    app, sent = _call(deep)
+    assert app.bodies == [deep] and sent[0]["status"] == 200
     app, _ = _call(b"", method="GET")
     assert app.bodies == [b""]
+    bad = json.dumps({"kv_transfer_params": {"include_output_tokens": "yes"}}).encode()
+    app, _ = _call(bad, path="/tokenize")  # an endpoint that hands no kv_transfer_params to the engine
+    assert app.bodies == [bad]
+
+
+def test_a_large_body_is_checked_too() -> None:
+    """Over a MiB (multimodal data), the body is parsed on a worker thread, with the same verdict."""
+    body = json.dumps({"prompt": "x" * (2 << 20), "kv_transfer_params": {"include_output_tokens": "yes"}}).encode()
+    app, sent = _call(body, chunk=1 << 16)
+    assert app.bodies == [] and sent[0]["status"] == 400
+    fine = body.replace(b'"yes"', b"true")
+    app, sent = _call(fine, chunk=1 << 16)
+    assert app.bodies == [fine] and sent[0]["status"] == 200
 
 
 def test_the_problem_names_the_value() -> None:

@@ -223,6 +223,32 @@ def test_a_block_pool_the_allocator_refuses_is_a_refused_save_that_changes_nothi
     assert m.shutdown() == {}
 
 
+def test_a_save_refused_after_its_new_keys_pool_was_reserved_gives_it_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pool tensor of a new key is reserved before the claim; a save refused after that (here the
+    key's staging page, which the allocator refuses) gives it back: no memory kept, no row shape fixed,
+    and the key is saved later at another width."""
+    import omni_cache.runtime.staging as staging
+
+    real_empty = torch.empty
+
+    def refuse_wide(*shape: Any, **kwargs: Any) -> torch.Tensor:
+        dims = shape[0] if len(shape) == 1 and isinstance(shape[0], tuple) else shape
+        if dims[-1:] == (4096,):
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+        return real_empty(*shape, **kwargs)
+
+    m = manager()
+    m.new_step_starts([started("a")])
+    monkeypatch.setattr(staging.torch, "empty", refuse_wide)
+    with pytest.raises(OmniPrefixCacheUnmatchError, match="cannot allocate the staging pages of 'audio'"):
+        save(m, [("a", [0], 0, 4)], mm={"audio": torch.ones(4, 4096)})
+    monkeypatch.undo()
+    assert m.pool._reserved == {} and m.stats()["failed"] is None, "the refused save kept its pool reservation"
+    step, _ = save(m, [("a", [0], 0, 4)], mm={"audio": torch.ones(4, 16)})
+    assert m.materialize(step, ["a"]).mm_outputs["audio"]["a"].shape == (4, 16)
+    assert m.shutdown() == {}
+
+
 def test_a_config_whose_per_slot_bookkeeping_cannot_be_allocated_is_refused_naming_its_fields(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

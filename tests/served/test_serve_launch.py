@@ -363,8 +363,10 @@ except SystemExit as exc:
                                                  "(Port out of range 0-65535)"),
     (["check-server", "http://127.0.0.1:0"], "argument URL: wants a port from 1 to 65535"),
     (["check-server", "http://:8011"], "argument URL: wants http://HOST:PORT, got 'http://:8011'"),
-    (["check-server", "http://127.0.0.1:8011/v1"], "argument URL: wants http://HOST:PORT (the server's root, no "
-                                                   "path), got 'http://127.0.0.1:8011/v1'"),
+    (["check-server", "http://127.0.0.1:8011/v1"], "argument URL: wants http://HOST:PORT (the server's root: the "
+                                                   "checker adds /v1/...; a proxy's prefix may come before it), got "
+                                                   "'http://127.0.0.1:8011/v1'"),
+    (["check-server", "http://gw:8011/vllm/v1/"], "argument URL: wants http://HOST:PORT (the server's root"),
     (["check-server", "http://127.0.0.1:1", "--families", "0"], "argument --families: wants an integer from 1"),
     (["check-server", "http://127.0.0.1:1", "--tolerance", "2"], "argument --tolerance: wants a number from 0 to 1"),
 ])

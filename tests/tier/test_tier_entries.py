@@ -6,7 +6,8 @@ write and read); a hash that is not bytes or rows that are not per-token tensors
 ``ValueError`` (with or without a directory); an entry that does not fit the pool (row count,
 dtype or row shape against the pool or an earlier entry of the same plan, a key the pool holds
 missing) is a counted miss, vacated and dropped from the tier, and never raises after other loads
-of its plan were restored; a cache started afresh restores what its predecessor stored.
+of its plan were restored; a cache started afresh restores what its predecessor stored, and a new
+key's pool tensor the allocator refuses is that load's miss.
 """
 
 from __future__ import annotations
@@ -103,6 +104,30 @@ def test_a_cache_started_afresh_restores_what_its_predecessor_stored() -> None:
     assert want is not None and torch.equal(got, want["hidden"]) and applier.num_load_failures == 0
     fresh.shutdown()
 
+
+
+def test_a_new_keys_pool_the_allocator_refuses_is_that_loads_miss(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fresh cache restoring its predecessor's entry allocates the entry's keys' pool tensors first:
+    the allocator's refusal is a counted miss naming it (the block vacated), never a restore that
+    fails the cache for good."""
+    import omni_cache.runtime.block_pool as block_pool
+
+    applier, old = _applied()
+    applier.apply(TierPlan(stores=(TierStore("a", b"ha", 2),)), old)
+    old.shutdown()
+    fresh = manager(True)
+
+    def refuse(*args: object, **kwargs: object) -> torch.Tensor:
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+
+    monkeypatch.setattr(block_pool.torch, "zeros", refuse)
+    fresh.new_step_starts([started("b", hit_end=BS, blocks=[5])])
+    assert applier.apply(TierPlan(loads=(TierLoad("b", 0, b"ha", 5),)), fresh) == {5}
+    monkeypatch.undo()
+    assert fresh.stats()["failed"] is None and applier.num_load_failures == 1
+    assert "cannot allocate the block pool of 'hidden'" in applier.load_failures[0]["why"]
+    assert applier.tier.get(b"ha") is not None, "an entry the pool could not take now is kept for later"
+    fresh.shutdown()
 
 
 def test_entries_of_one_plan_that_disagree_on_a_new_key_restore_the_first_only() -> None:

@@ -225,12 +225,15 @@ class ServerCheck:
         reader_name, load, cleanup = _reader()
         report.reader = reader_name
         served: list[tuple[str, str, bool, dict[str, Any]]] = []
-        with cf.ThreadPoolExecutor(max_workers=c.concurrency) as pool:
+        pool = cf.ThreadPoolExecutor(max_workers=c.concurrency)
+        try:
             for batch in self.prompts():  # round 2 starts after round 1: hits across time
                 futures = {pool.submit(self._complete, model, p, inc, None): (name, p, inc) for name, p, inc in batch}
                 for future in cf.as_completed(futures):
                     name, prompt, include = futures[future]
                     served.append((name, prompt, include, future.result()))
+        finally:  # NOTE: an interrupt (Ctrl-C, SIGTERM) or a failed request waits for no queued request
+            pool.shutdown(wait=False, cancel_futures=True)
         served.sort(key=lambda s: s[0])
         report.requests = len(served)
         truths = []
