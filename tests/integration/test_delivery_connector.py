@@ -32,7 +32,7 @@ from cache_helpers import manager, save, started
 from vllm_support import require_vllm
 
 from omni_cache.integration.config_gate import OMNI_WORKERS
-from omni_cache.integration.delivery import DeliveryResult, RowDelivery
+from omni_cache.integration.delivery import DeliveryPlan, DeliveryResult, RowDelivery
 
 
 @pytest.fixture(scope="module")
@@ -189,7 +189,8 @@ def test_a_request_finishing_as_its_file_is_written_gets_the_path_in_its_own_dic
                       "hidden_states_cached_tokens": 0}
     # b finishes a step later: its outcome was kept for it
     assert sched.request_finished_all_groups(_request("b", outputs=2), ([8],))[1]["hidden_states_num_tokens"] == 4
-    assert not sched.build_connector_meta(_so()).omni_delivery  # nothing dropped or left to write
+    # nothing dropped or left to write; both files' holds end (their outputs named them)
+    assert sched.build_connector_meta(_so()).omni_delivery == DeliveryPlan(told=("a", "b"))
     assert os.path.exists(params["hidden_states_path"]) and m.stats()["unconsumed_step_ids"] == {}
     worker.shutdown()
     m.shutdown()
