@@ -184,6 +184,18 @@ def test_a_nested_tensor_that_is_not_per_token_is_kept_as_a_leftover() -> None:
     m.shutdown()
 
 
+def _refusing_rows_of_width_4096(real: Any) -> Any:
+    """``real`` (``torch.zeros`` or ``torch.empty``), refusing as the allocator does a tensor of rows 4096 wide."""
+
+    def refuse_wide(*shape: Any, **kwargs: Any) -> torch.Tensor:
+        dims = shape[0] if len(shape) == 1 and isinstance(shape[0], tuple) else shape
+        if dims[-1:] == (4096,):
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8589934592 bytes")
+        return real(*shape, **kwargs)
+
+    return refuse_wide
+
+
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "async"])
 def test_a_block_pool_the_allocator_refuses_is_a_refused_save_that_changes_nothing(
     eager: bool, monkeypatch: pytest.MonkeyPatch,
@@ -195,14 +207,7 @@ def test_a_block_pool_the_allocator_refuses_is_a_refused_save_that_changes_nothi
     saves go on."""
     import omni_cache.runtime.block_pool as block_pool
 
-    real_zeros = torch.zeros
-
-    def refuse_wide(*shape: Any, **kwargs: Any) -> torch.Tensor:
-        dims = shape[0] if len(shape) == 1 and isinstance(shape[0], tuple) else shape
-        if dims[-1:] == (4096,):
-            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8589934592 bytes")
-        return real_zeros(*shape, **kwargs)
-
+    refuse_wide = _refusing_rows_of_width_4096(torch.zeros)
     m = manager(eager)
     m.new_step_starts([started("a")])
     first, _ = save(m, [("a", [0], 0, 4)])
@@ -229,14 +234,7 @@ def test_a_save_refused_after_its_new_keys_pool_was_reserved_gives_it_back(monke
     and the key is saved later at another width."""
     import omni_cache.runtime.staging as staging
 
-    real_empty = torch.empty
-
-    def refuse_wide(*shape: Any, **kwargs: Any) -> torch.Tensor:
-        dims = shape[0] if len(shape) == 1 and isinstance(shape[0], tuple) else shape
-        if dims[-1:] == (4096,):
-            raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
-        return real_empty(*shape, **kwargs)
-
+    refuse_wide = _refusing_rows_of_width_4096(torch.empty)
     m = manager()
     m.new_step_starts([started("a")])
     monkeypatch.setattr(staging.torch, "empty", refuse_wide)
