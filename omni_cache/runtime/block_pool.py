@@ -26,7 +26,7 @@ import torch
 
 from omni_cache.runtime.errors import PHRASE_SLOT_MAPPING, OmniPrefixCacheUnmatchError
 from omni_cache.runtime.interface import TensorName
-from omni_cache.runtime.validation import RowSig, check_held_sigs, check_sig, row_sig
+from omni_cache.runtime.validation import RowSig, allocate_rows, check_held_sigs, check_sig, row_sig
 
 # Rows of at least this many bytes land through numpy (``scatter_rows``); smaller ones through
 # ``index_copy_``. In a loop the numpy path already wins at 32 KiB (``tools/scatter_cost.py``), but
@@ -199,16 +199,9 @@ class PrefixBlockPool:
     def _allocate(self, key: TensorName, sig: RowSig) -> torch.Tensor:
         """Zeros of ``num_slots`` rows of ``sig`` (outside the lock); the allocator's refusal is a
         sizing problem and is named as one."""
-        shape = (self.num_slots, *sig[1])
-        try:
-            return torch.zeros(shape, dtype=sig[0], pin_memory=self.pin_memory)
-        except (RuntimeError, MemoryError) as exc:
-            nbytes = torch.Size(shape).numel() * torch.empty((), dtype=sig[0]).element_size()
-            raise OmniPrefixCacheUnmatchError(
-                f"cannot allocate the block pool of {key!r}: {self.num_slots:,} KV slots (num_blocks x block_size) "
-                f"x rows of shape {tuple(sig[1])} {sig[0]} = {nbytes:,} bytes "
-                f"({exc.__class__.__name__}: {(str(exc).splitlines() or [''])[0]})"
-            ) from exc
+        return allocate_rows((self.num_slots, *sig[1]), sig[0], pin_memory=self.pin_memory, zeroed=True,
+                             what=f"cannot allocate the block pool of {key!r}: {self.num_slots:,} KV slots "
+                                  f"(num_blocks x block_size) x rows of shape {tuple(sig[1])} {sig[0]}")
 
     def check_slots(self, slots: torch.Tensor, *, where: str = "block pool", distinct: bool = False,
                     describe_row: Callable[[int], str] | None = None) -> np.ndarray:

@@ -46,7 +46,14 @@ from omni_cache.runtime.interface import StepId, TensorName
 from omni_cache.runtime.locks import LockWrap
 from omni_cache.runtime.states import STAGING_TABLE, TableMachine
 from omni_cache.runtime.trace import TraceRecorder
-from omni_cache.runtime.validation import RowSig, check_capacity, check_held_sigs, check_sig, row_sig
+from omni_cache.runtime.validation import (
+    RowSig,
+    allocate_rows,
+    check_capacity,
+    check_held_sigs,
+    check_sig,
+    row_sig,
+)
 
 # Claim waits kept for a reader between two ``take_claim_waits`` (older ones are dropped and counted).
 CLAIM_WAIT_LOG = 4096
@@ -350,16 +357,11 @@ class StagingPool:
         """The per-slot page views of ``key`` (allocated on first use), checked against ``sig``."""
         page = self._pages.get(key)
         if page is None:
-            shape = (self.depth, self.capacity_tokens, *like.shape[1:])
-            try:
-                fresh = torch.empty(shape, dtype=like.dtype, pin_memory=self.pin_memory)
-            except RuntimeError as exc:  # the allocator's refusal: a sizing problem, named as one
-                nbytes = like.element_size() * torch.Size(shape).numel()
-                raise OmniPrefixCacheUnmatchError(
-                    f"save_outputs: cannot allocate the staging pages of {key!r}: staging_depth {self.depth} x "
-                    f"staging_capacity_tokens {self.capacity_tokens} rows of shape {tuple(like.shape[1:])} "
-                    f"{like.dtype} = {nbytes:,} bytes ({exc.__class__.__name__}: {str(exc).splitlines()[0]})"
-                ) from exc
+            fresh = allocate_rows(
+                (self.depth, self.capacity_tokens, *like.shape[1:]), like.dtype, pin_memory=self.pin_memory,
+                zeroed=False, what=f"save_outputs: cannot allocate the staging pages of {key!r}: staging_depth "
+                f"{self.depth} x staging_capacity_tokens {self.capacity_tokens} rows of shape {tuple(like.shape[1:])} "
+                f"{like.dtype}")
             with self._lock:
                 page = self._pages.setdefault(key, fresh)
                 if page is fresh:

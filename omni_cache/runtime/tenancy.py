@@ -131,7 +131,13 @@ class SlotTenancy:
         versions = self._keys.get(key)
         if versions is None:  # a wider table; everything is allocated before anything changes
             old, k = self._table, len(self._keys)
-            table = np.zeros((old.shape[0], old.shape[1] + 3), dtype=np.int64)
+            try:
+                table = np.zeros((old.shape[0], old.shape[1] + 3), dtype=np.int64)
+            except MemoryError as exc:  # a sizing problem of this key's save, named as one
+                raise OmniPrefixCacheUnmatchError(
+                    f"cannot allocate the version table for key {key!r}: {old.shape[0]:,} KV slots "
+                    f"(num_blocks x block_size) x {old.shape[1] + 3} int64 versions = {8 * old.shape[0] * (old.shape[1] + 3):,} bytes"
+                ) from exc
             versions = _KeyVersions(self.pool.num_slots, table, k, k + 1)
             table[:, : 1 + 2 * k] = old[:, : 1 + 2 * k]  # tenant, (registered, tenant) pairs
             table[:, 3 + 2 * k : 3 + 3 * k] = old[:, 1 + 2 * k :]  # landed, after the new pair
@@ -148,8 +154,8 @@ class SlotTenancy:
         (``PrefixBlockPool.drop_reserved`` gives them back if the save is refused).
 
         The manager calls this before a save claims anything: a pool tensor the allocator refuses
-        is an ``OmniPrefixCacheUnmatchError`` naming the key and its bytes, and a ``MemoryError`` of a
-        huge pool's per-slot bookkeeping surfaces as itself, both with nothing to undo.
+        or a version table too large to allocate is an ``OmniPrefixCacheUnmatchError`` naming the key
+        and its bytes, with nothing to undo.
         """
         reserved = self.pool.prepare_keys(sigs)
         if self._keys.keys() >= sigs.keys():  # keys are only ever added (one C-level set comparison)

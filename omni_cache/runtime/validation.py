@@ -4,7 +4,8 @@ Owns: ``validate_hit`` (I5), ``check_capacity`` (I10), ``check_slot_mapping`` an
 step's layout covers its rows: "slot mapping covers"; hidden has enough rows), ``check_scheduled``
 (each request's rows equal its scheduled count, zero included), ``StepRows``, the validated form of a layout, and
 ``RowSig`` / ``check_sig``: a key's (dtype, row shape), read once per save and compared as a tuple
-by the staging pages, the pool and the landing ("width and dtype never change").
+by the staging pages, the pool and the landing ("width and dtype never change"), and ``allocate_rows``:
+a pool or staging tensor whose refusal by the allocator is named as the sizing problem it is.
 Pure functions of their arguments: an input that fails here has changed nothing.
 
 Cost: a save's checks run no Python per request. The layout's writes were walked once when
@@ -119,6 +120,18 @@ def check_held_sigs(
         held = held_sigs.get(key)
         if held is not None and held != sigs[key]:
             check_sig(f"{store} {key!r}", held, sigs[key])
+
+
+def allocate_rows(shape: tuple[int, ...], dtype: torch.dtype, *, pin_memory: bool, zeroed: bool, what: str) -> torch.Tensor:
+    """A tensor of ``shape`` (zeros with ``zeroed``, else uninitialised). The allocator's refusal
+    (``RuntimeError`` or ``MemoryError``) is ``OmniPrefixCacheUnmatchError`` "``what`` = N bytes"
+    naming the allocator's own first line: a sizing problem, never the allocator's bare error."""
+    try:
+        return (torch.zeros if zeroed else torch.empty)(shape, dtype=dtype, pin_memory=pin_memory)
+    except (RuntimeError, MemoryError) as exc:
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        first = (str(exc).splitlines() or [""])[0]
+        raise OmniPrefixCacheUnmatchError(f"{what} = {nbytes:,} bytes ({exc.__class__.__name__}: {first})") from exc
 
 
 def check_slot_mapping(slots: Any, n: int) -> torch.Tensor:

@@ -144,8 +144,12 @@ def test_a_config_refuses_what_no_wait_or_allocation_can_take() -> None:
     assert config(staging_depth=1024).staging_depth == 1024
 
 
+@pytest.mark.parametrize("refusal", [
+    RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 105553116266496 bytes"),
+    MemoryError(),  # no message at all
+], ids=["RuntimeError", "bare MemoryError"])
 def test_staging_pages_the_allocator_refuses_fail_the_save_naming_the_sizing_and_change_nothing(
-    monkeypatch: pytest.MonkeyPatch,
+    refusal: BaseException, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A staging page of ``staging_depth x staging_capacity_tokens`` rows the allocator refuses (about
     2**47 bytes here; the refusal is forced, since an overcommitting host may hand out the address space)
@@ -154,7 +158,7 @@ def test_staging_pages_the_allocator_refuses_fail_the_save_naming_the_sizing_and
     import omni_cache.runtime.staging as staging
 
     def refuse(*args: object, **kwargs: object) -> torch.Tensor:
-        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 105553116266496 bytes")
+        raise refusal
 
     monkeypatch.setattr(staging.torch, "empty", refuse)
     m = manager(True, staging_capacity_tokens=2**40)
@@ -162,7 +166,7 @@ def test_staging_pages_the_allocator_refuses_fail_the_save_naming_the_sizing_and
     before = m.stats()
     with pytest.raises(OmniPrefixCacheUnmatchError, match=r"cannot allocate the staging pages of 'hidden': staging_depth 3 "
                        r"x staging_capacity_tokens 1099511627776 rows of shape \(8,\) torch.float32 = "
-                       r"105,553,116,266,496 bytes"):
+                       rf"105,553,116,266,496 bytes \({type(refusal).__name__}"):
         save(m, [("a", [0], 0, 4)])
     after = m.stats()
     assert after["saved"] == before["saved"] == 0 and after["failed"] is None and after["unconsumed_step_ids"] == {}
@@ -244,6 +248,41 @@ def test_a_save_refused_after_its_new_keys_pool_was_reserved_gives_it_back(monke
     assert m.pool._reserved == {} and m.stats()["failed"] is None, "the refused save kept its pool reservation"
     step, _ = save(m, [("a", [0], 0, 4)], mm={"audio": torch.ones(4, 16)})
     assert m.materialize(step, ["a"]).mm_outputs["audio"]["a"].shape == (4, 16)
+    assert m.shutdown() == {}
+
+
+def test_a_version_table_the_host_refuses_for_a_new_key_is_a_refused_save_that_changes_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A key first seen mid-run widens the per-slot version table; numpy's ``MemoryError`` there is a
+    contract error of that save naming the key, num_blocks x block_size and the bytes (never the bare
+    ``MemoryError``), before anything is claimed: the key's pool reservation is given back, the cache
+    is not failed, and the key is saved once the host has the memory."""
+    import omni_cache.runtime.tenancy as tenancy
+
+    real_zeros = np.zeros
+
+    def refuse_wider(shape: Any, *args: Any, **kwargs: Any) -> np.ndarray:
+        if isinstance(shape, tuple) and len(shape) == 2 and shape[1] > 4:  # tenant + hidden's 3 columns
+            raise MemoryError
+        return real_zeros(shape, *args, **kwargs)
+
+    m = manager()
+    m.new_step_starts([started("a")])
+    first, _ = save(m, [("a", [0], 0, 4)])
+    m.discard_step(first)
+    before = m.stats()
+    monkeypatch.setattr(tenancy.np, "zeros", refuse_wider)
+    with pytest.raises(OmniPrefixCacheUnmatchError, match=r"cannot allocate the version table for key 'audio': 128 KV "
+                       r"slots \(num_blocks x block_size\) x 7 int64 versions = 7,168 bytes"):
+        save(m, [("a", [0, 1], 4, 8)], mm={"audio": torch.ones(4, 16)})
+    monkeypatch.undo()
+    after = m.stats()
+    assert after["failed"] is None and after["saved"] == before["saved"] and after["staging"]["claims"] == 1
+    assert m.pool._reserved == {} and sorted(after["pool_bytes"]) == ["hidden"], after["pool_bytes"]
+    step, rows = save(m, [("a", [0, 1], 4, 8)], mm={"audio": torch.full((4, 16), 2.0)})
+    out = m.materialize(step, ["a"])
+    assert torch.equal(out.hidden_states["a"], rows) and torch.equal(out.mm_outputs["audio"]["a"], torch.full((4, 16), 2.0))
     assert m.shutdown() == {}
 
 
