@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, KeysView
 
 import numpy as np
 import torch
@@ -113,7 +113,8 @@ class PrefixBlockPool:
         self.lock = threading.Lock()
         # key -> [num_slots, *row_shape]; allocated on first write, never dropped.
         self._tensors: dict[TensorName, torch.Tensor] = {}
-        # key -> (dtype, row shape) of its tensor, set with it: row checks compare tuples.
+        # key -> (dtype, row shape), fixed by the first write registered for the key (``fix_sigs``)
+        # or its tensor's publication, whichever comes first: row checks compare tuples.
         self._sigs: dict[TensorName, RowSig] = {}
         # key -> (signature, zeros) ``prepare_keys`` allocated, published by the key's first landing.
         self._reserved: dict[TensorName, tuple[RowSig, torch.Tensor]] = {}
@@ -127,7 +128,7 @@ class PrefixBlockPool:
             return key in self._tensors
 
     def sigs(self) -> dict[TensorName, RowSig]:
-        """Each key's (dtype, row shape): a copy (keys are only ever added)."""
+        """Each key's fixed (dtype, row shape), its rows landed or not: a copy (keys are only ever added)."""
         with self.lock:
             return dict(self._sigs)
 
@@ -143,9 +144,20 @@ class PrefixBlockPool:
         return self._tensors.get(key)
 
     def check_sigs(self, sigs: dict[TensorName, RowSig]) -> None:
-        """Raise unless each key's row signature in ``sigs`` matches its tensor's (a new key
+        """Raise unless each key's row signature in ``sigs`` matches the one fixed for it (a new key
         always matches)."""
         check_held_sigs("block pool key", self._sigs, sigs, sigs)  # no lock: keys are only ever added
+
+    def fix_sigs(self, keys: KeysView[TensorName], sigs: dict[TensorName, RowSig]) -> None:
+        """A write of ``keys`` (of signatures ``sigs``) is being registered: each key's row signature
+        is fixed from now on, though its rows land later, so ``check_sigs`` and ``sigs`` refuse a
+        later save or tier entry of another shape or dtype before anything is claimed. The caller
+        checked ``sigs`` with ``check_sigs``; registrations run on the engine thread only."""
+        if self._sigs.keys() >= keys:  # the usual save: every key fixed already (one C-level comparison)
+            return
+        with self.lock:
+            for key in keys:
+                self._sigs.setdefault(key, sigs[key])
 
     def prepare_keys(self, sigs: dict[TensorName, RowSig]) -> list[TensorName]:
         """Allocate the tensor of every key of ``sigs`` the pool does not hold yet, unpublished;
@@ -153,22 +165,27 @@ class PrefixBlockPool:
 
         A save calls this before it claims anything, so an allocator's refusal is a refused save
         that changed nothing, never a failed landing (which would fail the cache for good, I8).
-        The tensor is published (its key held, its row shape fixed) by the key's first landing; a
-        save refused before it registers gives its reservations back (``drop_reserved``), so it
-        fixes no key's row shape and keeps no memory.
+        The key's row shape is fixed by the first write registered for it (``fix_sigs``) and its
+        tensor published by its first landing; a save refused before it registers gives its
+        reservations back (``drop_reserved``), so it fixes no key's row shape and keeps no memory.
+        A refusal of one key gives back the keys this call reserved before it.
         """
         if self._sigs.keys() >= sigs.keys():  # keys are only ever added (one C-level set comparison)
             return []
-        reserved = []
-        for key, sig in sigs.items():
-            with self.lock:
-                needed = key not in self._sigs and self._reserved.get(key, (None,))[0] != sig
-            if needed:
-                fresh = self._allocate(key, sig)
+        reserved: list[TensorName] = []
+        try:
+            for key, sig in sigs.items():
                 with self.lock:
-                    if key not in self._sigs:  # else a landing published one meanwhile
-                        self._reserved[key] = (sig, fresh)
-                        reserved.append(key)
+                    needed = key not in self._sigs and self._reserved.get(key, (None,))[0] != sig
+                if needed:
+                    fresh = self._allocate(key, sig)
+                    with self.lock:
+                        if key not in self._sigs:  # else a landing published one meanwhile
+                            self._reserved[key] = (sig, fresh)
+                            reserved.append(key)
+        except BaseException:
+            self.drop_reserved(reserved)
+            raise
         return reserved
 
     def drop_reserved(self, keys: list[TensorName]) -> None:

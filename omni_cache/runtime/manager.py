@@ -286,9 +286,7 @@ class OmniPrefixCacheManager:
         split = classify_outputs(policy, hidden_states, mm_outputs or {}, n, num_tokens_padded)
         sigs = split.sigs  # each per-token key's (dtype, row shape), read once by classify_outputs
         self.staging.check_sigs(split.immediate, sigs)  # a key's row shape and dtype never change
-        self.pool.check_sigs(sigs)
-        if split.deferred:  # no store holds a deferred key's rows before they land
-            self.scheduling.check_deferred_sigs(sigs, split.deferred)
+        self.pool.check_sigs(sigs)  # also a key whose registered write has not landed yet
         leftover = copy_leftovers(split.leftover) if split.leftover else {}  # refused before a claim (I4)
         if prev is not None and prev.state != "written":
             self.faults.on_blocking("save waits for the previous step's pool writes")
@@ -377,7 +375,7 @@ class OmniPrefixCacheManager:
             if imm is not None:
                 self._last_immediate = imm
             if deferred is not None:
-                self.scheduling.open_deferred_locked(deferred, split.deferred, sigs)
+                self.scheduling.open_deferred_locked(deferred)
                 for req_id in req_ids:
                     if req_id not in self._requests:  # one the engine never announced is live from here
                         self._requests[req_id] = _Request(req_id)

@@ -6,8 +6,7 @@ orders their landing: an older tenant's unlanded write and every write a planned
 the front of the copy queue, a save's immediate write joins the queue after them, and a deferred
 write (``JOIN_ON_FINISH``) stays open until its requests end (the manager pushes it then) or the
 open deferred writes outgrow ``gpu_staging_bytes`` (the oldest are flushed). It keeps the open
-deferred writes (and, per request, the ones holding its rows), their device bytes and the row
-signature of every deferred key a save carried,
+deferred writes (and, per request, the ones holding its rows) and their device bytes,
 guarded by the manager's state lock, which it shares (``OwnedLock``); the manager's ``count``
 counts budget flushes and tier restores, its ``issue_step_id`` names a restore. It implements
 the write half of the manager's door for the hidden-state tier (``TierPort``): a restored block
@@ -21,7 +20,7 @@ committer's progress; the ``on_blocking`` fault hook sees each flush).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -29,11 +28,11 @@ import torch
 
 from omni_cache.runtime.copier import Committer
 from omni_cache.runtime.faults import FaultHooks
-from omni_cache.runtime.interface import ReqId, StepId, TensorName, WriteSchedule
+from omni_cache.runtime.interface import ReqId, StepId, WriteSchedule
 from omni_cache.runtime.locks import OwnedLock
 from omni_cache.runtime.staging import StagingPool
 from omni_cache.runtime.tenancy import PlannedRead, SlotTenancy
-from omni_cache.runtime.validation import RowSig, check_held_sigs
+from omni_cache.runtime.validation import RowSig
 from omni_cache.runtime.writes import PoolWrite, WriteBook
 
 
@@ -60,23 +59,9 @@ class WriteScheduler:
         # end pushes to the queue's front (I9). A write leaves every request's entry when it is
         # queued, so a long generation's entry never grows past its open writes.
         self._open_of: dict[ReqId, dict[int, PoolWrite]] = {}
-        # key -> (dtype, row shape) of every deferred key a successful save carried: a pending
-        # deferred write fixes its key's width before any pool tensor or staging page holds it.
-        # Only the engine thread (saves and tier restores) reads and writes it.
-        self._deferred_sigs: dict[str, RowSig] = {}
 
-    def check_deferred_sigs(self, sigs: dict[str, RowSig], keys: Iterable[TensorName]) -> None:
-        """Refuse ``keys`` whose row signature differs from a pending deferred write's (engine thread)."""
-        check_held_sigs("deferred key", self._deferred_sigs, sigs, keys)
-
-    def held_deferred_keys(self, keys: Iterable[TensorName]) -> list[TensorName]:
-        """Those of ``keys`` a deferred write has carried (their signature is fixed)."""
-        return [k for k in keys if k in self._deferred_sigs]
-
-    def open_deferred_locked(self, write: PoolWrite, keys: Iterable[TensorName], sigs: dict[str, RowSig]) -> None:
+    def open_deferred_locked(self, write: PoolWrite) -> None:
         """Keep a save's registered deferred ``write`` open until flushed. Caller holds the state lock."""
-        for key in keys:
-            self._deferred_sigs.setdefault(key, sigs[key])
         self._deferred_open[write.tid] = write
         self._deferred_bytes += write.nbytes
         for req_id in write.req_ids:
@@ -109,6 +94,10 @@ class WriteScheduler:
         """
         if not source:
             return None, set()
+        # NOTE: before anything is registered: the write's keys' row shapes are fixed from here on
+        # (a later save or tier entry of another shape is refused before it claims anything),
+        # though the rows land later; the caller checked them against the pool's already.
+        self.tenancy.pool.fix_sigs(source.keys(), sigs)
         write = self.book.register(schedule, step_id, slots, source, staging_slot=staging_slot, req_ids=req_ids,
                                    slots_np=slots_np, sigs=sigs)
         registered.append(write)
@@ -162,7 +151,6 @@ class WriteScheduler:
                           sigs: dict[str, RowSig]) -> StepId:
         """``TierPort.register_restored_write``: ``source`` (host rows, checked against the pool's
         signatures by the caller) as one immediate write on ``slots``, queued like a save's."""
-        self.check_deferred_sigs(sigs, self.held_deferred_keys(sigs))
         self.tenancy.prepare_keys(sigs)
         step_id = self._issue_step_id()
         self._count("tier_restores")

@@ -21,6 +21,7 @@ private copy of the slot mapping): an input that fails here has changed nothing.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterable
 from operator import itemgetter
 from typing import Any, cast
@@ -56,8 +57,10 @@ def validate_hit(event: PrefixCacheRequestEvent, config: PrefixCacheConfig) -> N
     if event.hit_start % bs or event.hit_end % bs:
         # "prefix hit not block aligned": the reference's wording, which callers match on.
         raise OmniPrefixCacheUnmatchError(f"{where}: prefix hit {PHRASE_NOT_ALIGNED} (block_size {bs}) (I5)")
-    if event.hit_start != 0 or event.hit_end < 0:
+    if event.hit_start != 0:
         raise OmniPrefixCacheUnmatchError(f"{where}: a prefix hit must start at position 0 (I5)")
+    if event.hit_end < 0:
+        raise OmniPrefixCacheUnmatchError(f"{where}: a prefix hit must not end before position 0 (I5)")
     group = config.output_group_id
     blocks = event.group_block_ids(group)
     if not blocks:
@@ -129,7 +132,7 @@ def allocate_rows(shape: tuple[int, ...], dtype: torch.dtype, *, pin_memory: boo
     try:
         return (torch.zeros if zeroed else torch.empty)(shape, dtype=dtype, pin_memory=pin_memory)
     except (RuntimeError, MemoryError) as exc:
-        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize  # Python ints: ``numel`` wraps past int64
         first = (str(exc).splitlines() or [""])[0]
         raise OmniPrefixCacheUnmatchError(f"{what} = {nbytes:,} bytes ({exc.__class__.__name__}: {first})") from exc
 
@@ -146,8 +149,10 @@ def check_slot_mapping(slots: Any, n: int) -> torch.Tensor:
         problem = f"is on device {slots.device}, not the CPU"
     elif slots.layout is not torch.strided:  # a sparse mapping has no per-row slots to read
         problem = f"has layout {slots.layout}, not a dense tensor"
-    elif slots.dtype != torch.int64:
-        problem = f"has dtype {slots.dtype}, not an integer dtype"
+    elif slots.dtype != torch.int64:  # the constructor made any integer mapping int64; ``taking`` keeps it
+        integer = not (slots.dtype.is_floating_point or slots.dtype.is_complex or slots.dtype is torch.bool)
+        problem = f"has dtype {slots.dtype}, not " + ("int64 (a layout's ``taking`` keeps it as it is)" if integer
+                                                      else "an integer dtype")
     elif len(shape := slots.shape) != 1:
         problem = f"has shape {tuple(shape)}, not 1-D"
     elif shape[0] < n:

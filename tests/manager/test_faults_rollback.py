@@ -163,6 +163,8 @@ def _started(rid: str, hit_start: int, hit_end: int, blocks: tuple[int, ...]) ->
 BAD_INPUTS: dict[str, tuple[Callable[[OmniPrefixCacheManager], object], type[Exception], str]] = {
     "hit not starting at 0": (lambda m: m.new_step_starts([_started("x", 4, 8, (1, 2))]),
                               OmniPrefixCacheUnmatchError, "must start at position 0"),
+    "hit ending before 0": (lambda m: m.new_step_starts([_started("x", 0, -4, ())]),
+                            OmniPrefixCacheUnmatchError, "hit [0, -4): a prefix hit must not end before position 0"),
     "hit on a block id out of range": (lambda m: m.new_step_starts([_started("x", 0, 4, (999,))]),
                                        OmniPrefixCacheUnmatchError, "outside"),
     "STARTED for a live request": (lambda m: m.new_step_starts([_started("r0", 0, 0, ())]),

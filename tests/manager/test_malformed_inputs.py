@@ -106,6 +106,20 @@ def test_a_slot_mapping_that_is_no_integer_tensor_is_kept_for_the_save_to_refuse
         m.shutdown()
 
 
+def test_a_taken_int32_mapping_is_refused_naming_int64_and_a_layout_without_writes_names_them() -> None:
+    """``PrefixCacheWriteLayout.taking`` keeps its tensor as it is: an int32 mapping is refused as not
+    int64 (it is an integer dtype); ``writes`` that are no iterable are refused naming ``writes``."""
+    layout = PrefixCacheWriteLayout.taking(ONE_WRITE, 4, torch.arange(4, 8, dtype=torch.int32))
+    m = manager()
+    try:
+        _refused(m, H, None, layout, "slots_cpu has dtype torch.int32, not int64")
+        assert m.stats()["staging"]["claims"] == 0
+    finally:
+        m.shutdown()
+    with pytest.raises(TypeError, match="writes must be an iterable of PrefixCacheWrite, not NoneType"):
+        PrefixCacheWriteLayout(None, 4, torch.arange(4))  # type: ignore[arg-type]
+
+
 def test_an_id_that_has_no_truth_value_is_outside_the_snapshot_and_nothing_is_consumed() -> None:
     m = manager()
     try:
@@ -249,6 +263,32 @@ def test_a_save_refused_after_its_new_keys_pool_was_reserved_gives_it_back(monke
     step, _ = save(m, [("a", [0], 0, 4)], mm={"audio": torch.ones(4, 16)})
     assert m.materialize(step, ["a"]).mm_outputs["audio"]["a"].shape == (4, 16)
     assert m.shutdown() == {}
+
+
+def test_staging_pages_past_int64_bytes_are_refused_naming_their_true_size() -> None:
+    """Pages whose byte count overflows int64 (torch's own size computation refuses them) are named
+    with their true size, never a wrapped one."""
+    m = manager(True, staging_capacity_tokens=2**62)
+    m.new_step_starts([started("a")])
+    with pytest.raises(OmniPrefixCacheUnmatchError, match=r"staging_capacity_tokens 4611686018427387904 rows of shape "
+                       r"\(8,\) torch.float32 = 442,721,857,769,029,238,784 bytes \(RuntimeError"):
+        save(m, [("a", [0], 0, 4)])
+    assert m.stats()["failed"] is None and m.shutdown() == {}
+
+
+def test_a_save_whose_second_new_keys_pool_is_refused_gives_back_the_first_ones() -> None:
+    """Two keys new to the pool: the allocator refuses the second one's pool tensor after the first
+    one's was reserved; the refused save gives both back (it keeps no memory)."""
+    import omni_cache.runtime.block_pool as block_pool
+
+    m = manager()
+    m.new_step_starts([started("a")])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(block_pool.torch, "zeros", _refusing_rows_of_width_4096(torch.zeros))
+        with pytest.raises(OmniPrefixCacheUnmatchError, match="cannot allocate the block pool of 'wide'"):
+            save(m, [("a", [0], 0, 4)], mm={"audio": torch.ones(4, 16), "wide": torch.ones(4, 4096)})
+    assert m.pool._reserved == {}, "the refused save kept the first key's pool reservation"
+    assert m.stats()["failed"] is None and m.stats()["pool_bytes"] == {} and m.shutdown() == {}
 
 
 def test_a_version_table_the_host_refuses_for_a_new_key_is_a_refused_save_that_changes_nothing(

@@ -6,7 +6,8 @@ write and read); a hash that is not bytes or rows that are not per-token tensors
 ``ValueError`` (with or without a directory); an entry that does not fit the pool (row count,
 dtype or row shape against the pool or an earlier entry of the same plan, a key the pool holds
 missing) is a counted miss, vacated and dropped from the tier, and never raises after other loads
-of its plan were restored; a cache started afresh restores what its predecessor stored, and a new
+of its plan were restored -- a key's shape counts from its first registered write, landed or not
+(a committer still behind, a deferred write still open), in both directions; a cache started afresh restores what its predecessor stored, and a new
 key's pool tensor the allocator refuses is that load's miss.
 """
 
@@ -16,9 +17,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from cache_helpers import BS, finished, manager, save, started
+from cache_helpers import BS, config, finished, manager, save, started
 from test_disk_level import _applied, _rows
+from thread_helpers import Gate
 
+from omni_cache import ModelCachePolicy, OmniPrefixCacheManager
 from omni_cache.integration.tier_apply import TierApplier, TierLoad, TierPlan, TierStore
 from omni_cache.runtime.errors import OmniPrefixCacheUnmatchError
 from omni_cache.runtime.tier import HiddenTier
@@ -151,3 +154,74 @@ def test_entries_of_one_plan_that_disagree_on_a_new_key_restore_the_first_only()
     assert "lacks key(s) ['audio.codes']" in applier.load_failures[-1]["why"]
     fresh.shutdown()
 
+
+
+def test_an_entry_against_a_write_the_committer_has_not_landed_yet_is_a_miss() -> None:
+    """With the committer thread, a save's write may still be in transit when the next step's plan is
+    applied: its keys' dtype and width are fixed already, so an entry of another dtype is a counted
+    miss (as in eager mode), never a restore that fails the cache at its landing (I8)."""
+    gate = Gate("before_pool_write", first_only=True)
+    m = OmniPrefixCacheManager(config(), eager=False, faults=gate)
+    applier = TierApplier(HiddenTier(1 << 20), BS)
+    m.new_step_starts([started("a")])
+    first, rows = save(m, [("a", [2], 0, 4)])  # float32 rows of width 8, held before their landing
+    assert gate.entered.wait(5)
+    applier.tier.put(b"bad", {"hidden": _rows("g")["hidden"].to(torch.float64)})
+    m.new_step_starts([started("b")])
+    try:
+        assert applier.apply(TierPlan(loads=(TierLoad("b", 0, b"bad", 5),)), m) == {5}
+        assert "width and dtype never change" in applier.load_failures[0]["why"]
+    finally:
+        gate.release.set()
+    assert torch.equal(m.materialize(first, ["a"]).hidden_states["a"], rows)
+    assert m.stats()["failed"] is None and applier.num_load_failures == 1
+    assert m.shutdown() == {}
+
+
+def test_a_save_against_a_restore_the_committer_has_not_landed_yet_is_refused_before_its_claim() -> None:
+    """The other direction: a restore registered a key new to the pool (float64) whose rows have not
+    landed; a save bringing that key as float32 is refused before it claims anything, and the cache
+    goes on (no landing of mismatched rows, I8)."""
+    gate = Gate("before_pool_write", first_only=True)
+    m = OmniPrefixCacheManager(config(), eager=False, faults=gate)
+    applier = TierApplier(HiddenTier(1 << 20), BS)
+    applier.tier.put(b"h", {"hidden": _rows("g")["hidden"], "x": torch.ones(BS, 2, dtype=torch.float64)})
+    m.new_step_starts([started("b", hit_end=BS, blocks=[5])])
+    try:
+        assert applier.apply(TierPlan(loads=(TierLoad("b", 0, b"h", 5),)), m) == set()
+        assert gate.entered.wait(5)
+        with pytest.raises(OmniPrefixCacheUnmatchError, match=r"block pool key 'x' holds rows of shape \(2,\) "
+                           r"torch.float64; this step brought rows of shape \(2,\) torch.float32"):
+            save(m, [("b", [5, 6], BS, BS + 1)], mm={"x": torch.ones(1, 2)})
+        assert m.stats()["staging"]["claims"] == 0
+    finally:
+        gate.release.set()
+    step, _ = save(m, [("b", [5, 6], BS, BS + 1)], mm={"x": torch.ones(1, 2, dtype=torch.float64)})
+    out = m.materialize(step, ["b"])
+    assert torch.equal(out.mm_outputs["x"]["b"][:BS], torch.ones(BS, 2, dtype=torch.float64))
+    assert m.stats()["failed"] is None and m.shutdown() == {}
+
+
+def test_an_entry_against_an_open_deferred_write_is_a_miss_and_the_rest_of_the_plan_applies() -> None:
+    """A deferred key's write stays open while its request runs (its rows not in the pool yet), but
+    the key is held: an entry of another dtype for it, or one without it, is a counted miss checked
+    before the first restore (never a refusal raised after the plan's other loads were restored),
+    vacated and dropped from the tier; an entry that fits restores."""
+    m = manager(True)
+    m.register_policy(ModelCachePolicy(deferred_keys=frozenset({"audio"})))
+    m.new_step_starts([started("a")])
+    first, _ = save(m, [("a", [2], 0, 4)], mm={"audio": torch.ones(4, 2)})
+    m.discard_step(first)
+    applier = TierApplier(HiddenTier(1 << 20), BS)
+    hidden = _rows("g")["hidden"]
+    applier.tier.put(b"lacking", {"hidden": hidden})
+    applier.tier.put(b"bad", {"hidden": hidden, "audio": torch.ones(BS, 2, dtype=torch.float64)})
+    applier.tier.put(b"fits", {"hidden": hidden, "audio": torch.full((BS, 2), 3.0)})
+    m.new_step_starts([started("b")])
+    plan = TierPlan(loads=(TierLoad("b", 0, b"lacking", 5), TierLoad("b", 1, b"bad", 6), TierLoad("b", 2, b"fits", 7)))
+    assert applier.apply(plan, m) == {5, 6}
+    assert applier.restored_blocks == 1 and applier.num_load_failures == 2
+    whys = [f["why"] for f in applier.load_failures]
+    assert "lacks key(s) ['audio']" in whys[0] and "'audio' holds rows of shape (2,) torch.float32" in whys[1], whys
+    assert b"bad" not in applier.tier and b"lacking" not in applier.tier and b"fits" in applier.tier
+    assert m.stats()["failed"] is None and m.shutdown() == {}
