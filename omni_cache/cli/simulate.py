@@ -48,7 +48,7 @@ def register(subparsers: Any) -> None:
         ),
         epilog="Exit codes: 0 every request asked ran and was verified; 1 a mismatch or contract error; "
         "2 bad arguments, or a configuration that cannot run one request; 3 clean but incomplete "
-        "(requests dropped or steps cut; with --engine vllm: other KV blocks than asked, or a preemption preset "
+        "(requests dropped or steps cut, or none finished and verified whole; with --engine vllm: other KV blocks than asked, or a preemption preset "
         "that preempted nothing; --allow-incomplete makes that 0).",
     )
     parser.add_argument("--preset", metavar="NAME", choices=sorted(set(PRESETS) | set(simulate_vllm.PRESETS)),

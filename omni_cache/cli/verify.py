@@ -138,6 +138,7 @@ def _manifest_spec_of(cfg: Path) -> str | None:
 
 
 def run_mutant_table(args: argparse.Namespace) -> int:
+    from rich.markup import escape
     from rich.table import Table
 
     from omni_cache.cli.output import OutputConsole as Console
@@ -165,10 +166,11 @@ def run_mutant_table(args: argparse.Namespace) -> int:
             table.add_column(col, overflow="fold")
         for r in results:
             tlc = "; ".join(f"{c}: {res} ({e})" for c, e, res in r.runs)
-            verdict = {"killed": "[green]killed[/green]", "equivalent": f"equivalent: {r.reason}",
+            verdict = {"killed": "[green]killed[/green]", "equivalent": f"equivalent: {escape(r.reason)}",
                        "survived": "[bold red]SURVIVED[/bold red]",
-                       "stillborn": f"stillborn: {r.reason}"}[r.verdict]
-            table.add_row(r.mutant.ident, r.mutant.describe(), tlc, verdict)
+                       "stillborn": f"stillborn: {escape(r.reason)}"}[r.verdict]
+            # NOTE: TLA+ text such as ``![i]`` reads as rich markup: the edit and TLC's words are escaped
+            table.add_row(escape(r.mutant.ident), escape(r.mutant.describe()), escape(tlc), verdict)
         Console(width=200).print(table)
         scored = counts["killed"] + counts["survived"]
         print(f"{len(results)} mutants: {counts['killed']} killed (an invariant or property violated, exit "
@@ -256,6 +258,7 @@ def _print_table(results: list[RunResult], title: str, wall_s: float, jobs: int 
                  only: str | None = None) -> None:
     """The runs' table and a summary line; ``jobs`` None: one ad-hoc run, judged by its --expect;
     ``only``: the --only that selected the runs (the line then claims those runs, not the manifest)."""
+    from rich.markup import escape
     from rich.table import Table
 
     from omni_cache.cli.output import OutputConsole as Console
@@ -269,9 +272,9 @@ def _print_table(results: list[RunResult], title: str, wall_s: float, jobs: int 
         table.add_column(col, justify=justify, no_wrap=True)
     for r in results:
         table.add_row(
-            r.entry.model, Path(r.entry.cfg).name,
+            escape(r.entry.model), escape(Path(r.entry.cfg).name),
             "-" if r.distinct_states is None else f"{r.distinct_states:,}",
-            r.result, r.entry.expect, f"{r.seconds:.1f}",
+            escape(r.result), escape(r.entry.expect), f"{r.seconds:.1f}",
             "[green]as expected[/green]" if r.ok else "[bold red]SURPRISE[/bold red]",
         )
     console = Console()

@@ -72,6 +72,19 @@ def test_cli_prints_the_kill_table(capsys: pytest.CaptureFixture[str]) -> None:
             "0 stillborn (do not parse), 0 survived") in out
 
 
+@pytest.mark.tlc
+def test_the_kill_table_shows_each_edit_exactly(capsys: pytest.CaptureFixture[str]) -> None:
+    """TLA+ text that reads as rich markup (``![i]``) is shown as written, never dropped."""
+    require_tlc()
+    from omni_cache.cli import main
+
+    mutant = next(m for m in _mutants("staging") if m.action == "consume" and m.operator == "skip-update"
+                  and "EXCEPT ![i]" in m.old)
+    assert main(["verify", "--mutants", "--all-mutants", "--only", mutant.ident, "--jobs", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "[delivered EXCEPT ![i] = @ + 1]" in out, out
+
+
 def _one(folder: str, action: str, operator: str, old: str):  # type: ignore[no-untyped-def]
     return next(m for m in _mutants(folder) if m.action == action and m.operator == operator and old in m.old)
 

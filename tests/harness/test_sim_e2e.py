@@ -164,6 +164,18 @@ def test_cli_json_summary_and_steps_limit(capsys: pytest.CaptureFixture[str]) ->
     assert _cli(["--block-size", "0"]) == 2
 
 
+def test_a_run_that_verified_no_request_whole_is_incomplete(capsys: pytest.CaptureFixture[str]) -> None:
+    """A run whose every request the workload aborted (here one conversation's first turn, its later
+    turns skipped) verified no request whole: exit 3 naming why, never OK (0 only when allowed)."""
+    assert _cli(["--preset", "multiturn", "--requests", "4", "--seed", "0", "--json"]) == 3
+    out, err = capsys.readouterr()
+    summary = json.loads(out)
+    assert summary["ok"] and not summary["complete"] and summary["requests"]["verified_by_talker"] == 0
+    assert "no request was finished and verified whole: the workload aborted the 1 that ran" in err
+    assert _cli(["--preset", "multiturn", "--requests", "4", "--seed", "0", "--allow-incomplete"]) == 0
+    assert "result: INCOMPLETE: 4 requests asked, 1 run, 0 finished and verified whole" in capsys.readouterr().out
+
+
 def test_cli_exits_1_with_a_report_on_mismatch(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(
         sim_engine, "default_manager",

@@ -111,8 +111,10 @@ class SimResult:
 
     @property
     def complete(self) -> bool:
-        """Every request asked for ran to its end: none dropped, no step cut by the steps limit."""
-        return not self.requests_dropped_too_long and not self.stopped_by_steps_limit and not self.requests_not_reached
+        """Every request asked for ran to its end (none dropped, no step cut by the steps limit) and
+        at least one of them was finished and verified whole."""
+        return (not self.requests_dropped_too_long and not self.stopped_by_steps_limit and not self.requests_not_reached
+                and self.talker_completed > 0)
 
     def incomplete_reasons(self) -> list[str]:
         """One line per way the run did less than asked (empty when ``complete``)."""
@@ -127,6 +129,12 @@ class SimResult:
             reasons.append(
                 f"--steps-limit {self.config.steps_limit} stopped the run with requests unfinished "
                 f"({self.requests_not_reached} of {self.requests_asked} never started)")
+        if not self.talker_completed and not reasons:
+            reasons.append(
+                f"no request was finished and verified whole: the workload aborted the {self.requests_created} "
+                f"that ran" + (f" and skipped {self.requests_skipped_after_abort} later turns"
+                               if self.requests_skipped_after_abort else "")
+                + " (more --requests or another --seed runs some to their end)")
         return reasons
 
 
