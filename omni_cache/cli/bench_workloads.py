@@ -51,13 +51,17 @@ def run_extra(args: argparse.Namespace, console: Any, sizes: list[int], repeats:
     steps = args.decode_steps
     if args.preset:
         from omni_cache.harness.bench.preset import preset_table, run_preset
+        from omni_cache.harness.bench.report import ground_truth_line
 
         results = run_preset(args.preset, repeats=repeats, eager=eager, check=not args.no_verify,
                              decode_steps=steps, progress=say)
         doc["preset"] = {"name": args.preset, "mode": mode, "repeats": repeats,
                          "cases": [r.to_json() for r in results], "pass": all(r.passed for r in results)}
+        rows = sum(r.omni.rows_checked + r.floor.rows_checked for r in results)
+        doc["preset"]["rows_checked"] = rows
         if not args.json:
             console.print(preset_table(args.preset, results, mode=mode, repeats=repeats))
+            console.print(ground_truth_line(not args.no_verify, rows))
         missed = [r for r in results if not r.passed]
         if missed:
             rc = EXIT_INCOMPLETE  # ran clean, missed its target (the bench's exit code for FAIL)

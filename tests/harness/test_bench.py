@@ -111,7 +111,13 @@ def test_fail_verdict_exits_3_naming_the_ratio(monkeypatch: pytest.MonkeyPatch,
     # ... and a target every run meets passes with exit 0.
     target["ratio"] = 0.0
     assert main(_tiny_full_run()) == 0
-    assert "overall: PASS" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "overall: PASS\n" in out and "ground truth: ok (" in out
+    # without the ground truth the verdict says it judged the speed alone
+    assert main(_tiny_full_run("--no-verify")) == 0
+    out = capsys.readouterr().out
+    assert "overall: PASS (the speed target only: no row was checked against the ground truth)" in out
+    assert "ground truth: not checked (--no-verify)" in out
 
 
 def test_workload_shape() -> None:

@@ -11,6 +11,7 @@ and plots it, and the memory report's measured bytes equal the formula.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import pytest
@@ -95,6 +96,19 @@ def test_preset_cli_json_with_a_tiny_preset(monkeypatch: pytest.MonkeyPatch,
     for case in doc["cases"]:
         assert case["ratio"] == pytest.approx(case["omni_cache"]["tokens_per_s"] / case["floor"]["tokens_per_s"])
         assert case["omni_cache"]["rows_checked"] > 0 and len(case["omni_cache"]["repeats_tokens_per_s"]) == 2
+    assert doc["rows_checked"] == sum(c["omni_cache"]["rows_checked"] + c["floor"]["rows_checked"] for c in doc["cases"])
+
+
+def test_the_preset_table_says_what_it_verified(monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """The preset's text output names the rows checked against the ground truth, or that none were."""
+    monkeypatch.setitem(PRESETS, "decode13", (PresetCase("2 requests", {**TINY, "batch_size": 2}, 0.0),))
+    monkeypatch.setattr(preset_module, "PRESETS", PRESETS)
+    assert main(["bench", "--preset", "decode13", "--repeats", "1"]) == 0
+    checked = re.search(r"ground truth: ok \(([\d,]+) materialized rows checked, every key\)", capsys.readouterr().out)
+    assert checked and int(checked[1].replace(",", "")) > 0
+    assert main(["bench", "--preset", "decode13", "--repeats", "1", "--no-verify"]) == 0
+    assert "ground truth: not checked (--no-verify): no materialized row was compared" in capsys.readouterr().out
 
 
 def test_breakdown_restores_what_it_instruments_and_its_calls_do_not_grow_with_requests() -> None:
