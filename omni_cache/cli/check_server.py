@@ -105,9 +105,10 @@ def _print(report: Any) -> None:
         f"requests: {report.requests}; files checked against the cache_salt recomputation: {report.files_checked} "
         f"({report.rows_checked} rows, {report.include_output_files} with output-token rows)",
         f"prefix hits: {report.hit_requests} requests, {report.cached_tokens} rows served from the cache",
-        f"prompt rows equal to the recomputation: {'bit for bit' if report.tolerance == 0 else f'within {report.tolerance:g}'}"
-        f" (largest relative difference {report.max_rel_diff:.3g}); output-token rows within "
-        f"{report.output_tolerance:g} (largest {report.max_output_rel_diff:.3g})",
+        (f"prompt rows equal to the recomputation: {'bit for bit' if report.tolerance == 0 else f'within {report.tolerance:g}'}"
+         f" (largest relative difference {report.max_rel_diff:.3g}); output-token rows within "
+         f"{report.output_tolerance:g} (largest {report.max_output_rel_diff:.3g})") if report.files_checked
+        else "prompt rows equal to the recomputation: none compared (no file was checked)",
         f"cached rows bit for bit the rows their family computed: {report.cached_rows_matched_origin} of "
         f"{report.cached_tokens}",
         f"negative control (a perturbed prefix row): {'caught' if report.control_caught else 'NOT caught'}",

@@ -88,7 +88,7 @@ class FakeServer:
     """The completions API with hidden-state files, and one ``fault``:
     ``None`` (correct), ``"perturb_hit"`` (a hit's cached row 1 is off), ``"overclaim"`` (a hit
     claims more cached rows than its family shares), ``"no_hits"``, ``"no_file"`` (a hit's
-    response names no file), ``"short_hit"`` (a hit's file lacks its cached rows and their ids, the
+    response names no file), ``"never_file"`` (no response names a file), ``"short_hit"`` (a hit's file lacks its cached rows and their ids, the
     shape of vLLM issue 44485), ``"bad_ids"`` (a hit's file has a wrong token id), ``"not_vllm"``
     (HTML, not JSON), ``"no_models"`` (an empty model list), ``"include_default"`` (not a fault:
     output-token rows unless a request says otherwise, as ``--include-output-tokens``)."""
@@ -165,7 +165,7 @@ class FakeServer:
             rows, token_ids = rows[cached:], token_ids[cached:]
         if cached and self.fault == "bad_ids":
             token_ids[-1] += 1
-        if not (cached and self.fault == "no_file"):
+        if not (cached and self.fault == "no_file") and self.fault != "never_file":
             path = str(self.directory / f"{uuid.uuid4().hex}.safetensors")
             save_file({"hidden_states": rows, "token_ids": token_ids}, path)
             Path(path + ".lock").touch()
@@ -245,6 +245,15 @@ def test_a_response_without_a_file_is_caught(serve, capsys) -> None:
     code, report = _check(serve("no_file").url, capsys)
     assert code == 1 and report["files_checked"] < report["requests"]
     assert any("no hidden_states_path in kv_transfer_params" in p for p in report["problems"])
+
+
+def test_a_server_that_names_no_file_claims_no_equality(serve, capsys) -> None:
+    """Nothing compared is said as such, never as rows "equal bit for bit"; the run fails."""
+    code = main(["check-server", serve("never_file").url, "--families", "1", "--per-family", "2"])
+    out = capsys.readouterr().out
+    assert code == 1 and "files checked against the cache_salt recomputation: 0 " in out
+    assert "prompt rows equal to the recomputation: none compared (no file was checked)" in out
+    assert "bit for bit (largest" not in out and out.rstrip().splitlines()[-1].startswith("FAILED")
 
 
 def test_a_server_without_prefix_hits_is_clean_but_incomplete(serve, capsys) -> None:
