@@ -182,6 +182,20 @@ def existing_folder(text: str) -> Path:
     return path
 
 
+def suffixed_path(suffix: str) -> Callable[[str], Path]:
+    """A path whose name ends in ``suffix`` (a TLC model's ``.cfg``, a module's ``.tla``): another
+    file is refused by name before anything runs."""
+
+    def parse(text: str) -> Path:
+        path = Path(text)
+        if path.suffix != suffix:
+            raise argparse.ArgumentTypeError(f"wants a {suffix} file, got {text!r}")
+        return path
+
+    parse.__name__ = f"{suffix} file"
+    return parse
+
+
 def non_empty_text(text: str) -> str:
     """Any text but an empty (or blank) one: an empty filter would select everything."""
     if not text.strip():

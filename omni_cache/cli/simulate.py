@@ -80,8 +80,9 @@ def register(subparsers: Any) -> None:
                         help="deferred-key GPU budget before forced flushes, >= 1")
     parser.add_argument("--staging-depth", type=int_range(1, 1024),
                         help="staging pages per key (unconsumed step ids), 1 to 1024")
-    parser.add_argument("--builder-delay-ms", type=float_range(0, 60_000),
-                        help="extra latency before each materialize, 0 to 60,000 ms")
+    parser.add_argument("--builder-delay-ms", type=float_range(0, 10_000),
+                        help="extra latency before each materialize, 0 to 10,000 ms (a save waits for a staging "
+                        "slot at most 20 s: a slower builder would end the run with the staging timeout)")
     parser.add_argument(
         "--publish", choices=["forward", "schedule"],
         help="when the KV allocator publishes a full block: when scheduled (default; vLLM v1: same-step "

@@ -29,6 +29,7 @@ from omni_cache.cli.args import (
     float_range,
     int_range,
     non_empty_text,
+    suffixed_path,
 )
 
 if TYPE_CHECKING:  # imported when a run needs them: the arguments are parsed first
@@ -71,12 +72,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                         help="seconds per TLC run, > 0 and <= 86,400 (default 300)")
     parser.add_argument("--tla-dir", type=existing_folder, default=None, help="the tla/ folder (default: this checkout's)")
     parser.add_argument(
-        "--cfg", type=Path, default=None,
-        help="check one alternative cfg (e.g. larger constants) instead of the manifest",
+        "--cfg", type=suffixed_path(".cfg"), default=None,
+        help="check one alternative .cfg file (e.g. larger constants) instead of the manifest",
     )
     parser.add_argument(
-        "--spec", type=Path, default=None,
-        help="with --cfg: the spec module to check (default: the one the manifest runs that cfg with, else "
+        "--spec", type=suffixed_path(".tla"), default=None,
+        help="with --cfg: the .tla spec module to check (default: the one the manifest runs that cfg with, else "
              "MC<cfg name>.tla or MC<folder>.tla beside it)",
     )
     parser.add_argument(
