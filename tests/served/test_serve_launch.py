@@ -347,6 +347,11 @@ except SystemExit as exc:
     (["serve", "tiny-llama", "--port", "8011", "--allow-custom-save-path", "true"],
      "--allow-custom-save-path takes no value, got 'true'"),
     (["serve", "--port", "8011"], "unrecognized arguments: --port"),
+    (["serve", "tiny-llama", "--dry-run", "--delivery-max-byte", "5"],
+     "--delivery-max-byte: not an option of omni-cache serve; did you mean --delivery-max-bytes?"),
+    (["serve", "tiny-llama", "--include_output_token"],
+     "--include_output_token: not an option of omni-cache serve; did you mean --include-output-tokens?"),
+    (["serve", "tiny-llama", "--delivery-directory=/tmp/x"], "did you mean --delivery-dir?"),
     (["serve", "tiny-llama", "--tensor-parallel-size", "two"], "--tensor-parallel-size wants an integer"),
     (["serve", "tiny-llama", "--delivery-dir", ""], "--delivery-dir wants a directory path, got ''"),
     (["serve", "tiny-llama", "--delivery-dir", "/dev/null"], "omni_cache.delivery_dir '/dev/null' is an existing "
@@ -444,3 +449,18 @@ def test_a_users_delivery_dir_null_is_refused_as_such(theirs: dict[str, Any]) ->
         with pytest.raises(ValueError, match=r"omni_cache\.delivery_dir null turns delivery off"):
             serve_command("some/model", ["--kv-transfer-config", json.dumps(config)], delivery=flags,
                           defaults={"delivery_dir": "/d"})
+
+
+@pytest.mark.vllm
+def test_no_option_of_vllms_server_reads_as_a_misspelt_serve_option() -> None:
+    """The near-miss refusal of ``omni-cache serve``'s own options never takes one of vLLM's."""
+    from vllm_support import require_vllm
+
+    require_vllm()
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    options = {o for a in make_arg_parser(FlexibleArgumentParser())._actions for o in a.option_strings
+               if o.startswith("--")}
+    assert len(options) > 100 and "--max-model-len" in options
+    assert {o: near for o in sorted(options) if (near := launch.near_delivery_option(o)) is not None} == {}

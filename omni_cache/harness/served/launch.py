@@ -28,6 +28,7 @@ sub-key of an option the launcher reads is refused (vLLM would take it past thes
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import os
@@ -249,6 +250,18 @@ _OWN_OPTIONS = ("--worker-cls", "--enable-prefix-caching", "--no-enable-prefix-c
                 "--model", "--host", "--tensor-parallel-size", "--pipeline-parallel-size", "--hf-token",
                 "--revision", "--hf-config-path")
 # NOTE: not --config-format, which vLLM's own --config is a prefix of (the launcher only reads it).
+# The ``omni-cache serve`` options themselves: a near miss of one (``--delivery-max-byte``) is refused
+# rather than handed to vLLM, which would fail on it half a minute later (no vLLM option is that close
+# to one of them, tests/served/test_serve_launch.py checks vLLM's parser).
+_DELIVERY_OPTIONS = (*DELIVERY_FLAGS.values(), "--dry-run")
+
+
+def near_delivery_option(option: str) -> str | None:
+    """The ``omni-cache serve`` option ``option`` (not one itself) is a near miss of, or None."""
+    close = difflib.get_close_matches(option, _DELIVERY_OPTIONS, n=1, cutoff=0.8)
+    if not close and option.startswith("--delivery"):
+        close = difflib.get_close_matches(option, _DELIVERY_OPTIONS, n=1, cutoff=0.0)
+    return close[0] if close else None
 
 
 def vllm_spelling(args: Sequence[str]) -> list[str]:
@@ -270,6 +283,9 @@ def vllm_spelling(args: Sequence[str]) -> list[str]:
         if spelled not in _OWN_OPTIONS and (meant := [o for o in _OWN_OPTIONS if o.startswith(spelled)]):
             raise ValueError(f"{name}: spell out {' or '.join(meant)} (vLLM would take the abbreviation for it, "
                              "past the launcher's checks)")
+        if spelled not in _DELIVERY_OPTIONS and (near := near_delivery_option(spelled)) is not None:
+            raise ValueError(f"{name}: not an option of omni-cache serve; did you mean {near}? (a misspelt "
+                             "option of omni-cache serve would go to vLLM unseen)")
         out.append(spelled + dot + tail + eq + value)
     return out
 
