@@ -6,7 +6,7 @@ and sets ``func(args) -> int``. Modules are imported only to build the parser;
 heavy imports happen inside ``func``. Validation of arguments lives in
 ``omni_cache.cli.args`` (exit codes there): a user mistake gets one line and the
 usage of the (sub)command it belongs to, exit 2, never a traceback. A runtime
-error that escapes a subcommand is one line too (exit 1); the hidden ``--debug``
+error that escapes a subcommand is one line too (exit 1); the ``--debug``
 flag shows its traceback. SIGTERM (``kill``, ``timeout``, a cancelled job) ends a command as
 Ctrl-C does -- every server it started stopped, every temporary folder removed -- with one line
 and exit 143.

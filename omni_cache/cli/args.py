@@ -6,7 +6,7 @@ parser it belongs to, then one line ``omni-cache <cmd>: error: ...``, and exits
 range in its message; argparse prefixes the flag), and the exit codes shared
 by the subcommands (defined in ``omni_cache.harness.exit_codes``, where the runs that decide
 them can import them). A user mistake never reaches the code as a bad value, so
-no traceback is shown for one; ``--debug`` (hidden) re-raises runtime errors.
+no traceback is shown for one; ``--debug`` re-raises runtime errors.
 
 Upholds nothing (the cache's I1..I13 live in the runtime); this module only
 keeps bad input out of it.
@@ -220,6 +220,6 @@ def choice_pattern(*forms: str) -> Callable[[str], str]:
 
 
 def add_debug_flag(parser: argparse.ArgumentParser, *, top_level: bool) -> None:
-    """``--debug`` (hidden): show the traceback of a runtime error instead of one line."""
-    parser.add_argument("--debug", action="store_true", help=argparse.SUPPRESS,
+    """``--debug``: show the traceback of a runtime error instead of one line."""
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error instead of one line",
                         default=False if top_level else argparse.SUPPRESS)

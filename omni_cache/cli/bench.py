@@ -80,7 +80,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "3 FAIL: a ratio below the target (the message names the batch size and ratio).",
     )
     parser.add_argument("--batch-sizes", type=_batch_sizes, default=None, metavar="B1,B2",
-                        help="requests per run (default 8,32)")
+                        help="requests per run, each 1 to 4,096 (default 8,32)")
     parser.add_argument("--decode-steps", type=int_range(0, 100_000), default=None,
                         help="decode steps per run, 0 to 100,000 (default 200)")
     parser.add_argument("--repeats", type=int_range(1, 1000), default=None,
@@ -92,7 +92,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument("--seed", type=seed_int, default=0, help="ground-truth and block-table seed, 0 to 2**32 - 1")
     parser.add_argument("--quick", action="store_true",
                         help="a tiny smoke run (batch 2,4; narrow rows; 6 decode steps): ratios, no verdict; with "
-                             "--sweep: its own grid, one repeat; with --machine: fewer cycles, one repeat")
+                             "--sweep: one repeat of its grid; with --machine: fewer cycles, one repeat")
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
     parser.add_argument("--plot", metavar="FILE.png", type=plot_path, default=None,
                         help="write the figure (tokens/s, ratio to the floor with the target, µs per step) to a "

@@ -40,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the cache's cost per step against the forward's, widths 128 to 4096, float32 and "
                         "bfloat16, on real vLLM CPU engines: a table, and a plot in FILE.png when given")
     parser.add_argument("--widths", type=int_list(128, 8192), default=None, metavar="W1,W2",
-                        help="--width-sweep: the widths (multiples of 128; default 128,256,512,1024,2048,4096)")
+                        help="--width-sweep: the widths, multiples of 128 from 128 to 8,192 (default 128,256,512,1024,2048,4096)")
     parser.add_argument("--dtypes", choices=("float32", "bfloat16", "both"), default=None,
                         help="--width-sweep: the dtypes (default both)")
     parser.add_argument("--served", nargs="?", const="wide-llama", default=None, choices=SERVED_MODELS,
@@ -49,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "cache -- driven in turn by vLLM's serving benchmark on its prefix-repetition dataset; TTFT "
                         "and throughput medians, the cache's share of TTFT (needs the [vllm] extra)")
     parser.add_argument("--num-prompts", type=int_range(2, 1000), default=None,
-                        help="--served: requests per benchmark run (default 16)")
+                        help="--served: requests per benchmark run, 2 to 1,000 (default 16)")
 
 
 def run_engine_extra(args: argparse.Namespace, console: Any) -> int | None:

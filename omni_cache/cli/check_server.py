@@ -59,13 +59,13 @@ def register(subparsers: Any) -> None:
         "server could not be driven; 2 bad arguments; 3 clean, but no request hit the prefix cache.",
     )
     parser.add_argument("url", metavar="URL", type=_url, help="the server, e.g. http://127.0.0.1:8011")
-    parser.add_argument("--families", type=int_range(1, 32), default=3, help="prompt families (default 3)")
+    parser.add_argument("--families", type=int_range(1, 32), default=3, help="prompt families, 1 to 32 (default 3)")
     parser.add_argument("--per-family", type=int_range(1, 32), default=3,
-                        help="requests per family and round, sent concurrently (default 3)")
+                        help="requests per family and round, sent concurrently, 1 to 32 (default 3)")
     parser.add_argument("--prefix-words", type=int_range(1, 4000), default=40,
-                        help="words of each family's shared prefix (default 40)")
-    parser.add_argument("--max-tokens", type=int_range(1, 256), default=4, help="tokens generated (default 4)")
-    parser.add_argument("--concurrency", type=int_range(1, 64), default=6, help="requests in flight (default 6)")
+                        help="words of each family's shared prefix, 1 to 4,000 (default 40)")
+    parser.add_argument("--max-tokens", type=int_range(1, 256), default=4, help="tokens generated, 1 to 256 (default 4)")
+    parser.add_argument("--concurrency", type=int_range(1, 64), default=6, help="requests in flight, 1 to 64 (default 6)")
     parser.add_argument("--seed", type=seed_int, default=0, help="prompt seed, 0 to 2**32 - 1 (default 0)")
     parser.add_argument("--tolerance", type=float_range(0, 1), default=0.0,
                         help="prompt rows: largest |diff| / max |row| per row still equal (default 0: bit for bit)")

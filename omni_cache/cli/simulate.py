@@ -59,7 +59,7 @@ def register(subparsers: Any) -> None:
                         "phase-1 prompt returning in phase 2)")
     parser.add_argument("--max-batched-tokens", type=int_range(1, 1 << 20),
                         help="scheduler token budget per step, 1 to 1,048,576")
-    parser.add_argument("--num-blocks", type=int_range(1, 1 << 24), help="KV cache blocks (a request may use half)")
+    parser.add_argument("--num-blocks", type=int_range(1, 1 << 24), help="KV cache blocks, 1 to 16,777,216 (a request may use half)")
     parser.add_argument("--block-size", type=int_range(1, 4096), help="tokens per KV block, 1 to 4096")
     parser.add_argument("--max-num-seqs", type=int_range(1, 1 << 16), help="most running requests, 1 to 65,536")
     parser.add_argument("--seed", type=seed_int, default=0, help="workload seed, 0 to 2**32 - 1 (default: 0)")
@@ -73,8 +73,8 @@ def register(subparsers: Any) -> None:
                       help="manager copies inline (default)")
     mode.add_argument("--async", dest="eager", action="store_false",
                       help="manager eager=False: a committer thread lands pool writes")
-    parser.add_argument("--hidden-width", type=int_range(1, 1 << 16), help="hidden row width (default 64)")
-    parser.add_argument("--embeds-width", type=int_range(1, 1 << 16), help="width of the deferred audio.embeds key")
+    parser.add_argument("--hidden-width", type=int_range(1, 1 << 16), help="hidden row width, 1 to 65,536 (default 64)")
+    parser.add_argument("--embeds-width", type=int_range(1, 1 << 16), help="width of the deferred audio.embeds key, 1 to 65,536")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="hidden/embeds dtype")
     parser.add_argument("--gpu-staging-bytes", type=positive_int,
                         help="deferred-key GPU budget before forced flushes, >= 1")
