@@ -289,7 +289,7 @@ def _print_table(results: list[RunResult], title: str, wall_s: float, jobs: int 
                       + ("" if bad else ": TLC's result is the one --expect names"))
         return
     console.print(
-        f"{len(results)} runs, {bad} surprise(s), {wall_s:.1f} s wall ({total:.1f} s of TLC runs, {jobs} at a time)"
+        f"{len(results)} run{'' if len(results) == 1 else 's'}, {bad} surprise(s), {wall_s:.1f} s wall ({total:.1f} s of TLC runs, {jobs} at a time)"
         + ("" if bad else f": every run --only {only!r} selects behaves as the manifest says" if only
            else ": every model and broken variant behaves as the manifest says")
     )

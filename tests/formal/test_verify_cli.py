@@ -35,7 +35,7 @@ def test_verify_only_json(capsys: pytest.CaptureFixture[str]) -> None:
     # the table's summary claims the runs --only selected, never the whole manifest
     assert main(["verify", "--only", "ServeZeros"]) == 0
     out = " ".join(capsys.readouterr().out.split())
-    assert "1 runs, 0 surprise(s)" in out and "every run --only 'ServeZeros' selects behaves as the manifest says" in out
+    assert "1 run, 0 surprise(s)" in out and "every run --only 'ServeZeros' selects behaves as the manifest says" in out
     assert "every model and broken variant" not in out
 
 
