@@ -188,6 +188,8 @@ def suffixed_path(suffix: str) -> Callable[[str], Path]:
 
     def parse(text: str) -> Path:
         path = Path(text)
+        if path.is_dir():
+            raise argparse.ArgumentTypeError(f"{text!r} is a directory, not a {suffix} file")
         if path.suffix != suffix:
             raise argparse.ArgumentTypeError(f"wants a {suffix} file, got {text!r}")
         return path

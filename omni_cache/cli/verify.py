@@ -97,9 +97,7 @@ def _adhoc_entry(args: argparse.Namespace) -> tuple[ManifestEntry, Path]:
         check_expect,
     )
 
-    cfg: Path = args.cfg.resolve()
-    if cfg.is_dir():
-        raise ManifestError(f"--cfg {args.cfg} is a directory, not a TLC .cfg file")
+    cfg: Path = args.cfg.resolve()  # a .cfg path, not a directory (``suffixed_path``)
     if not cfg.is_file():
         raise ManifestError(f"--cfg {args.cfg} does not exist")
     if args.spec is not None:
