@@ -26,7 +26,8 @@ bridge, so no later hit reads an older tenant's rows there); a failed materializ
 requests it was asked for; a write that fails (a full disk, a missing directory) or does not
 finish within ``timeout_s`` fails its request with the reason (and is never published; one still
 waiting for a writer is never written at all), and a backlog of more than
-``max_pending`` unfinished writes fails new ones at once instead of stalling the engine. Every
+``max_pending`` unfinished writes fails new ones at once instead of stalling the engine; writes
+given up on never hold a later file back (the writers outnumber the backlog allowed). Every
 step id given to ``consume`` is consumed exactly once (I1), whatever happens to the rows.
 """
 
@@ -154,7 +155,11 @@ class RowDelivery:
                 raise ValueError(f"OmniKVConnector: omni_cache.delivery_dir {settings.delivery_dir!r} cannot hold "
                                  f"the delivered files: {exc}") from exc
         self.store = store
-        self._writers = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix="omni-cache-delivery")
+        # NOTE: a write given up on (timed out) keeps its thread until the disk returns, and up to
+        # ``delivery_max_pending`` of them may run (then new files fail at once): two threads beyond
+        # them, so stuck writes never queue a later step's file behind them. Threads start on demand.
+        self._writers = cf.ThreadPoolExecutor(max_workers=settings.delivery_max_pending + 2,
+                                              thread_name_prefix="omni-cache-delivery")
         self._requests: dict[str, _Rows] = {}
         # Prompt-only files handed to a writer whose request still runs: held from retention until the
         # plan's ``told`` (the request's output, which names the file, is out). Engine thread only.

@@ -449,14 +449,29 @@ class DeliveryStore:
             self.removed += 1
 
     def _adopt_existing(self) -> None:
-        """Deliveries left in the directory by an earlier server count against the bounds (oldest
-        first): a file of the default naming or with a lock file beside it (every delivered file has
-        one until its reader cleans both up), and a failed delivery's lock file and error note. Any
-        other file is never touched (the directory may hold a user's own ``.safetensors`` files).
-        Temporary files of a writer that is gone are removed; a live process's are left alone."""
+        """Deliveries an earlier server left in the directory or a folder in it (a custom save path)
+        count against the bounds (oldest first): a file of the default naming or with a lock file
+        beside it (every delivered file has one until its reader cleans both up), and a failed
+        delivery's lock file and error note. Any other file is never touched (the directory may hold
+        a user's own ``.safetensors`` files). A gone writer's temporary files are removed."""
         found: dict[str, list[float]] = {}  # a delivery's path -> [newest mtime, bytes] of its files
-        with os.scandir(self.root) as scan:
-            entries = list(scan)
+        # NOTE: every folder under the root (a custom save path may name a subfolder), links not followed
+        for folder, _, _ in os.walk(self.root, followlinks=False):
+            self._adopt_folder(folder, found)
+        with self._lock:
+            for path, (mtime, size) in sorted(found.items(), key=lambda item: (item[1][0], item[0])):
+                self._delivered[path] = _Delivered(int(size), mtime)
+                self._bytes += int(size)
+            self._enforce_locked()
+
+    @staticmethod
+    def _adopt_folder(folder: str, found: dict[str, list[float]]) -> None:
+        """``_adopt_existing`` for the files of one folder: deliveries into ``found``."""
+        try:
+            with os.scandir(folder) as scan:
+                entries = list(scan)
+        except FileNotFoundError:  # a folder removed since the walk listed it
+            return
         names = {entry.name for entry in entries}
         for entry in entries:
             if (tmp := _TMP_NAME.fullmatch(entry.name)) is not None:
@@ -474,11 +489,6 @@ class DeliveryStore:
                 st = entry.stat(follow_symlinks=False)
                 seen = found.setdefault(entry.path[: len(entry.path) - len(extra)], [st.st_mtime, 0])
                 seen[0], seen[1] = max(seen[0], st.st_mtime), seen[1] + st.st_size
-        with self._lock:
-            for path, (mtime, size) in sorted(found.items(), key=lambda item: (item[1][0], item[0])):
-                self._delivered[path] = _Delivered(int(size), mtime)
-                self._bytes += int(size)
-            self._enforce_locked()
 
 
 def _apply_age_bound(ref: weakref.ReferenceType[DeliveryStore], closed: threading.Event, period: float) -> None:

@@ -9,9 +9,10 @@ server started without the middleware): that request runs and its response carri
 ``hidden_states_error``.
 
 No torch, no vLLM: the API server process imports this by name. Upholds: a request whose body
-names no ``kv_transfer_params``, or to an endpoint that takes none (``CHECKED_PATHS``), is passed on
-untouched (its body is read once and replayed as it came); only a JSON body whose
-``kv_transfer_params`` object has a bad delivery option is answered here. NOTE: vLLM adds
+names no ``kv_transfer_params`` (however the JSON spells or encodes the key), or to an endpoint
+outside ``CHECKED_PATHS`` (those that run no engine request), is passed on untouched (its body is
+read once and replayed as it came); only a JSON body whose ``kv_transfer_params`` object has a
+bad delivery option is answered here (``/v1/messages`` in Anthropic's error format). NOTE: vLLM adds
 ``--middleware`` classes after its own, so this check runs before its API-key check: a request
 with a bad option is answered 400 before it is authenticated (nothing runs for it either way).
 """
@@ -29,8 +30,12 @@ MIDDLEWARE = "omni_cache.integration.request_check.KvTransferParamsCheck"
 """The import path vLLM's ``--middleware`` takes."""
 
 _MARK = b"kv_transfer_params"
-CHECKED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
-"""The endpoints whose requests carry ``kv_transfer_params`` to the engine."""
+# NOTE: the key spelled another way: a JSON ``\u`` escape, or UTF-16/32 (NUL bytes in ASCII text)
+_OTHER_SPELLINGS = (b"\\u", b"\x00")
+CHECKED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
+                           "/invocations", "/inference/v1/generate"})
+"""The endpoints whose requests carry ``kv_transfer_params`` to the engine (SageMaker's
+``/invocations`` forwards to the completions or chat route)."""
 _INLINE_BYTES = 1 << 20  # bodies above this are parsed on a worker thread
 
 Scope = MutableMapping[str, Any]
@@ -70,11 +75,11 @@ class KvTransferParamsCheck:
                 break
         body = b"".join(m.get("body", b"") for m in messages if m.get("type") == "http.request")
         problem = None
-        if _MARK in body:  # NOTE: a large body (multimodal data) is parsed off the event loop
+        if _MARK in body or any(s in body for s in _OTHER_SPELLINGS):  # NOTE: a large body is parsed off the loop
             problem = await asyncio.to_thread(_problem, body) if len(body) > _INLINE_BYTES else _problem(body)
         del body  # NOTE: the replayed messages are the only copy held while the request runs
         if problem is not None:
-            await _bad_request(send, problem)
+            await _bad_request(send, problem, anthropic=scope.get("path") == "/v1/messages")
             return
 
         async def replay() -> Message:
@@ -93,9 +98,10 @@ def _problem(body: bytes) -> str | None:
     return None if problem is None else f"kv_transfer_params.{problem}"
 
 
-async def _bad_request(send: Send, message: str) -> None:
-    payload = json.dumps({"error": {"message": message, "type": "BadRequestError",
-                                    "param": "kv_transfer_params", "code": 400}}).encode()
+async def _bad_request(send: Send, message: str, *, anthropic: bool) -> None:
+    error = ({"type": "error", "error": {"type": "invalid_request_error", "message": message}} if anthropic else
+             {"error": {"message": message, "type": "BadRequestError", "param": "kv_transfer_params", "code": 400}})
+    payload = json.dumps(error).encode()
     await send({"type": "http.response.start", "status": 400,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]})
     await send({"type": "http.response.body", "body": payload})

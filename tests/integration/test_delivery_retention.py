@@ -210,6 +210,36 @@ def test_adopted_files_older_than_the_age_bound_are_removed_at_start(tmp_path: P
     assert delivered(root) == [new]
 
 
+def test_deliveries_in_a_folder_of_the_directory_are_adopted_too(tmp_path: Path, clock: _Clock) -> None:
+    """A custom save path may name a folder inside the directory: an earlier server's delivery there
+    (its file and lock file) counts against the bounds and ages out; a user's own file there (no lock
+    file) and a linked folder (never followed) are left alone."""
+    root = _root(tmp_path)
+    sub = Path(root, "sub", "deeper")
+    sub.mkdir(parents=True)
+    for name in ("inner.safetensors", "inner.safetensors.lock"):
+        Path(sub, name).write_bytes(b"" if name.endswith(".lock") else b"x" * 100)
+        os.utime(sub / name, (clock.now - 7200, clock.now - 7200))
+    for name in ("young.safetensors", "young.safetensors.lock"):
+        Path(sub, name).write_bytes(b"" if name.endswith(".lock") else b"y" * 50)
+        os.utime(sub / name, (clock.now - 10, clock.now - 10))
+    Path(sub, "mine.safetensors").write_bytes(b"m" * 10)  # a user's own file: no lock file beside it
+    os.utime(sub / "mine.safetensors", (clock.now - 7200, clock.now - 7200))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    Path(elsewhere, "x.safetensors").write_bytes(b"e")
+    Path(elsewhere, "x.safetensors.lock").write_bytes(b"")
+    os.utime(elsewhere / "x.safetensors", (clock.now - 7200, clock.now - 7200))
+    os.symlink(elsewhere, os.path.join(root, "linked"))
+    store = DeliveryStore(root, max_bytes=1 << 30, max_age_s=3600)
+    assert sorted(os.listdir(sub)) == ["mine.safetensors", "young.safetensors", "young.safetensors.lock"]
+    assert store.nbytes == 50 and store.removed == 1
+    assert sorted(os.listdir(elsewhere)) == ["x.safetensors", "x.safetensors.lock"]
+    clock.now += 3600
+    store.enforce()
+    assert sorted(os.listdir(sub)) == ["mine.safetensors"] and store.nbytes == 0
+
+
 def test_the_age_bound_holds_on_an_idle_server(tmp_path: Path) -> None:
     """No write comes while nothing is served: a timer applies the age bound between writes, so a
     file never outlives it by more than a quarter of it (here 0.5 s, the shortest period), and

@@ -323,22 +323,60 @@ def test_a_write_slower_than_the_timeout_fails_and_is_never_published(worker) ->
 
 
 def test_a_write_abandoned_before_it_starts_writes_nothing(worker) -> None:
-    """Two files hold both writer threads on a stuck disk; the third waits behind them. All three time
-    out: once the disk frees, the abandoned files are neither serialized nor written (the queued one
-    never reaches the disk), and each leaves only its error note, its lock released."""
-    w = worker(store_cls=HeldDisk, delivery_timeout_s=0.05, delivery_max_pending=8)
-    for r in "abc":
+    """Three files hold every writer thread (max_pending 1, plus two) on a stuck disk; the fourth
+    waits behind them. All four time out: once the disk frees, the abandoned files are neither
+    serialized nor written (the queued one never reaches the disk), and each leaves only its error
+    note, its lock released."""
+    w = worker(store_cls=HeldDisk, delivery_timeout_s=0.05, delivery_max_pending=1)
+    for r in "abcd":
         w.admit(r, 4)
-    w.step([started(r) for r in "abc"], [(r, [i + 1], 0, 4) for i, r in enumerate("abc")])
+    w.step([started(r) for r in "abcd"], [(r, [i + 1], 0, 4) for i, r in enumerate("abcd")])
     results = w.results()
-    assert all("not written within delivery_timeout_s" in results[r].error for r in "abc")
+    assert all("not written within delivery_timeout_s" in results[r].error for r in "abcd")
     w.store.gate.set()
     wait_until(lambda: all(j.future.done() for j in w.delivery._abandoned), "the abandoned writes ended")
-    assert w.store.waiting == 2, "a write abandoned while queued still went to the disk"
-    for r in "abc":
+    assert w.store.waiting == 3, "a write abandoned while queued still went to the disk"
+    for r in "abcd":
         assert not os.path.exists(w.path(r)) and _lock_is_free(w.path(r))
         assert "abandoned before its file was written" in Path(w.path(r) + ".error").read_text()
     assert [n for n in os.listdir(w.settings.delivery_dir) if ".omni-tmp-" in n] == []
+    w.assert_every_step_consumed_once()
+
+
+class _StuckFor(DeliveryStore):
+    """Writes of the paths in ``stuck`` wait until ``gate`` is set (a slow disk for those files
+    only); every other write goes straight to the disk."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.stuck: set[str] = set()
+        self.gate = threading.Event()
+
+    def write(self, path: str, payload: bytes, *, publish: Any = None) -> int:
+        if path in self.stuck:
+            assert self.gate.wait(JOIN_S), "the test never freed the stuck writes"
+        return super().write(path, payload, publish=publish)
+
+
+def test_writes_given_up_on_never_hold_a_later_file_back(worker) -> None:
+    """Two writes stuck on the disk past the timeout (given up on, still running) leave the writers
+    free for later files: each later request's file is written at once, not failed behind them."""
+    w = worker(store_cls=_StuckFor, delivery_timeout_s=1.0)  # a later file never needs that long
+    w.store.stuck = {w.path("s1"), w.path("s2")}
+    for i, r in enumerate(("s1", "s2")):
+        w.admit(r, 4)
+        w.step([started(r)], [(r, [i + 1], 0, 4)])
+        assert "not written within delivery_timeout_s" in w.results()[r].error
+    try:
+        for i, r in enumerate(("f1", "f2", "f3")):
+            w.admit(r, 4)
+            rows = w.step([started(r)], [(r, [i + 3], 0, 4)])
+            result = w.results()[r]
+            assert result.error is None, result.error
+            _assert_file(w.path(r), rows, w.ids[r])
+    finally:
+        w.store.gate.set()
+    wait_until(lambda: all(j.future.done() for j in w.delivery._abandoned), "the stuck writes ended")
     w.assert_every_step_consumed_once()
 
 

@@ -56,9 +56,23 @@ def test_a_bad_include_output_tokens_is_a_400_that_never_reaches_the_app(value: 
     body = json.dumps({"prompt": "x", "kv_transfer_params": {"include_output_tokens": value}}).encode()
     app, sent = _call(body, chunk=7, path=path)
     assert app.bodies == [] and sent[0]["status"] == 400
-    assert json.loads(sent[1]["body"]) == {"error": {
-        "message": f"kv_transfer_params.include_output_tokens must be true or false, got {value!r}",
-        "type": "BadRequestError", "param": "kv_transfer_params", "code": 400}}
+    message = f"kv_transfer_params.include_output_tokens must be true or false, got {value!r}"
+    assert json.loads(sent[1]["body"]) == ({"type": "error", "error": {"type": "invalid_request_error", "message": message}}
+                                           if path == "/v1/messages" else {"error": {
+        "message": message, "type": "BadRequestError", "param": "kv_transfer_params", "code": 400}})
+
+
+@pytest.mark.parametrize("encode", [
+    lambda d: json.dumps(d).replace("kv_transfer_params", "kv\\u005ftransfer_params").encode(),  # an escaped key
+    lambda d: json.dumps(d).encode("utf-16"),
+    lambda d: json.dumps(d).encode("utf-32-le"),
+], ids=["escaped key", "utf-16", "utf-32-le"])
+def test_the_key_spelled_or_encoded_another_way_is_checked_too(encode: Any) -> None:
+    """JSON may escape any character of the key, and a body may be UTF-16 or -32: checked all the same."""
+    body = encode({"prompt": "x", "kv_transfer_params": {"include_output_tokens": "yes"}})
+    assert b"kv_transfer_params" not in body and json.loads(body)["kv_transfer_params"]
+    app, sent = _call(body)
+    assert app.bodies == [] and sent[0]["status"] == 400
 
 
 @pytest.mark.parametrize("body", [
