@@ -107,6 +107,9 @@ class DeliveryResult:
 
 
 # ---------------------------------------------------------------------------- the worker half
+_WRITING_SLOTS = 2  # files serialized and written at a time
+
+
 @dataclass
 class _Job:
     """One file on its way to disk; ``published`` and ``cancelled`` change under ``lock``."""
@@ -120,6 +123,7 @@ class _Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     future: cf.Future[int] | None = None
     nbytes: int = 0  # the file's size, set before it is written
+    holds_slot: bool = False  # holds one of the writing slots (``RowDelivery._slots``)
 
 
 @dataclass
@@ -155,10 +159,13 @@ class RowDelivery:
                 raise ValueError(f"OmniKVConnector: omni_cache.delivery_dir {settings.delivery_dir!r} cannot hold "
                                  f"the delivered files: {exc}") from exc
         self.store = store
-        # NOTE: a write given up on (timed out) keeps its thread until the disk returns, and up to
-        # ``delivery_max_pending`` of them may run (then new files fail at once): two threads beyond
-        # them, so stuck writes never queue a later step's file behind them. Threads start on demand.
-        self._writers = cf.ThreadPoolExecutor(max_workers=settings.delivery_max_pending + 2,
+        # NOTE: two files serialize and write at a time (``_slots``: a file's payload is built whole in
+        # memory). A write given up on (timed out) gives its slot to the next file but keeps its thread
+        # until the disk returns; up to ``delivery_max_pending`` of them may run (then new files fail at
+        # once), so the threads outnumber them by the two slots: stuck writes never hold a later file
+        # back. Threads start on demand.
+        self._slots = threading.Semaphore(_WRITING_SLOTS)
+        self._writers = cf.ThreadPoolExecutor(max_workers=settings.delivery_max_pending + _WRITING_SLOTS,
                                               thread_name_prefix="omni-cache-delivery")
         self._requests: dict[str, _Rows] = {}
         # Prompt-only files handed to a writer whose request still runs: held from retention until the
@@ -261,6 +268,7 @@ class RowDelivery:
         for the files handed to the writer this step; a file not done by then fails its request."""
         deadline = time.monotonic() + self.settings.delivery_timeout_s
         jobs, self._step_jobs = self._step_jobs, []
+        given_up: list[_Job] = []
         for job in jobs:
             assert job.future is not None
             try:
@@ -270,6 +278,7 @@ class RowDelivery:
                     if not job.published:
                         job.cancelled.set()
                 self._abandoned.append(job)  # still running: it counts against max_pending
+                given_up.append(job)
                 if job.cancelled.is_set():
                     self._unhold(job.target.req_id)  # its client is told an error, never this path
                     self._record_failure(job.target, f"the file was not written within delivery_timeout_s="
@@ -284,6 +293,10 @@ class RowDelivery:
                 self._record_failure(job.target, f"writing the file failed: {type(exc).__name__}: {exc}")
                 continue
             self._record_success(job, nbytes)
+        # NOTE: only once every late file of the step is cancelled: a slot given earlier could start
+        # a file of this step that is about to be given up on
+        for job in given_up:
+            self._give_slot(job)
         self._abandoned = [j for j in self._abandoned if j.future is not None and not j.future.done()]
 
     def take_latencies(self) -> tuple[float, ...]:
@@ -385,6 +398,10 @@ class RowDelivery:
 
         try:
             assert job.target.path is not None
+            if not job.cancelled.is_set():
+                self._slots.acquire()
+                with job.lock:
+                    job.holds_slot = True
             if job.cancelled.is_set():  # abandoned while queued behind a slow disk: its failure is out already
                 raise TimeoutError("the delivery was abandoned before its file was written")
             payload = save({k: t.contiguous() for k, t in tensors.items()}, metadata=metadata)
@@ -395,7 +412,15 @@ class RowDelivery:
                 self.store.note_failure(job.target.path, f"{type(exc).__name__}: {exc}")
             raise
         finally:
+            self._give_slot(job)
             self.store.release_lock(lock_fd)
+
+    def _give_slot(self, job: _Job) -> None:
+        """The writing slot ``job`` holds goes to the next file (its writer is done, or given up on)."""
+        with job.lock:
+            held, job.holds_slot = job.holds_slot, False
+        if held:
+            self._slots.release()
 
     def _unhold(self, req_id: str) -> None:
         """End the hold of ``req_id``'s file, if it has one (``DeliveryStore.release``)."""

@@ -323,20 +323,20 @@ def test_a_write_slower_than_the_timeout_fails_and_is_never_published(worker) ->
 
 
 def test_a_write_abandoned_before_it_starts_writes_nothing(worker) -> None:
-    """Three files hold every writer thread (max_pending 1, plus two) on a stuck disk; the fourth
-    waits behind them. All four time out: once the disk frees, the abandoned files are neither
-    serialized nor written (the queued one never reaches the disk), and each leaves only its error
-    note, its lock released."""
-    w = worker(store_cls=HeldDisk, delivery_timeout_s=0.05, delivery_max_pending=1)
-    for r in "abcd":
+    """Two files hold both writing slots on a stuck disk; the third waits behind them (a thread of
+    its own, no slot). All three time out: once the disk frees, the abandoned files are neither
+    serialized nor written (the waiting one never reaches the disk, though the late ones gave their
+    slots up), and each leaves only its error note, its lock released."""
+    w = worker(store_cls=HeldDisk, delivery_timeout_s=0.05, delivery_max_pending=8)
+    for r in "abc":
         w.admit(r, 4)
-    w.step([started(r) for r in "abcd"], [(r, [i + 1], 0, 4) for i, r in enumerate("abcd")])
+    w.step([started(r) for r in "abc"], [(r, [i + 1], 0, 4) for i, r in enumerate("abc")])
     results = w.results()
-    assert all("not written within delivery_timeout_s" in results[r].error for r in "abcd")
+    assert all("not written within delivery_timeout_s" in results[r].error for r in "abc")
     w.store.gate.set()
     wait_until(lambda: all(j.future.done() for j in w.delivery._abandoned), "the abandoned writes ended")
-    assert w.store.waiting == 3, "a write abandoned while queued still went to the disk"
-    for r in "abcd":
+    assert w.store.waiting == 2, "a write abandoned while waiting for a slot still went to the disk"
+    for r in "abc":
         assert not os.path.exists(w.path(r)) and _lock_is_free(w.path(r))
         assert "abandoned before its file was written" in Path(w.path(r) + ".error").read_text()
     assert [n for n in os.listdir(w.settings.delivery_dir) if ".omni-tmp-" in n] == []
