@@ -6,7 +6,9 @@ zeros, which is why readers consult ``omni_cache.runtime.tenancy`` before trusti
 (I6). The committer's landing writes here (``SlotTenancy.land_all``, under the data
 lock, into the tensors ``ensure_key`` publishes: allocated by ``prepare_keys`` before the save
 that brings a new key claims anything, or by ``ensure_key`` itself); ``write`` is the pool's own
-scatter of one key. Published keys are never dropped.
+scatter of one key. Published keys are never dropped. It also owns each key's row signature
+(dtype, row shape), fixed by the first write registered for the key (``fix_sigs``, the write
+scheduler's call) before its rows land: ``check_sigs``, ``sigs`` and every landing compare with it.
 
 ``scatter_rows`` is the one way rows land at their slots (the pool's ``write``, the tenancy's
 landing, and the bench's raw-copy floors).
@@ -197,18 +199,21 @@ class PrefixBlockPool:
     def _tensor_for(self, key: TensorName, rows: torch.Tensor) -> torch.Tensor:
         sig = row_sig(rows)
         with self.lock:
+            fixed = self._sigs.get(key)
+        check_sig(f"block pool key {key!r}", fixed, sig)  # fixed at registration: nothing published for other rows
+        with self.lock:
             tensor = self._tensors.get(key)
             if tensor is None:  # the first landing publishes the tensor ``prepare_keys`` allocated
                 reserved = self._reserved.pop(key, None)
                 if reserved is not None and reserved[0] == sig:
                     tensor = self._tensors[key] = reserved[1]
-                    self._sigs[key] = sig
+                    self._sigs.setdefault(key, sig)
         if tensor is None:
             fresh = self._allocate(key, sig)
             with self.lock:
                 tensor = self._tensors.setdefault(key, fresh)
                 if tensor is fresh:
-                    self._sigs[key] = sig
+                    self._sigs.setdefault(key, sig)
                     self._reserved.pop(key, None)
         check_sig(f"block pool key {key!r}", self._sigs[key], sig)
         return tensor

@@ -1,7 +1,8 @@
 """Write scheduling: registering a step's pool writes and deciding when each is queued to land.
 
 Owns: ``WriteScheduler``, the manager's half that turns a step's rows into pool writes (the
-write book entry, the hold on the staging page, the slots' new versions in the tenancy) and
+write book entry, the hold on the staging page, the pool's fixed row signatures of the write's
+keys, the slots' new versions in the tenancy) and
 orders their landing: an older tenant's unlanded write and every write a planned read needs go to
 the front of the copy queue, a save's immediate write joins the queue after them, and a deferred
 write (``JOIN_ON_FINISH``) stays open until its requests end (the manager pushes it then) or the
@@ -94,13 +95,14 @@ class WriteScheduler:
         """
         if not source:
             return None, set()
-        # NOTE: before anything is registered: the write's keys' row shapes are fixed from here on
-        # (a later save or tier entry of another shape is refused before it claims anything),
-        # though the rows land later; the caller checked them against the pool's already.
-        self.tenancy.pool.fix_sigs(source.keys(), sigs)
         write = self.book.register(schedule, step_id, slots, source, staging_slot=staging_slot, req_ids=req_ids,
                                    slots_np=slots_np, sigs=sigs)
         registered.append(write)
+        # NOTE: once the write is recorded (a failure from here on fails it for good, I8) and before
+        # it is queued: its keys' row shapes are fixed from now on (a later save or tier entry of
+        # another shape is refused before it claims anything), though its rows land later. The
+        # caller checked them against the pool's already.
+        self.tenancy.pool.fix_sigs(source.keys(), sigs)
         if staging_slot is not None:
             self.staging.hold(staging_slot)
         # Immediate writes of saves land in order (each save waits for the previous one), so only

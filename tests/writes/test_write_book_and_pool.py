@@ -95,6 +95,43 @@ def test_block_pool_rows_and_shapes() -> None:
     assert pool.keys() == ["hidden"]  # keys are never dropped
 
 
+def test_a_row_shape_fixed_at_registration_holds_before_the_key_is_published() -> None:
+    """A key's signature is fixed by its first registered write, before its rows land: a landing of
+    another shape or dtype is refused, nothing is published and the fixed signature stays."""
+    pool = PrefixBlockPool(8)
+    fixed = (torch.float32, torch.Size([3]))
+    pool.fix_sigs({"k": None}.keys(), {"k": fixed})
+    assert pool.sigs() == {"k": fixed} and pool.keys() == []
+    with pytest.raises(OmniPrefixCacheUnmatchError, match=r"holds rows of shape \(3,\) torch.float32; this step brought "
+                       r"rows of shape \(5,\) torch.float64"):
+        pool.write("k", torch.tensor([0]), torch.ones(1, 5, dtype=torch.float64))
+    assert pool.sigs() == {"k": fixed} and pool.keys() == []
+    pool.write("k", torch.tensor([2]), torch.ones(1, 3))
+    assert pool.keys() == ["k"] and torch.equal(pool.rows("k", torch.tensor([2])), torch.ones(1, 3))
+
+
+def test_a_registration_that_fails_before_the_write_is_recorded_fixes_no_row_shape(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The write book refusing the write (nothing registered, the save changes nothing) leaves no
+    key's row shape fixed: the keys are saved later at other widths."""
+    m = OmniPrefixCacheManager(config(), eager=True)
+    m.new_step_starts([started("a")])
+
+    def refuse(*args: object, **kwargs: object) -> PoolWrite:
+        raise RuntimeError("the book refused the write")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(m.book, "register", refuse)
+        with pytest.raises(RuntimeError, match="the book refused the write"):
+            save(m, [("a", [0], 0, 4)], mm={"audio": torch.ones(4, 2)})
+    assert m.pool.sigs() == {} and m.stats()["failed"] is None
+    step, rows = save(m, [("a", [0], 0, 4)], mm={"audio": torch.ones(4, 6)}, width=16)
+    out = m.materialize(step, ["a"])
+    assert torch.equal(out.hidden_states["a"], rows) and out.mm_outputs["audio"]["a"].shape == (4, 6)
+    assert m.shutdown() == {}
+
+
 # ---- I2: the timeout message's in-flight-writes list --------------------------------------
 def _book_with(n: int) -> WriteBook:
     book = WriteBook(1.0)
