@@ -2,8 +2,9 @@
 
 Owns: ``DeliveryStore`` (the worker side: the claim on the directory, lock files held
 while a file is being written, the atomic write itself, the ``.error`` note of a failed one, and
-retention under a byte and an age bound), and the claim's names and probe (``CLAIM_NAME``,
-``claim_name``, ``claim_holder``, ``DeliveryDirInUse``). Where a request's file goes is
+retention under a byte and an age bound), and the claim's probe (``claim_holder``,
+``DeliveryDirInUse``; ``CLAIM_NAME`` and ``claim_name`` are ``delivery_adopt``'s, re-exported here,
+as is the search for an earlier server's deliveries). Where a request's file goes is
 ``delivery_paths``' (the names this store writes and adopts are its ``delivery_name``). No vLLM
 import.
 
@@ -48,7 +49,6 @@ import errno
 import fcntl
 import logging
 import os
-import re
 import threading
 import time
 import weakref
@@ -56,7 +56,13 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Protocol
 
-from omni_cache.integration.delivery_paths import DEFAULT_NAME, FILE_SUFFIX
+from omni_cache.integration.delivery_adopt import (
+    CLAIM_NAME,
+    claim_name,
+    earlier_deliveries,
+    is_claim_name,
+    temporary_name,
+)
 
 __all__ = [
     "CLAIM_NAME",
@@ -72,28 +78,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_TMP_MARK = ".omni-tmp-"
 FAULT_ENV = "OMNI_CACHE_DELIVERY_FAULT"
-_CLAIM_STEM, _CLAIM_SUFFIX = ".omni-cache-server", ".lock"
-CLAIM_NAME = _CLAIM_STEM + _CLAIM_SUFFIX  # held by the one store that delivers into the directory
-# A data-parallel replica r > 0 of the same server holds its own: ``.omni-cache-server-dp<r>.lock``.
-_CLAIM = re.compile(re.escape(_CLAIM_STEM) + r"(?:-dp[1-9][0-9]*)?" + re.escape(_CLAIM_SUFFIX))
 _CLAIM_TRIES = 5  # a launcher's probe holds a claim file for an instant: a claim retries before it refuses
 _CLAIM_RETRY_S = 0.02
-# A writer's temporary file (``<name>.omni-tmp-<pid>-<thread>``).
-_TMP_NAME = re.compile(r".+" + re.escape(FILE_SUFFIX + _TMP_MARK) + r"(\d+)-\d+")
-
-
-def _process_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists (a temporary file of a live writer, e.g. of a server that
-    held the directory before, still writing, is never removed)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError):
-        return True  # exists, another user's (or a pid this system cannot have: left alone)
-    return True
 
 
 @dataclass(frozen=True)
@@ -136,11 +123,6 @@ class _Delivered:
 
 class DeliveryDirInUse(ValueError):
     """Another live process holds the delivery directory (``DeliveryStore(claim=True)``)."""
-
-
-def claim_name(replica: int = 0) -> str:
-    """The claim file of data-parallel replica ``replica`` (``CLAIM_NAME`` for the first, or no DP)."""
-    return CLAIM_NAME if replica == 0 else f"{_CLAIM_STEM}-dp{replica}{_CLAIM_SUFFIX}"
 
 
 # Stores holding a claim in this process: a child forked without exec closes its copies of their
@@ -191,7 +173,7 @@ def claim_holder(root: str) -> str | None:
     claim retries past."""
     try:
         with os.scandir(root) as scan:
-            names = [entry.name for entry in scan if _CLAIM.fullmatch(entry.name)]
+            names = [entry.name for entry in scan if is_claim_name(entry.name)]
     except OSError:  # no directory (or none readable): nobody delivers there yet
         return None
     for name in sorted(names):
@@ -338,7 +320,7 @@ class DeliveryStore:
         if real != self.root and not real.startswith(self.root + os.sep):
             raise PermissionError(f"{path} is outside the delivery directory {self.root} (after resolving symlinks)")
         dir_fd = os.open(real, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        tmp = f"{name}{_TMP_MARK}{os.getpid()}-{threading.get_ident()}"
+        tmp = temporary_name(name)
         try:
             fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
                          dir_fd=dir_fd)
@@ -449,46 +431,14 @@ class DeliveryStore:
             self.removed += 1
 
     def _adopt_existing(self) -> None:
-        """Deliveries an earlier server left in the directory or a folder in it (a custom save path)
-        count against the bounds (oldest first): a file of the default naming or with a lock file
-        beside it (every delivered file has one until its reader cleans both up), and a failed
-        delivery's lock file and error note. Any other file is never touched (the directory may hold
-        a user's own ``.safetensors`` files). A gone writer's temporary files are removed."""
-        found: dict[str, list[float]] = {}  # a delivery's path -> [newest mtime, bytes] of its files
-        # NOTE: every folder under the root (a custom save path may name a subfolder), links not followed
-        for folder, _, _ in os.walk(self.root, followlinks=False):
-            self._adopt_folder(folder, found)
+        """Deliveries an earlier server left (``delivery_adopt.earlier_deliveries``) count against
+        the bounds, oldest first."""
+        found = earlier_deliveries(self.root)
         with self._lock:
             for path, (mtime, size) in sorted(found.items(), key=lambda item: (item[1][0], item[0])):
                 self._delivered[path] = _Delivered(int(size), mtime)
                 self._bytes += int(size)
             self._enforce_locked()
-
-    @staticmethod
-    def _adopt_folder(folder: str, found: dict[str, list[float]]) -> None:
-        """``_adopt_existing`` for the files of one folder: deliveries into ``found``."""
-        try:
-            with os.scandir(folder) as scan:
-                entries = list(scan)
-        except FileNotFoundError:  # a folder removed since the walk listed it
-            return
-        names = {entry.name for entry in entries}
-        for entry in entries:
-            if (tmp := _TMP_NAME.fullmatch(entry.name)) is not None:
-                if not _process_alive(int(tmp.group(1))):
-                    try:
-                        os.unlink(entry.path)
-                    except OSError as exc:
-                        if exc.errno != errno.ENOENT:
-                            log.warning("could not remove the stale temporary file %s: %s", entry.path, exc)
-                continue
-            extra = next((x for x in ("", ".lock", ".error") if entry.name.endswith(FILE_SUFFIX + x)), None)
-            if extra == "" and not (DEFAULT_NAME.fullmatch(entry.name) or entry.name + ".lock" in names):
-                continue  # not a delivery: a user's file
-            if extra is not None and entry.is_file(follow_symlinks=False):
-                st = entry.stat(follow_symlinks=False)
-                seen = found.setdefault(entry.path[: len(entry.path) - len(extra)], [st.st_mtime, 0])
-                seen[0], seen[1] = max(seen[0], st.st_mtime), seen[1] + st.st_size
 
 
 def _apply_age_bound(ref: weakref.ReferenceType[DeliveryStore], closed: threading.Event, period: float) -> None:

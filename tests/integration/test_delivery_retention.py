@@ -213,7 +213,8 @@ def test_adopted_files_older_than_the_age_bound_are_removed_at_start(tmp_path: P
 def test_deliveries_in_a_folder_of_the_directory_are_adopted_too(tmp_path: Path, clock: _Clock) -> None:
     """A custom save path may name a folder inside the directory: an earlier server's delivery there
     (its file and lock file) counts against the bounds and ages out; a user's own file there (no lock
-    file) and a linked folder (never followed) are left alone."""
+    file), a linked folder (never followed) and the directory of another live server inside it are
+    left alone."""
     root = _root(tmp_path)
     sub = Path(root, "sub", "deeper")
     sub.mkdir(parents=True)
@@ -231,10 +232,17 @@ def test_deliveries_in_a_folder_of_the_directory_are_adopted_too(tmp_path: Path,
     Path(elsewhere, "x.safetensors.lock").write_bytes(b"")
     os.utime(elsewhere / "x.safetensors", (clock.now - 7200, clock.now - 7200))
     os.symlink(elsewhere, os.path.join(root, "linked"))
+    nested = DeliveryStore(os.path.join(root, "team-b"), max_bytes=1 << 30, max_age_s=1 << 20)  # another live server
+    theirs = nested.hold_lock(os.path.join(root, "team-b", "t.safetensors"))
+    nested.write(os.path.join(root, "team-b", "t.safetensors"), b"t" * 20)
+    os.utime(os.path.join(root, "team-b", "t.safetensors"), (clock.now - 7200, clock.now - 7200))
     store = DeliveryStore(root, max_bytes=1 << 30, max_age_s=3600)
     assert sorted(os.listdir(sub)) == ["mine.safetensors", "young.safetensors", "young.safetensors.lock"]
     assert store.nbytes == 50 and store.removed == 1
     assert sorted(os.listdir(elsewhere)) == ["x.safetensors", "x.safetensors.lock"]
+    assert sorted(delivered(os.path.join(root, "team-b"))) == ["t.safetensors", "t.safetensors.lock"]
+    nested.release_lock(theirs)
+    nested.close()
     clock.now += 3600
     store.enforce()
     assert sorted(os.listdir(sub)) == ["mine.safetensors"] and store.nbytes == 0
