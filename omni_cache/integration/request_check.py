@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -29,9 +30,10 @@ __all__ = ["CHECKED_PATHS", "MIDDLEWARE", "KvTransferParamsCheck", "request_para
 MIDDLEWARE = "omni_cache.integration.request_check.KvTransferParamsCheck"
 """The import path vLLM's ``--middleware`` takes."""
 
-_MARK = b"kv_transfer_params"
-# NOTE: the key spelled another way: a JSON ``\u`` escape, or UTF-16/32 (NUL bytes in ASCII text)
-_OTHER_SPELLINGS = (b"\\u", b"\x00")
+# The key as JSON may spell it in UTF-8: each character itself or a ``\uXXXX`` escape of it.
+_KEY = re.compile(b"".join(rb"(?:%s|\\u00%02x)" % (re.escape(bytes([c])), c) for c in b"kv_transfer_params"),
+                  re.IGNORECASE)
+_WIDE = b"\x00"  # UTF-16 or UTF-32: a NUL byte in ASCII text
 CHECKED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
                            "/invocations", "/inference/v1/generate"})
 """The endpoints whose requests carry ``kv_transfer_params`` to the engine (SageMaker's
@@ -75,7 +77,7 @@ class KvTransferParamsCheck:
                 break
         body = b"".join(m.get("body", b"") for m in messages if m.get("type") == "http.request")
         problem = None
-        if _MARK in body or any(s in body for s in _OTHER_SPELLINGS):  # NOTE: a large body is parsed off the loop
+        if _WIDE in body or _KEY.search(body):  # NOTE: a large body (multimodal data) is parsed off the loop
             problem = await asyncio.to_thread(_problem, body) if len(body) > _INLINE_BYTES else _problem(body)
         del body  # NOTE: the replayed messages are the only copy held while the request runs
         if problem is not None:

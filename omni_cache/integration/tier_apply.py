@@ -33,7 +33,8 @@ non-integer block id or index, a block outside the pool, an empty block hash,
 two loads into one block, or two stores of one block under different hashes.
 A tier entry that does not fit the pool (a row count other than the block size,
 a dtype or row shape other than the pool's -- or an earlier entry's of the same
-plan -- for a key, a key the pool holds missing) is a
+plan -- for a key, a key the pool holds missing; a key is held from its first registered
+write on, its rows landed or not) is a
 load the tier cannot serve, like a miss, and is dropped from the tier; every
 load's entry is fetched and checked before the first restore, so an unusable
 entry never raises after other loads were applied (a manager that fails or shuts

@@ -278,11 +278,10 @@ class PrefixCacheWriteLayout:
     slots_cpu: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
-        try:
-            object.__setattr__(self, "writes", tuple(self.writes))
-        except TypeError:
+        if not isinstance(self.writes, Iterable):
             raise TypeError(f"PrefixCacheWriteLayout: writes must be an iterable of PrefixCacheWrite, "
-                            f"not {type(self.writes).__name__}") from None
+                            f"not {type(self.writes).__name__}")
+        object.__setattr__(self, "writes", tuple(self.writes))
         if self.slots_cpu is not None:
             slots = self.slots_cpu
             if not isinstance(slots, torch.Tensor):  # a list or numpy array of slot ids

@@ -71,11 +71,12 @@ class TierHost(Protocol):
 
 
 def block_rows(manager: TierHost, slots: torch.Tensor) -> dict[str, torch.Tensor] | None:
-    """Every pool key's rows at ``slots`` as their tenant wrote them; ``None`` if any key is absent."""
+    """Every pool key's rows at ``slots`` as their tenant wrote them; ``None`` if any key is absent
+    (a key whose first write has not landed yet included: a restore would refuse the entry)."""
     manager.tier_port.check_usable("read rows for the hidden-state tier")
     manager.pool.check_slots(slots, where="tier store")
     keys = manager.pool.keys()
-    if not keys:
+    if not keys or len(manager.pool.sigs()) > len(keys):
         return None
     # one block: a slot holding an older tenant's row than an earlier slot of it is planned absent,
     # so half a block, or another tenant's rows, is never stored
@@ -91,8 +92,9 @@ def block_rows(manager: TierHost, slots: torch.Tensor) -> dict[str, torch.Tensor
 
 def restore_problem(rows: dict[str, torch.Tensor], num_slots: int, held: dict[str, RowSig]) -> str | None:
     """Why ``rows`` (a tier entry) cannot be restored onto ``num_slots`` KV slots, or None (then
-    ``held`` learns its keys' signatures). ``held``: each key's (dtype, row shape) the pool holds
-    (``PrefixBlockPool.sigs``) plus those of the entries already accepted for the same restore pass.
+    ``held`` learns its keys' signatures). ``held``: each key's (dtype, row shape) the pool has fixed,
+    its rows landed or not (``PrefixBlockPool.sigs``), plus those of the entries already accepted for
+    the same restore pass.
     Refused: a row count other than ``num_slots``; a key of another dtype or row shape than
     ``held``'s; an entry without a key ``held`` has (its block would read "is not readable" there:
     a miss recomputes it). A key ``held`` lacks is new to the pool: a cache started afresh restores

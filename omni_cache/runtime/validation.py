@@ -151,7 +151,7 @@ def check_slot_mapping(slots: Any, n: int) -> torch.Tensor:
         problem = f"has layout {slots.layout}, not a dense tensor"
     elif slots.dtype != torch.int64:  # the constructor made any integer mapping int64; ``taking`` keeps it
         integer = not (slots.dtype.is_floating_point or slots.dtype.is_complex or slots.dtype is torch.bool)
-        problem = f"has dtype {slots.dtype}, not " + ("int64 (a layout's ``taking`` keeps it as it is)" if integer
+        problem = f"has dtype {slots.dtype}, not " + ("int64 (PrefixCacheWriteLayout.taking keeps it as it is)" if integer
                                                       else "an integer dtype")
     elif len(shape := slots.shape) != 1:
         problem = f"has shape {tuple(shape)}, not 1-D"

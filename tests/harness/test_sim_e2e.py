@@ -224,3 +224,14 @@ def test_a_contract_error_in_materialize_is_reported_and_the_run_stops() -> None
     assert made[0].corrupted is not None and first.step_id == made[0].corrupted[0]
     assert "materialize raised RuntimeError: boom" in first.detail
     assert res.steps < 40  # the engine stopped soon after the builder failed
+
+
+def test_the_builder_delay_help_names_the_simulators_claim_timeout(capsys: pytest.CaptureFixture[str]) -> None:
+    """The help's bound on --builder-delay-ms says the simulator's own staging claim timeout."""
+    from omni_cache.harness.sim_engine.config import SimConfig
+
+    with pytest.raises(SystemExit):
+        main(["simulate", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert f"a save waits for a staging slot at most {SimConfig.claim_timeout_s:g} s" in help_text
+    assert SimConfig.claim_timeout_s * 1000 > 10_000  # the largest delay the flag takes stays under it

@@ -116,3 +116,16 @@ def test_the_problem_names_the_value() -> None:
     assert request_params_problem({"include_output_tokens": "no"}) == "include_output_tokens must be true or false, got 'no'"
     assert request_params_problem({"include_output_tokens": False}) is None
     assert request_params_problem(None) is None and request_params_problem({}) is None
+
+
+def test_a_body_without_the_key_is_not_parsed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Escapes elsewhere (a prompt's non-ASCII text, as ``json.dumps`` writes it) do not make the
+    check parse a body that names no ``kv_transfer_params``: it goes to the app as it came."""
+    from omni_cache.integration import request_check
+
+    parsed: list[bytes] = []
+    monkeypatch.setattr(request_check, "_problem", lambda body: parsed.append(body))
+    raw = json.dumps({"prompt": "été, naïve \u2603", "kv_transfer": 1}).encode()
+    assert b"\\u00e9" in raw
+    app, sent = _call(raw)
+    assert app.bodies == [raw] and sent[0]["status"] == 200 and parsed == []

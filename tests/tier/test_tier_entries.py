@@ -225,3 +225,23 @@ def test_an_entry_against_an_open_deferred_write_is_a_miss_and_the_rest_of_the_p
     assert "lacks key(s) ['audio']" in whys[0] and "'audio' holds rows of shape (2,) torch.float32" in whys[1], whys
     assert b"bad" not in applier.tier and b"lacking" not in applier.tier and b"fits" in applier.tier
     assert m.stats()["failed"] is None and m.shutdown() == {}
+
+
+def test_no_block_is_stored_while_a_held_key_has_no_rows_in_the_pool() -> None:
+    """A deferred key's write is still open (the key is held, no row of it landed anywhere): an entry
+    stored now would lack it and every restore would refuse it, so no block is stored until it lands."""
+    from omni_cache.runtime.tier_rows import block_rows
+
+    m = manager(True)
+    m.register_policy(ModelCachePolicy(deferred_keys=frozenset({"audio"})))
+    m.new_step_starts([started("a")])
+    first, _ = save(m, [("a", [2], 0, 4)], mm={"audio": torch.ones(4, 2)})
+    m.discard_step(first)
+    block = torch.arange(2 * BS, 3 * BS)
+    assert sorted(m.pool.sigs()) == ["audio", "hidden"] and m.pool.keys() == ["hidden"]
+    assert block_rows(m, block) is None
+    m.new_step_starts([finished("a")])  # the deferred write lands at the finish (I9)
+    stored = block_rows(m, block)
+    assert stored is not None and sorted(stored) == ["audio", "hidden"]
+    assert torch.equal(stored["audio"], torch.ones(BS, 2))
+    assert m.shutdown() == {}

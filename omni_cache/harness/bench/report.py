@@ -73,7 +73,7 @@ def verdict_lines(result: BenchResult) -> list[str]:
             "FILE.png` measures the bookkeeping alone)"
         )
     rows = sum(r.rows_checked for r in result.results)
-    checked = result.ground_truth != "not checked (--no-verify)"
+    checked = result.ground_truth == "ok"
     lines.append(ground_truth_line(checked, rows))
     if quick:
         lines.append(f"no verdict for --quick (a smoke run; the {result.target_ratio:.0%} target is judged on the "
@@ -88,6 +88,8 @@ def ground_truth_line(checked: bool, rows: int) -> str:
     """What a bench run verified: the rows checked against the ground truth, or that none were."""
     if not checked:
         return "ground truth: not checked (--no-verify): no materialized row was compared"
+    if not rows:
+        return "ground truth: nothing compared (the run materialized no row)"
     return f"ground truth: ok ({rows:,} materialized rows checked, every key)"
 
 
